@@ -1,0 +1,2 @@
+//! ringtrain-cuda (being written).
+#![warn(missing_docs)]

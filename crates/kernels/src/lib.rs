@@ -1,0 +1,3 @@
+//! ringtrain-kernels (being written).
+#![no_std]
+#![warn(missing_docs)]

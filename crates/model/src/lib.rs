@@ -1,0 +1,2 @@
+//! ringtrain-model: placeholder until its issue fills it.
+#![warn(missing_docs)]
