@@ -1,5 +1,62 @@
-//! The `ringtrain` command.
+//! The `ringtrain` command: train one rank under mpirun, launch mpirun for you, sweep
+//! rank counts, benchmark collectives.
+//!
+//! ```text
+//! ringtrain launch --np 2 -- train --use-synthetic-data
+//! ringtrain sweep --np 1,2 -- train --use-synthetic-data --variable-update replicated
+//! mpirun -np 4 ringtrain train --model rnnlm --batch-size 32
+//! ```
+
+use clap::{Parser, Subcommand};
+
+mod error;
+mod launch;
+mod sweep;
+mod train_args;
+mod train_cmd;
+
+use error::LauncherError;
+
+/// Data-parallel LSTM training over MPI, measured the way tf_cnn_benchmarks users expect.
+#[derive(Debug, Parser)]
+#[command(name = "ringtrain", version, about, long_about = None, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Train one rank (start several with mpirun or `ringtrain launch`).
+    Train(train_args::TrainArgs),
+    /// Run mpirun with the right variables and binding: `ringtrain launch --np 2 -- train ...`.
+    Launch(launch::LaunchArgs),
+    /// Run the same training at several rank counts and print the speedup table.
+    Sweep(sweep::SweepArgs),
+}
+
+/// A whole number of at least 1 (rank counts).
+pub(crate) fn positive_count(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(v) => Ok(v),
+        Err(_) => Err("expected a whole number such as 2".into()),
+    }
+}
+
+fn run(cli: Cli) -> Result<(), LauncherError> {
+    match cli.command {
+        Command::Train(args) => train_cmd::run(&args),
+        Command::Launch(args) => launch::run(&args),
+        Command::Sweep(args) => sweep::run(&args),
+    }
+}
+
 fn main() {
-    eprintln!("ringtrain: the trainer is not written yet");
-    std::process::exit(2);
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("ringtrain: error: {e}");
+        std::process::exit(1);
+    }
 }

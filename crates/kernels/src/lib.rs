@@ -1,3 +1,93 @@
-//! ringtrain-kernels (being written).
+//! CPU kernels for ringtrain: the LSTM cell's pointwise part, softmax cross-entropy,
+//! f16/bf16 casts with a loss scale, optimizer steps on f32 master weights, and the
+//! element-wise reductions the collectives apply.
+//!
+//! They are pure functions on slices: no allocation in the hot paths, no I/O, no global
+//! state, `#![no_std]`. They serve twice: as the CPU backend's fast path, and as the
+//! reference the GPU (PTX) kernels are tested against, which use the same names, argument
+//! order and layouts.
+//!
+//! ```
+//! use ringtrain_kernels::{init_lstm_bias, lstm_pointwise_forward, softmax_xent_forward};
+//!
+//! // One LSTM step for batch 2, hidden 3: `gates` holds x·W_ih + h_prev·W_hh.
+//! let (batch, hidden) = (2, 3);
+//! let gates = vec![0.5f32; batch * 4 * hidden];
+//! let mut bias = vec![0.0f32; 4 * hidden];
+//! init_lstm_bias(&mut bias, hidden, ringtrain_kernels::DEFAULT_FORGET_BIAS)?;
+//! let c_prev = vec![0.0f32; batch * hidden];
+//! let (mut c, mut h) = (vec![0.0f32; batch * hidden], vec![0.0f32; batch * hidden]);
+//! let mut act = vec![0.0f32; batch * 4 * hidden];
+//! lstm_pointwise_forward(&gates, &bias, &c_prev, &mut c, &mut h, &mut act, batch, hidden)?;
+//! assert!(h.iter().all(|&v| v > 0.0 && v < 1.0));
+//!
+//! // Cross-entropy of two rows over a vocabulary of 4; the second row is padding.
+//! let logits = [1.0f32, 2.0, 3.0, 4.0, 0.0, 0.0, 0.0, 0.0];
+//! let (mut loss, mut lse) = ([0.0f32; 2], [0.0f32; 2]);
+//! softmax_xent_forward(&logits, &[3, 0], &[1.0, 0.0], &mut loss, &mut lse, 2, 4)?;
+//! assert!((loss[0] - 0.4401897).abs() < 1e-6);
+//! assert_eq!(loss[1], 0.0);
+//! # Ok::<(), ringtrain_kernels::Error>(())
+//! ```
+//!
+//! # Layouts and conventions
+//!
+//! - **Row-major everywhere.** A `[rows, cols]` matrix keeps element `(r, c)` at
+//!   `r * cols + c`; `[steps, batch, 4H]` keeps `(t, b, n)` at `(t * batch + b) * 4H + n`.
+//! - **LSTM gate order `i, f, g, o`.** A `[batch, 4H]` row holds four blocks, each `H`
+//!   (= `hidden`) wide: gate k (i = 0, f = 1, g = 2, o = 3), unit j, batch row b is at
+//!   `b * 4H + k * H + j`. The input, forget and output gates use the logistic sigmoid,
+//!   the candidate g uses tanh; `c = f * c_prev + i * g` and `h = o * tanh(c)`.
+//! - **LSTM weights** (reference cell): `w_ih: [input, 4H]`, `w_hh: [H, 4H]`, so
+//!   `gates = x·w_ih + h_prev·w_hh + bias`.
+//! - **Forget-gate bias.** [`init_lstm_bias`] sets the bias to zero except the forget
+//!   block (`bias[H..2H]`), which gets [`DEFAULT_FORGET_BIAS`] = 1.0 unless the caller
+//!   chooses otherwise.
+//! - **Softmax rows** are `[rows, vocab]` logits with `u32` labels and an f32 mask per
+//!   row (1.0 real token, 0.0 padding).
+//! - **Half precision** is `half::f16` / `half::bf16`; narrowing rounds to nearest, ties to
+//!   even.
+//!
+//! # Math and determinism
+//!
+//! `exp`, `tanh`, `log` and `sqrt` come from the `libm` crate whether or not `std` is on,
+//! so results are the same bits with and without `std`. Reductions inside a row use a
+//! fixed order of interleaved lanes. The [`par`] module (feature `rayon`) splits work over
+//! rows or fixed blocks only, so its results equal the serial kernels bit for bit.
+//!
+//! # Errors
+//!
+//! Every kernel checks all slice lengths (and label ranges) before it writes anything and
+//! returns [`Error::ShapeMismatch`] naming the first wrong argument,
+//! [`Error::LabelOutOfRange`] or [`Error::InvalidArgument`].
+//!
+//! # Features
+//!
+//! - `alloc`: [`lstm_cell_reference`].
+//! - `std` (default): `alloc`, plus `std::error::Error` through `thiserror`.
+//! - `rayon`: `std`, plus the parallel twins in [`par`].
 #![no_std]
 #![warn(missing_docs)]
+
+#[cfg(feature = "alloc")]
+extern crate alloc;
+
+mod error;
+mod exp;
+pub mod lstm;
+pub mod optim;
+#[cfg(feature = "rayon")]
+pub mod par;
+pub mod precision;
+pub mod reduce;
+pub mod softmax;
+
+pub use error::{Error, Result};
+pub use lstm::*;
+pub use optim::*;
+pub use precision::*;
+pub use reduce::*;
+pub use softmax::*;
+
+/// The half-precision types the kernels use (re-exported from `half`).
+pub use half::{bf16, f16};

@@ -1,2 +1,60 @@
-//! ringtrain-model: placeholder until its issue fills it.
+//! ringtrain-model: the models ringtrain trains, on a pluggable compute [`Backend`].
+//!
+//! - [`Backend`]: buffers, matrix products ([`Gemm`]) and the ringtrain-kernels
+//!   operations. [`CpuBackend`] runs them with ringtrain-kernels (their rayon twins on more
+//!   than one thread) and the `gemm` crate; [`CudaBackend`] is the GPU entry point (not
+//!   available in this version: it returns a clear error).
+//! - LSTM layers in two implementations with the same numbers and different launch
+//!   counts ([`LstmImpl::Fused`], cuDNN-style; [`LstmImpl::Stepwise`], TF `dynamic_rnn`-style).
+//! - [`NmtModel`]: the NMT encoder-decoder (bi or uni encoder, no attention) and [`RnnLm`],
+//!   both with a bias-free output projection and the summed masked softmax cross-entropy.
+//! - Parameters: a named, ordered list ([`ParamLayout`]) laid out in ONE flat parameter
+//!   buffer and ONE flat gradient buffer, in the order backward finishes the gradients
+//!   (projection first, embeddings last), so a trainer can start reducing the first
+//!   ranges while backward still runs (the `on_grads_ready` callback of
+//!   [`Model::forward_backward`]).
+//!
+//! Conventions: matrices row-major; batches time-major (token (t, b) at `t * batch + b`);
+//! LSTM gate blocks `i | f | g | o`; the loss is the SUM over target tokens (the reported
+//! loss is `loss_sum / tokens`) and gradients are those of the sum.
+//!
+//! ```
+//! use ringtrain_model::{CpuBackend, EncoderKind, LstmImpl, Model, NmtBatch, NmtConfig, NmtModel};
+//!
+//! let config = NmtConfig {
+//!     src_vocab: 12, tgt_vocab: 10, emb: 8, hidden: 8, layers: 2,
+//!     encoder: EncoderKind::Bi, lstm: LstmImpl::Fused, init_scale: 0.1, forget_bias: 1.0,
+//! };
+//! let mut model = NmtModel::new(CpuBackend::new(1)?, config, 42)?;
+//! // 2 sentences, source length 3, target length 2, time-major.
+//! let src = [1, 2, 3, 4, 5, 6];
+//! let tgt_in = [0, 0, 7, 8];
+//! let tgt_out = [7, 8, 1, 1];
+//! let mask = [1.0, 1.0, 1.0, 0.0];
+//! let batch = NmtBatch { batch: 2, src_len: 3, tgt_len: 2, src: &src, tgt_in: &tgt_in, tgt_out: &tgt_out, tgt_mask: &mask };
+//! let mut ready = Vec::new();
+//! let stats = model.forward_backward(&batch, &mut |range, _grads: &Vec<f32>| ready.push(range))?;
+//! assert_eq!(stats.tokens, 3.0);
+//! assert!((stats.mean_loss() - (10f64).ln()).abs() < 0.1); // near uniform at init
+//! assert_eq!(ready.first().map(|r| r.start), Some(0));
+//! assert_eq!(ready.last().map(|r| r.end), Some(model.layout().total_len()));
+//! # Ok::<(), ringtrain_model::Error>(())
+//! ```
 #![warn(missing_docs)]
+
+pub mod backend;
+mod embedding;
+mod error;
+pub mod lstm;
+mod model;
+pub mod nmt;
+pub mod params;
+pub mod rnnlm;
+
+pub use backend::{Backend, Binary, CpuBackend, CudaBackend, Gemm, InPlace, LstmStep, Unary};
+pub use error::{Error, Result};
+pub use lstm::LstmImpl;
+pub use model::{GradsReady, Model, StepStats};
+pub use nmt::{EncoderKind, NmtBatch, NmtConfig, NmtModel};
+pub use params::{ParamEntry, ParamInit, ParamLayout};
+pub use rnnlm::{LmBatch, LmConfig, RnnLm};

@@ -1,0 +1,528 @@
+//! [`Communicator`]: the collectives, written once against a [`Transport`].
+
+use std::ops::Range;
+
+use half::{bf16, f16};
+
+use crate::dtype::{DType, Element, TensorMut};
+use crate::error::{Error, Result};
+use crate::options::{AllReduceOptions, Algorithm, ReduceOp, WireCompression};
+use crate::transport::{LocalTransport, Transport};
+
+/// Default ring pipeline segment: small enough that a received segment is still in cache
+/// when it is reduced, large enough that per-message costs vanish.
+pub const DEFAULT_SEGMENT_BYTES: usize = 256 * 1024;
+
+/// Default size below which [`Algorithm::Auto`] picks recursive doubling.
+pub const DEFAULT_AUTO_THRESHOLD_BYTES: usize = 64 * 1024;
+
+/// Element range of chunk `chunk` when `len` elements are split over `size` ranks:
+/// the first `len % size` chunks are one element longer.
+pub fn ring_chunk_range(len: usize, size: usize, chunk: usize) -> Range<usize> {
+    let size = size.max(1);
+    let base = len / size;
+    let extra = len % size;
+    let start = chunk * base + chunk.min(extra);
+    let end = start + base + usize::from(chunk < extra);
+    start..end
+}
+
+/// A group of ranks and the collectives between them.
+///
+/// Holds the transport and reusable scratch buffers, so repeated calls do not allocate.
+/// Every rank must call the same collectives in the same order with the same lengths
+/// (except [`Communicator::all_gather`], whose lengths may differ per rank).
+pub struct Communicator {
+    transport: Box<dyn Transport>,
+    rank: usize,
+    size: usize,
+    segment_bytes: usize,
+    auto_threshold_bytes: usize,
+    /// Receive buffer, `u64`-backed so that any element type can view it aligned.
+    scratch: Vec<u64>,
+    /// Narrow copies of f32 data for wire compression.
+    wire_f16: Vec<f16>,
+    wire_bf16: Vec<bf16>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("transport", &self.transport.name())
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("segment_bytes", &self.segment_bytes)
+            .field("auto_threshold_bytes", &self.auto_threshold_bytes)
+            .finish()
+    }
+}
+
+/// Grows `buf` to at least `bytes` bytes and returns exactly that many as a byte slice.
+fn scratch_bytes(buf: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
+    let words = bytes.div_ceil(8);
+    if buf.len() < words {
+        buf.resize(words, 0);
+    }
+    &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buf[..words])[..bytes]
+}
+
+/// Views received bytes as elements (the buffers are 8-byte aligned and whole elements).
+fn elements<T: Element>(bytes: &[u8], rank: usize) -> Result<&[T]> {
+    bytemuck::try_cast_slice(bytes).map_err(|e| Error::Transport {
+        rank,
+        detail: format!(
+            "received {} bytes that are not whole aligned {} elements: {e}",
+            bytes.len(),
+            T::DTYPE
+        ),
+    })
+}
+
+fn elements_mut<T: Element>(bytes: &mut [u8], rank: usize) -> Result<&mut [T]> {
+    let len = bytes.len();
+    bytemuck::try_cast_slice_mut(bytes).map_err(|e| Error::Transport {
+        rank,
+        detail: format!("scratch of {len} bytes cannot hold {} elements: {e}", T::DTYPE),
+    })
+}
+
+/// `acc[i] = acc[i] (op) src[i]` through the kernels.
+pub(crate) fn reduce_into<T: Element>(op: ReduceOp, acc: &mut [T], src: &[T]) -> Result<()> {
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => T::sum_into(acc, src)?,
+        ReduceOp::Min => T::min_into(acc, src)?,
+        ReduceOp::Max => T::max_into(acc, src)?,
+    }
+    Ok(())
+}
+
+/// Splits `buf` into a shared view of `read` and a mutable view of `write` (disjoint ranges).
+fn split_read_write<T>(buf: &mut [T], read: Range<usize>, write: Range<usize>) -> (&[T], &mut [T]) {
+    debug_assert!(read.end <= write.start || write.end <= read.start);
+    if read.start < write.start {
+        let (lo, hi) = buf.split_at_mut(write.start);
+        (&lo[read], &mut hi[..write.len()])
+    } else {
+        let (lo, hi) = buf.split_at_mut(read.start);
+        (&hi[..read.len()], &mut lo[write])
+    }
+}
+
+fn bytes_of<T: bytemuck::Pod>(s: &[T]) -> &[u8] {
+    bytemuck::cast_slice(s)
+}
+
+fn bytes_of_mut<T: bytemuck::Pod>(s: &mut [T]) -> &mut [u8] {
+    bytemuck::cast_slice_mut(s)
+}
+
+impl Communicator {
+    /// Wraps a transport.
+    pub fn new(transport: impl Transport + 'static) -> Self {
+        let rank = transport.rank();
+        let size = transport.size();
+        Communicator {
+            transport: Box::new(transport),
+            rank,
+            size,
+            segment_bytes: DEFAULT_SEGMENT_BYTES,
+            auto_threshold_bytes: DEFAULT_AUTO_THRESHOLD_BYTES,
+            scratch: Vec::new(),
+            wire_f16: Vec::new(),
+            wire_bf16: Vec::new(),
+        }
+    }
+
+    /// `n` communicators over a [`LocalTransport`], rank `i` at index `i`; move each into
+    /// its own thread.
+    pub fn local(n: usize) -> Result<Vec<Communicator>> {
+        Ok(LocalTransport::create(n)?
+            .into_iter()
+            .map(Communicator::new)
+            .collect())
+    }
+
+    /// Initialises MPI (once per process) and returns the world communicator.
+    #[cfg(feature = "mpi")]
+    pub fn mpi() -> Result<Communicator> {
+        Ok(Communicator::new(crate::mpi_transport::MpiTransport::init()?))
+    }
+
+    /// Runs `f` on `n` threads, each with its own rank of a local communicator, and returns
+    /// the results in rank order. A panic in any rank is re-raised here.
+    pub fn run_local<R, F>(n: usize, f: F) -> Result<Vec<R>>
+    where
+        R: Send,
+        F: Fn(Communicator) -> R + Sync,
+    {
+        let comms = Communicator::local(n)?;
+        let f = &f;
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|comm| scope.spawn(move || f(comm)))
+                .collect();
+            let mut out = Vec::with_capacity(n);
+            for h in handles {
+                match h.join() {
+                    Ok(r) => out.push(r),
+                    Err(panic) => std::panic::resume_unwind(panic),
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The transport's name (`local`, `mpi`).
+    pub fn transport_name(&self) -> &'static str {
+        self.transport.name()
+    }
+
+    /// Sets the ring pipeline segment size (rounded up to a multiple of 8 bytes).
+    pub fn set_segment_bytes(&mut self, bytes: usize) {
+        self.segment_bytes = bytes.max(8).div_ceil(8) * 8;
+    }
+
+    /// The ring pipeline segment size in bytes.
+    pub fn segment_bytes(&self) -> usize {
+        self.segment_bytes
+    }
+
+    /// Sets the message size below which [`Algorithm::Auto`] uses recursive doubling.
+    pub fn set_auto_threshold_bytes(&mut self, bytes: usize) {
+        self.auto_threshold_bytes = bytes;
+    }
+
+    /// The algorithm [`Algorithm::Auto`] resolves to for a message of `bytes` bytes.
+    pub fn resolve_algorithm(&self, algorithm: Algorithm, bytes: usize) -> Algorithm {
+        match algorithm {
+            Algorithm::Auto if bytes < self.auto_threshold_bytes => Algorithm::RecursiveDoubling,
+            Algorithm::Auto => Algorithm::Ring,
+            other => other,
+        }
+    }
+
+    /// The underlying transport.
+    pub fn transport(&self) -> &dyn Transport {
+        self.transport.as_ref()
+    }
+
+    /// All-reduces `buf` in place: every rank ends with the same bits.
+    ///
+    /// Any length works, including 0 and lengths below the rank count.
+    pub fn all_reduce<T: Element>(&mut self, buf: &mut [T], opts: &AllReduceOptions) -> Result<()> {
+        opts.validate()?;
+        if T::DTYPE == DType::F32 && opts.compression != WireCompression::None {
+            let data: &mut [f32] = bytemuck::cast_slice_mut(buf);
+            return self.all_reduce_compressed(data, opts);
+        }
+        if opts.prescale != 1.0 {
+            T::scale(buf, opts.prescale);
+        }
+        if self.size > 1 && !buf.is_empty() {
+            let bytes = std::mem::size_of_val(buf);
+            match self.resolve_algorithm(opts.algorithm, bytes) {
+                Algorithm::Ring => self.ring_all_reduce(buf, opts.op)?,
+                Algorithm::RecursiveDoubling => self.recursive_doubling_all_reduce(buf, opts.op)?,
+                Algorithm::Mpi => self.mpi_all_reduce_in_place(buf, opts.op)?,
+                Algorithm::Auto => unreachable!("resolve_algorithm never returns Auto"),
+            }
+        } else if self.size > 1 && opts.algorithm == Algorithm::Mpi {
+            // Still check that the algorithm exists, so that a bad choice fails on every rank.
+            self.mpi_all_reduce_in_place(buf, opts.op)?;
+        }
+        let post = opts.effective_postscale(self.size);
+        if post != 1.0 {
+            T::scale(buf, post);
+        }
+        Ok(())
+    }
+
+    /// [`Communicator::all_reduce`] on a tensor of any element type.
+    pub fn all_reduce_tensor(&mut self, tensor: TensorMut<'_>, opts: &AllReduceOptions) -> Result<()> {
+        match tensor {
+            TensorMut::F32(t) => self.all_reduce(t, opts),
+            TensorMut::F64(t) => self.all_reduce(t, opts),
+            TensorMut::F16(t) => self.all_reduce(t, opts),
+            TensorMut::BF16(t) => self.all_reduce(t, opts),
+        }
+    }
+
+    /// f32 data cast to f16/bf16 (with the prescale folded into the cast), reduced, cast
+    /// back (with the postscale folded in).
+    fn all_reduce_compressed(&mut self, data: &mut [f32], opts: &AllReduceOptions) -> Result<()> {
+        let inner = AllReduceOptions {
+            prescale: 1.0,
+            postscale: 1.0,
+            compression: WireCompression::None,
+            op: match opts.op {
+                ReduceOp::Average => ReduceOp::Sum,
+                other => other,
+            },
+            algorithm: opts.algorithm,
+        };
+        let pre = opts.prescale as f32;
+        let post = opts.effective_postscale(self.size) as f32;
+        match opts.compression {
+            WireCompression::F16 => {
+                let mut wire = std::mem::take(&mut self.wire_f16);
+                wire.resize(data.len(), f16::ZERO);
+                let result = ringtrain_kernels::f32_to_f16_scaled(data, pre, &mut wire)
+                    .map_err(Error::from)
+                    .and_then(|_| self.all_reduce(&mut wire, &inner))
+                    .and_then(|_| Ok(ringtrain_kernels::f16_to_f32_unscaled(&wire, post, data)?));
+                self.wire_f16 = wire;
+                result
+            }
+            WireCompression::Bf16 => {
+                let mut wire = std::mem::take(&mut self.wire_bf16);
+                wire.resize(data.len(), bf16::ZERO);
+                let result = ringtrain_kernels::f32_to_bf16_scaled(data, pre, &mut wire)
+                    .map_err(Error::from)
+                    .and_then(|_| self.all_reduce(&mut wire, &inner))
+                    .and_then(|_| Ok(ringtrain_kernels::bf16_to_f32_unscaled(&wire, post, data)?));
+                self.wire_bf16 = wire;
+                result
+            }
+            WireCompression::None => unreachable!("checked by the caller"),
+        }
+    }
+
+    /// Ring all-reduce without scaling: reduce-scatter, then all-gather.
+    fn ring_all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.ring_reduce_scatter(buf, op)?;
+        self.ring_all_gather_chunks(buf)
+    }
+
+    /// After this, rank r holds chunk r fully reduced.
+    ///
+    /// Step i: rank r sends chunk (r - i - 1) to r + 1 and reduces chunk (r - i - 2),
+    /// received from r - 1, into its own copy, segment by segment as they arrive.
+    fn ring_reduce_scatter<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        if n == 1 {
+            return Ok(());
+        }
+        let right = (r + 1) % n;
+        let left = (r + n - 1) % n;
+        let len = buf.len();
+        let segment = self.segment_bytes;
+        let Communicator {
+            transport, scratch, ..
+        } = self;
+        for i in 0..n - 1 {
+            let send_chunk = (r + 2 * n - i - 1) % n;
+            let recv_chunk = (r + 2 * n - i - 2) % n;
+            let s = ring_chunk_range(len, n, send_chunk);
+            let a = ring_chunk_range(len, n, recv_chunk);
+            let (send, acc) = split_read_write(buf, s, a);
+            let recv = scratch_bytes(scratch, std::mem::size_of_val(acc));
+            transport.sendrecv_pipelined(
+                right,
+                bytes_of(send),
+                left,
+                recv,
+                segment,
+                &mut |offset, bytes| {
+                    let src = elements::<T>(bytes, r)?;
+                    let start = offset / T::BYTES;
+                    reduce_into(op, &mut acc[start..start + src.len()], src)
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Passes the reduced chunks around the ring: rank r starts with chunk r complete.
+    fn ring_all_gather_chunks<T: Element>(&mut self, buf: &mut [T]) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        let right = (r + 1) % n;
+        let left = (r + n - 1) % n;
+        let len = buf.len();
+        for i in 0..n - 1 {
+            let s = ring_chunk_range(len, n, (r + n - i) % n);
+            let d = ring_chunk_range(len, n, (r + 2 * n - i - 1) % n);
+            let (send, recv) = split_read_write(buf, s, d);
+            self.transport
+                .sendrecv(right, bytes_of(send), left, bytes_of_mut(recv))?;
+        }
+        Ok(())
+    }
+
+    /// Recursive doubling. Ranks at or beyond the largest power of two `p` first fold
+    /// their data into rank `r - p` and get the result back at the end. In every exchange
+    /// the lower rank's data is the accumulator, so both partners compute the same
+    /// expression and every rank ends with identical bits.
+    fn recursive_doubling_all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let extra = n - p;
+        let bytes = std::mem::size_of_val(buf);
+        let Communicator {
+            transport, scratch, ..
+        } = self;
+        if r >= p {
+            transport.send(r - p, bytes_of(buf))?;
+            return transport.recv(r - p, bytes_of_mut(buf));
+        }
+        let tmp = elements_mut::<T>(scratch_bytes(scratch, bytes), r)?;
+        if r < extra {
+            transport.recv(r + p, bytes_of_mut(tmp))?;
+            reduce_into(op, buf, tmp)?;
+        }
+        let mut mask = 1;
+        while mask < p {
+            let partner = r ^ mask;
+            transport.sendrecv(partner, bytes_of(buf), partner, bytes_of_mut(tmp))?;
+            if r < partner {
+                reduce_into(op, buf, tmp)?;
+            } else {
+                reduce_into(op, tmp, buf)?;
+                buf.copy_from_slice(tmp);
+            }
+            mask <<= 1;
+        }
+        if r < extra {
+            transport.send(r + p, bytes_of(buf))?;
+        }
+        Ok(())
+    }
+
+    fn mpi_all_reduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let bytes = std::mem::size_of_val(buf);
+        let Communicator {
+            transport, scratch, ..
+        } = self;
+        let send = scratch_bytes(scratch, bytes);
+        send.copy_from_slice(bytes_of(buf));
+        transport.native_all_reduce(send, bytes_of_mut(buf), T::DTYPE, op)
+    }
+
+    /// The transport's own all-reduce (`MPI_Allreduce`), out of place: the baseline the
+    /// benchmarks compare with. `Average` divides by the rank count afterwards.
+    pub fn native_all_reduce_into<T: Element>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        if send.len() != recv.len() {
+            return Err(Error::invalid(
+                "receive buffer length",
+                recv.len(),
+                "pass a receive buffer as long as the send buffer",
+            ));
+        }
+        self.transport
+            .native_all_reduce(bytes_of(send), bytes_of_mut(recv), T::DTYPE, op)?;
+        if op == ReduceOp::Average {
+            T::scale(recv, 1.0 / self.size as f64);
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatter in place: afterwards `buf[range]` holds this rank's chunk (chunk
+    /// `rank` of [`ring_chunk_range`]) fully reduced and scaled; the rest of `buf` holds
+    /// partial sums. Returns that range. Wire compression is not applied here.
+    pub fn reduce_scatter<T: Element>(&mut self, buf: &mut [T], opts: &AllReduceOptions) -> Result<Range<usize>> {
+        opts.validate()?;
+        if opts.compression != WireCompression::None {
+            return Err(Error::invalid(
+                "compression for reduce_scatter",
+                format!("{:?}", opts.compression),
+                "wire compression applies to all_reduce only; pass WireCompression::None",
+            ));
+        }
+        if opts.prescale != 1.0 {
+            T::scale(buf, opts.prescale);
+        }
+        self.ring_reduce_scatter(buf, opts.op)?;
+        let range = ring_chunk_range(buf.len(), self.size, self.rank);
+        let post = opts.effective_postscale(self.size);
+        if post != 1.0 {
+            T::scale(&mut buf[range.clone()], post);
+        }
+        Ok(range)
+    }
+
+    /// Copies `buf` of rank `root` into `buf` of every other rank (binomial tree).
+    pub fn broadcast<T: bytemuck::Pod>(&mut self, buf: &mut [T], root: usize) -> Result<()> {
+        let n = self.size;
+        if root >= n {
+            return Err(Error::invalid(
+                "broadcast root",
+                root,
+                "pick a rank below the communicator size",
+            ));
+        }
+        let vrank = (self.rank + n - root) % n;
+        let mut mask = 1;
+        while mask < n {
+            if vrank < mask {
+                let dst = vrank + mask;
+                if dst < n {
+                    self.transport.send((dst + root) % n, bytes_of(buf))?;
+                }
+            } else if vrank < 2 * mask {
+                let src = vrank - mask;
+                self.transport.recv((src + root) % n, bytes_of_mut(buf))?;
+            }
+            mask <<= 1;
+        }
+        Ok(())
+    }
+
+    /// Gathers every rank's `send` (lengths may differ per rank) on every rank, in rank order.
+    pub fn all_gather<T: bytemuck::Pod>(&mut self, send: &[T]) -> Result<Vec<Vec<T>>> {
+        let (n, r) = (self.size, self.rank);
+        let right = (r + 1) % n;
+        let left = (r + n - 1) % n;
+        // Lengths first, around the ring.
+        let mut lens = vec![0u64; n];
+        lens[r] = send.len() as u64;
+        for i in 0..n.saturating_sub(1) {
+            let s = (r + n - i) % n;
+            let d = (r + 2 * n - i - 1) % n;
+            let (sb, rb) = split_read_write(&mut lens, s..s + 1, d..d + 1);
+            self.transport
+                .sendrecv(right, bytes_of(sb), left, bytes_of_mut(rb))?;
+        }
+        let mut out: Vec<Vec<T>> = lens
+            .iter()
+            .map(|&l| vec![T::zeroed(); l as usize])
+            .collect();
+        out[r].copy_from_slice(send);
+        for i in 0..n.saturating_sub(1) {
+            let s = (r + n - i) % n;
+            let d = (r + 2 * n - i - 1) % n;
+            let mut incoming = std::mem::take(&mut out[d]);
+            let result = self.transport.sendrecv(
+                right,
+                bytes_of(&out[s]),
+                left,
+                bytes_of_mut(&mut incoming),
+            );
+            out[d] = incoming;
+            result?;
+        }
+        Ok(out)
+    }
+
+    /// Returns once every rank has entered the barrier (dissemination algorithm).
+    pub fn barrier(&mut self) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        let mut token = [0u8; 1];
+        let mut dist = 1;
+        while dist < n {
+            self.transport
+                .sendrecv((r + dist) % n, &[1u8], (r + n - dist) % n, &mut token)?;
+            dist <<= 1;
+        }
+        Ok(())
+    }
+}

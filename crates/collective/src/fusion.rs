@@ -1,0 +1,579 @@
+//! Tensor fusion with asynchronous submission, as Horovod does it.
+//!
+//! [`FusionEngine::submit`] hands a named tensor to a background thread and returns a
+//! [`Handle`]. Every cycle the background threads of all ranks agree (see
+//! [`crate::negotiation`]) on which tensors every rank has submitted, copy those into a
+//! fusion buffer up to [`FusionConfig::threshold_bytes`], all-reduce the buffer, copy the
+//! results back and complete the handles. A shape disagreement fails the tensor on every
+//! rank; a tensor missing on some ranks is reported after [`FusionConfig::stall_warning`]
+//! and failed [`FusionConfig::stall_error`] later.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
+
+use crate::communicator::Communicator;
+use crate::dtype::{DType, Element, Tensor};
+use crate::error::{Error, Result};
+use crate::negotiation::{Announcement, CycleMessage, Decision, Failure, ReadyTable};
+use crate::options::AllReduceOptions;
+use crate::timeline::Timeline;
+
+/// Settings of a [`FusionEngine`].
+#[derive(Clone, Debug)]
+pub struct FusionConfig {
+    /// Largest fusion buffer in bytes; a larger tensor is reduced on its own.
+    pub threshold_bytes: usize,
+    /// How long the background thread collects submissions before each negotiation.
+    pub cycle_time: Duration,
+    /// A tensor submitted on some ranks but not all is reported after this long.
+    pub stall_warning: Duration,
+    /// ...and fails on every rank this much later.
+    pub stall_error: Duration,
+    /// Operation, algorithm, scaling and wire compression of every reduction.
+    pub options: AllReduceOptions,
+    /// Write a Chrome-trace timeline per rank (`name.json` becomes `name.rank<R>.json`).
+    pub timeline: Option<PathBuf>,
+}
+
+impl Default for FusionConfig {
+    fn default() -> Self {
+        FusionConfig {
+            threshold_bytes: 64 * 1024 * 1024,
+            cycle_time: Duration::from_millis(1),
+            stall_warning: Duration::from_secs(60),
+            stall_error: Duration::from_secs(60),
+            options: AllReduceOptions::default(),
+            timeline: None,
+        }
+    }
+}
+
+/// How long an idle rank sleeps between negotiation rounds at most (it joins rounds so
+/// that the others can detect stalls); a submission wakes it at once.
+const IDLE_POLL: Duration = Duration::from_millis(50);
+
+enum Command {
+    Submit {
+        name: String,
+        tensor: Tensor,
+        reply: Sender<Result<Tensor>>,
+        at: Instant,
+    },
+    Shutdown,
+}
+
+/// A submitted tensor's future result.
+#[derive(Debug)]
+pub struct Handle {
+    name: String,
+    rx: Receiver<Result<Tensor>>,
+}
+
+impl Handle {
+    /// The name it was submitted under.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Blocks until the tensor is reduced (or failed) and returns it.
+    pub fn wait(self) -> Result<Tensor> {
+        match self.rx.recv() {
+            Ok(r) => r,
+            Err(_) => Err(Error::EngineStopped {
+                reason: format!(
+                    "tensor `{}` was still queued when the background thread ended; shutdown() returns the cause",
+                    self.name
+                ),
+            }),
+        }
+    }
+}
+
+/// Failures of tensors this rank never submitted (so no handle can carry them).
+type ForeignFailures = Arc<Mutex<Vec<(String, Failure)>>>;
+
+/// The background reducer. Create one per rank with [`FusionEngine::start`]; every rank
+/// must eventually call [`FusionEngine::shutdown`].
+pub struct FusionEngine {
+    tx: Option<Sender<Command>>,
+    thread: Option<JoinHandle<Result<Communicator>>>,
+    foreign: ForeignFailures,
+    rank: usize,
+    size: usize,
+}
+
+impl std::fmt::Debug for FusionEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FusionEngine")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl FusionEngine {
+    /// Moves `comm` into a new background thread. The communicator comes back from
+    /// [`FusionEngine::shutdown`].
+    pub fn start(comm: Communicator, config: FusionConfig) -> Result<FusionEngine> {
+        config.options.validate()?;
+        if config.threshold_bytes == 0 {
+            return Err(Error::invalid(
+                "fusion threshold_bytes",
+                0,
+                "use a positive size (Horovod's default is 64 MiB)",
+            ));
+        }
+        let (tx, rx) = unbounded();
+        let foreign: ForeignFailures = Arc::default();
+        let rank = comm.rank();
+        let size = comm.size();
+        let worker_foreign = Arc::clone(&foreign);
+        let thread = std::thread::Builder::new()
+            .name(format!("ringtrain-fusion-{rank}"))
+            .spawn(move || run_engine(comm, config, rx, worker_foreign))
+            .map_err(|e| Error::EngineStopped {
+                reason: format!("cannot start the background thread: {e}"),
+            })?;
+        Ok(FusionEngine {
+            tx: Some(tx),
+            thread: Some(thread),
+            foreign,
+            rank,
+            size,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Queues `tensor` for all-reduce under `name`; every rank must submit the same name
+    /// with the same dtype and length (in any order).
+    pub fn submit(&self, name: &str, tensor: impl Into<Tensor>) -> Result<Handle> {
+        let (reply, rx) = bounded(1);
+        let stopped = || Error::EngineStopped {
+            reason: "the background thread has exited; shutdown() returns the cause".into(),
+        };
+        let tx = self.tx.as_ref().ok_or_else(stopped)?;
+        tx.send(Command::Submit {
+            name: name.to_owned(),
+            tensor: tensor.into(),
+            reply,
+            at: Instant::now(),
+        })
+        .map_err(|_| stopped())?;
+        Ok(Handle {
+            name: name.to_owned(),
+            rx,
+        })
+    }
+
+    /// Waits for every handle and returns the tensors in the same order. Returns the first
+    /// error instead, after waiting for all; also reports tensors that failed elsewhere
+    /// which this rank never submitted.
+    pub fn synchronize(&self, handles: Vec<Handle>) -> Result<Vec<Tensor>> {
+        let mut out = Vec::with_capacity(handles.len());
+        let mut first_err = None;
+        for h in handles {
+            match h.wait() {
+                Ok(t) => out.push(t),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        if let Some(e) = self.take_foreign_failure() {
+            return Err(e);
+        }
+        Ok(out)
+    }
+
+    /// Takes the oldest recorded failure of a tensor that this rank never submitted.
+    pub fn take_foreign_failure(&self) -> Option<Error> {
+        let mut list = self.foreign.lock().unwrap_or_else(|p| p.into_inner());
+        if list.is_empty() {
+            None
+        } else {
+            let (name, f) = list.remove(0);
+            Some(f.to_error(&name))
+        }
+    }
+
+    /// Stops the engine on this rank once every rank has called it, and returns the
+    /// communicator. Tensors still missing elsewhere fail.
+    pub fn shutdown(mut self) -> Result<Communicator> {
+        self.stop()
+    }
+
+    fn stop(&mut self) -> Result<Communicator> {
+        if let Some(tx) = self.tx.take() {
+            // The thread may be gone already; its join result says why.
+            let _ = tx.send(Command::Shutdown);
+        }
+        let thread = self.thread.take().ok_or_else(|| Error::EngineStopped {
+            reason: "shutdown was already called".into(),
+        })?;
+        match thread.join() {
+            Ok(r) => r,
+            Err(_) => Err(Error::EngineStopped {
+                reason: "the background thread panicked".into(),
+            }),
+        }
+    }
+}
+
+impl Drop for FusionEngine {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            let _ = self.stop();
+        }
+    }
+}
+
+struct Pending {
+    tensor: Tensor,
+    reply: Sender<Result<Tensor>>,
+    submitted: Instant,
+}
+
+struct Engine {
+    config: FusionConfig,
+    rank: usize,
+    local: HashMap<String, Pending>,
+    fresh: Vec<Announcement>,
+    failed: HashMap<String, Failure>,
+    shutting_down: bool,
+    table: ReadyTable,
+    foreign: ForeignFailures,
+    buffer: Vec<u64>,
+    timeline: Timeline,
+}
+
+fn run_engine(
+    mut comm: Communicator,
+    config: FusionConfig,
+    rx: Receiver<Command>,
+    foreign: ForeignFailures,
+) -> Result<Communicator> {
+    let rank = comm.rank();
+    let timeline = Timeline::new(config.timeline.as_deref(), rank, Instant::now());
+    let mut engine = Engine {
+        rank,
+        local: HashMap::new(),
+        fresh: Vec::new(),
+        failed: HashMap::new(),
+        shutting_down: false,
+        table: ReadyTable::new(comm.size()),
+        foreign,
+        buffer: Vec::new(),
+        timeline,
+        config,
+    };
+    let result = engine.run(&mut comm, &rx);
+    if let Err(e) = &result {
+        for (_, p) in engine.local.drain() {
+            let _ = p.reply.send(Err(Error::EngineStopped {
+                reason: e.to_string(),
+            }));
+        }
+    }
+    let written = engine.timeline.write();
+    result?;
+    written?;
+    Ok(comm)
+}
+
+impl Engine {
+    fn accept(&mut self, cmd: Command) {
+        match cmd {
+            Command::Shutdown => self.shutting_down = true,
+            Command::Submit {
+                name,
+                tensor,
+                reply,
+                at,
+            } => {
+                if let Some(f) = self.failed.remove(&name) {
+                    let _ = reply.send(Err(f.to_error(&name)));
+                } else if self.local.contains_key(&name) {
+                    let _ = reply.send(Err(Error::DuplicateName {
+                        name,
+                        rank: self.rank,
+                    }));
+                } else {
+                    self.fresh.push(Announcement {
+                        name: name.clone(),
+                        dtype: tensor.dtype(),
+                        len: tensor.len() as u64,
+                    });
+                    self.local.insert(
+                        name,
+                        Pending {
+                            tensor,
+                            reply,
+                            submitted: at,
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// Collects submissions for one cycle.
+    fn collect(&mut self, rx: &Receiver<Command>) {
+        let busy = self.shutting_down
+            || !self.local.is_empty()
+            || !self.fresh.is_empty()
+            || !self.table.is_empty();
+        let cycle = self.config.cycle_time;
+        let mut deadline = Instant::now() + if busy { cycle } else { IDLE_POLL };
+        let mut woke = busy;
+        loop {
+            match rx.recv_deadline(deadline) {
+                Ok(cmd) => {
+                    self.accept(cmd);
+                    if !woke {
+                        woke = true;
+                        deadline = Instant::now() + cycle;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => break,
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.shutting_down = true;
+                    break;
+                }
+            }
+        }
+        while let Ok(cmd) = rx.try_recv() {
+            self.accept(cmd);
+        }
+    }
+
+    fn run(&mut self, comm: &mut Communicator, rx: &Receiver<Command>) -> Result<()> {
+        let size = comm.size();
+        loop {
+            if self.shutting_down {
+                std::thread::sleep(self.config.cycle_time.max(Duration::from_micros(100)));
+            } else {
+                self.collect(rx);
+            }
+            let now = Instant::now();
+            let fail = if self.rank == 0 {
+                self.table
+                    .expired(now, self.config.stall_warning + self.config.stall_error)
+            } else {
+                Vec::new()
+            };
+            let msg = CycleMessage {
+                shutting_down: self.shutting_down,
+                announcements: std::mem::take(&mut self.fresh),
+                fail,
+            };
+            let gathered = comm.all_gather(&msg.encode())?;
+            let mut messages = Vec::with_capacity(size);
+            for bytes in &gathered {
+                messages.push(CycleMessage::decode(bytes, self.rank)?);
+            }
+            let negotiated = Instant::now();
+            let decisions = self.table.apply(&messages, negotiated);
+            for w in self.table.take_warnings(negotiated, self.config.stall_warning) {
+                if w.submitted.contains(&self.rank) {
+                    eprintln!(
+                        "ringtrain-collective: rank {}: WARNING: tensor `{}` was submitted on ranks {:?} but ranks {:?} have not submitted it after {:.1?}; it fails in {:.1?} unless they do",
+                        self.rank, w.name, w.submitted, w.missing, w.waited, self.config.stall_error
+                    );
+                }
+            }
+            let mut ready = Vec::new();
+            for d in decisions {
+                match d {
+                    Decision::Fail { name, failure } => self.fail(name, failure),
+                    Decision::Reduce { name, dtype, len } => ready.push((name, dtype, len)),
+                }
+            }
+            self.reduce_ready(comm, ready, negotiated)?;
+            if self.table.all_shut_down() {
+                for (name, p) in self.local.drain() {
+                    let _ = p.reply.send(Err(Error::EngineStopped {
+                        reason: format!("every rank shut down before tensor `{name}` was reduced"),
+                    }));
+                }
+                return Ok(());
+            }
+        }
+    }
+
+    fn fail(&mut self, name: String, failure: Failure) {
+        if let Some(p) = self.local.remove(&name) {
+            let _ = p.reply.send(Err(failure.to_error(&name)));
+        } else {
+            // Not submitted here (yet): report it on the next synchronize, and to a late
+            // submitter of the same name.
+            self.failed.insert(name.clone(), failure.clone());
+            self.foreign
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((name, failure));
+        }
+    }
+
+    /// Reduces the agreed tensors in agreed order, fused by dtype up to the threshold.
+    fn reduce_ready(
+        &mut self,
+        comm: &mut Communicator,
+        ready: Vec<(String, DType, usize)>,
+        negotiated: Instant,
+    ) -> Result<()> {
+        let mut i = 0;
+        while i < ready.len() {
+            let dtype = ready[i].1;
+            let mut bytes = ready[i].2 * dtype.size_bytes();
+            let mut j = i + 1;
+            while j < ready.len()
+                && ready[j].1 == dtype
+                && bytes + ready[j].2 * dtype.size_bytes() <= self.config.threshold_bytes
+            {
+                bytes += ready[j].2 * dtype.size_bytes();
+                j += 1;
+            }
+            let mut group = Vec::with_capacity(j - i);
+            for (name, _, len) in &ready[i..j] {
+                let Some(p) = self.local.remove(name) else {
+                    return Err(Error::EngineStopped {
+                        reason: format!(
+                            "internal: tensor `{name}` was agreed on but is not queued on rank {}",
+                            self.rank
+                        ),
+                    });
+                };
+                debug_assert_eq!(p.tensor.len(), *len);
+                self.timeline.phase(
+                    name,
+                    "queued",
+                    p.submitted,
+                    negotiated,
+                    serde_json::json!({ "bytes": p.tensor.size_bytes() }),
+                );
+                group.push((name.clone(), p));
+            }
+            let result = match dtype {
+                DType::F32 => self.reduce_group::<f32>(comm, &mut group),
+                DType::F64 => self.reduce_group::<f64>(comm, &mut group),
+                DType::F16 => self.reduce_group::<half::f16>(comm, &mut group),
+                DType::BF16 => self.reduce_group::<half::bf16>(comm, &mut group),
+            };
+            match result {
+                Ok(()) => {
+                    for (_, p) in group {
+                        let _ = p.reply.send(Ok(p.tensor));
+                    }
+                }
+                Err(e) => {
+                    for (_, p) in group {
+                        let _ = p.reply.send(Err(Error::EngineStopped {
+                            reason: e.to_string(),
+                        }));
+                    }
+                    return Err(e);
+                }
+            }
+            i = j;
+        }
+        Ok(())
+    }
+
+    fn reduce_group<T: Element>(
+        &mut self,
+        comm: &mut Communicator,
+        group: &mut [(String, Pending)],
+    ) -> Result<()> {
+        let opts = self.config.options;
+        if let [(name, p)] = group {
+            let start = Instant::now();
+            comm.all_reduce(typed_mut::<T>(&mut p.tensor)?, &opts)?;
+            let end = Instant::now();
+            self.timeline.phase(
+                name,
+                "all_reduce",
+                start,
+                end,
+                serde_json::json!({ "fused_tensors": 1, "fused_bytes": p.tensor.size_bytes() }),
+            );
+            return Ok(());
+        }
+        let total: usize = group.iter().map(|(_, p)| p.tensor.len()).sum();
+        let words = (total * T::BYTES).div_ceil(8);
+        if self.buffer.len() < words {
+            self.buffer.resize(words, 0);
+        }
+        let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.buffer[..words])[..total * T::BYTES];
+        let fused: &mut [T] = bytemuck::cast_slice_mut(bytes);
+        let mut copy_in = Vec::with_capacity(group.len());
+        let mut at = 0;
+        for (_, p) in group.iter_mut() {
+            let start = Instant::now();
+            let src = typed_mut::<T>(&mut p.tensor)?;
+            fused[at..at + src.len()].copy_from_slice(src);
+            at += src.len();
+            copy_in.push((start, Instant::now()));
+        }
+        let start = Instant::now();
+        comm.all_reduce(fused, &opts)?;
+        let reduced = (start, Instant::now());
+        let mut copy_out = Vec::with_capacity(group.len());
+        let mut at = 0;
+        for (_, p) in group.iter_mut() {
+            let start = Instant::now();
+            let dst = typed_mut::<T>(&mut p.tensor)?;
+            let n = dst.len();
+            dst.copy_from_slice(&fused[at..at + n]);
+            at += n;
+            copy_out.push((start, Instant::now()));
+        }
+        if self.timeline.enabled() {
+            let args = serde_json::json!({ "fused_tensors": group.len(), "fused_bytes": total * T::BYTES });
+            for (k, (name, _)) in group.iter().enumerate() {
+                self.timeline
+                    .phase(name, "copy_in", copy_in[k].0, copy_in[k].1, serde_json::json!({}));
+                self.timeline
+                    .phase(name, "all_reduce", reduced.0, reduced.1, args.clone());
+                self.timeline
+                    .phase(name, "copy_out", copy_out[k].0, copy_out[k].1, serde_json::json!({}));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Typed view of a tensor whose dtype was agreed to be `T`.
+fn typed_mut<T: Element>(t: &mut Tensor) -> Result<&mut [T]> {
+    let dtype = t.dtype();
+    if dtype != T::DTYPE {
+        return Err(Error::invalid(
+            "tensor dtype",
+            dtype,
+            "internal: the agreed dtype differs from the queued tensor",
+        ));
+    }
+    bytemuck::try_cast_slice_mut(t.as_bytes_mut()).map_err(|_| {
+        Error::invalid(
+            "tensor buffer",
+            dtype,
+            "internal: tensor bytes are not aligned for its dtype",
+        )
+    })
+}

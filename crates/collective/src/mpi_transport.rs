@@ -1,0 +1,253 @@
+//! [`MpiTransport`]: rsmpi point-to-point over `MPI_COMM_WORLD` (feature `mpi`).
+
+use half::{bf16, f16};
+use mpi::collective::{CommunicatorCollectives as _, SystemOperation};
+use mpi::environment::Universe;
+use mpi::point_to_point::{Destination, Source};
+use mpi::topology::{Communicator as _, SimpleCommunicator};
+use mpi::Threading;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::options::ReduceOp;
+use crate::transport::{segment_count, segment_range, Transport};
+
+/// The MPI world as a [`Transport`].
+///
+/// Owns the MPI environment: MPI is initialised by [`MpiTransport::init`] (once per
+/// process, asking for `MPI_THREAD_SERIALIZED` so that the fusion engine's background
+/// thread may make the calls) and finalised when this value is dropped. Started without
+/// mpirun, the world has one rank.
+pub struct MpiTransport {
+    universe: Universe,
+    rank: usize,
+    size: usize,
+}
+
+impl std::fmt::Debug for MpiTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiTransport")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+/// MPI counts are C ints: one message carries at most this many bytes.
+const MAX_MESSAGE_BYTES: usize = i32::MAX as usize;
+
+impl MpiTransport {
+    /// Initialises MPI and wraps `MPI_COMM_WORLD`.
+    pub fn init() -> Result<MpiTransport> {
+        let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| Error::Transport {
+                rank: 0,
+                detail: "MPI is already initialised in this process: create the MPI transport once and share the Communicator".into(),
+            })?;
+        if provided < Threading::Serialized {
+            return Err(Error::Transport {
+                rank: 0,
+                detail: format!(
+                    "the MPI library grants thread level {provided:?}, ringtrain needs Serialized: use an MPI built with thread support (Open MPI does by default)"
+                ),
+            });
+        }
+        let world = universe.world();
+        let rank = world.rank() as usize;
+        let size = world.size() as usize;
+        Ok(MpiTransport {
+            universe,
+            rank,
+            size,
+        })
+    }
+
+    fn world(&self) -> SimpleCommunicator {
+        self.universe.world()
+    }
+
+    fn check(&self, peer: usize, bytes: usize) -> Result<()> {
+        if peer >= self.size {
+            return Err(Error::Transport {
+                rank: self.rank,
+                detail: format!("peer rank {peer} does not exist (size {})", self.size),
+            });
+        }
+        if bytes > MAX_MESSAGE_BYTES {
+            return Err(Error::Transport {
+                rank: self.rank,
+                detail: format!(
+                    "message of {bytes} bytes exceeds MPI's limit of {MAX_MESSAGE_BYTES}: split the tensor (gradient_repacking does)"
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_status(&self, status: mpi::point_to_point::Status, peer: usize, expected: usize) -> Result<()> {
+        let got = status.count(u8::equivalent_datatype()) as usize;
+        if got != expected {
+            return Err(Error::Transport {
+                rank: self.rank,
+                detail: format!(
+                    "message from rank {peer} has {got} bytes, expected {expected}: the ranks called different collectives or lengths"
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+use mpi::datatype::Equivalence;
+
+impl Transport for MpiTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn name(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn send(&self, peer: usize, data: &[u8]) -> Result<()> {
+        self.check(peer, data.len())?;
+        self.world().process_at_rank(peer as i32).send(data);
+        Ok(())
+    }
+
+    fn recv(&self, peer: usize, buf: &mut [u8]) -> Result<()> {
+        self.check(peer, buf.len())?;
+        let status = self
+            .world()
+            .process_at_rank(peer as i32)
+            .receive_into(buf);
+        self.check_status(status, peer, buf.len())
+    }
+
+    fn sendrecv(&self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
+        self.check(to, send.len())?;
+        self.check(from, recv.len())?;
+        let world = self.world();
+        let status = mpi::point_to_point::send_receive_into(
+            send,
+            &world.process_at_rank(to as i32),
+            recv,
+            &world.process_at_rank(from as i32),
+        );
+        self.check_status(status, from, recv.len())
+    }
+
+    /// Non-blocking segments: segment k is received and sent while segment k - 1 is
+    /// handed to `on_segment`.
+    fn sendrecv_pipelined(
+        &self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv: &mut [u8],
+        segment_bytes: usize,
+        on_segment: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        self.check(to, send.len())?;
+        self.check(from, recv.len())?;
+        let world = self.world();
+        let dst = world.process_at_rank(to as i32);
+        let src = world.process_at_rank(from as i32);
+        let sends = segment_count(send.len(), segment_bytes);
+        let recvs = segment_count(recv.len(), segment_bytes);
+        let mut previous: Option<std::ops::Range<usize>> = None;
+        for k in 0..sends.max(recvs) {
+            let r = if k < recvs {
+                segment_range(recv.len(), segment_bytes, k)
+            } else {
+                recv.len()..recv.len()
+            };
+            let (done, rest) = recv.split_at_mut(r.start);
+            let incoming = &mut rest[..r.len()];
+            let outgoing = if k < sends {
+                Some(&send[segment_range(send.len(), segment_bytes, k)])
+            } else {
+                None
+            };
+            let result = mpi::request::scope(|scope| {
+                let rreq = (k < recvs).then(|| src.immediate_receive_into(scope, &mut *incoming));
+                let sreq = outgoing.map(|o| dst.immediate_send(scope, o));
+                let processed = match previous.take() {
+                    Some(p) => on_segment(p.start, &done[p]),
+                    None => Ok(()),
+                };
+                let status = rreq.map(|q| q.wait());
+                if let Some(q) = sreq {
+                    q.wait();
+                }
+                (processed, status)
+            });
+            let (processed, status) = result;
+            processed?;
+            if let Some(status) = status {
+                self.check_status(status, from, r.len())?;
+                previous = Some(r);
+            }
+        }
+        if let Some(p) = previous {
+            on_segment(p.start, &recv[p])?;
+        }
+        Ok(())
+    }
+
+    fn native_all_reduce(&self, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        if send.len() != recv.len() {
+            return Err(Error::invalid(
+                "receive buffer length",
+                recv.len(),
+                "pass a receive buffer as long as the send buffer",
+            ));
+        }
+        let world = self.world();
+        let mpi_op = match op {
+            ReduceOp::Sum | ReduceOp::Average => SystemOperation::sum(),
+            ReduceOp::Min => SystemOperation::min(),
+            ReduceOp::Max => SystemOperation::max(),
+        };
+        let cast_err = |e: bytemuck::PodCastError| Error::Transport {
+            rank: self.rank,
+            detail: format!("buffer is not whole aligned {dtype} elements: {e}"),
+        };
+        match dtype {
+            DType::F32 => {
+                let s: &[f32] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
+                let r: &mut [f32] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
+                world.all_reduce_into(s, r, mpi_op);
+            }
+            DType::F64 => {
+                let s: &[f64] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
+                let r: &mut [f64] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
+                world.all_reduce_into(s, r, mpi_op);
+            }
+            // MPI has no half types: reduce in f32 and round once at the end.
+            DType::F16 => {
+                let s: &[f16] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
+                let wide: Vec<f32> = s.iter().map(|x| x.to_f32()).collect();
+                let mut out = vec![0f32; wide.len()];
+                world.all_reduce_into(&wide[..], &mut out[..], mpi_op);
+                let r: &mut [f16] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
+                for (d, x) in r.iter_mut().zip(out) {
+                    *d = f16::from_f32(x);
+                }
+            }
+            DType::BF16 => {
+                let s: &[bf16] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
+                let wide: Vec<f32> = s.iter().map(|x| x.to_f32()).collect();
+                let mut out = vec![0f32; wide.len()];
+                world.all_reduce_into(&wide[..], &mut out[..], mpi_op);
+                let r: &mut [bf16] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
+                for (d, x) in r.iter_mut().zip(out) {
+                    *d = bf16::from_f32(x);
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,212 @@
+//! What to reduce and how: operation, algorithm, scaling and wire compression.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// The reduction applied element-wise across ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum over ranks.
+    Sum,
+    /// Sum over ranks, then multiplied by `1 / size` (as a postscale factor).
+    Average,
+    /// Minimum over ranks (NaN propagates).
+    Min,
+    /// Maximum over ranks (NaN propagates).
+    Max,
+}
+
+impl ReduceOp {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Average => "average",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+        }
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ReduceOp {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "sum" => Ok(ReduceOp::Sum),
+            "average" | "avg" | "mean" => Ok(ReduceOp::Average),
+            "min" => Ok(ReduceOp::Min),
+            "max" => Ok(ReduceOp::Max),
+            _ => Err(Error::invalid(
+                "reduce op",
+                s,
+                "use one of sum, average, min, max",
+            )),
+        }
+    }
+}
+
+/// Which all-reduce algorithm runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Ring reduce-scatter + all-gather, pipelined in segments (bandwidth-optimal).
+    Ring,
+    /// The transport's own all-reduce (`MPI_Allreduce`): the baseline.
+    Mpi,
+    /// Recursive doubling with a fold-in step for ranks beyond the largest power of two
+    /// (latency-optimal; for small messages).
+    RecursiveDoubling,
+    /// Recursive doubling below the communicator's threshold, ring above.
+    Auto,
+}
+
+impl Algorithm {
+    /// Lower-case name as accepted by [`FromStr`].
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ring => "ring",
+            Algorithm::Mpi => "mpi",
+            Algorithm::RecursiveDoubling => "rd",
+            Algorithm::Auto => "auto",
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Algorithm {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "ring" | "xring" => Ok(Algorithm::Ring),
+            "mpi" => Ok(Algorithm::Mpi),
+            "rd" | "recursive-doubling" | "recursive_doubling" => {
+                Ok(Algorithm::RecursiveDoubling)
+            }
+            "auto" => Ok(Algorithm::Auto),
+            _ => Err(Error::invalid(
+                "all-reduce algorithm",
+                s,
+                "use one of ring, mpi, rd (recursive doubling), auto",
+            )),
+        }
+    }
+}
+
+/// Narrower element type used on the wire for f32 tensors (cast, reduce, cast back).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum WireCompression {
+    /// Send f32 as is.
+    #[default]
+    None,
+    /// Send f32 tensors as IEEE half.
+    F16,
+    /// Send f32 tensors as bfloat16.
+    Bf16,
+}
+
+impl FromStr for WireCompression {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "none" | "off" => Ok(WireCompression::None),
+            "f16" | "fp16" | "half" => Ok(WireCompression::F16),
+            "bf16" | "bfloat16" => Ok(WireCompression::Bf16),
+            _ => Err(Error::invalid(
+                "wire compression",
+                s,
+                "use one of none, f16, bf16",
+            )),
+        }
+    }
+}
+
+/// Options of one all-reduce.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AllReduceOptions {
+    /// Element-wise reduction.
+    pub op: ReduceOp,
+    /// Algorithm to run.
+    pub algorithm: Algorithm,
+    /// Every rank's input is multiplied by this before reducing (skipped when 1).
+    pub prescale: f64,
+    /// The result is multiplied by this after reducing (times `1 / size` for Average).
+    pub postscale: f64,
+    /// Wire type for f32 tensors.
+    pub compression: WireCompression,
+}
+
+impl Default for AllReduceOptions {
+    fn default() -> Self {
+        AllReduceOptions {
+            op: ReduceOp::Sum,
+            algorithm: Algorithm::Auto,
+            prescale: 1.0,
+            postscale: 1.0,
+            compression: WireCompression::None,
+        }
+    }
+}
+
+impl AllReduceOptions {
+    /// Sum with the automatic algorithm choice.
+    pub fn sum() -> Self {
+        Self::default()
+    }
+
+    /// Average with the automatic algorithm choice.
+    pub fn average() -> Self {
+        Self::with_op(ReduceOp::Average)
+    }
+
+    /// The given operation, other fields default.
+    pub fn with_op(op: ReduceOp) -> Self {
+        AllReduceOptions {
+            op,
+            ..Self::default()
+        }
+    }
+
+    /// The same options with another algorithm.
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        if !self.prescale.is_finite() {
+            return Err(Error::invalid(
+                "prescale",
+                self.prescale,
+                "use a finite factor (1.0 for none)",
+            ));
+        }
+        if !self.postscale.is_finite() {
+            return Err(Error::invalid(
+                "postscale",
+                self.postscale,
+                "use a finite factor (1.0 for none)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The factor applied after the reduction on `size` ranks.
+    pub(crate) fn effective_postscale(&self, size: usize) -> f64 {
+        match self.op {
+            ReduceOp::Average => self.postscale / size as f64,
+            _ => self.postscale,
+        }
+    }
+}

@@ -1,0 +1,403 @@
+//! Gradient packing as tf_cnn_benchmarks does it: `gradient_repacking` and
+//! `agg_small_grads_max_bytes` / `agg_small_grads_max_group`, planned once and reused.
+
+use crate::communicator::Communicator;
+use crate::dtype::{DType, Element, TensorMut};
+use crate::error::{Error, Result};
+use crate::options::AllReduceOptions;
+
+/// One gradient as the plan sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GradientSpec {
+    /// Variable name (for error messages).
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Number of elements.
+    pub len: usize,
+}
+
+impl GradientSpec {
+    /// A spec from its parts.
+    pub fn new(name: impl Into<String>, dtype: DType, len: usize) -> Self {
+        GradientSpec {
+            name: name.into(),
+            dtype,
+            len,
+        }
+    }
+
+    /// Size in bytes.
+    pub fn size_bytes(&self) -> usize {
+        self.len * self.dtype.size_bytes()
+    }
+}
+
+/// Packing settings, with tf_cnn_benchmarks' names and meaning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct PackingConfig {
+    /// `gradient_repacking = N`: concatenate the gradients (of each dtype, in list order)
+    /// and split them into N packs of `T / N` elements, the remainder in the last pack.
+    /// 0 turns it off.
+    pub gradient_repacking: usize,
+    /// Tensors of at most this many bytes that stand next to each other (and share a dtype)
+    /// are reduced together. 0 turns aggregation off.
+    pub agg_small_grads_max_bytes: usize,
+    /// At most this many tensors per aggregated group.
+    pub agg_small_grads_max_group: usize,
+}
+
+/// A contiguous run of one gradient's elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnitPiece {
+    /// Index of the gradient in the spec list.
+    pub grad: usize,
+    /// First element.
+    pub offset: usize,
+    /// Number of elements.
+    pub len: usize,
+}
+
+/// What is all-reduced as one buffer: pieces of gradients concatenated in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReductionUnit {
+    /// Element type of every piece.
+    pub dtype: DType,
+    /// The pieces, in buffer order.
+    pub pieces: Vec<UnitPiece>,
+}
+
+impl ReductionUnit {
+    /// Total elements.
+    pub fn len(&self) -> usize {
+        self.pieces.iter().map(|p| p.len).sum()
+    }
+
+    /// True when the unit has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Total bytes.
+    pub fn size_bytes(&self) -> usize {
+        self.len() * self.dtype.size_bytes()
+    }
+}
+
+/// A packing plan computed once from the gradient list, and the buffer it reuses.
+#[derive(Debug)]
+pub struct GradientPacker {
+    specs: Vec<GradientSpec>,
+    config: PackingConfig,
+    units: Vec<ReductionUnit>,
+    buffer: Vec<u64>,
+}
+
+impl GradientPacker {
+    /// Plans how `specs` are reduced under `config`.
+    ///
+    /// Repacking runs first (per dtype); aggregation then groups the small tensors of the
+    /// resulting list (the packs, or the gradients themselves when repacking is off).
+    pub fn new(specs: Vec<GradientSpec>, config: PackingConfig) -> Result<Self> {
+        if config.agg_small_grads_max_bytes > 0 && config.agg_small_grads_max_group == 0 {
+            return Err(Error::invalid(
+                "agg_small_grads_max_group",
+                0,
+                "set it to at least 1 when agg_small_grads_max_bytes > 0 (or set agg_small_grads_max_bytes = 0)",
+            ));
+        }
+        let tensors = if config.gradient_repacking > 0 {
+            repack(&specs, config.gradient_repacking)
+        } else {
+            specs
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.len > 0)
+                .map(|(grad, s)| ReductionUnit {
+                    dtype: s.dtype,
+                    pieces: vec![UnitPiece {
+                        grad,
+                        offset: 0,
+                        len: s.len,
+                    }],
+                })
+                .collect()
+        };
+        let units = if config.agg_small_grads_max_bytes > 0 {
+            aggregate(
+                tensors,
+                config.agg_small_grads_max_bytes,
+                config.agg_small_grads_max_group,
+            )
+        } else {
+            tensors
+        };
+        Ok(GradientPacker {
+            specs,
+            config,
+            units,
+            buffer: Vec::new(),
+        })
+    }
+
+    /// The plan: one entry per all-reduce.
+    pub fn units(&self) -> &[ReductionUnit] {
+        &self.units
+    }
+
+    /// The gradient list the plan was made for.
+    pub fn specs(&self) -> &[GradientSpec] {
+        &self.specs
+    }
+
+    /// The settings the plan was made with.
+    pub fn config(&self) -> PackingConfig {
+        self.config
+    }
+
+    /// All-reduces every gradient by the plan. `grads` must match the specs in order,
+    /// dtype and length.
+    pub fn all_reduce(
+        &mut self,
+        comm: &mut Communicator,
+        grads: &mut [TensorMut<'_>],
+        opts: &AllReduceOptions,
+    ) -> Result<()> {
+        if grads.len() != self.specs.len() {
+            return Err(Error::invalid(
+                "number of gradients",
+                grads.len(),
+                "pass the gradients in the same order and number as the specs of the plan",
+            ));
+        }
+        for (spec, g) in self.specs.iter().zip(grads.iter()) {
+            if g.dtype() != spec.dtype || g.len() != spec.len {
+                return Err(Error::invalid(
+                    "gradient",
+                    format!(
+                        "`{}` as {}[{}] (planned as {}[{}])",
+                        spec.name,
+                        g.dtype(),
+                        g.len(),
+                        spec.dtype,
+                        spec.len
+                    ),
+                    "pass each gradient with the dtype and length given to GradientPacker::new",
+                ));
+            }
+        }
+        for unit in &self.units {
+            match unit.dtype {
+                DType::F32 => reduce_unit::<f32>(comm, unit, grads, &mut self.buffer, opts)?,
+                DType::F64 => reduce_unit::<f64>(comm, unit, grads, &mut self.buffer, opts)?,
+                DType::F16 => reduce_unit::<half::f16>(comm, unit, grads, &mut self.buffer, opts)?,
+                DType::BF16 => {
+                    reduce_unit::<half::bf16>(comm, unit, grads, &mut self.buffer, opts)?
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Typed view of a gradient whose dtype was checked to be `T`.
+fn typed<'a, T: Element>(g: &'a mut TensorMut<'_>) -> Result<&'a mut [T]> {
+    let dtype = g.dtype();
+    bytemuck::try_cast_slice_mut(g.as_bytes_mut()).map_err(|_| {
+        Error::invalid(
+            "gradient element type",
+            dtype,
+            "pass each gradient with the dtype given to GradientPacker::new",
+        )
+    })
+}
+
+fn reduce_unit<T: Element>(
+    comm: &mut Communicator,
+    unit: &ReductionUnit,
+    grads: &mut [TensorMut<'_>],
+    buffer: &mut Vec<u64>,
+    opts: &AllReduceOptions,
+) -> Result<()> {
+    if let [piece] = unit.pieces.as_slice() {
+        let g = typed::<T>(&mut grads[piece.grad])?;
+        return comm.all_reduce(&mut g[piece.offset..piece.offset + piece.len], opts);
+    }
+    let len = unit.len();
+    let words = (len * T::BYTES).div_ceil(8);
+    if buffer.len() < words {
+        buffer.resize(words, 0);
+    }
+    let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buffer[..words])[..len * T::BYTES];
+    let fused: &mut [T] = bytemuck::cast_slice_mut(bytes);
+    let mut at = 0;
+    for p in &unit.pieces {
+        let g = typed::<T>(&mut grads[p.grad])?;
+        fused[at..at + p.len].copy_from_slice(&g[p.offset..p.offset + p.len]);
+        at += p.len;
+    }
+    comm.all_reduce(fused, opts)?;
+    let mut at = 0;
+    for p in &unit.pieces {
+        let g = typed::<T>(&mut grads[p.grad])?;
+        g[p.offset..p.offset + p.len].copy_from_slice(&fused[at..at + p.len]);
+        at += p.len;
+    }
+    Ok(())
+}
+
+/// Concatenates the gradients of each dtype (dtypes in order of first appearance) and
+/// splits each concatenation into `packs` packs; empty packs are dropped.
+fn repack(specs: &[GradientSpec], packs: usize) -> Vec<ReductionUnit> {
+    let mut dtypes: Vec<DType> = Vec::new();
+    for s in specs {
+        if !dtypes.contains(&s.dtype) {
+            dtypes.push(s.dtype);
+        }
+    }
+    let mut units = Vec::new();
+    for dtype in dtypes {
+        let members: Vec<usize> = (0..specs.len())
+            .filter(|&i| specs[i].dtype == dtype)
+            .collect();
+        let total: usize = members.iter().map(|&i| specs[i].len).sum();
+        let per_pack = total / packs;
+        // Walk the concatenation once, cutting it at the pack boundaries.
+        let mut member = 0;
+        let mut offset = 0;
+        for k in 0..packs {
+            let mut want = if k + 1 == packs {
+                total - per_pack * (packs - 1)
+            } else {
+                per_pack
+            };
+            let mut pieces = Vec::new();
+            while want > 0 {
+                let grad = members[member];
+                let take = (specs[grad].len - offset).min(want);
+                if take > 0 {
+                    pieces.push(UnitPiece {
+                        grad,
+                        offset,
+                        len: take,
+                    });
+                }
+                offset += take;
+                want -= take;
+                if offset == specs[grad].len {
+                    member += 1;
+                    offset = 0;
+                }
+            }
+            if !pieces.is_empty() {
+                units.push(ReductionUnit { dtype, pieces });
+            }
+        }
+    }
+    units
+}
+
+/// Groups neighbouring tensors of at most `max_bytes` bytes and one dtype, at most
+/// `max_group` per group. Larger tensors and lone small ones stay on their own.
+fn aggregate(tensors: Vec<ReductionUnit>, max_bytes: usize, max_group: usize) -> Vec<ReductionUnit> {
+    let mut out: Vec<ReductionUnit> = Vec::new();
+    let mut group: Option<(ReductionUnit, usize)> = None;
+    for t in tensors {
+        let small = t.size_bytes() <= max_bytes;
+        if let Some((g, members)) = group.as_mut() {
+            if small && g.dtype == t.dtype && *members < max_group {
+                g.pieces.extend(t.pieces);
+                *members += 1;
+                continue;
+            }
+        }
+        if let Some((g, _)) = group.take() {
+            out.push(g);
+        }
+        if small {
+            group = Some((t, 1));
+        } else {
+            out.push(t);
+        }
+    }
+    if let Some((g, _)) = group {
+        out.push(g);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn specs(lens: &[usize]) -> Vec<GradientSpec> {
+        lens.iter()
+            .enumerate()
+            .map(|(i, &l)| GradientSpec::new(format!("g{i}"), DType::F32, l))
+            .collect()
+    }
+
+    #[test]
+    fn repacking_splits_the_concatenation_with_the_remainder_last() {
+        let p = GradientPacker::new(
+            specs(&[5, 3, 4]),
+            PackingConfig {
+                gradient_repacking: 5,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let lens: Vec<usize> = p.units().iter().map(|u| u.len()).collect();
+        assert_eq!(lens, vec![2, 2, 2, 2, 4]);
+        assert_eq!(
+            p.units()[2].pieces,
+            vec![
+                UnitPiece { grad: 0, offset: 4, len: 1 },
+                UnitPiece { grad: 1, offset: 0, len: 1 }
+            ]
+        );
+    }
+
+    #[test]
+    fn aggregation_counts_real_bytes_and_caps_groups_exactly() {
+        // f16 of 10 elements = 20 bytes: small under a 32-byte limit (4 bytes per element
+        // would make it 40 and not small).
+        let mut s: Vec<GradientSpec> = (0..7)
+            .map(|i| GradientSpec::new(format!("h{i}"), DType::F16, 10))
+            .collect();
+        s.push(GradientSpec::new("big", DType::F16, 100));
+        s.push(GradientSpec::new("lone", DType::F16, 1));
+        let p = GradientPacker::new(
+            s,
+            PackingConfig {
+                gradient_repacking: 0,
+                agg_small_grads_max_bytes: 32,
+                agg_small_grads_max_group: 3,
+            },
+        )
+        .unwrap();
+        let groups: Vec<Vec<usize>> = p
+            .units()
+            .iter()
+            .map(|u| u.pieces.iter().map(|x| x.grad).collect())
+            .collect();
+        assert_eq!(
+            groups,
+            vec![vec![0, 1, 2], vec![3, 4, 5], vec![6], vec![7], vec![8]]
+        );
+    }
+
+    #[test]
+    fn zero_group_size_with_aggregation_on_is_rejected() {
+        let err = GradientPacker::new(
+            specs(&[1]),
+            PackingConfig {
+                gradient_repacking: 0,
+                agg_small_grads_max_bytes: 8,
+                agg_small_grads_max_group: 0,
+            },
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("agg_small_grads_max_group"));
+    }
+}

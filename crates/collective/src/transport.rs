@@ -1,0 +1,199 @@
+//! The byte-moving layer the collectives are written against, and the in-process
+//! [`LocalTransport`].
+
+use std::ops::Range;
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::options::ReduceOp;
+
+/// Point-to-point byte transport between `size` ranks.
+///
+/// Messages between one pair of ranks arrive in the order they were sent. Receives name
+/// the exact length expected; a different length is an [`Error::Transport`].
+pub trait Transport: Send {
+    /// This process's rank, `0..size`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// A short name for messages (`local`, `mpi`).
+    fn name(&self) -> &'static str;
+    /// Sends `data` to `peer`.
+    fn send(&self, peer: usize, data: &[u8]) -> Result<()>;
+    /// Receives exactly `buf.len()` bytes from `peer`.
+    fn recv(&self, peer: usize, buf: &mut [u8]) -> Result<()>;
+    /// Sends `send` to `to` while receiving `recv.len()` bytes from `from`, without
+    /// deadlocking when every rank calls it at once (as a ring step does).
+    fn sendrecv(&self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()>;
+
+    /// Like [`Transport::sendrecv`], but moves the data in segments of `segment_bytes`
+    /// and calls `on_segment(byte_offset, bytes)` for every received segment, in order,
+    /// while later segments are still in flight where the transport allows it.
+    fn sendrecv_pipelined(
+        &self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv: &mut [u8],
+        segment_bytes: usize,
+        on_segment: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        // The number of messages each way depends only on that direction's length, so
+        // both ends of every link agree on it. This default needs buffered sends (as the
+        // local transport has); transports whose sends block override it.
+        let sends = segment_count(send.len(), segment_bytes);
+        let recvs = segment_count(recv.len(), segment_bytes);
+        for k in 0..sends.max(recvs) {
+            if k < sends {
+                self.send(to, &send[segment_range(send.len(), segment_bytes, k)])?;
+            }
+            if k < recvs {
+                let r = segment_range(recv.len(), segment_bytes, k);
+                self.recv(from, &mut recv[r.clone()])?;
+                on_segment(r.start, &recv[r])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The transport's own all-reduce (MPI_Allreduce), out of place. `Average` reduces
+    /// as `Sum` (the caller scales). Transports without one return
+    /// [`Error::AlgorithmUnavailable`].
+    fn native_all_reduce(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let _ = (send, recv, dtype, op);
+        Err(Error::AlgorithmUnavailable {
+            algorithm: "mpi",
+            transport: self.name(),
+            hint: "use the ring or recursive-doubling algorithm, or build with feature `mpi` and run under mpirun",
+        })
+    }
+}
+
+/// Number of segments of at most `segment` bytes covering `len` bytes.
+pub(crate) fn segment_count(len: usize, segment: usize) -> usize {
+    len.div_ceil(segment.max(1))
+}
+
+/// Byte range of segment `k` (empty past the end).
+pub(crate) fn segment_range(len: usize, segment: usize, k: usize) -> Range<usize> {
+    let segment = segment.max(1);
+    let start = (k * segment).min(len);
+    let end = ((k + 1) * segment).min(len);
+    start..end
+}
+
+/// N ranks as threads of one process: each ordered pair of ranks has its own FIFO channel.
+///
+/// Sends never block (the channels are unbounded), so any send/recv order that is correct
+/// over MPI is also correct here. A peer whose thread has ended turns a receive into an
+/// [`Error::Transport`] instead of a hang.
+#[derive(Debug)]
+pub struct LocalTransport {
+    rank: usize,
+    size: usize,
+    /// `to_peer[p]` carries messages from this rank to rank `p`.
+    to_peer: Vec<Sender<Vec<u8>>>,
+    /// `from_peer[p]` carries messages from rank `p` to this rank.
+    from_peer: Vec<Receiver<Vec<u8>>>,
+}
+
+impl LocalTransport {
+    /// Creates the `n` connected endpoints, rank `i` at index `i`.
+    pub fn create(n: usize) -> Result<Vec<LocalTransport>> {
+        if n == 0 {
+            return Err(Error::invalid(
+                "local rank count",
+                n,
+                "ask for at least one rank",
+            ));
+        }
+        // channels[src][dst]
+        let mut senders: Vec<Vec<Option<Sender<Vec<u8>>>>> = Vec::with_capacity(n);
+        let mut receivers: Vec<Vec<Option<Receiver<Vec<u8>>>>> =
+            (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+        for src in 0..n {
+            let mut row = Vec::with_capacity(n);
+            for dst_receivers in receivers.iter_mut() {
+                let (tx, rx) = unbounded();
+                row.push(Some(tx));
+                dst_receivers[src] = Some(rx);
+            }
+            senders.push(row);
+        }
+        let mut out = Vec::with_capacity(n);
+        for (rank, (row, from)) in senders.into_iter().zip(receivers).enumerate() {
+            out.push(LocalTransport {
+                rank,
+                size: n,
+                to_peer: row.into_iter().flatten().collect(),
+                from_peer: from.into_iter().flatten().collect(),
+            });
+        }
+        Ok(out)
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<()> {
+        if peer >= self.size {
+            return Err(Error::Transport {
+                rank: self.rank,
+                detail: format!("peer rank {peer} does not exist (size {})", self.size),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Transport for LocalTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    fn send(&self, peer: usize, data: &[u8]) -> Result<()> {
+        self.check_peer(peer)?;
+        self.to_peer[peer]
+            .send(data.to_vec())
+            .map_err(|_| Error::Transport {
+                rank: self.rank,
+                detail: format!("rank {peer} has gone away (its endpoint was dropped)"),
+            })
+    }
+
+    fn recv(&self, peer: usize, buf: &mut [u8]) -> Result<()> {
+        self.check_peer(peer)?;
+        let msg = self.from_peer[peer].recv().map_err(|_| Error::Transport {
+            rank: self.rank,
+            detail: format!("rank {peer} has gone away before sending the expected message"),
+        })?;
+        if msg.len() != buf.len() {
+            return Err(Error::Transport {
+                rank: self.rank,
+                detail: format!(
+                    "message from rank {peer} has {} bytes, expected {}: the ranks called different collectives or lengths",
+                    msg.len(),
+                    buf.len()
+                ),
+            });
+        }
+        buf.copy_from_slice(&msg);
+        Ok(())
+    }
+
+    fn sendrecv(&self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
+        self.send(to, send)?;
+        self.recv(from, recv)
+    }
+}

@@ -1,0 +1,246 @@
+//! f32 <-> f16/bf16 casts with loss scaling and f16/bf16 sums (`ptx/fp16.ptx`),
+//! GPU twins of `ringtrain_kernels::precision` and `ringtrain_kernels::reduce`.
+//!
+//! Results are bit-identical to the CPU kernels (round to nearest even; NaN
+//! payloads aside). Where the CPU function returns "some element was Inf/NaN",
+//! the GPU launcher sets a [`NonFiniteFlag`](crate::NonFiniteFlag) on the device
+//! instead, so mixed-precision steps need no host round trip per tensor.
+//! The kernels use 16-byte vector loads and stores and handle any length and
+//! any element offset (misaligned views fall back to element-wise access).
+
+use crate::signature::{KernelSignature, Param::*, PtxModule};
+
+/// The PTX text of `ptx/fp16.ptx`.
+pub const PTX: &str = include_str!("../../../ptx/fp16.ptx");
+
+/// Every entry of `ptx/fp16.ptx`.
+pub const KERNELS: &[KernelSignature] = &[
+    KernelSignature {
+        name: "f32_to_f16_scaled",
+        params: &[Ptr, F32, Ptr, Ptr, U32],
+    },
+    KernelSignature {
+        name: "f32_to_bf16_scaled",
+        params: &[Ptr, F32, Ptr, Ptr, U32],
+    },
+    KernelSignature {
+        name: "f16_to_f32_unscaled",
+        params: &[Ptr, F32, Ptr, U32],
+    },
+    KernelSignature {
+        name: "bf16_to_f32_unscaled",
+        params: &[Ptr, F32, Ptr, U32],
+    },
+    KernelSignature {
+        name: "sum_into_f16",
+        params: &[Ptr, Ptr, U32],
+    },
+    KernelSignature {
+        name: "sum_into_bf16",
+        params: &[Ptr, Ptr, U32],
+    },
+    KernelSignature {
+        name: "has_non_finite_f32",
+        params: &[Ptr, Ptr, U32],
+    },
+];
+
+/// `ptx/fp16.ptx` with its declarations.
+pub const MODULE: PtxModule = PtxModule {
+    name: "fp16",
+    file: "ptx/fp16.ptx",
+    text: PTX,
+    kernels: KERNELS,
+};
+
+#[cfg(feature = "cuda")]
+pub use launchers::*;
+
+#[cfg(feature = "cuda")]
+mod launchers {
+    use half::{bf16, f16};
+
+    use super::MODULE;
+    use crate::error::{check_len, Error, Result};
+    use crate::memory::{AsDevSlice, AsDevSliceMut, Element, NonFiniteFlag};
+    use crate::runtime::{Gpu, KernelArg, LaunchConfig};
+
+    const BLOCK: u32 = 256;
+
+    fn count(n: usize) -> Result<u32> {
+        if n > i32::MAX as usize {
+            return Err(Error::TooLarge {
+                arg: "n (elements)",
+                value: n,
+                limit: i32::MAX as usize,
+            });
+        }
+        Ok(n as u32)
+    }
+
+    /// One thread per 8-element vector.
+    fn config(gpu: &Gpu, n: usize) -> LaunchConfig {
+        LaunchConfig::linear(gpu.grid_for(n.div_ceil(8), BLOCK), BLOCK)
+    }
+
+    fn to_half<H: Element>(
+        gpu: &Gpu,
+        kernel: &'static str,
+        src: &impl AsDevSlice<f32>,
+        scale: f32,
+        dst: &mut impl AsDevSliceMut<H>,
+        flag: &mut NonFiniteFlag,
+    ) -> Result<()> {
+        let (src, dst) = (src.dev_slice(), dst.dev_slice_mut());
+        check_len("dst", src.len(), dst.len())?;
+        let n = count(src.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let flag = flag.view();
+        let args = [
+            gpu.arg("src", &src)?,
+            KernelArg::F32(scale),
+            gpu.arg_mut("dst", &dst)?,
+            gpu.arg_mut("flag", &flag)?,
+            KernelArg::U32(n),
+        ];
+        // SAFETY: src and dst are live views of n elements on this GPU, dst is
+        // borrowed mutably; the flag is a live one-word buffer.
+        unsafe { gpu.launch(&MODULE, kernel, config(gpu, src.len()), &args) }
+    }
+
+    fn from_half<H: Element>(
+        gpu: &Gpu,
+        kernel: &'static str,
+        src: &impl AsDevSlice<H>,
+        inv_scale: f32,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        let (src, dst) = (src.dev_slice(), dst.dev_slice_mut());
+        check_len("dst", src.len(), dst.len())?;
+        let n = count(src.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            gpu.arg("src", &src)?,
+            KernelArg::F32(inv_scale),
+            gpu.arg_mut("dst", &dst)?,
+            KernelArg::U32(n),
+        ];
+        // SAFETY: src and dst are live views of n elements on this GPU, dst is
+        // borrowed mutably.
+        unsafe { gpu.launch(&MODULE, kernel, config(gpu, src.len()), &args) }
+    }
+
+    fn sum_into<H: Element>(
+        gpu: &Gpu,
+        kernel: &'static str,
+        acc: &mut impl AsDevSliceMut<H>,
+        src: &impl AsDevSlice<H>,
+    ) -> Result<()> {
+        let (acc, src) = (acc.dev_slice_mut(), src.dev_slice());
+        check_len("src", acc.len(), src.len())?;
+        let n = count(acc.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            gpu.arg_mut("acc", &acc)?,
+            gpu.arg("src", &src)?,
+            KernelArg::U32(n),
+        ];
+        // SAFETY: acc and src are live views of n elements on this GPU; acc is
+        // borrowed mutably, so src cannot alias it.
+        unsafe { gpu.launch(&MODULE, kernel, config(gpu, acc.len()), &args) }
+    }
+
+    /// `dst[i] = f16(src[i] * scale)`; sets `flag` when any `dst` element is Inf or NaN.
+    pub fn f32_to_f16_scaled(
+        gpu: &Gpu,
+        src: &impl AsDevSlice<f32>,
+        scale: f32,
+        dst: &mut impl AsDevSliceMut<f16>,
+        flag: &mut NonFiniteFlag,
+    ) -> Result<()> {
+        to_half(gpu, "f32_to_f16_scaled", src, scale, dst, flag)
+    }
+
+    /// `dst[i] = bf16(src[i] * scale)`; sets `flag` when any `dst` element is Inf or NaN.
+    pub fn f32_to_bf16_scaled(
+        gpu: &Gpu,
+        src: &impl AsDevSlice<f32>,
+        scale: f32,
+        dst: &mut impl AsDevSliceMut<bf16>,
+        flag: &mut NonFiniteFlag,
+    ) -> Result<()> {
+        to_half(gpu, "f32_to_bf16_scaled", src, scale, dst, flag)
+    }
+
+    /// `dst[i] = f32(src[i]) * inv_scale`.
+    pub fn f16_to_f32_unscaled(
+        gpu: &Gpu,
+        src: &impl AsDevSlice<f16>,
+        inv_scale: f32,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        from_half(gpu, "f16_to_f32_unscaled", src, inv_scale, dst)
+    }
+
+    /// `dst[i] = f32(src[i]) * inv_scale`.
+    pub fn bf16_to_f32_unscaled(
+        gpu: &Gpu,
+        src: &impl AsDevSlice<bf16>,
+        inv_scale: f32,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        from_half(gpu, "bf16_to_f32_unscaled", src, inv_scale, dst)
+    }
+
+    /// `acc[i] = f16(f32(acc[i]) + f32(src[i]))` (the all-reduce's f16 sum).
+    pub fn sum_into_f16(
+        gpu: &Gpu,
+        acc: &mut impl AsDevSliceMut<f16>,
+        src: &impl AsDevSlice<f16>,
+    ) -> Result<()> {
+        sum_into(gpu, "sum_into_f16", acc, src)
+    }
+
+    /// `acc[i] = bf16(f32(acc[i]) + f32(src[i]))`.
+    pub fn sum_into_bf16(
+        gpu: &Gpu,
+        acc: &mut impl AsDevSliceMut<bf16>,
+        src: &impl AsDevSlice<bf16>,
+    ) -> Result<()> {
+        sum_into(gpu, "sum_into_bf16", acc, src)
+    }
+
+    /// Sets `flag` when any element of `x` is Inf or NaN.
+    pub fn has_non_finite_f32(
+        gpu: &Gpu,
+        x: &impl AsDevSlice<f32>,
+        flag: &mut NonFiniteFlag,
+    ) -> Result<()> {
+        let x = x.dev_slice();
+        let n = count(x.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let flag = flag.view();
+        let args = [
+            gpu.arg("x", &x)?,
+            gpu.arg_mut("flag", &flag)?,
+            KernelArg::U32(n),
+        ];
+        // SAFETY: x is a live view of n elements on this GPU; flag a live word.
+        unsafe {
+            gpu.launch(
+                &MODULE,
+                "has_non_finite_f32",
+                LaunchConfig::linear(gpu.grid_for(x.len().div_ceil(4), BLOCK), BLOCK),
+                &args,
+            )
+        }
+    }
+}

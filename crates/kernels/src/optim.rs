@@ -1,0 +1,345 @@
+//! Optimizer steps on f32 master weights, following PyTorch's definitions
+//! (`torch.optim.SGD`, `Adam`, `AdamW`, `torch.nn.utils.clip_grad_norm_`).
+//!
+//! Per-step scalars (bias corrections, `1 - beta`, `1 - lr * weight_decay`) are computed in
+//! f64, as PyTorch computes them from Python floats, and rounded once to f32; the
+//! per-element arithmetic is f32. A weight decay of exactly 0.0 skips the decay term, as
+//! PyTorch does.
+
+use crate::error::{check_len, Error, Result};
+
+/// `p -= lr * (g + weight_decay * p)` (plain SGD with L2 weight decay).
+///
+/// # Errors
+/// `ShapeMismatch` naming `grads` when its length differs from `params`.
+pub fn sgd_step(params: &mut [f32], grads: &[f32], lr: f32, weight_decay: f32) -> Result<()> {
+    check_len("grads", grads.len(), params.len())?;
+    sgd_block(params, grads, lr, weight_decay);
+    Ok(())
+}
+
+#[inline]
+pub(crate) fn sgd_block(params: &mut [f32], grads: &[f32], lr: f32, weight_decay: f32) {
+    if weight_decay == 0.0 {
+        sgd_block_inner::<false>(params, grads, lr, weight_decay);
+    } else {
+        sgd_block_inner::<true>(params, grads, lr, weight_decay);
+    }
+}
+
+#[inline(always)]
+fn sgd_block_inner<const DECAY: bool>(params: &mut [f32], grads: &[f32], lr: f32, wd: f32) {
+    for (p, &g) in params.iter_mut().zip(grads) {
+        let d = if DECAY { g + wd * *p } else { g };
+        *p -= lr * d;
+    }
+}
+
+/// Hyper-parameters of one momentum-SGD step.
+#[derive(Clone, Copy)]
+pub(crate) struct MomentumStep {
+    lr: f32,
+    momentum: f32,
+    one_minus_dampening: f32,
+    weight_decay: f32,
+    nesterov: bool,
+    first_step: bool,
+}
+
+impl MomentumStep {
+    pub(crate) fn new(
+        lr: f32,
+        momentum: f32,
+        dampening: f32,
+        weight_decay: f32,
+        nesterov: bool,
+        first_step: bool,
+    ) -> Result<Self> {
+        if nesterov && (momentum <= 0.0 || dampening != 0.0) {
+            return Err(Error::InvalidArgument {
+                arg: "nesterov",
+                reason: "Nesterov momentum needs momentum > 0 and dampening 0 (as in PyTorch)",
+            });
+        }
+        Ok(Self {
+            lr,
+            momentum,
+            one_minus_dampening: (1.0 - f64::from(dampening)) as f32,
+            weight_decay,
+            nesterov,
+            first_step,
+        })
+    }
+
+    #[inline]
+    pub(crate) fn apply(&self, params: &mut [f32], grads: &[f32], buf: &mut [f32]) {
+        match (self.weight_decay != 0.0, self.first_step, self.nesterov) {
+            (false, false, false) => self.apply_inner::<false, false, false>(params, grads, buf),
+            (false, false, true) => self.apply_inner::<false, false, true>(params, grads, buf),
+            (false, true, false) => self.apply_inner::<false, true, false>(params, grads, buf),
+            (false, true, true) => self.apply_inner::<false, true, true>(params, grads, buf),
+            (true, false, false) => self.apply_inner::<true, false, false>(params, grads, buf),
+            (true, false, true) => self.apply_inner::<true, false, true>(params, grads, buf),
+            (true, true, false) => self.apply_inner::<true, true, false>(params, grads, buf),
+            (true, true, true) => self.apply_inner::<true, true, true>(params, grads, buf),
+        }
+    }
+
+    #[inline(always)]
+    fn apply_inner<const DECAY: bool, const FIRST: bool, const NESTEROV: bool>(
+        &self,
+        params: &mut [f32],
+        grads: &[f32],
+        buf: &mut [f32],
+    ) {
+        let s = *self;
+        for ((p, &g), b) in params.iter_mut().zip(grads).zip(buf.iter_mut()) {
+            let d = if DECAY { g + s.weight_decay * *p } else { g };
+            *b = if FIRST {
+                d
+            } else {
+                s.momentum * *b + s.one_minus_dampening * d
+            };
+            let d = if NESTEROV { d + s.momentum * *b } else { *b };
+            *p -= s.lr * d;
+        }
+    }
+}
+
+/// PyTorch SGD with momentum:
+/// `d = g + wd*p; buf = first_step ? d : momentum*buf + (1-dampening)*d;
+/// d = nesterov ? d + momentum*buf : buf; p -= lr*d`.
+///
+/// `first_step` must be true on the first call for a buffer (PyTorch initialises the
+/// buffer with `d` then); `momentum_buf` is ignored on input in that case.
+///
+/// # Errors
+/// `ShapeMismatch` naming `grads` or `momentum_buf` when its length differs from `params`;
+/// `InvalidArgument` naming `nesterov` when Nesterov is asked for with `momentum <= 0` or
+/// non-zero `dampening` (PyTorch rejects that too).
+#[allow(clippy::too_many_arguments)]
+pub fn sgd_momentum_step(
+    params: &mut [f32],
+    grads: &[f32],
+    momentum_buf: &mut [f32],
+    lr: f32,
+    momentum: f32,
+    dampening: f32,
+    weight_decay: f32,
+    nesterov: bool,
+    first_step: bool,
+) -> Result<()> {
+    check_len("grads", grads.len(), params.len())?;
+    check_len("momentum_buf", momentum_buf.len(), params.len())?;
+    let step = MomentumStep::new(lr, momentum, dampening, weight_decay, nesterov, first_step)?;
+    step.apply(params, grads, momentum_buf);
+    Ok(())
+}
+
+/// Per-step coefficients of Adam / AdamW.
+#[derive(Clone, Copy)]
+pub(crate) struct AdamStep {
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    /// `lr / (1 - beta1^step)`.
+    step_size: f32,
+    /// `sqrt(1 - beta2^step)`.
+    bias_correction2_sqrt: f32,
+    eps: f32,
+    /// L2 term added to the gradient (Adam); 0 for AdamW.
+    l2: f32,
+    /// `1 - lr * weight_decay` applied to the weights first (AdamW); 1 for Adam.
+    decoupled_decay: f32,
+}
+
+impl AdamStep {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        weight_decay: f32,
+        step: u32,
+        decoupled: bool,
+    ) -> Result<Self> {
+        if step == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "step",
+                reason: "Adam steps count from 1: pass 1 on the first update",
+            });
+        }
+        if !(0.0..1.0).contains(&beta1) {
+            return Err(Error::InvalidArgument {
+                arg: "beta1",
+                reason: "must be in [0, 1), e.g. 0.9",
+            });
+        }
+        if !(0.0..1.0).contains(&beta2) {
+            return Err(Error::InvalidArgument {
+                arg: "beta2",
+                reason: "must be in [0, 1), e.g. 0.999",
+            });
+        }
+        let (b1, b2, lr64) = (f64::from(beta1), f64::from(beta2), f64::from(lr));
+        let exponent = i32::try_from(step).unwrap_or(i32::MAX);
+        let bias_correction1 = 1.0 - libm::pow(b1, f64::from(exponent));
+        let bias_correction2 = 1.0 - libm::pow(b2, f64::from(exponent));
+        let (l2, decoupled_decay) = if decoupled {
+            (0.0, (1.0 - lr64 * f64::from(weight_decay)) as f32)
+        } else {
+            (weight_decay, 1.0)
+        };
+        Ok(Self {
+            beta1,
+            one_minus_beta1: (1.0 - b1) as f32,
+            beta2,
+            one_minus_beta2: (1.0 - b2) as f32,
+            step_size: (lr64 / bias_correction1) as f32,
+            bias_correction2_sqrt: libm::sqrt(bias_correction2) as f32,
+            eps,
+            l2,
+            decoupled_decay,
+        })
+    }
+
+    #[inline]
+    pub(crate) fn apply(&self, params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32]) {
+        match (self.l2 != 0.0, self.decoupled_decay != 1.0) {
+            (false, false) => self.apply_inner::<false, false>(params, grads, m, v),
+            (false, true) => self.apply_inner::<false, true>(params, grads, m, v),
+            (true, false) => self.apply_inner::<true, false>(params, grads, m, v),
+            (true, true) => self.apply_inner::<true, true>(params, grads, m, v),
+        }
+    }
+
+    #[inline(always)]
+    fn apply_inner<const L2: bool, const DECOUPLED: bool>(
+        &self,
+        params: &mut [f32],
+        grads: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) {
+        let s = *self;
+        let it = params
+            .iter_mut()
+            .zip(grads)
+            .zip(m.iter_mut().zip(v.iter_mut()));
+        for ((p, &g), (m, v)) in it {
+            if DECOUPLED {
+                *p *= s.decoupled_decay;
+            }
+            let g = if L2 { g + s.l2 * *p } else { g };
+            *m = s.beta1 * *m + s.one_minus_beta1 * g;
+            *v = s.beta2 * *v + s.one_minus_beta2 * g * g;
+            let denom = libm::sqrtf(*v) / s.bias_correction2_sqrt + s.eps;
+            *p -= s.step_size * (*m / denom);
+        }
+    }
+}
+
+/// Length checks shared by Adam and AdamW.
+#[inline]
+pub(crate) fn check_adam(params: &[f32], grads: &[f32], m: &[f32], v: &[f32]) -> Result<()> {
+    check_len("grads", grads.len(), params.len())?;
+    check_len("m", m.len(), params.len())?;
+    check_len("v", v.len(), params.len())
+}
+
+/// PyTorch Adam (L2 weight decay added to the gradient); `step` is 1-based:
+/// `g += wd*p; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g; bc1 = 1-b1^step;
+/// bc2 = 1-b2^step; p -= (lr/bc1) * m / (sqrt(v)/sqrt(bc2) + eps)`.
+///
+/// # Errors
+/// `ShapeMismatch` naming `grads`, `m` or `v` when its length differs from `params`;
+/// `InvalidArgument` for `step == 0` or a beta outside `[0, 1)`.
+#[allow(clippy::too_many_arguments)]
+pub fn adam_step(
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    step: u32,
+) -> Result<()> {
+    check_adam(params, grads, m, v)?;
+    let s = AdamStep::new(lr, beta1, beta2, eps, weight_decay, step, false)?;
+    s.apply(params, grads, m, v);
+    Ok(())
+}
+
+/// PyTorch AdamW: `p *= 1 - lr*weight_decay` first, then the Adam update without the L2
+/// term.
+///
+/// # Errors
+/// As [`adam_step`].
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_step(
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    step: u32,
+) -> Result<()> {
+    check_adam(params, grads, m, v)?;
+    let s = AdamStep::new(lr, beta1, beta2, eps, weight_decay, step, true)?;
+    s.apply(params, grads, m, v);
+    Ok(())
+}
+
+/// Sum of squares, accumulated in f64 in four interleaved lanes (a fixed order, so the
+/// result does not depend on anything but the input).
+pub fn sum_of_squares(x: &[f32]) -> f64 {
+    let mut lanes = [0.0f64; 4];
+    let chunks = x.chunks_exact(4);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            let v = f64::from(v);
+            *lane += v * v;
+        }
+    }
+    for (lane, &v) in lanes.iter_mut().zip(tail) {
+        let v = f64::from(v);
+        *lane += v * v;
+    }
+    (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
+}
+
+/// PyTorch `clip_grad_norm_`'s factor: `min(1, max_norm / (total_norm + 1e-6))`, computed
+/// in f64 and rounded to f32. A NaN norm gives NaN (the gradients are poisoned anyway); an
+/// infinite norm gives 0.
+pub fn clip_factor(total_norm: f64, max_norm: f32) -> f32 {
+    let factor = f64::from(max_norm) / (total_norm + 1e-6);
+    if factor.is_nan() {
+        f32::NAN
+    } else {
+        factor.min(1.0) as f32
+    }
+}
+
+/// Global-norm clipping over several gradient slices: computes
+/// `total = sqrt(sum of sum_of_squares)`, scales every slice by
+/// `clip_factor(total, max_norm)` when that is below 1, and returns `total`.
+pub fn clip_by_global_norm(grads: &mut [&mut [f32]], max_norm: f32) -> f64 {
+    let total = libm::sqrt(grads.iter().map(|g| sum_of_squares(g)).sum::<f64>());
+    let factor = clip_factor(total, max_norm);
+    if factor.is_nan() || factor < 1.0 {
+        for g in grads.iter_mut() {
+            crate::reduce::scale_f32(g, factor);
+        }
+    }
+    total
+}

@@ -1,0 +1,354 @@
+//! Parallel twins of the hot kernels (feature `rayon`), with the same names, signatures
+//! and errors as the serial functions.
+//!
+//! Work is split over batch rows (LSTM), logit rows (softmax) or fixed blocks of
+//! [`PAR_BLOCK`] elements (element-wise kernels). Every element is computed by the same
+//! code as in the serial kernel and no value is ever combined across blocks in an order
+//! rayon chooses, so the results equal the serial ones bit for bit whatever the thread
+//! count.
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::error::{check_len, Result};
+use crate::{lstm, optim, precision, reduce, softmax};
+
+/// Elements per parallel task in the element-wise kernels.
+pub const PAR_BLOCK: usize = 1 << 14;
+
+/// Parallel [`crate::lstm_pointwise_forward`] (over batch rows).
+///
+/// # Errors
+/// As the serial kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn lstm_pointwise_forward(
+    gates: &[f32],
+    bias: &[f32],
+    c_prev: &[f32],
+    c: &mut [f32],
+    h: &mut [f32],
+    act: &mut [f32],
+    batch: usize,
+    hidden: usize,
+) -> Result<()> {
+    lstm::check_forward(gates, bias, c_prev, c, h, act, batch, hidden)?;
+    if batch == 0 || hidden == 0 {
+        return Ok(());
+    }
+    gates
+        .par_chunks_exact(4 * hidden)
+        .zip(c_prev.par_chunks_exact(hidden))
+        .zip(c.par_chunks_exact_mut(hidden))
+        .zip(h.par_chunks_exact_mut(hidden))
+        .zip(act.par_chunks_exact_mut(4 * hidden))
+        .for_each(|((((g, cp), c), h), a)| lstm::forward_row(g, bias, cp, c, h, a));
+    Ok(())
+}
+
+/// Parallel [`crate::lstm_pointwise_forward_step`] (over batch rows).
+///
+/// # Errors
+/// As the serial kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn lstm_pointwise_forward_step(
+    input_proj: &[f32],
+    recurrent: &[f32],
+    bias: &[f32],
+    c_prev: &[f32],
+    c: &mut [f32],
+    h: &mut [f32],
+    act: &mut [f32],
+    step: usize,
+    steps: usize,
+    batch: usize,
+    hidden: usize,
+) -> Result<()> {
+    let proj = lstm::check_forward_step(
+        input_proj, recurrent, bias, c_prev, c, h, act, step, steps, batch, hidden,
+    )?;
+    if batch == 0 || hidden == 0 {
+        return Ok(());
+    }
+    proj.par_chunks_exact(4 * hidden)
+        .zip(recurrent.par_chunks_exact(4 * hidden))
+        .zip(c_prev.par_chunks_exact(hidden))
+        .zip(c.par_chunks_exact_mut(hidden))
+        .zip(h.par_chunks_exact_mut(hidden))
+        .zip(act.par_chunks_exact_mut(4 * hidden))
+        .for_each(|(((((x, r), cp), c), h), a)| {
+            lstm::forward_step_row(x, r, bias, cp, c, h, a);
+        });
+    Ok(())
+}
+
+/// Parallel [`crate::lstm_pointwise_backward`] (over batch rows).
+///
+/// # Errors
+/// As the serial kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn lstm_pointwise_backward(
+    act: &[f32],
+    c_prev: &[f32],
+    c: &[f32],
+    dh: &[f32],
+    dc: &[f32],
+    dgates: &mut [f32],
+    dc_prev: &mut [f32],
+    batch: usize,
+    hidden: usize,
+) -> Result<()> {
+    lstm::check_backward(act, c_prev, c, dh, dc, dgates, dc_prev, batch, hidden)?;
+    if batch == 0 || hidden == 0 {
+        return Ok(());
+    }
+    act.par_chunks_exact(4 * hidden)
+        .zip(c_prev.par_chunks_exact(hidden))
+        .zip(c.par_chunks_exact(hidden))
+        .zip(dh.par_chunks_exact(hidden))
+        .zip(dc.par_chunks_exact(hidden))
+        .zip(dgates.par_chunks_exact_mut(4 * hidden))
+        .zip(dc_prev.par_chunks_exact_mut(hidden))
+        .for_each(|((((((a, cp), c), dh), dc), dg), dcp)| {
+            lstm::backward_row(a, cp, c, dh, dc, dg, dcp);
+        });
+    Ok(())
+}
+
+/// Parallel [`crate::softmax_xent_forward`] (over rows).
+///
+/// # Errors
+/// As the serial kernel.
+pub fn softmax_xent_forward(
+    logits: &[f32],
+    labels: &[u32],
+    mask: &[f32],
+    loss: &mut [f32],
+    lse: &mut [f32],
+    rows: usize,
+    vocab: usize,
+) -> Result<()> {
+    softmax::check_forward(logits, labels, mask, loss, lse, rows, vocab)?;
+    logits
+        .par_chunks_exact(vocab)
+        .zip(labels.par_iter())
+        .zip(mask.par_iter())
+        .zip(loss.par_iter_mut().zip(lse.par_iter_mut()))
+        .for_each(|(((row, &label), &weight), (loss, lse))| {
+            (*loss, *lse) = softmax::forward_row(row, label, weight);
+        });
+    Ok(())
+}
+
+/// Parallel [`crate::softmax_xent_forward_online`] (over rows).
+///
+/// # Errors
+/// As the serial kernel.
+pub fn softmax_xent_forward_online(
+    logits: &[f32],
+    labels: &[u32],
+    mask: &[f32],
+    loss: &mut [f32],
+    lse: &mut [f32],
+    rows: usize,
+    vocab: usize,
+) -> Result<()> {
+    softmax::check_forward(logits, labels, mask, loss, lse, rows, vocab)?;
+    logits
+        .par_chunks_exact(vocab)
+        .zip(labels.par_iter())
+        .zip(mask.par_iter())
+        .zip(loss.par_iter_mut().zip(lse.par_iter_mut()))
+        .for_each(|(((row, &label), &weight), (loss, lse))| {
+            (*loss, *lse) = softmax::forward_row_online(row, label, weight);
+        });
+    Ok(())
+}
+
+/// Parallel [`crate::softmax_xent_backward`] (over rows).
+///
+/// # Errors
+/// As the serial kernel.
+pub fn softmax_xent_backward(
+    logits: &mut [f32],
+    lse: &[f32],
+    labels: &[u32],
+    mask: &[f32],
+    scale: f32,
+    rows: usize,
+    vocab: usize,
+) -> Result<()> {
+    softmax::check_backward(logits, lse, labels, mask, rows, vocab)?;
+    logits
+        .par_chunks_exact_mut(vocab)
+        .zip(lse.par_iter())
+        .zip(labels.par_iter())
+        .zip(mask.par_iter())
+        .for_each(|(((row, &lse), &label), &weight)| {
+            softmax::backward_row(row, lse, label, weight, scale);
+        });
+    Ok(())
+}
+
+/// Parallel [`crate::f32_to_f16_scaled`] (fixed blocks; the flag is an OR over blocks).
+///
+/// # Errors
+/// As the serial kernel.
+pub fn f32_to_f16_scaled(src: &[f32], scale: f32, dst: &mut [f16]) -> Result<bool> {
+    check_len("dst", dst.len(), src.len())?;
+    Ok(src
+        .par_chunks(PAR_BLOCK)
+        .zip(dst.par_chunks_mut(PAR_BLOCK))
+        .map(|(s, d)| precision::f32_to_f16_scaled_block(s, scale, d))
+        .reduce(|| false, |a, b| a | b))
+}
+
+/// Parallel [`crate::f32_to_bf16_scaled`] (fixed blocks; the flag is an OR over blocks).
+///
+/// # Errors
+/// As the serial kernel.
+pub fn f32_to_bf16_scaled(src: &[f32], scale: f32, dst: &mut [bf16]) -> Result<bool> {
+    check_len("dst", dst.len(), src.len())?;
+    Ok(src
+        .par_chunks(PAR_BLOCK)
+        .zip(dst.par_chunks_mut(PAR_BLOCK))
+        .map(|(s, d)| precision::f32_to_bf16_scaled_block(s, scale, d))
+        .reduce(|| false, |a, b| a | b))
+}
+
+/// Parallel [`crate::f16_to_f32_unscaled`] (fixed blocks).
+///
+/// # Errors
+/// As the serial kernel.
+pub fn f16_to_f32_unscaled(src: &[f16], inv_scale: f32, dst: &mut [f32]) -> Result<()> {
+    check_len("dst", dst.len(), src.len())?;
+    src.par_chunks(PAR_BLOCK)
+        .zip(dst.par_chunks_mut(PAR_BLOCK))
+        .for_each(|(s, d)| precision::f16_to_f32_unscaled_block(s, inv_scale, d));
+    Ok(())
+}
+
+/// Parallel [`crate::bf16_to_f32_unscaled`] (fixed blocks).
+///
+/// # Errors
+/// As the serial kernel.
+pub fn bf16_to_f32_unscaled(src: &[bf16], inv_scale: f32, dst: &mut [f32]) -> Result<()> {
+    check_len("dst", dst.len(), src.len())?;
+    src.par_chunks(PAR_BLOCK)
+        .zip(dst.par_chunks_mut(PAR_BLOCK))
+        .for_each(|(s, d)| precision::bf16_to_f32_unscaled_block(s, inv_scale, d));
+    Ok(())
+}
+
+/// Parallel [`crate::sum_into_f32`] (fixed blocks).
+///
+/// # Errors
+/// As the serial kernel.
+pub fn sum_into_f32(acc: &mut [f32], src: &[f32]) -> Result<()> {
+    check_len("src", src.len(), acc.len())?;
+    acc.par_chunks_mut(PAR_BLOCK)
+        .zip(src.par_chunks(PAR_BLOCK))
+        .for_each(|(a, s)| reduce::sum_into_f32_block(a, s));
+    Ok(())
+}
+
+/// Parallel [`crate::scale_f32`] (fixed blocks).
+pub fn scale_f32(buf: &mut [f32], factor: f32) {
+    buf.par_chunks_mut(PAR_BLOCK)
+        .for_each(|b| reduce::scale_f32(b, factor));
+}
+
+/// Parallel [`crate::sgd_step`] (fixed blocks).
+///
+/// # Errors
+/// As the serial kernel.
+pub fn sgd_step(params: &mut [f32], grads: &[f32], lr: f32, weight_decay: f32) -> Result<()> {
+    check_len("grads", grads.len(), params.len())?;
+    params
+        .par_chunks_mut(PAR_BLOCK)
+        .zip(grads.par_chunks(PAR_BLOCK))
+        .for_each(|(p, g)| optim::sgd_block(p, g, lr, weight_decay));
+    Ok(())
+}
+
+/// Parallel [`crate::sgd_momentum_step`] (fixed blocks).
+///
+/// # Errors
+/// As the serial kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn sgd_momentum_step(
+    params: &mut [f32],
+    grads: &[f32],
+    momentum_buf: &mut [f32],
+    lr: f32,
+    momentum: f32,
+    dampening: f32,
+    weight_decay: f32,
+    nesterov: bool,
+    first_step: bool,
+) -> Result<()> {
+    check_len("grads", grads.len(), params.len())?;
+    check_len("momentum_buf", momentum_buf.len(), params.len())?;
+    let step =
+        optim::MomentumStep::new(lr, momentum, dampening, weight_decay, nesterov, first_step)?;
+    params
+        .par_chunks_mut(PAR_BLOCK)
+        .zip(grads.par_chunks(PAR_BLOCK))
+        .zip(momentum_buf.par_chunks_mut(PAR_BLOCK))
+        .for_each(|((p, g), b)| step.apply(p, g, b));
+    Ok(())
+}
+
+/// Parallel [`crate::adam_step`] (fixed blocks).
+///
+/// # Errors
+/// As the serial kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn adam_step(
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    step: u32,
+) -> Result<()> {
+    optim::check_adam(params, grads, m, v)?;
+    let s = optim::AdamStep::new(lr, beta1, beta2, eps, weight_decay, step, false)?;
+    adam_par(&s, params, grads, m, v);
+    Ok(())
+}
+
+/// Parallel [`crate::adamw_step`] (fixed blocks).
+///
+/// # Errors
+/// As the serial kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_step(
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    step: u32,
+) -> Result<()> {
+    optim::check_adam(params, grads, m, v)?;
+    let s = optim::AdamStep::new(lr, beta1, beta2, eps, weight_decay, step, true)?;
+    adam_par(&s, params, grads, m, v);
+    Ok(())
+}
+
+fn adam_par(s: &optim::AdamStep, params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32]) {
+    params
+        .par_chunks_mut(PAR_BLOCK)
+        .zip(grads.par_chunks(PAR_BLOCK))
+        .zip(m.par_chunks_mut(PAR_BLOCK))
+        .zip(v.par_chunks_mut(PAR_BLOCK))
+        .for_each(|(((p, g), m), v)| s.apply(p, g, m, v));
+}

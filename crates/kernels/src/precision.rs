@@ -1,0 +1,122 @@
+//! Reduced-precision casts for mixed-precision training: f32 to f16/bf16 with a loss
+//! scale and a non-finite flag, and back to f32 with the inverse scale.
+//!
+//! Conversions round to nearest, ties to even, through `half`'s conversions (the same
+//! rounding as the GPU's `cvt.rn`), so CPU and GPU results can be compared bit for bit.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use crate::error::{check_len, Result};
+
+/// Elements converted per stack buffer.
+const CAST_BLOCK: usize = 256;
+
+/// Exponent bits of an f16; all set means Inf or NaN.
+const F16_EXP_MASK: u16 = 0x7c00;
+/// Exponent bits of a bf16; all set means Inf or NaN.
+const BF16_EXP_MASK: u16 = 0x7f80;
+/// Exponent bits of an f32; all set means Inf or NaN.
+const F32_EXP_MASK: u32 = 0x7f80_0000;
+
+/// Converts a block and reports whether any output is non-finite.
+#[inline]
+pub(crate) fn f32_to_f16_scaled_block(src: &[f32], scale: f32, dst: &mut [f16]) -> bool {
+    let mut scaled = [0.0f32; CAST_BLOCK];
+    let mut non_finite = false;
+    for (s, d) in src.chunks(CAST_BLOCK).zip(dst.chunks_mut(CAST_BLOCK)) {
+        let buf = &mut scaled[..s.len()];
+        for (b, &x) in buf.iter_mut().zip(s) {
+            *b = x * scale;
+        }
+        d.convert_from_f32_slice(buf);
+        non_finite |= d.iter().fold(false, |acc, h| {
+            acc | (h.to_bits() & F16_EXP_MASK == F16_EXP_MASK)
+        });
+    }
+    non_finite
+}
+
+/// Converts a block and reports whether any output is non-finite.
+#[inline]
+pub(crate) fn f32_to_bf16_scaled_block(src: &[f32], scale: f32, dst: &mut [bf16]) -> bool {
+    let mut scaled = [0.0f32; CAST_BLOCK];
+    let mut non_finite = false;
+    for (s, d) in src.chunks(CAST_BLOCK).zip(dst.chunks_mut(CAST_BLOCK)) {
+        let buf = &mut scaled[..s.len()];
+        for (b, &x) in buf.iter_mut().zip(s) {
+            *b = x * scale;
+        }
+        d.convert_from_f32_slice(buf);
+        non_finite |= d.iter().fold(false, |acc, h| {
+            acc | (h.to_bits() & BF16_EXP_MASK == BF16_EXP_MASK)
+        });
+    }
+    non_finite
+}
+
+#[inline]
+pub(crate) fn f16_to_f32_unscaled_block(src: &[f16], inv_scale: f32, dst: &mut [f32]) {
+    src.convert_to_f32_slice(dst);
+    for x in dst.iter_mut() {
+        *x *= inv_scale;
+    }
+}
+
+#[inline]
+pub(crate) fn bf16_to_f32_unscaled_block(src: &[bf16], inv_scale: f32, dst: &mut [f32]) {
+    src.convert_to_f32_slice(dst);
+    for x in dst.iter_mut() {
+        *x *= inv_scale;
+    }
+}
+
+/// `dst[i] = f16(src[i] * scale)`, rounded to nearest even. Writes every element and
+/// returns `Ok(true)` when any `dst` element is Inf or NaN (a non-finite input, or an
+/// overflow past 65504 after scaling): the caller should then skip the step and lower
+/// the loss scale.
+///
+/// # Errors
+/// `ShapeMismatch` naming `dst` when `dst.len() != src.len()`.
+pub fn f32_to_f16_scaled(src: &[f32], scale: f32, dst: &mut [f16]) -> Result<bool> {
+    check_len("dst", dst.len(), src.len())?;
+    Ok(f32_to_f16_scaled_block(src, scale, dst))
+}
+
+/// `dst[i] = bf16(src[i] * scale)`, rounded to nearest even; returns `Ok(true)` when any
+/// `dst` element is Inf or NaN. Writes every element.
+///
+/// # Errors
+/// `ShapeMismatch` naming `dst` when `dst.len() != src.len()`.
+pub fn f32_to_bf16_scaled(src: &[f32], scale: f32, dst: &mut [bf16]) -> Result<bool> {
+    check_len("dst", dst.len(), src.len())?;
+    Ok(f32_to_bf16_scaled_block(src, scale, dst))
+}
+
+/// `dst[i] = f32(src[i]) * inv_scale` (the widening is exact).
+///
+/// # Errors
+/// `ShapeMismatch` naming `dst` when `dst.len() != src.len()`.
+pub fn f16_to_f32_unscaled(src: &[f16], inv_scale: f32, dst: &mut [f32]) -> Result<()> {
+    check_len("dst", dst.len(), src.len())?;
+    f16_to_f32_unscaled_block(src, inv_scale, dst);
+    Ok(())
+}
+
+/// `dst[i] = f32(src[i]) * inv_scale` (the widening is exact).
+///
+/// # Errors
+/// `ShapeMismatch` naming `dst` when `dst.len() != src.len()`.
+pub fn bf16_to_f32_unscaled(src: &[bf16], inv_scale: f32, dst: &mut [f32]) -> Result<()> {
+    check_len("dst", dst.len(), src.len())?;
+    bf16_to_f32_unscaled_block(src, inv_scale, dst);
+    Ok(())
+}
+
+/// `true` when any element of `x` is Inf or NaN. Looks at every element (no early exit),
+/// which lets the loop vectorise.
+pub fn has_non_finite_f32(x: &[f32]) -> bool {
+    x.iter().fold(false, |acc, v| {
+        acc | (v.to_bits() & F32_EXP_MASK == F32_EXP_MASK)
+    })
+}

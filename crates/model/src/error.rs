@@ -1,0 +1,72 @@
+//! The crate's error type.
+
+/// Everything the model crate can reject.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A CPU kernel rejected its arguments.
+    #[error("kernel error: {0}")]
+    Kernel(#[from] ringtrain_kernels::Error),
+    /// A model configuration value is unusable.
+    #[error("invalid model config: `{field}` = {value}: {reason}")]
+    InvalidConfig {
+        /// The configuration field.
+        field: &'static str,
+        /// The value that was given.
+        value: String,
+        /// What is wrong and what to use instead.
+        reason: String,
+    },
+    /// A batch does not match its own sizes or the model's vocabularies.
+    #[error("invalid batch: `{field}` = {value}: {reason}")]
+    InvalidBatch {
+        /// The batch field.
+        field: &'static str,
+        /// The value (or length) that was given.
+        value: String,
+        /// What is wrong and what to pass instead.
+        reason: String,
+    },
+    /// A backend operation was asked to read or write past the end of a buffer.
+    #[error("backend view `{what}` ends at element {end} but the buffer holds {len}: the caller computed a wrong offset or size")]
+    OutOfBounds {
+        /// Which operand of the operation.
+        what: &'static str,
+        /// One past the last element the operation would touch.
+        end: usize,
+        /// Length of the buffer.
+        len: usize,
+    },
+    /// The CUDA backend was requested from a build without the `cuda` feature.
+    #[error("the CUDA backend (device {device}) was requested but ringtrain-model was built without the `cuda` feature: rebuild with `--features cuda` (needs libcuda at link time) or use the CPU backend")]
+    NotCompiledWithCuda {
+        /// The device index that was requested.
+        device: usize,
+    },
+    /// Built with `cuda`, but the GPU model backend is not implemented yet.
+    #[error("the CUDA model backend (device {device}) is not available in this version: the `cuda` feature builds the PTX runtime, but LSTM/softmax training on the GPU is not wired up yet; use the CPU backend")]
+    CudaBackendUnavailable {
+        /// The device index that was requested.
+        device: usize,
+    },
+    /// The CPU backend could not start its worker threads.
+    #[error("cannot start a rayon pool of {threads} threads: {reason}")]
+    ThreadPool {
+        /// Requested thread count.
+        threads: usize,
+        /// The pool builder's message.
+        reason: String,
+    },
+}
+
+/// Result with the crate's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// `InvalidConfig` for `field` with `value` and `reason`.
+pub(crate) fn config_error(field: &'static str, value: impl ToString, reason: impl Into<String>) -> Error {
+    Error::InvalidConfig { field, value: value.to_string(), reason: reason.into() }
+}
+
+/// `InvalidBatch` for `field` with `value` and `reason`.
+pub(crate) fn batch_error(field: &'static str, value: impl ToString, reason: impl Into<String>) -> Error {
+    Error::InvalidBatch { field, value: value.to_string(), reason: reason.into() }
+}

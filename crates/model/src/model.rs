@@ -1,0 +1,131 @@
+//! What every model offers the trainer: the [`Model`] trait and [`StepStats`].
+
+use std::ops::Range;
+
+use crate::backend::Backend;
+use crate::error::Result;
+use crate::params::ParamLayout;
+
+/// Result of one forward (and backward) pass over a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepStats {
+    /// Sum of the masked per-token cross-entropy (natural log).
+    pub loss_sum: f64,
+    /// Number of target tokens: the sum of the mask.
+    pub tokens: f64,
+    /// Backend operations (kernel launches on a GPU) this call issued.
+    pub launches: u64,
+}
+
+impl StepStats {
+    /// `loss_sum / tokens` (the reported loss), 0 for a batch without tokens.
+    pub fn mean_loss(&self) -> f64 {
+        if self.tokens > 0.0 {
+            self.loss_sum / self.tokens
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Callback told, during backward, that the gradient in `range` of the flat gradient
+/// buffer (the second argument) is final.
+pub type GradsReady<'a, Buf> = dyn FnMut(Range<usize>, &Buf) + 'a;
+
+/// A trainable model with one flat parameter buffer and one flat gradient buffer.
+pub trait Model {
+    /// The backend the model computes on.
+    type Backend: Backend;
+    /// The model's input batch.
+    type Batch<'a>;
+
+    /// The named parameter tensors and their place in the flat buffers.
+    fn layout(&self) -> &ParamLayout;
+    /// The backend.
+    fn backend(&self) -> &Self::Backend;
+    /// The flat parameter buffer.
+    fn params(&self) -> &<Self::Backend as Backend>::Buffer;
+    /// The flat parameter buffer, for the optimizer or a broadcast.
+    fn params_mut(&mut self) -> &mut <Self::Backend as Backend>::Buffer;
+    /// The flat gradient buffer (gradient of the summed loss of the last batch).
+    fn grads(&self) -> &<Self::Backend as Backend>::Buffer;
+    /// The flat gradient buffer, for an in-place all-reduce.
+    fn grads_mut(&mut self) -> &mut <Self::Backend as Backend>::Buffer;
+    /// Both buffers at once, for an optimizer step.
+    fn params_and_grads_mut(
+        &mut self,
+    ) -> (&mut <Self::Backend as Backend>::Buffer, &mut <Self::Backend as Backend>::Buffer);
+    /// Re-initialises every parameter from `seed`.
+    ///
+    /// # Errors
+    /// Backend errors.
+    fn init_params(&mut self, seed: u64) -> Result<()>;
+    /// Loss of `batch` without gradients.
+    ///
+    /// # Errors
+    /// `InvalidBatch` for a malformed batch; backend errors.
+    fn forward_loss(&mut self, batch: &Self::Batch<'_>) -> Result<StepStats>;
+    /// Loss and gradients of `batch`. `on_grads_ready(range, grads)` is called once per
+    /// parameter tensor as soon as its gradient is final; the ranges are consecutive,
+    /// ascending, and cover the gradient buffer exactly once. The gradient buffer is
+    /// overwritten (not accumulated into).
+    ///
+    /// # Errors
+    /// `InvalidBatch` for a malformed batch; backend errors.
+    fn forward_backward(
+        &mut self,
+        batch: &Self::Batch<'_>,
+        on_grads_ready: &mut GradsReady<'_, <Self::Backend as Backend>::Buffer>,
+    ) -> Result<StepStats>;
+}
+
+/// Checks that every id of `ids` is below `vocab`.
+pub(crate) fn check_ids(field: &'static str, ids: &[u32], vocab: usize) -> Result<()> {
+    match ids.iter().position(|&id| id as usize >= vocab) {
+        Some(pos) => Err(crate::error::batch_error(
+            field,
+            format!("{} at position {pos}", ids[pos]),
+            format!("token ids must be below the vocab size {vocab}: check the vocab files or the model config"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Checks `values.len() == expected`.
+pub(crate) fn check_len<T>(field: &'static str, values: &[T], expected: usize, shape: &str) -> Result<()> {
+    if values.len() == expected {
+        Ok(())
+    } else {
+        Err(crate::error::batch_error(
+            field,
+            format!("{} elements", values.len()),
+            format!("expected {expected} = {shape} (time-major)"),
+        ))
+    }
+}
+
+/// Checks labels of rows with a non-zero mask, and that the mask is finite.
+pub(crate) fn check_labels(field: &'static str, labels: &[u32], mask: &[f32], vocab: usize) -> Result<()> {
+    for (pos, (&label, &m)) in labels.iter().zip(mask).enumerate() {
+        if !m.is_finite() {
+            return Err(crate::error::batch_error("mask", format!("{m} at position {pos}"), "mask weights must be finite (1.0 real token, 0.0 padding)"));
+        }
+        if m != 0.0 && label as usize >= vocab {
+            return Err(crate::error::batch_error(
+                field,
+                format!("{label} at position {pos}"),
+                format!("target ids of unmasked tokens must be below the vocab size {vocab}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks that a size is at least 1.
+pub(crate) fn check_positive(field: &'static str, value: usize) -> Result<()> {
+    if value == 0 {
+        Err(crate::error::batch_error(field, value, "must be at least 1"))
+    } else {
+        Ok(())
+    }
+}

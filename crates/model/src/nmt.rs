@@ -1,0 +1,466 @@
+//! The NMT encoder-decoder (no attention) of the benchmark the users ran.
+//!
+//! Source and target embeddings `[vocab, emb]`; an encoder that is either
+//! - uni: `layers` stacked LSTM layers whose final states initialise the decoder's layers
+//!   one to one, or
+//! - bi: `layers / 2` layers per direction, the second layer of a direction seeing only
+//!   that direction's first layer; final states are interleaved fw0, bw0, fw1, bw1, ... and
+//!   become the initial `(h, c)` of decoder layers 0, 1, 2, 3, ...;
+//!
+//! a decoder of `layers` LSTM layers over the target input (BOS + target); an output
+//! projection `hidden -> tgt_vocab` without bias over all target positions at once; and
+//! the summed masked softmax cross-entropy against the target output (target + EOS).
+//! Encoder outputs are not otherwise used. Source padding is processed like any token.
+
+use crate::backend::Backend;
+use crate::embedding::{Embedding, EmbeddingWork, Projection, ProjectionWork};
+use crate::error::{config_error, Result};
+use crate::lstm::{GradTarget, InitState, LstmImpl, LstmLayer, LstmWork};
+use crate::model::{check_ids, check_labels, check_len, check_positive, GradsReady, Model, StepStats};
+use crate::params::ParamLayout;
+
+/// Encoder kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EncoderKind {
+    /// Bidirectional: `layers / 2` layers per direction.
+    #[default]
+    Bi,
+    /// Unidirectional: `layers` layers.
+    Uni,
+}
+
+impl std::str::FromStr for EncoderKind {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "bi" => Ok(EncoderKind::Bi),
+            "uni" => Ok(EncoderKind::Uni),
+            other => Err(config_error("encoder", other, "use `bi` or `uni`")),
+        }
+    }
+}
+
+/// Sizes and choices of an [`NmtModel`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct NmtConfig {
+    /// Source vocabulary size.
+    pub src_vocab: usize,
+    /// Target vocabulary size (projection width).
+    pub tgt_vocab: usize,
+    /// Embedding width.
+    pub emb: usize,
+    /// LSTM hidden units.
+    pub hidden: usize,
+    /// Decoder layers; the encoder has as many (bi: half per direction).
+    pub layers: usize,
+    /// Encoder kind.
+    pub encoder: EncoderKind,
+    /// LSTM implementation of every layer.
+    pub lstm: LstmImpl,
+    /// Half-width of the uniform initialisation (TF NMT: 0.1).
+    pub init_scale: f32,
+    /// Initial value of the LSTM forget-gate bias (TF's `forget_bias`, 1.0).
+    pub forget_bias: f32,
+}
+
+impl NmtConfig {
+    /// The CPU benchmark configuration: vocab 8000 each side, emb 256, hidden 256,
+    /// 2 layers, bi encoder, fused LSTM.
+    pub fn benchmark() -> Self {
+        NmtConfig {
+            src_vocab: 8000,
+            tgt_vocab: 8000,
+            emb: 256,
+            hidden: 256,
+            layers: 2,
+            encoder: EncoderKind::Bi,
+            lstm: LstmImpl::Fused,
+            init_scale: 0.1,
+            forget_bias: ringtrain_kernels::DEFAULT_FORGET_BIAS,
+        }
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// `InvalidConfig` naming the first bad field.
+    pub fn validate(&self) -> Result<()> {
+        for (field, value) in [
+            ("src_vocab", self.src_vocab),
+            ("tgt_vocab", self.tgt_vocab),
+            ("emb", self.emb),
+            ("hidden", self.hidden),
+            ("layers", self.layers),
+        ] {
+            if value == 0 {
+                return Err(config_error(field, value, "must be at least 1"));
+            }
+        }
+        if self.encoder == EncoderKind::Bi && self.layers % 2 != 0 {
+            return Err(config_error(
+                "layers",
+                self.layers,
+                "a bi encoder needs an even layer count (layers/2 per direction): use an even number or encoder uni",
+            ));
+        }
+        if !(self.init_scale.is_finite() && self.init_scale >= 0.0) {
+            return Err(config_error("init_scale", self.init_scale, "must be finite and >= 0 (TF NMT uses 0.1)"));
+        }
+        if !self.forget_bias.is_finite() {
+            return Err(config_error("forget_bias", self.forget_bias, "must be finite (usually 1.0)"));
+        }
+        Ok(())
+    }
+}
+
+/// One NMT batch, time-major: token (t, b) at `t * batch + b`.
+#[derive(Debug, Clone, Copy)]
+pub struct NmtBatch<'a> {
+    /// Sentences in the batch.
+    pub batch: usize,
+    /// Source steps.
+    pub src_len: usize,
+    /// Target steps.
+    pub tgt_len: usize,
+    /// Source ids `[src_len * batch]`.
+    pub src: &'a [u32],
+    /// Decoder input ids (BOS + target) `[tgt_len * batch]`.
+    pub tgt_in: &'a [u32],
+    /// Decoder output ids (target + EOS) `[tgt_len * batch]`.
+    pub tgt_out: &'a [u32],
+    /// Target weights `[tgt_len * batch]`: 1.0 real token, 0.0 padding.
+    pub tgt_mask: &'a [f32],
+}
+
+struct NmtWork<Buf> {
+    src_len: usize,
+    tgt_len: usize,
+    batch: usize,
+    src_emb: EmbeddingWork<Buf>,
+    tgt_emb: EmbeddingWork<Buf>,
+    encoder: Vec<LstmWork<Buf>>,
+    decoder: Vec<LstmWork<Buf>>,
+    head: ProjectionWork<Buf>,
+}
+
+/// The NMT encoder-decoder on backend `B` (see the module docs).
+pub struct NmtModel<B: Backend> {
+    backend: B,
+    config: NmtConfig,
+    layout: ParamLayout,
+    params: B::Buffer,
+    grads: B::Buffer,
+    proj: Projection,
+    decoder: Vec<LstmLayer>,
+    tgt_emb: Embedding,
+    /// Uni: layer l at index l. Bi: depth d, direction r (0 fw, 1 bw) at `2d + r`.
+    encoder: Vec<LstmLayer>,
+    src_emb: Embedding,
+    work: Option<NmtWork<B::Buffer>>,
+}
+
+impl<B: Backend> std::fmt::Debug for NmtModel<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NmtModel")
+            .field("backend", &self.backend.name())
+            .field("config", &self.config)
+            .field("params", &self.layout.total_len())
+            .finish()
+    }
+}
+
+impl<B: Backend> NmtModel<B> {
+    /// Builds the model and initialises its parameters from `seed`.
+    ///
+    /// # Errors
+    /// `InvalidConfig` for a bad config; backend errors.
+    pub fn new(backend: B, config: NmtConfig, seed: u64) -> Result<Self> {
+        config.validate()?;
+        let c = &config;
+        let mut layout = ParamLayout::new();
+        let proj = Projection::register(&mut layout, "proj/kernel", c.hidden, c.tgt_vocab, c.init_scale)?;
+        let mut decoder = Vec::with_capacity(c.layers);
+        for l in (0..c.layers).rev() {
+            let input = if l == 0 { c.emb } else { c.hidden };
+            let name = format!("decoder/layer_{l}");
+            decoder.push(LstmLayer::register(&mut layout, &name, input, c.hidden, false, c.init_scale, c.forget_bias)?);
+        }
+        decoder.reverse();
+        let tgt_emb = Embedding::register(&mut layout, "embedding/tgt", c.tgt_vocab, c.emb, c.init_scale)?;
+        let (depth, stride) = Self::encoder_shape(c);
+        let mut encoder = Vec::with_capacity(c.layers);
+        for d in (0..depth).rev() {
+            let input = if d == 0 { c.emb } else { c.hidden };
+            let mut group = Vec::with_capacity(stride);
+            for r in 0..stride {
+                let name = match c.encoder {
+                    EncoderKind::Uni => format!("encoder/layer_{d}"),
+                    EncoderKind::Bi => format!("encoder/{}/layer_{d}", if r == 0 { "fw" } else { "bw" }),
+                };
+                group.push(LstmLayer::register(&mut layout, &name, input, c.hidden, r == 1, c.init_scale, c.forget_bias)?);
+            }
+            encoder.push(group);
+        }
+        encoder.reverse();
+        let encoder: Vec<LstmLayer> = encoder.into_iter().flatten().collect();
+        let src_emb = Embedding::register(&mut layout, "embedding/src", c.src_vocab, c.emb, c.init_scale)?;
+        let params = backend.zeros(layout.total_len())?;
+        let grads = backend.zeros(layout.total_len())?;
+        let mut model = NmtModel {
+            backend,
+            config,
+            layout,
+            params,
+            grads,
+            proj,
+            decoder,
+            tgt_emb,
+            encoder,
+            src_emb,
+            work: None,
+        };
+        model.init_params(seed)?;
+        Ok(model)
+    }
+
+    /// (depth, layers per depth) of the encoder.
+    fn encoder_shape(c: &NmtConfig) -> (usize, usize) {
+        match c.encoder {
+            EncoderKind::Uni => (c.layers, 1),
+            EncoderKind::Bi => (c.layers / 2, 2),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &NmtConfig {
+        &self.config
+    }
+
+    fn validate(&self, b: &NmtBatch<'_>) -> Result<()> {
+        check_positive("batch", b.batch)?;
+        check_positive("src_len", b.src_len)?;
+        check_positive("tgt_len", b.tgt_len)?;
+        let src_rows = b.src_len * b.batch;
+        let tgt_rows = b.tgt_len * b.batch;
+        check_len("src", b.src, src_rows, "src_len * batch")?;
+        check_len("tgt_in", b.tgt_in, tgt_rows, "tgt_len * batch")?;
+        check_len("tgt_out", b.tgt_out, tgt_rows, "tgt_len * batch")?;
+        check_len("tgt_mask", b.tgt_mask, tgt_rows, "tgt_len * batch")?;
+        check_ids("src", b.src, self.config.src_vocab)?;
+        check_ids("tgt_in", b.tgt_in, self.config.tgt_vocab)?;
+        check_labels("tgt_out", b.tgt_out, b.tgt_mask, self.config.tgt_vocab)
+    }
+
+    /// Workspaces big enough for `b` (allocated only when a batch outgrows them).
+    fn ensure_work(&mut self, b: &NmtBatch<'_>) -> Result<()> {
+        let (mut src_len, mut tgt_len, mut batch) = (b.src_len, b.tgt_len, b.batch);
+        if let Some(w) = &self.work {
+            if b.src_len <= w.src_len && b.tgt_len <= w.tgt_len && b.batch <= w.batch {
+                return Ok(());
+            }
+            src_len = src_len.max(w.src_len);
+            tgt_len = tgt_len.max(w.tgt_len);
+            batch = batch.max(w.batch);
+        }
+        self.work = None;
+        let be = &self.backend;
+        let (h, e, v) = (self.config.hidden, self.config.emb, self.config.tgt_vocab);
+        let work = NmtWork {
+            src_len,
+            tgt_len,
+            batch,
+            src_emb: EmbeddingWork::new(be, src_len * batch, e)?,
+            tgt_emb: EmbeddingWork::new(be, tgt_len * batch, e)?,
+            encoder: (0..self.encoder.len()).map(|_| LstmWork::new(be, h, src_len, batch)).collect::<Result<_>>()?,
+            decoder: (0..self.decoder.len()).map(|_| LstmWork::new(be, h, tgt_len, batch)).collect::<Result<_>>()?,
+            head: ProjectionWork::new(be, tgt_len * batch, v)?,
+        };
+        self.work = Some(work);
+        Ok(())
+    }
+
+    /// Forward pass; returns (loss sum, tokens).
+    fn forward(&mut self, b: &NmtBatch<'_>) -> Result<(f64, f64)> {
+        self.validate(b)?;
+        self.ensure_work(b)?;
+        let Some(w) = self.work.as_mut() else {
+            return Ok((0.0, 0.0));
+        };
+        let be = &self.backend;
+        let imp = self.config.lstm;
+        let (batch, ts, tt) = (b.batch, b.src_len, b.tgt_len);
+        let (depth, stride) = Self::encoder_shape(&self.config);
+        debug_assert!(w.encoder.iter().all(|lw| lw.fits(ts, batch)));
+        debug_assert!(w.decoder.iter().all(|lw| lw.fits(tt, batch)));
+        self.src_emb.forward(be, &self.params, b.src, &mut w.src_emb)?;
+        for d in 0..depth {
+            for r in 0..stride {
+                let i = d * stride + r;
+                let layer = &self.encoder[i];
+                let (below, rest) = w.encoder.split_at_mut(i);
+                let (x, x_offset) = if d == 0 {
+                    (&w.src_emb.out, 0)
+                } else {
+                    (&below[i - stride].hiddens, self.encoder[i - stride].output_offset(batch))
+                };
+                layer.forward(be, imp, &self.params, x, x_offset, None, &mut rest[0], ts, batch)?;
+            }
+        }
+        self.tgt_emb.forward(be, &self.params, b.tgt_in, &mut w.tgt_emb)?;
+        for l in 0..self.decoder.len() {
+            let layer = &self.decoder[l];
+            let enc = &self.encoder[l];
+            let final_offset = enc.final_offset(ts, batch);
+            let init = InitState {
+                h: &w.encoder[l].hiddens,
+                h_offset: final_offset,
+                c: &w.encoder[l].cells,
+                c_offset: final_offset,
+            };
+            let (below, rest) = w.decoder.split_at_mut(l);
+            let (x, x_offset) = if l == 0 {
+                (&w.tgt_emb.out, 0)
+            } else {
+                (&below[l - 1].hiddens, self.decoder[l - 1].output_offset(batch))
+            };
+            layer.forward(be, imp, &self.params, x, x_offset, Some(init), &mut rest[0], tt, batch)?;
+        }
+        let top = self.decoder.len() - 1;
+        let loss = self.proj.forward(
+            be,
+            &self.params,
+            &w.decoder[top].hiddens,
+            self.decoder[top].output_offset(batch),
+            tt * batch,
+            b.tgt_out,
+            b.tgt_mask,
+            &mut w.head,
+        )?;
+        let tokens = b.tgt_mask.iter().map(|&m| f64::from(m)).sum();
+        Ok((loss, tokens))
+    }
+
+    fn backward(&mut self, b: &NmtBatch<'_>, on_ready: &mut GradsReady<'_, B::Buffer>) -> Result<()> {
+        let Some(w) = self.work.as_mut() else {
+            return Ok(());
+        };
+        let be = &self.backend;
+        let imp = self.config.lstm;
+        let (batch, ts, tt) = (b.batch, b.src_len, b.tgt_len);
+        let bh = batch * self.config.hidden;
+        let (depth, stride) = Self::encoder_shape(&self.config);
+        let top = self.decoder.len() - 1;
+        {
+            let top_work = &mut w.decoder[top];
+            self.proj.backward(
+                be,
+                &self.params,
+                &mut self.grads,
+                &top_work.hiddens,
+                self.decoder[top].output_offset(batch),
+                tt * batch,
+                b.tgt_out,
+                b.tgt_mask,
+                &mut w.head,
+                GradTarget { buf: &mut top_work.dh, offset: 0, accumulate: false },
+                on_ready,
+            )?;
+        }
+        for l in (0..self.decoder.len()).rev() {
+            let (below, rest) = w.decoder.split_at_mut(l);
+            let lw = &mut rest[0];
+            be.fill(&mut lw.dc, 0, bh, 0.0)?;
+            let (x, x_offset, dx) = if l == 0 {
+                (&w.tgt_emb.out, 0, GradTarget { buf: &mut w.tgt_emb.dx, offset: 0, accumulate: false })
+            } else {
+                let lower = &mut below[l - 1];
+                (
+                    &lower.hiddens,
+                    self.decoder[l - 1].output_offset(batch),
+                    GradTarget { buf: &mut lower.dh, offset: 0, accumulate: false },
+                )
+            };
+            self.decoder[l].backward(
+                be, imp, &self.params, &mut self.grads, x, x_offset, lw, tt, batch, true, Some(dx), on_ready,
+            )?;
+        }
+        self.tgt_emb.backward(be, &mut self.grads, b.tgt_in, &w.tgt_emb, on_ready)?;
+        for d in (0..depth).rev() {
+            for r in 0..stride {
+                let i = d * stride + r;
+                let layer = &self.encoder[i];
+                let (below, rest) = w.encoder.split_at_mut(i);
+                let lw = &mut rest[0];
+                let dec = &w.decoder[i];
+                let final_dh = layer.final_dh_offset(ts, batch);
+                if d + 1 == depth {
+                    be.fill(&mut lw.dh, 0, ts * bh, 0.0)?;
+                    be.copy(&dec.dh0, 0, &mut lw.dh, final_dh, bh)?;
+                } else {
+                    be.in_place(crate::backend::InPlace::Add, &dec.dh0, 0, &mut lw.dh, final_dh, bh)?;
+                }
+                be.copy(&dec.dc, 0, &mut lw.dc, 0, bh)?;
+                let (x, x_offset, dx) = if d == 0 {
+                    (&w.src_emb.out, 0, GradTarget { buf: &mut w.src_emb.dx, offset: 0, accumulate: r > 0 })
+                } else {
+                    let lower = &mut below[i - stride];
+                    (
+                        &lower.hiddens,
+                        self.encoder[i - stride].output_offset(batch),
+                        GradTarget { buf: &mut lower.dh, offset: 0, accumulate: false },
+                    )
+                };
+                layer.backward(
+                    be, imp, &self.params, &mut self.grads, x, x_offset, lw, ts, batch, false, Some(dx), on_ready,
+                )?;
+            }
+        }
+        self.src_emb.backward(be, &mut self.grads, b.src, &w.src_emb, on_ready)
+    }
+}
+
+impl<B: Backend> Model for NmtModel<B> {
+    type Backend = B;
+    type Batch<'a> = NmtBatch<'a>;
+
+    fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+    fn backend(&self) -> &B {
+        &self.backend
+    }
+    fn params(&self) -> &B::Buffer {
+        &self.params
+    }
+    fn params_mut(&mut self) -> &mut B::Buffer {
+        &mut self.params
+    }
+    fn grads(&self) -> &B::Buffer {
+        &self.grads
+    }
+    fn grads_mut(&mut self) -> &mut B::Buffer {
+        &mut self.grads
+    }
+    fn params_and_grads_mut(&mut self) -> (&mut B::Buffer, &mut B::Buffer) {
+        (&mut self.params, &mut self.grads)
+    }
+    fn init_params(&mut self, seed: u64) -> Result<()> {
+        let values = self.layout.initial_values(seed)?;
+        self.backend.upload(&values, &mut self.params, 0)
+    }
+    fn forward_loss(&mut self, batch: &NmtBatch<'_>) -> Result<StepStats> {
+        let start = self.backend.launches();
+        let (loss_sum, tokens) = self.forward(batch)?;
+        Ok(StepStats { loss_sum, tokens, launches: self.backend.launches() - start })
+    }
+    fn forward_backward(
+        &mut self,
+        batch: &NmtBatch<'_>,
+        on_grads_ready: &mut GradsReady<'_, B::Buffer>,
+    ) -> Result<StepStats> {
+        let start = self.backend.launches();
+        let (loss_sum, tokens) = self.forward(batch)?;
+        self.backward(batch, on_grads_ready)?;
+        Ok(StepStats { loss_sum, tokens, launches: self.backend.launches() - start })
+    }
+}

@@ -1,0 +1,300 @@
+//! Checkpoint files: parameters, optimizer state and the run's config, written atomically.
+//!
+//! Layout (little-endian):
+//! ```text
+//! magic   8 bytes  b"RTCKPT\r\n"
+//! version u32      CHECKPOINT_VERSION
+//! len     u64      length of the JSON header
+//! header  len      JSON: config, step, parameter count, optimizer kind, loss scaler
+//! params  4·n      f32 parameters
+//! state   4·2n     Adam's m then v (absent for SGD)
+//! crc32   u32      crc32 (IEEE) of every byte before it
+//! ```
+//! Writes go to `FILE.tmp`, are fsynced, then renamed over `FILE`, so a crash leaves the
+//! old checkpoint or the new one, never half of one.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::TrainConfig;
+use crate::error::{Error, Result};
+use crate::optimizer::{LossScaler, OptimizerState};
+
+/// First bytes of every checkpoint.
+pub const CHECKPOINT_MAGIC: [u8; 8] = *b"RTCKPT\r\n";
+/// Format version this build writes and reads.
+pub const CHECKPOINT_VERSION: u32 = 1;
+
+/// Everything needed to continue a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    /// The configuration of the run that wrote it.
+    pub config: TrainConfig,
+    /// Steps completed.
+    pub step: u64,
+    /// Flat parameters.
+    pub params: Vec<f32>,
+    /// Optimizer state.
+    pub optimizer: OptimizerState,
+    /// Loss scaler (fp16 gradients only).
+    pub loss_scaler: Option<LossScaler>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Header {
+    config: TrainConfig,
+    step: u64,
+    param_count: u64,
+    adam_step: Option<u32>,
+    loss_scaler: Option<LossScaler>,
+}
+
+fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
+    move |source| Error::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl Checkpoint {
+    /// Serialises to bytes (the file's exact content).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let adam_step = match &self.optimizer {
+            OptimizerState::Sgd => None,
+            OptimizerState::Adam { m, v, step } => {
+                if m.len() != self.params.len() || v.len() != self.params.len() {
+                    return Err(Error::RankMismatch(format!(
+                        "Adam state ({} / {}) does not match {} parameters",
+                        m.len(),
+                        v.len(),
+                        self.params.len()
+                    )));
+                }
+                Some(*step)
+            }
+        };
+        let header = Header {
+            config: self.config.clone(),
+            step: self.step,
+            param_count: self.params.len() as u64,
+            adam_step,
+            loss_scaler: self.loss_scaler,
+        };
+        let json = serde_json::to_vec(&header).map_err(|source| Error::Json {
+            action: "serialising the checkpoint header",
+            source,
+        })?;
+        let floats = self.params.len() * if adam_step.is_some() { 3 } else { 1 };
+        let mut out = Vec::with_capacity(24 + json.len() + 4 * floats);
+        out.extend_from_slice(&CHECKPOINT_MAGIC);
+        out.extend_from_slice(&CHECKPOINT_VERSION.to_le_bytes());
+        out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+        out.extend_from_slice(&json);
+        let mut push = |xs: &[f32]| {
+            for x in xs {
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+        };
+        push(&self.params);
+        if let OptimizerState::Adam { m, v, .. } = &self.optimizer {
+            push(m);
+            push(v);
+        }
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        Ok(out)
+    }
+
+    /// Parses bytes; `path` only names the source in errors.
+    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self> {
+        let corrupt = |reason: String| Error::CheckpointCorrupt {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if bytes.len() < 8 || bytes[..8] != CHECKPOINT_MAGIC {
+            return Err(corrupt("it does not start with the ringtrain checkpoint magic number".into()));
+        }
+        if bytes.len() < 24 {
+            return Err(corrupt(format!("it is truncated ({} bytes)", bytes.len())));
+        }
+        let (body, crc_bytes) = bytes.split_at(bytes.len() - 4);
+        let stored = u32::from_le_bytes([crc_bytes[0], crc_bytes[1], crc_bytes[2], crc_bytes[3]]);
+        let version = u32::from_le_bytes([body[8], body[9], body[10], body[11]]);
+        if version != CHECKPOINT_VERSION {
+            return Err(corrupt(format!(
+                "format version {version} is not the version {CHECKPOINT_VERSION} this build reads"
+            )));
+        }
+        let computed = crc32fast::hash(body);
+        if computed != stored {
+            return Err(corrupt(format!(
+                "checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): the file was damaged or truncated"
+            )));
+        }
+        let mut len_bytes = [0u8; 8];
+        len_bytes.copy_from_slice(&body[12..20]);
+        let json_len = u64::from_le_bytes(len_bytes) as usize;
+        let rest = &body[20..];
+        if json_len > rest.len() {
+            return Err(corrupt(format!("header length {json_len} exceeds the file")));
+        }
+        let header: Header = serde_json::from_slice(&rest[..json_len])
+            .map_err(|e| corrupt(format!("header is not valid: {e}")))?;
+        let data = &rest[json_len..];
+        let n = header.param_count as usize;
+        let sections = if header.adam_step.is_some() { 3 } else { 1 };
+        if data.len() != 4 * n * sections {
+            return Err(corrupt(format!(
+                "expected {} bytes of tensors for {n} parameters, found {}",
+                4 * n * sections,
+                data.len()
+            )));
+        }
+        let read = |k: usize| -> Vec<f32> {
+            data[4 * n * k..4 * n * (k + 1)]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        let params = read(0);
+        let optimizer = match header.adam_step {
+            None => OptimizerState::Sgd,
+            Some(step) => OptimizerState::Adam {
+                m: read(1),
+                v: read(2),
+                step,
+            },
+        };
+        Ok(Checkpoint {
+            config: header.config,
+            step: header.step,
+            params,
+            optimizer,
+            loss_scaler: header.loss_scaler,
+        })
+    }
+
+    /// Writes atomically: `FILE.tmp`, fsync, rename over `FILE`, fsync of the directory.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let bytes = self.to_bytes()?;
+        let tmp = temp_path(path);
+        {
+            let mut f = fs::File::create(&tmp).map_err(io_err("creating checkpoint", &tmp))?;
+            f.write_all(&bytes).map_err(io_err("writing checkpoint", &tmp))?;
+            f.sync_all().map_err(io_err("syncing checkpoint", &tmp))?;
+        }
+        fs::rename(&tmp, path).map_err(io_err("renaming checkpoint into place", path))?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            // Persist the rename itself; some filesystems do not allow opening a
+            // directory, and the data is already synced, so failure here is harmless.
+            if let Ok(d) = fs::File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads and verifies a checkpoint file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let bytes = fs::read(path).map_err(io_err("reading checkpoint", path))?;
+        Self::from_bytes(&bytes, path)
+    }
+
+    /// Checks that this checkpoint can continue a run with `config` and `param_count`
+    /// parameters; the error names the first field that differs.
+    pub fn check_compatible(&self, config: &TrainConfig, param_count: usize, path: &Path) -> Result<()> {
+        let a = &self.config;
+        let fields: [(&str, String, String); 8] = [
+            ("--model", config.model.to_string(), a.model.to_string()),
+            ("--encoder-type", config.encoder_type.to_string(), a.encoder_type.to_string()),
+            ("--direction", config.direction.to_string(), a.direction.to_string()),
+            (
+                "--num-encoder-layers",
+                config.num_encoder_layers.to_string(),
+                a.num_encoder_layers.to_string(),
+            ),
+            (
+                "--num-decoder-layers",
+                config.num_decoder_layers.to_string(),
+                a.num_decoder_layers.to_string(),
+            ),
+            ("--num-units", config.num_units.to_string(), a.num_units.to_string()),
+            ("--optimizer", config.optimizer.to_string(), a.optimizer.to_string()),
+            ("parameter count", param_count.to_string(), self.params.len().to_string()),
+        ];
+        for (field, expected, found) in fields {
+            if expected != found {
+                return Err(Error::CheckpointMismatch {
+                    path: path.to_path_buf(),
+                    field: field.to_string(),
+                    expected,
+                    found,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The temporary file a checkpoint is written to before the rename.
+pub fn temp_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".tmp");
+    path.with_file_name(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Checkpoint {
+        Checkpoint {
+            config: TrainConfig { seed: 9, ..TrainConfig::default() },
+            step: 12,
+            params: vec![1.5, -2.0, 3.25],
+            optimizer: OptimizerState::Adam {
+                m: vec![0.1, 0.2, 0.3],
+                v: vec![0.01, 0.02, 0.03],
+                step: 12,
+            },
+            loss_scaler: Some(LossScaler::default()),
+        }
+    }
+
+    #[test]
+    fn round_trip_and_every_flipped_byte_is_detected() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.ckpt");
+        let ck = sample();
+        ck.save(&path).unwrap();
+        assert!(!temp_path(&path).exists());
+        assert_eq!(Checkpoint::load(&path).unwrap(), ck);
+        let bytes = fs::read(&path).unwrap();
+        for i in (0..bytes.len()).step_by(7) {
+            let mut bad = bytes.clone();
+            bad[i] ^= 0x40;
+            let err = Checkpoint::from_bytes(&bad, &path).unwrap_err();
+            assert!(matches!(err, Error::CheckpointCorrupt { .. }), "byte {i}: {err}");
+        }
+        let err = Checkpoint::from_bytes(&bytes[..bytes.len() / 2], &path).unwrap_err();
+        assert!(err.to_string().contains("corrupt"), "{err}");
+    }
+
+    #[test]
+    fn mismatch_names_the_field() {
+        let ck = sample();
+        let cfg = TrainConfig { num_units: 99, seed: 9, ..TrainConfig::default() };
+        let err = ck.check_compatible(&cfg, 3, Path::new("x.ckpt")).unwrap_err().to_string();
+        assert!(err.contains("--num-units") && err.contains("99"), "{err}");
+        let err = ck
+            .check_compatible(&ck.config, 4, Path::new("x.ckpt"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("parameter count"), "{err}");
+        ck.check_compatible(&ck.config, 3, Path::new("x.ckpt")).unwrap();
+    }
+}

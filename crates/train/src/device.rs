@@ -1,0 +1,87 @@
+//! Which device a rank uses: its local rank on the node, as Horovod does.
+//!
+//! The local rank comes from the launcher's environment: Open MPI
+//! (`OMPI_COMM_WORLD_LOCAL_RANK`), MPICH/Hydra (`MPI_LOCALRANKID`), Slurm (`SLURM_LOCALID`);
+//! when none is set, the caller may fall back to splitting the MPI shared-memory
+//! communicator.
+
+/// Environment variables that carry the local rank, in the order they are tried.
+pub const LOCAL_RANK_VARS: [&str; 3] = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"];
+/// Environment variables that carry the number of ranks on this node.
+pub const LOCAL_SIZE_VARS: [&str; 3] = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"];
+
+/// Where a local rank came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalRankSource {
+    /// An environment variable set by the launcher.
+    Env(&'static str),
+    /// Split of the MPI shared-memory communicator.
+    SharedMemorySplit,
+    /// Nothing was found; a single process.
+    Default,
+}
+
+/// Local rank and local size of this process and where they came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalRank {
+    /// Index of this rank among the ranks on this node.
+    pub rank: usize,
+    /// Ranks on this node.
+    pub size: usize,
+    /// Where the numbers came from.
+    pub source: LocalRankSource,
+}
+
+/// Reads the local rank from `lookup` (the environment in production, a map in tests).
+pub fn local_rank_from(lookup: impl Fn(&str) -> Option<String>) -> Option<LocalRank> {
+    for (i, var) in LOCAL_RANK_VARS.iter().enumerate() {
+        if let Some(rank) = lookup(var).and_then(|v| v.trim().parse::<usize>().ok()) {
+            let size = lookup(LOCAL_SIZE_VARS[i])
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|s| *s > rank)
+                .unwrap_or(rank + 1);
+            return Some(LocalRank {
+                rank,
+                size,
+                source: LocalRankSource::Env(var),
+            });
+        }
+    }
+    None
+}
+
+/// Reads the local rank from the process environment.
+pub fn local_rank_from_env() -> Option<LocalRank> {
+    local_rank_from(|k| std::env::var(k).ok())
+}
+
+/// CPU threads a rank should use: `requested` when non-zero, else the machine's cores
+/// divided evenly over the ranks on this node (at least one).
+pub fn cpu_threads(requested: usize, local_size: usize) -> usize {
+    if requested > 0 {
+        return requested;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / local_size.max(1)).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn reads_each_launcher_in_order() {
+        let env: HashMap<&str, &str> = [("SLURM_LOCALID", "3"), ("MPI_LOCALRANKID", "1"), ("MPI_LOCALNRANKS", "4")]
+            .into_iter()
+            .collect();
+        let lr = local_rank_from(|k| env.get(k).map(|s| s.to_string())).unwrap();
+        assert_eq!(lr, LocalRank { rank: 1, size: 4, source: LocalRankSource::Env("MPI_LOCALRANKID") });
+        let env: HashMap<&str, &str> = [("SLURM_LOCALID", "2")].into_iter().collect();
+        let lr = local_rank_from(|k| env.get(k).map(|s| s.to_string())).unwrap();
+        assert_eq!((lr.rank, lr.size), (2, 3));
+        assert!(local_rank_from(|_| None).is_none());
+        assert_eq!(cpu_threads(3, 8), 3);
+        assert!(cpu_threads(0, 1000) >= 1);
+    }
+}

@@ -1,0 +1,90 @@
+//! The one error type of `ringtrain-train`.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while configuring, running or checkpointing training.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A configuration value (usually a command-line flag) is not acceptable.
+    #[error("invalid value `{value}` for {flag}: {reason}")]
+    InvalidConfig {
+        /// The flag or field, e.g. `--batch-size`.
+        flag: &'static str,
+        /// The offending value as the user wrote it.
+        value: String,
+        /// What is wrong and what to do instead.
+        reason: String,
+    },
+    /// A file could not be read, written, synced or renamed.
+    #[error("{action} `{path}` failed: {source}")]
+    Io {
+        /// What was being done ("writing checkpoint", "reading report"...).
+        action: &'static str,
+        /// The file concerned.
+        path: PathBuf,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A checkpoint file is damaged or not a ringtrain checkpoint.
+    #[error("checkpoint `{path}` is corrupt: {reason}; delete it or point --checkpoint at a good file")]
+    CheckpointCorrupt {
+        /// The file concerned.
+        path: PathBuf,
+        /// What check failed.
+        reason: String,
+    },
+    /// A valid checkpoint that was written for a different model or run shape.
+    #[error(
+        "checkpoint `{path}` does not match this run: {field} is {found} in the checkpoint but {expected} now; \
+         resume with the flags it was written with, or start without --resume"
+    )]
+    CheckpointMismatch {
+        /// The file concerned.
+        path: PathBuf,
+        /// The field that differs.
+        field: String,
+        /// The value this run uses.
+        expected: String,
+        /// The value stored in the checkpoint.
+        found: String,
+    },
+    /// Ranks disagree about something they must share (sizes, counts, a decision).
+    #[error("ranks disagree: {0}")]
+    RankMismatch(String),
+    /// Serialising or parsing JSON (config, report) failed.
+    #[error("{action} failed: {source}")]
+    Json {
+        /// What was being done.
+        action: &'static str,
+        /// serde_json's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// An error from the model crate (shapes, backend, missing CUDA support).
+    #[error(transparent)]
+    Model(#[from] ringtrain_model::Error),
+    /// An error from the data crate (corpora, vocabularies, batching).
+    #[error(transparent)]
+    Data(#[from] ringtrain_data::Error),
+    /// An error from the collective crate (transport, all-reduce, broadcast).
+    #[error(transparent)]
+    Collective(#[from] ringtrain_collective::Error),
+    /// An error from a CPU kernel (optimizer, clipping, casts).
+    #[error("kernel error: {0}")]
+    Kernel(#[from] ringtrain_kernels::Error),
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// Shorthand for [`Error::InvalidConfig`].
+    pub fn invalid(flag: &'static str, value: impl ToString, reason: impl Into<String>) -> Self {
+        Error::InvalidConfig {
+            flag,
+            value: value.to_string(),
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! Binds the model crate's NMT and RNNLM models (CPU backend) to [`TrainableModel`].
+
+use std::ops::Range;
+use std::time::Instant;
+
+use ringtrain_model::{
+    Backend, CpuBackend, CudaBackend, EncoderKind, LmConfig, LstmImpl, Model, NmtConfig, NmtModel, RnnLm,
+};
+
+use crate::config::{DeviceKind, Direction, EncoderType, ModelKind, TrainConfig};
+use crate::error::{Error, Result};
+use crate::trainable::{Batch, ParamSpec, PassOutput, ReadyCallback, TrainableModel};
+
+/// A model of the model crate whose buffers live in host memory.
+pub struct ModelAdapter<M> {
+    model: M,
+    specs: Vec<ParamSpec>,
+    description: String,
+    src: Vec<u32>,
+    tgt_in: Vec<u32>,
+    tgt_out: Vec<u32>,
+    mask: Vec<f32>,
+}
+
+impl<M: Model> ModelAdapter<M> {
+    fn wrap(model: M, description: String) -> Self {
+        let specs = model
+            .layout()
+            .entries()
+            .iter()
+            .map(|e| ParamSpec {
+                name: e.name.clone(),
+                range: e.offset..e.offset + e.len,
+            })
+            .collect();
+        ModelAdapter {
+            model,
+            specs,
+            description,
+            src: Vec::new(),
+            tgt_in: Vec::new(),
+            tgt_out: Vec::new(),
+            mask: Vec::new(),
+        }
+    }
+
+    /// The wrapped model.
+    pub fn inner(&self) -> &M {
+        &self.model
+    }
+}
+
+/// Runs one pass, forwarding ready ranges as slices and timing forward (until the first
+/// gradient range is final) and backward (the rest).
+fn timed_pass(
+    run: impl FnOnce(&mut dyn FnMut(Range<usize>, &Vec<f32>)) -> ringtrain_model::Result<ringtrain_model::StepStats>,
+    on_ready: &mut ReadyCallback<'_>,
+) -> Result<PassOutput> {
+    let start = Instant::now();
+    let mut first_ready: Option<Instant> = None;
+    let mut failure: Option<Error> = None;
+    let stats = run(&mut |range: Range<usize>, grads: &Vec<f32>| {
+        first_ready.get_or_insert_with(Instant::now);
+        if failure.is_none() {
+            if let Err(e) = on_ready(range.clone(), &grads[range]) {
+                failure = Some(e);
+            }
+        }
+    })?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let end = Instant::now();
+    let split = first_ready.unwrap_or(end);
+    Ok(PassOutput {
+        loss_sum: stats.loss_sum,
+        target_tokens: stats.tokens,
+        forward_seconds: split.duration_since(start).as_secs_f64(),
+        backward_seconds: end.duration_since(split).as_secs_f64(),
+        launches: stats.launches,
+    })
+}
+
+fn wrong_batch(model: &str) -> Error {
+    Error::invalid(
+        "--model",
+        model,
+        "the input pipeline produced batches for the other model; build the pipeline from the same config",
+    )
+}
+
+impl<B> TrainableModel for ModelAdapter<NmtModel<B>>
+where
+    B: Backend<Buffer = Vec<f32>> + Send,
+    NmtModel<B>: Send,
+{
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        self.specs.clone()
+    }
+    fn params(&self) -> &[f32] {
+        self.model.params()
+    }
+    fn params_mut(&mut self) -> &mut [f32] {
+        self.model.params_mut()
+    }
+    fn params_and_grads_mut(&mut self) -> (&mut [f32], &mut [f32]) {
+        let (p, g) = self.model.params_and_grads_mut();
+        (p, g)
+    }
+    fn forward_backward(&mut self, batch: &Batch, on_ready: &mut ReadyCallback<'_>) -> Result<PassOutput> {
+        let Batch::Nmt(b) = batch else {
+            return Err(wrong_batch("nmt"));
+        };
+        transpose_into(&b.source, b.batch_size, b.src_len, &mut self.src);
+        transpose_into(&b.target_input, b.batch_size, b.tgt_len, &mut self.tgt_in);
+        transpose_into(&b.target_output, b.batch_size, b.tgt_len, &mut self.tgt_out);
+        transpose_into(&b.target_mask, b.batch_size, b.tgt_len, &mut self.mask);
+        let view = ringtrain_model::NmtBatch {
+            batch: b.batch_size,
+            src_len: b.src_len,
+            tgt_len: b.tgt_len,
+            src: &self.src,
+            tgt_in: &self.tgt_in,
+            tgt_out: &self.tgt_out,
+            tgt_mask: &self.mask,
+        };
+        let model = &mut self.model;
+        timed_pass(|cb| model.forward_backward(&view, cb), on_ready)
+    }
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+}
+
+impl<B> TrainableModel for ModelAdapter<RnnLm<B>>
+where
+    B: Backend<Buffer = Vec<f32>> + Send,
+    RnnLm<B>: Send,
+{
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        self.specs.clone()
+    }
+    fn params(&self) -> &[f32] {
+        self.model.params()
+    }
+    fn params_mut(&mut self) -> &mut [f32] {
+        self.model.params_mut()
+    }
+    fn params_and_grads_mut(&mut self) -> (&mut [f32], &mut [f32]) {
+        let (p, g) = self.model.params_and_grads_mut();
+        (p, g)
+    }
+    fn forward_backward(&mut self, batch: &Batch, on_ready: &mut ReadyCallback<'_>) -> Result<PassOutput> {
+        let Batch::Lm(b) = batch else {
+            return Err(wrong_batch("rnnlm"));
+        };
+        transpose_into(&b.inputs, b.batch_size, b.steps, &mut self.src);
+        transpose_into(&b.targets, b.batch_size, b.steps, &mut self.tgt_out);
+        transpose_into(&b.mask, b.batch_size, b.steps, &mut self.mask);
+        let view = ringtrain_model::LmBatch {
+            batch: b.batch_size,
+            len: b.steps,
+            inputs: &self.src,
+            targets: &self.tgt_out,
+            mask: &self.mask,
+        };
+        let model = &mut self.model;
+        timed_pass(|cb| model.forward_backward(&view, cb), on_ready)
+    }
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+}
+
+/// Batch-major `[batch, len]` to time-major `[len, batch]`, reusing `out`.
+fn transpose_into<T: Copy>(data: &[T], batch: usize, len: usize, out: &mut Vec<T>) {
+    out.clear();
+    out.reserve(batch * len);
+    for t in 0..len {
+        out.extend((0..batch).map(|b| data[b * len + t]));
+    }
+}
+
+fn lstm_impl(e: EncoderType) -> LstmImpl {
+    match e {
+        EncoderType::Fused => LstmImpl::Fused,
+        EncoderType::Stepwise => LstmImpl::Stepwise,
+    }
+}
+
+/// Builds the model `cfg` asks for with the given vocabulary sizes, on the CPU with
+/// `threads` threads, or on GPU `device` for `--device cuda`.
+pub fn build_model(
+    cfg: &TrainConfig,
+    src_vocab: usize,
+    tgt_vocab: usize,
+    device: usize,
+    threads: usize,
+) -> Result<Box<dyn TrainableModel>> {
+    let backend = match cfg.device {
+        DeviceKind::Cpu => CpuBackend::new(threads.max(1))?,
+        DeviceKind::Cuda => {
+            let gpu = CudaBackend::new(device)?;
+            return Err(Error::invalid(
+                "--device",
+                "cuda",
+                format!("GPU {} has no training binding in this version; use --device cpu", gpu.device()),
+            ));
+        }
+    };
+    let seed = cfg.seed;
+    match cfg.model {
+        ModelKind::Nmt => {
+            if cfg.num_encoder_layers != cfg.num_decoder_layers {
+                return Err(Error::invalid(
+                    "--num-decoder-layers",
+                    cfg.num_decoder_layers,
+                    format!(
+                        "the encoder's final states initialise the decoder, so it needs as many layers as \
+                         --num-encoder-layers ({})",
+                        cfg.num_encoder_layers
+                    ),
+                ));
+            }
+            let config = NmtConfig {
+                src_vocab,
+                tgt_vocab,
+                emb: cfg.num_units,
+                hidden: cfg.num_units,
+                layers: cfg.num_encoder_layers,
+                encoder: match cfg.direction {
+                    Direction::Uni => EncoderKind::Uni,
+                    Direction::Bi => EncoderKind::Bi,
+                },
+                lstm: lstm_impl(cfg.encoder_type),
+                ..NmtConfig::benchmark()
+            };
+            let description = format!(
+                "nmt {} {} {}+{} layers, {} units, vocab {}/{}",
+                cfg.encoder_type, cfg.direction, config.layers, config.layers, config.hidden, src_vocab, tgt_vocab
+            );
+            let model = NmtModel::new(backend, config, seed)?;
+            Ok(Box::new(ModelAdapter::wrap(model, description)))
+        }
+        ModelKind::Rnnlm => {
+            let config = LmConfig {
+                vocab: src_vocab,
+                emb: cfg.num_units,
+                hidden: cfg.num_units,
+                layers: cfg.num_encoder_layers,
+                lstm: lstm_impl(cfg.encoder_type),
+                init_scale: 0.1,
+                forget_bias: 1.0,
+            };
+            let description = format!(
+                "rnnlm {} {} layers, {} units, vocab {}",
+                cfg.encoder_type, config.layers, config.hidden, src_vocab
+            );
+            let model = RnnLm::new(backend, config, seed)?;
+            Ok(Box::new(ModelAdapter::wrap(model, description)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transpose_is_batch_major_to_time_major() {
+        let mut out = Vec::new();
+        transpose_into(&[1, 2, 3, 4, 5, 6], 2, 3, &mut out);
+        assert_eq!(out, vec![1, 4, 2, 5, 3, 6]);
+    }
+
+    #[test]
+    fn cuda_without_the_feature_says_so_and_layer_mismatch_names_the_flag() {
+        let cfg = TrainConfig { device: DeviceKind::Cuda, ..TrainConfig::default() };
+        let err = build_model(&cfg, 50, 50, 0, 1).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("cuda"), "{err}");
+        let cfg = TrainConfig { num_decoder_layers: 3, ..TrainConfig::default() };
+        let err = build_model(&cfg, 50, 50, 0, 1).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("--num-decoder-layers") && err.contains('3'), "{err}");
+    }
+}

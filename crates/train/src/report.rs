@@ -1,0 +1,158 @@
+//! The run report: what rank 0 prints at the end and writes with `--json-report`.
+
+use std::fs;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::TrainConfig;
+use crate::error::{Error, Result};
+use crate::throughput::{RateStats, StepBreakdown};
+
+/// One rank's own figures over the timed batches.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankFigures {
+    /// The rank.
+    pub rank: usize,
+    /// Examples per step it trained on (0 for a dedicated parameter server).
+    pub batch_size: usize,
+    /// Words it processed in the timed batches.
+    pub words: f64,
+    /// Its wall time for the timed batches.
+    pub seconds: f64,
+    /// words / seconds.
+    pub words_per_sec: f64,
+    /// Its mean time per step in each phase.
+    pub breakdown: StepBreakdown,
+    /// Kernel launches (CPU: kernel calls) per batch.
+    pub launches_per_batch: f64,
+}
+
+/// Everything a run measured, as written by `--json-report`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunReport {
+    /// The configuration that ran.
+    pub config: TrainConfig,
+    /// Model description.
+    pub model: String,
+    /// Trainable parameters.
+    pub parameters: usize,
+    /// MPI ranks (or threads) in the run.
+    pub ranks: usize,
+    /// Ranks that computed gradients.
+    pub workers: usize,
+    /// Examples per step over all workers.
+    pub global_batch_size: usize,
+    /// Steps completed (including warm-up and any resumed ones).
+    pub steps: u64,
+    /// Timed batches.
+    pub timed_batches: usize,
+    /// Wall time of the timed batches (slowest rank).
+    pub timed_seconds: f64,
+    /// Words in the timed batches over all ranks.
+    pub timed_words: f64,
+    /// timed_words / timed_seconds: the headline figure, total over ranks.
+    pub words_per_sec: f64,
+    /// Mean ± jitter of the per-step rates seen by rank 0.
+    pub per_step_words_per_sec: RateStats,
+    /// Each rank's own figures.
+    pub per_rank: Vec<RankFigures>,
+    /// Mean per-step breakdown over the workers.
+    pub breakdown: StepBreakdown,
+    /// Mean kernel launches per batch over the workers.
+    pub launches_per_batch: f64,
+    /// Loss per target token of the last step.
+    pub final_loss: f64,
+    /// Steps skipped for f16 overflow.
+    pub skipped_steps: u64,
+    /// Final loss scale (fp16 gradients only).
+    pub loss_scale: Option<f32>,
+}
+
+impl RunReport {
+    /// Writes the report as pretty JSON (atomically: temp file, then rename).
+    pub fn write_json(&self, path: &Path) -> Result<()> {
+        let text = serde_json::to_string_pretty(self).map_err(|source| Error::Json {
+            action: "serialising the run report",
+            source,
+        })?;
+        let tmp = crate::checkpoint::temp_path(path);
+        fs::write(&tmp, text + "\n").map_err(|source| Error::Io {
+            action: "writing the JSON report",
+            path: tmp.clone(),
+            source,
+        })?;
+        fs::rename(&tmp, path).map_err(|source| Error::Io {
+            action: "renaming the JSON report into place",
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// Reads a report written by [`RunReport::write_json`].
+    pub fn read_json(path: &Path) -> Result<Self> {
+        let text = fs::read_to_string(path).map_err(|source| Error::Io {
+            action: "reading the JSON report",
+            path: path.to_path_buf(),
+            source,
+        })?;
+        serde_json::from_str(&text).map_err(|source| Error::Json {
+            action: "parsing the JSON report",
+            source,
+        })
+    }
+
+    /// Batch size per worker as the seeds' tables show it (a range when uneven).
+    pub fn batch_size_label(&self) -> String {
+        let sizes: Vec<usize> = self.per_rank.iter().map(|r| r.batch_size).filter(|&b| b > 0).collect();
+        match (sizes.iter().min(), sizes.iter().max()) {
+            (Some(a), Some(b)) if a == b => a.to_string(),
+            (Some(a), Some(b)) => format!("{a}-{b}"),
+            _ => self.config.batch_size.to_string(),
+        }
+    }
+
+    /// The final table rank 0 prints: totals, then one row per rank, then the breakdown.
+    pub fn final_table(&self) -> String {
+        let mut s = String::new();
+        s.push_str(&format!(
+            "\n{} | {} ranks ({} workers) | {} | {} parameters\n\n",
+            self.model, self.ranks, self.workers, self.config.variable_update, self.parameters
+        ));
+        s.push_str(&format!(
+            "| ranks | batch size | total time for {} batches (s) | words/s | per-step words/s |\n",
+            self.timed_batches
+        ));
+        s.push_str("|---|---|---|---|---|\n");
+        s.push_str(&format!(
+            "| {} | {} | {:.3} | {:.1} | {:.1} +/- {:.1} |\n\n",
+            self.ranks,
+            self.batch_size_label(),
+            self.timed_seconds,
+            self.words_per_sec,
+            self.per_step_words_per_sec.mean,
+            self.per_step_words_per_sec.jitter
+        ));
+        s.push_str("| rank | batch size | words | time (s) | words/s |\n|---|---|---|---|---|\n");
+        for r in &self.per_rank {
+            s.push_str(&format!(
+                "| {} | {} | {:.0} | {:.3} | {:.1} |\n",
+                r.rank, r.batch_size, r.words, r.seconds, r.words_per_sec
+            ));
+        }
+        let b = &self.breakdown;
+        s.push_str(&format!(
+            "\nper step (ms): data {:.2} | forward {:.2} | backward {:.2} | communication {:.2} | optimizer {:.2}; \
+             launches/batch {:.0}; final loss {:.4}\n",
+            b.data_wait * 1e3,
+            b.forward * 1e3,
+            b.backward * 1e3,
+            b.communication * 1e3,
+            b.optimizer * 1e3,
+            self.launches_per_batch,
+            self.final_loss
+        ));
+        s.push_str(&format!("total words/s: {:.1}\n", self.words_per_sec));
+        s
+    }
+}

@@ -1,0 +1,365 @@
+//! `ringtrain bench allreduce`: an nccl-tests-style all-reduce table (ring against
+//! `MPI_Allreduce`, same run) and the many-small-tensors case (per-tensor `MPI_Allreduce`
+//! against tensor fusion). Run it under mpirun:
+//!
+//! ```text
+//! mpirun -np 4 ringtrain bench allreduce --min-bytes 64K --max-bytes 64M --json allreduce.json
+//! ```
+
+use std::path::PathBuf;
+
+/// Options of `ringtrain bench allreduce`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AllreduceBenchArgs {
+    /// Smallest message (bytes; K, M, G suffixes are powers of 1024).
+    #[arg(long, default_value = "4K", value_parser = parse_bytes)]
+    pub min_bytes: usize,
+    /// Largest message.
+    #[arg(long, default_value = "256M", value_parser = parse_bytes)]
+    pub max_bytes: usize,
+    /// Each size is this many times the previous one.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(2..))]
+    pub step_factor: u64,
+    /// Element type: f32, f64, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Algorithms to measure, comma-separated (ring, mpi, rd, auto); ring/mpi ratios are
+    /// printed when both are present.
+    #[arg(long, value_delimiter = ',', default_value = "ring,mpi")]
+    pub algorithms: Vec<String>,
+    /// Untimed iterations per size and algorithm.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Timed iterations per size and algorithm (default: about 1 GiB of data, 3 to 200).
+    #[arg(long)]
+    pub iters: Option<usize>,
+    /// Ring pipeline segment size.
+    #[arg(long, default_value = "256K", value_parser = parse_bytes)]
+    pub segment_bytes: usize,
+    /// Write the table rows as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Tensors per step in the many-small-tensors case (0 skips it).
+    #[arg(long, default_value_t = 1000)]
+    pub small_tensors: usize,
+    /// Bytes per tensor in the many-small-tensors case.
+    #[arg(long, default_value = "1K", value_parser = parse_bytes)]
+    pub small_tensor_bytes: usize,
+    /// Timed steps in the many-small-tensors case.
+    #[arg(long, default_value_t = 20)]
+    pub small_steps: usize,
+    /// Fusion cycle time in microseconds for the many-small-tensors case.
+    #[arg(long, default_value_t = 1000)]
+    pub cycle_time_us: u64,
+}
+
+/// Parses `4096`, `4K`, `4KiB`, `64M`, `1G` (powers of 1024).
+fn parse_bytes(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size: use a number with an optional K, M or G suffix, e.g. 64K"))?;
+    let mult = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("`{s}` has an unknown unit `{unit}`: use K, M or G")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("`{s}` is too large"))
+}
+
+/// One line of the table (field names as in nccl-tests).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AllreduceRow {
+    /// Message size in bytes.
+    pub bytes: usize,
+    /// Elements.
+    pub count: usize,
+    /// Element type.
+    pub dtype: String,
+    /// Algorithm (`ring`, `mpi`, ...).
+    pub algorithm: String,
+    /// Time per all-reduce in microseconds (slowest rank).
+    pub time_us: f64,
+    /// bytes / time, GB/s.
+    pub algbw: f64,
+    /// algbw * 2 (N - 1) / N, GB/s.
+    pub busbw: f64,
+    /// Elements that differ from the exact expected result.
+    pub wrong: usize,
+}
+
+/// Runs the benchmark on this rank (every rank of the mpirun job must run it).
+#[cfg(feature = "mpi")]
+pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use ringtrain_collective::{Communicator, DType};
+
+    let dtype: DType = args.dtype.parse()?;
+    let algorithms = args
+        .algorithms
+        .iter()
+        .map(|a| a.parse())
+        .collect::<Result<Vec<ringtrain_collective::Algorithm>, _>>()?;
+    if args.min_bytes == 0 || args.min_bytes > args.max_bytes {
+        return Err(format!(
+            "--min-bytes {} and --max-bytes {}: need 0 < min <= max",
+            args.min_bytes, args.max_bytes
+        )
+        .into());
+    }
+    let mut comm = Communicator::mpi()?;
+    comm.set_segment_bytes(args.segment_bytes);
+    let rows = match dtype {
+        DType::F32 => measure::table::<f32>(&mut comm, args, &algorithms)?,
+        DType::F64 => measure::table::<f64>(&mut comm, args, &algorithms)?,
+        DType::F16 => measure::table::<ringtrain_collective::half::f16>(&mut comm, args, &algorithms)?,
+        DType::BF16 => measure::table::<ringtrain_collective::half::bf16>(&mut comm, args, &algorithms)?,
+    };
+    if comm.rank() == 0 {
+        if let Some(path) = &args.json {
+            let text = serde_json::to_string_pretty(&rows)?;
+            std::fs::write(path, text)
+                .map_err(|e| format!("cannot write --json {}: {e}", path.display()))?;
+            println!("# rows written to {}", path.display());
+        }
+    }
+    let wrong: usize = rows.iter().map(|r| r.wrong).sum();
+    let comm = if args.small_tensors > 0 {
+        measure::small_tensors(comm, args)?
+    } else {
+        comm
+    };
+    drop(comm);
+    if wrong > 0 {
+        return Err(format!("{wrong} elements differed from the exact result").into());
+    }
+    Ok(())
+}
+
+/// Without MPI there is nothing to compare against.
+#[cfg(not(feature = "mpi"))]
+pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let _ = args;
+    Err("`ringtrain bench allreduce` needs MPI: rebuild with the `mpi` feature (the default) and run it under mpirun".into())
+}
+
+#[cfg(feature = "mpi")]
+mod measure {
+    use std::time::{Duration, Instant};
+
+    use ringtrain_collective::{
+        Algorithm, AllReduceOptions, Communicator, Element, FusionConfig, FusionEngine, ReduceOp,
+    };
+
+    use super::{AllreduceBenchArgs, AllreduceRow};
+
+    type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+    /// The slowest rank's value.
+    fn max_over_ranks(comm: &mut Communicator, x: f64) -> BoxResult<f64> {
+        let mut v = [x];
+        comm.all_reduce(
+            &mut v,
+            &AllReduceOptions::with_op(ReduceOp::Max).algorithm(Algorithm::RecursiveDoubling),
+        )?;
+        Ok(v[0])
+    }
+
+    /// Small non-negative integers: exact sums in every dtype for up to 64 ranks.
+    fn input_value(rank: usize, i: usize) -> f64 {
+        ((i + rank) % 3) as f64
+    }
+
+    pub(super) fn table<T: Element>(
+        comm: &mut Communicator,
+        args: &AllreduceBenchArgs,
+        algorithms: &[Algorithm],
+    ) -> BoxResult<Vec<AllreduceRow>> {
+        let (rank, size) = (comm.rank(), comm.size());
+        if rank == 0 {
+            println!(
+                "# ringtrain all-reduce benchmark: {size} ranks, transport {}, dtype {}, ring segment {} bytes",
+                comm.transport_name(),
+                T::NAME,
+                comm.segment_bytes()
+            );
+            println!("# time_us: slowest rank; busbw = algbw * 2(N-1)/N; wrong: elements differing from the exact sum");
+            println!(
+                "{:>12} {:>11} {:>5} {:>5} {:>12} {:>9} {:>9} {:>6} {:>9}",
+                "bytes", "count", "dtype", "alg", "time_us", "algbw", "busbw", "wrong", "ring/mpi"
+            );
+        }
+        let max_count = args.max_bytes / T::BYTES;
+        let input: Vec<T> = (0..max_count).map(|i| T::from_f64(input_value(rank, i))).collect();
+        let expected: Vec<T> = (0..max_count)
+            .map(|i| T::from_f64((0..size).map(|r| input_value(r, i)).sum()))
+            .collect();
+        let mut buf = input.clone();
+        let mut rows = Vec::new();
+        let mut bytes = args.min_bytes;
+        while bytes <= args.max_bytes {
+            let count = (bytes / T::BYTES).max(1);
+            let bytes_exact = count * T::BYTES;
+            let iters = args
+                .iters
+                .unwrap_or_else(|| ((1usize << 30) / bytes_exact).clamp(3, 200));
+            let mut size_rows = Vec::new();
+            for &alg in algorithms {
+                let opts = AllReduceOptions::sum().algorithm(alg);
+                let src = &input[..count];
+                let dst = &mut buf[..count];
+                let mut once = |comm: &mut Communicator, dst: &mut [T]| -> BoxResult<()> {
+                    if alg == Algorithm::Mpi {
+                        comm.native_all_reduce_into(src, dst, ReduceOp::Sum)?;
+                    } else {
+                        comm.all_reduce(dst, &opts)?;
+                    }
+                    Ok(())
+                };
+                dst.copy_from_slice(src);
+                for _ in 0..args.warmup {
+                    once(comm, dst)?;
+                }
+                comm.barrier()?;
+                let start = Instant::now();
+                for _ in 0..iters {
+                    once(comm, dst)?;
+                }
+                let local = start.elapsed().as_secs_f64() / iters as f64;
+                let secs = max_over_ranks(comm, local)?;
+                // Correctness: one more run from the original input, checked exactly.
+                dst.copy_from_slice(src);
+                once(comm, dst)?;
+                let wrong_here = dst
+                    .iter()
+                    .zip(&expected[..count])
+                    .filter(|(a, b)| a != b)
+                    .count();
+                let mut wrong = [wrong_here as f64];
+                comm.all_reduce(&mut wrong, &AllReduceOptions::sum().algorithm(Algorithm::RecursiveDoubling))?;
+                let algbw = bytes_exact as f64 / secs / 1e9;
+                let busbw = algbw * 2.0 * (size as f64 - 1.0) / size as f64;
+                size_rows.push(AllreduceRow {
+                    bytes: bytes_exact,
+                    count,
+                    dtype: T::NAME.to_string(),
+                    algorithm: alg.name().to_string(),
+                    time_us: secs * 1e6,
+                    algbw,
+                    busbw,
+                    wrong: wrong[0] as usize,
+                });
+            }
+            let busbw_of = |name: &str| {
+                size_rows
+                    .iter()
+                    .find(|r| r.algorithm == name)
+                    .map(|r| r.busbw)
+            };
+            let ratio = match (busbw_of("ring"), busbw_of("mpi")) {
+                (Some(ring), Some(mpi)) if mpi > 0.0 => Some(ring / mpi),
+                _ => None,
+            };
+            if rank == 0 {
+                for r in &size_rows {
+                    let ratio_text = match (r.algorithm.as_str(), ratio) {
+                        ("ring", Some(x)) => format!("{x:.2}x"),
+                        _ => String::new(),
+                    };
+                    println!(
+                        "{:>12} {:>11} {:>5} {:>5} {:>12.1} {:>9.3} {:>9.3} {:>6} {:>9}",
+                        r.bytes, r.count, r.dtype, r.algorithm, r.time_us, r.algbw, r.busbw, r.wrong, ratio_text
+                    );
+                }
+            }
+            rows.extend(size_rows);
+            match bytes.checked_mul(args.step_factor as usize) {
+                Some(next) => bytes = next,
+                None => break,
+            }
+        }
+        Ok(rows)
+    }
+
+    /// 1000 tensors of 1 KiB per step: per-tensor MPI_Allreduce against tensor fusion.
+    pub(super) fn small_tensors(
+        mut comm: Communicator,
+        args: &AllreduceBenchArgs,
+    ) -> BoxResult<Communicator> {
+        let (rank, size) = (comm.rank(), comm.size());
+        let n = args.small_tensors;
+        let len = (args.small_tensor_bytes / 4).max(1);
+        let steps = args.small_steps.max(1);
+        let warmup = 3;
+        let names: Vec<String> = (0..n).map(|i| format!("layer{i}/grad")).collect();
+        let mut tensors: Vec<Vec<f32>> = (0..n).map(|_| vec![1.0f32; len]).collect();
+        let mut out = vec![0.0f32; len];
+
+        // Baseline: one MPI_Allreduce per tensor, as a framework without fusion does.
+        let mut baseline = 0.0;
+        for step in 0..warmup + steps {
+            comm.barrier()?;
+            let start = Instant::now();
+            for t in &tensors {
+                comm.native_all_reduce_into(t, &mut out, ReduceOp::Sum)?;
+            }
+            if step >= warmup {
+                baseline += start.elapsed().as_secs_f64();
+            }
+        }
+        if out.iter().any(|&x| x != size as f32) {
+            return Err("per-tensor MPI_Allreduce gave a wrong sum".into());
+        }
+        let baseline = max_over_ranks(&mut comm, baseline / steps as f64)?;
+
+        // Fusion: submit every tensor as a backward pass would, then synchronize.
+        let config = FusionConfig {
+            cycle_time: Duration::from_micros(args.cycle_time_us),
+            ..FusionConfig::default()
+        };
+        let engine = FusionEngine::start(comm, config)?;
+        let mut fused = 0.0;
+        let mut wrong = 0usize;
+        for step in 0..warmup + steps {
+            for t in tensors.iter_mut() {
+                t.fill(1.0);
+            }
+            // Line the ranks up without touching the engine's communicator: each rank's
+            // first submission already waits for the others.
+            let start = Instant::now();
+            let mut handles = Vec::with_capacity(n);
+            for (name, t) in names.iter().zip(tensors.drain(..)) {
+                handles.push(engine.submit(name, t)?);
+            }
+            let reduced = engine.synchronize(handles)?;
+            if step >= warmup {
+                fused += start.elapsed().as_secs_f64();
+            }
+            for t in reduced {
+                let v = t.into_vec::<f32>()?;
+                wrong += v.iter().filter(|&&x| x != size as f32).count();
+                tensors.push(v);
+            }
+        }
+        let mut comm = engine.shutdown()?;
+        let fused = max_over_ranks(&mut comm, fused / steps as f64)?;
+        if rank == 0 {
+            println!(
+                "# many small tensors: {n} x {} bytes f32 per step, {size} ranks, {steps} timed steps, fusion cycle {} us",
+                len * 4,
+                args.cycle_time_us
+            );
+            println!("{:>28} {:>14}", "method", "ms per step");
+            println!("{:>28} {:>14.3}", "per-tensor MPI_Allreduce", baseline * 1e3);
+            println!("{:>28} {:>14.3}", "ringtrain fusion", fused * 1e3);
+            println!("{:>28} {:>13.1}x", "speedup (baseline/fusion)", baseline / fused);
+        }
+        if wrong > 0 {
+            return Err(format!("fusion gave {wrong} wrong elements on rank {rank}").into());
+        }
+        Ok(comm)
+    }
+}

@@ -1,0 +1,176 @@
+//! `ringtrain sweep`: the same training at several rank counts, summarised in the seeds'
+//! table (ranks | batch size | time for the timed batches | words/s | speedup).
+
+use std::path::PathBuf;
+
+use clap::Args;
+use ringtrain_train::RunReport;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{LauncherError, Result};
+use crate::launch::{self, LaunchArgs, Machine};
+
+/// `ringtrain sweep --np 1,2,4 -- train ...`
+#[derive(Debug, Clone, Args)]
+pub struct SweepArgs {
+    /// Rank counts to run, comma-separated; speedups are relative to the first.
+    #[arg(long = "np", value_delimiter = ',', required = true, value_parser = crate::positive_count)]
+    pub np: Vec<usize>,
+
+    /// Open MPI hostfile for multi-machine runs.
+    #[arg(long)]
+    pub hostfile: Option<PathBuf>,
+
+    /// The mpirun program to run.
+    #[arg(long, default_value = "mpirun", env = "RINGTRAIN_MPIRUN")]
+    pub mpirun: String,
+
+    /// Extra arguments passed to mpirun as they are.
+    #[arg(long = "mpi-arg", allow_hyphen_values = true)]
+    pub mpi_args: Vec<String>,
+
+    /// Also write the table as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+
+    /// Directory for each run's JSON report (default: the system temp directory).
+    #[arg(long)]
+    pub report_dir: Option<PathBuf>,
+
+    /// The training command, after `--`, e.g. `-- train --use-synthetic-data`.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
+}
+
+/// One row of the sweep table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SweepRow {
+    /// Ranks.
+    pub ranks: usize,
+    /// Batch size per rank (a range when uneven).
+    pub batch_size: String,
+    /// Wall time of the timed batches.
+    pub timed_seconds: f64,
+    /// Timed batches.
+    pub timed_batches: usize,
+    /// Words/s over all ranks.
+    pub words_per_sec: f64,
+    /// words/s relative to the first row.
+    pub speedup: f64,
+    /// words/s per rank relative to the first row's per rank (1.0 = linear scaling).
+    pub efficiency: f64,
+}
+
+/// Builds the rows from reports in run order.
+pub fn rows(reports: &[RunReport]) -> Vec<SweepRow> {
+    let base = reports.first().map_or(0.0, |r| r.words_per_sec);
+    let base_ranks = reports.first().map_or(1, |r| r.ranks) as f64;
+    reports
+        .iter()
+        .map(|r| {
+            let speedup = if base > 0.0 { r.words_per_sec / base } else { 0.0 };
+            SweepRow {
+                ranks: r.ranks,
+                batch_size: r.batch_size_label(),
+                timed_seconds: r.timed_seconds,
+                timed_batches: r.timed_batches,
+                words_per_sec: r.words_per_sec,
+                speedup,
+                efficiency: speedup * base_ranks / r.ranks as f64,
+            }
+        })
+        .collect()
+}
+
+/// The markdown table the seeds' reports use.
+pub fn markdown(rows: &[SweepRow]) -> String {
+    let batches = rows.first().map_or(0, |r| r.timed_batches);
+    let mut s = format!(
+        "| ranks | batch size | total time for {batches} batches (s) | words/s | speedup |\n|---|---|---|---|---|\n"
+    );
+    for r in rows {
+        s.push_str(&format!(
+            "| {} | {} | {:.3} | {:.1} | {:.2} |\n",
+            r.ranks, r.batch_size, r.timed_seconds, r.words_per_sec, r.speedup
+        ));
+    }
+    s
+}
+
+/// Removes `--json-report X` / `--json-report=X` from a command (the sweep sets its own).
+fn without_json_report(command: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut skip = false;
+    for a in command {
+        if skip {
+            skip = false;
+            continue;
+        }
+        if a == "--json-report" || a == "--json_report" {
+            skip = true;
+            continue;
+        }
+        if a.starts_with("--json-report=") || a.starts_with("--json_report=") {
+            continue;
+        }
+        out.push(a.clone());
+    }
+    out
+}
+
+/// `ringtrain sweep`.
+pub fn run(args: &SweepArgs) -> Result<()> {
+    let exe = std::env::current_exe().map_err(|source| LauncherError::Spawn {
+        program: "ringtrain (own executable path)".to_string(),
+        source,
+    })?;
+    let dir = args.report_dir.clone().unwrap_or_else(std::env::temp_dir);
+    let base_cmd = without_json_report(&args.command);
+    let mut reports = Vec::new();
+    for &np in &args.np {
+        let report_path = dir.join(format!("ringtrain-sweep-{}-np{np}.json", std::process::id()));
+        let mut command = base_cmd.clone();
+        command.push("--json-report".to_string());
+        command.push(report_path.display().to_string());
+        let launch_args = LaunchArgs {
+            np,
+            hostfile: args.hostfile.clone(),
+            mpirun: args.mpirun.clone(),
+            mpi_args: args.mpi_args.clone(),
+            dry_run: false,
+            command,
+        };
+        let plan = launch::plan(&launch_args, Machine::current(), &exe);
+        launch::execute(&plan)?;
+        let report = RunReport::read_json(&report_path)?;
+        if args.report_dir.is_none() {
+            let _ = std::fs::remove_file(&report_path);
+        }
+        reports.push(report);
+    }
+    let rows = rows(&reports);
+    println!("\n{}", markdown(&rows));
+    let json = serde_json::to_string_pretty(&rows).map_err(|e| LauncherError::Bench(e.to_string()))?;
+    println!("{json}");
+    if let Some(path) = &args.json {
+        std::fs::write(path, json + "\n").map_err(|source| LauncherError::Write {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_report_flags_are_replaced() {
+        let cmd: Vec<String> = ["train", "--json-report", "a.json", "--seed", "3", "--json-report=b.json"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(without_json_report(&cmd), vec!["train", "--seed", "3"]);
+    }
+}

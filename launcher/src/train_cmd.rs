@@ -1,0 +1,38 @@
+//! `ringtrain train`: one rank of a training run.
+
+use ringtrain_collective::Communicator;
+
+use crate::error::Result;
+use crate::train_args::TrainArgs;
+
+/// Opens the world communicator: MPI when built with it (a world of one without
+/// mpirun), otherwise a single local rank.
+fn world() -> Result<Communicator> {
+    #[cfg(feature = "mpi")]
+    {
+        Ok(Communicator::mpi()?)
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        let mut comms = Communicator::local(1)?;
+        Ok(comms.remove(0))
+    }
+}
+
+/// Runs one rank with these flags; rank 0 prints progress and the final table.
+pub fn run(args: &TrainArgs) -> Result<()> {
+    let cfg = args.to_config();
+    cfg.validate()?;
+    let comm = world()?;
+    let local = ringtrain_train::local_rank_from_env();
+    let rank = comm.rank();
+    let outcome = ringtrain_train::run_rank(&cfg, comm, local, &mut |line: &str| {
+        if rank == 0 {
+            println!("{line}");
+        }
+    })?;
+    if rank == 0 {
+        println!("{}", outcome.report.final_table());
+    }
+    Ok(())
+}

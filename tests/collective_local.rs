@@ -1,0 +1,401 @@
+//! Property tests of the collectives over the local (threads) transport: every rank count
+//! 1–9, lengths 0–5000 (primes included), every dtype and op, algorithms, packing and
+//! fusion settings. Inputs are small integers so the exact result is representable in
+//! every dtype; results are checked against it and for identical bits on every rank.
+
+use std::time::Duration;
+
+use half::{bf16, f16};
+use proptest::prelude::*;
+use ringtrain::collective::{
+    ring_chunk_range, Algorithm, AllReduceOptions, Communicator, DType, Element, Error,
+    FusionConfig, FusionEngine, GradientPacker, GradientSpec, PackingConfig, ReduceOp, Tensor,
+    TensorMut, WireCompression,
+};
+
+/// Small integer input of rank `rank` at element `i`: in [-3, 3].
+fn input(rank: usize, i: usize, salt: usize) -> f64 {
+    ((i * 7 + rank * 5 + salt * 3) % 7) as f64 - 3.0
+}
+
+fn exact(op: ReduceOp, size: usize, i: usize, salt: usize) -> f64 {
+    let vals = (0..size).map(|r| input(r, i, salt));
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => vals.sum(),
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+    }
+}
+
+/// Expected result in `T`: the exact value, scaled the way the library scales (through the
+/// kernels), so Average is compared bit for bit too.
+fn expected<T: Element>(opts: &AllReduceOptions, size: usize, len: usize, salt: usize) -> Vec<T> {
+    let mut v: Vec<T> = (0..len)
+        .map(|i| T::from_f64(exact(opts.op, size, i, salt) * opts.prescale))
+        .collect();
+    let post = if opts.op == ReduceOp::Average {
+        opts.postscale / size as f64
+    } else {
+        opts.postscale
+    };
+    if post != 1.0 {
+        T::scale(&mut v, post);
+    }
+    v
+}
+
+fn bits<T: Element>(v: &[T]) -> Vec<u8> {
+    T::into_tensor(v.to_vec()).as_bytes().to_vec()
+}
+
+fn check_all_reduce<T: Element>(
+    size: usize,
+    len: usize,
+    opts: AllReduceOptions,
+    segment: usize,
+    salt: usize,
+) -> Result<(), TestCaseError> {
+    let outs = Communicator::run_local(size, |mut comm| {
+        comm.set_segment_bytes(segment);
+        let r = comm.rank();
+        let mut v: Vec<T> = (0..len).map(|i| T::from_f64(input(r, i, salt))).collect();
+        comm.all_reduce(&mut v, &opts).map(|_| v)
+    })
+    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let want = expected::<T>(&opts, size, len, salt);
+    let first = outs[0].as_ref().map_err(|e| TestCaseError::fail(e.to_string()))?;
+    for (rank, out) in outs.iter().enumerate() {
+        let out = out.as_ref().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(bits(out), bits(first), "rank {} differs from rank 0", rank);
+    }
+    prop_assert_eq!(bits(first), bits(&want), "{} {:?} size {} len {}", T::NAME, opts, size, len);
+    Ok(())
+}
+
+fn ops() -> impl Strategy<Value = ReduceOp> {
+    prop_oneof![
+        Just(ReduceOp::Sum),
+        Just(ReduceOp::Average),
+        Just(ReduceOp::Min),
+        Just(ReduceOp::Max)
+    ]
+}
+
+fn algorithms() -> impl Strategy<Value = Algorithm> {
+    prop_oneof![
+        Just(Algorithm::Ring),
+        Just(Algorithm::RecursiveDoubling),
+        Just(Algorithm::Auto)
+    ]
+}
+
+const PRIMES: [usize; 8] = [2, 3, 5, 7, 997, 1009, 2999, 4999];
+
+fn lengths() -> impl Strategy<Value = usize> {
+    prop_oneof![0usize..12, 0usize..=5000, proptest::sample::select(PRIMES.to_vec())]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn all_reduce_is_exact_and_identical_on_every_rank(
+        size in 1usize..=9,
+        len in lengths(),
+        dtype in proptest::sample::select(DType::ALL.to_vec()),
+        op in ops(),
+        algorithm in algorithms(),
+        segment in prop_oneof![Just(8usize), 16usize..2048, Just(256 * 1024)],
+        prescale in prop_oneof![Just(1.0f64), Just(2.0)],
+        postscale in prop_oneof![Just(1.0f64), Just(0.5)],
+        salt in 0usize..7,
+    ) {
+        let opts = AllReduceOptions { op, algorithm, prescale, postscale, compression: WireCompression::None };
+        match dtype {
+            DType::F32 => check_all_reduce::<f32>(size, len, opts, segment, salt)?,
+            DType::F64 => check_all_reduce::<f64>(size, len, opts, segment, salt)?,
+            DType::F16 => check_all_reduce::<f16>(size, len, opts, segment, salt)?,
+            DType::BF16 => check_all_reduce::<bf16>(size, len, opts, segment, salt)?,
+        }
+    }
+
+    #[test]
+    fn wire_compression_of_f32_is_exact_for_small_integers(
+        size in 1usize..=9,
+        len in lengths(),
+        op in ops(),
+        compression in prop_oneof![Just(WireCompression::F16), Just(WireCompression::Bf16)],
+        salt in 0usize..7,
+    ) {
+        let opts = AllReduceOptions { op, compression, ..AllReduceOptions::default() };
+        check_all_reduce::<f32>(size, len, opts, 1024, salt)?;
+    }
+
+    #[test]
+    fn broadcast_all_gather_reduce_scatter_and_barrier(
+        size in 1usize..=9,
+        len in lengths(),
+        root_pick in 0usize..9,
+        gather_lens in proptest::collection::vec(0usize..300, 9),
+    ) {
+        let root = root_pick % size;
+        let outs = Communicator::run_local(size, |mut comm| -> Result<_, Error> {
+            let r = comm.rank();
+            let mut b: Vec<f64> = (0..len).map(|i| if r == root { i as f64 } else { -1.0 }).collect();
+            comm.broadcast(&mut b, root)?;
+            let mine: Vec<u32> = (0..gather_lens[r]).map(|i| (r * 1000 + i) as u32).collect();
+            let gathered = comm.all_gather(&mine)?;
+            let mut rs: Vec<f32> = (0..len).map(|i| input(r, i, 0) as f32).collect();
+            let range = comm.reduce_scatter(&mut rs, &AllReduceOptions::sum())?;
+            comm.barrier()?;
+            Ok((b, gathered, rs[range.clone()].to_vec(), range))
+        }).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        for (rank, out) in outs.into_iter().enumerate() {
+            let (b, gathered, chunk, range) = out.map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert!(b.iter().enumerate().all(|(i, &x)| x == i as f64));
+            prop_assert_eq!(gathered.len(), size);
+            for (src, g) in gathered.iter().enumerate() {
+                let want: Vec<u32> = (0..gather_lens[src]).map(|i| (src * 1000 + i) as u32).collect();
+                prop_assert_eq!(g, &want);
+            }
+            prop_assert_eq!(range.clone(), ring_chunk_range(len, size, rank));
+            for (k, &x) in chunk.iter().enumerate() {
+                prop_assert_eq!(x as f64, exact(ReduceOp::Sum, size, range.start + k, 0));
+            }
+        }
+    }
+
+    #[test]
+    fn gradient_packing_reduces_every_gradient_exactly(
+        size in 1usize..=6,
+        grads in proptest::collection::vec((proptest::sample::select(DType::ALL.to_vec()), 0usize..400), 1..14),
+        repacking in 0usize..6,
+        agg_bytes in prop_oneof![Just(0usize), 1usize..1024],
+        agg_group in 1usize..6,
+    ) {
+        let specs: Vec<GradientSpec> = grads.iter().enumerate()
+            .map(|(i, &(d, l))| GradientSpec::new(format!("v{i}"), d, l)).collect();
+        let config = PackingConfig {
+            gradient_repacking: repacking,
+            agg_small_grads_max_bytes: agg_bytes,
+            agg_small_grads_max_group: agg_group,
+        };
+        // Every element of every gradient appears in exactly one unit.
+        let plan = GradientPacker::new(specs.clone(), config).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let mut covered: Vec<Vec<u8>> = specs.iter().map(|s| vec![0; s.len]).collect();
+        for u in plan.units() {
+            if agg_bytes > 0 && u.pieces.len() > 1 && repacking == 0 {
+                prop_assert!(u.pieces.len() <= agg_group);
+            }
+            for p in &u.pieces {
+                prop_assert_eq!(specs[p.grad].dtype, u.dtype);
+                for c in &mut covered[p.grad][p.offset..p.offset + p.len] { *c += 1; }
+            }
+        }
+        prop_assert!(covered.iter().flatten().all(|&c| c == 1));
+
+        let outs = Communicator::run_local(size, |mut comm| -> Result<Vec<Tensor>, Error> {
+            let r = comm.rank();
+            let mut packer = GradientPacker::new(specs.clone(), config)?;
+            let mut tensors: Vec<Tensor> = specs.iter().enumerate().map(|(g, s)| {
+                let mut t = Tensor::zeros(s.dtype, s.len);
+                fill(&mut t, r, g);
+                t
+            }).collect();
+            // Twice: the plan and its buffer are reused.
+            for _ in 0..2 {
+                for (g, t) in tensors.iter_mut().enumerate() { fill(t, r, g); }
+                let mut views: Vec<TensorMut<'_>> = tensors.iter_mut().map(|t| t.as_tensor_mut()).collect();
+                packer.all_reduce(&mut comm, &mut views, &AllReduceOptions::sum())?;
+            }
+            Ok(tensors)
+        }).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        for out in outs {
+            let tensors = out.map_err(|e| TestCaseError::fail(e.to_string()))?;
+            for (g, t) in tensors.into_iter().enumerate() {
+                let mut want = Tensor::zeros(t.dtype(), t.len());
+                fill_expected(&mut want, size, g);
+                prop_assert_eq!(t.as_bytes(), want.as_bytes(), "gradient {}", g);
+            }
+        }
+    }
+}
+
+fn fill(t: &mut Tensor, rank: usize, salt: usize) {
+    match t {
+        Tensor::F32(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = input(rank, i, salt) as f32),
+        Tensor::F64(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = input(rank, i, salt)),
+        Tensor::F16(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = f16::from_f64(input(rank, i, salt))),
+        Tensor::BF16(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = bf16::from_f64(input(rank, i, salt))),
+    }
+}
+
+fn fill_expected(t: &mut Tensor, size: usize, salt: usize) {
+    let e = |i: usize| exact(ReduceOp::Sum, size, i, salt);
+    match t {
+        Tensor::F32(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = e(i) as f32),
+        Tensor::F64(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = e(i)),
+        Tensor::F16(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = f16::from_f64(e(i))),
+        Tensor::BF16(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = bf16::from_f64(e(i))),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn fusion_reduces_every_tensor_in_any_submission_order(
+        size in 1usize..=5,
+        tensors in proptest::collection::vec((proptest::sample::select(DType::ALL.to_vec()), 0usize..600), 1..40),
+        threshold in prop_oneof![Just(1usize), 64usize..4096, Just(64 << 20)],
+        op in prop_oneof![Just(ReduceOp::Sum), Just(ReduceOp::Max)],
+        seed in 0u64..1000,
+    ) {
+        let config = FusionConfig {
+            threshold_bytes: threshold,
+            cycle_time: Duration::from_micros(200),
+            options: AllReduceOptions::with_op(op),
+            ..FusionConfig::default()
+        };
+        let outs = Communicator::run_local(size, |comm| -> Result<Vec<(usize, Tensor)>, Error> {
+            let r = comm.rank();
+            let engine = FusionEngine::start(comm, config.clone())?;
+            // Each rank submits in its own order.
+            let mut order: Vec<usize> = (0..tensors.len()).collect();
+            let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(r as u64 + 1);
+            for i in (1..order.len()).rev() {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                order.swap(i, (state >> 33) as usize % (i + 1));
+            }
+            let mut handles = Vec::new();
+            for &g in &order {
+                let (d, l) = tensors[g];
+                let mut t = Tensor::zeros(d, l);
+                fill(&mut t, r, g);
+                handles.push(engine.submit(&format!("t{g}"), t)?);
+            }
+            let out = engine.synchronize(handles)?;
+            engine.shutdown()?;
+            Ok(order.into_iter().zip(out).collect())
+        }).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        for out in outs {
+            for (g, t) in out.map_err(|e| TestCaseError::fail(e.to_string()))? {
+                let mut want = Tensor::zeros(t.dtype(), t.len());
+                let e = |i: usize| exact(op, size, i, g);
+                match &mut want {
+                    Tensor::F32(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = e(i) as f32),
+                    Tensor::F64(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = e(i)),
+                    Tensor::F16(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = f16::from_f64(e(i))),
+                    Tensor::BF16(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = bf16::from_f64(e(i))),
+                }
+                prop_assert_eq!(t.as_bytes(), want.as_bytes(), "tensor t{}", g);
+            }
+        }
+    }
+}
+
+#[test]
+fn fusion_mismatch_is_an_error_on_every_rank() {
+    let outs = Communicator::run_local(3, |comm| {
+        let r = comm.rank();
+        let engine = FusionEngine::start(comm, FusionConfig::default()).expect("start");
+        let len = if r == 2 { 11 } else { 10 };
+        let bad = engine.submit("decoder/w", vec![1.0f32; len]).expect("submit");
+        let good = engine.submit("decoder/b", vec![1.0f32; 4]).expect("submit");
+        let bad = bad.wait();
+        let good = good.wait();
+        engine.shutdown().expect("shutdown");
+        (bad, good)
+    })
+    .expect("run");
+    for (bad, good) in outs {
+        let msg = bad.expect_err("mismatch must fail").to_string();
+        assert!(msg.contains("decoder/w"), "{msg}");
+        assert!(msg.contains("rank 0: f32[10]") && msg.contains("rank 2: f32[11]"), "{msg}");
+        assert_eq!(good.expect("good tensor").into_vec::<f32>().expect("f32"), vec![3.0; 4]);
+    }
+}
+
+#[test]
+fn fusion_stall_becomes_an_error_naming_the_missing_ranks() {
+    let config = FusionConfig {
+        stall_warning: Duration::from_millis(100),
+        stall_error: Duration::from_millis(100),
+        ..FusionConfig::default()
+    };
+    let outs = Communicator::run_local(3, |comm| {
+        let r = comm.rank();
+        let engine = FusionEngine::start(comm, config.clone()).expect("start");
+        let lonely = (r == 0).then(|| engine.submit("only/on/rank0", vec![1.0f64; 3]).expect("submit"));
+        let result = match lonely {
+            Some(h) => h.wait().map(|_| ()),
+            None => {
+                // The other ranks learn of it through synchronize once it has failed.
+                let mut seen = None;
+                for _ in 0..200 {
+                    if let Some(e) = engine.take_foreign_failure() {
+                        seen = Some(e);
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                seen.map_or(Ok(()), Err)
+            }
+        };
+        engine.shutdown().expect("shutdown");
+        result
+    })
+    .expect("run");
+    for out in outs {
+        let msg = out.expect_err("stall must fail").to_string();
+        assert!(msg.contains("only/on/rank0"), "{msg}");
+        assert!(msg.contains("not on ranks [1, 2]"), "{msg}");
+    }
+}
+
+#[test]
+fn fusion_timeline_is_chrome_trace_json_with_every_phase() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("trace.json");
+    let config = FusionConfig {
+        timeline: Some(path.clone()),
+        ..FusionConfig::default()
+    };
+    Communicator::run_local(2, |comm| {
+        let engine = FusionEngine::start(comm, config.clone()).expect("start");
+        let hs = vec![
+            engine.submit("a", vec![1.0f32; 8]).expect("submit"),
+            engine.submit("b", vec![1.0f32; 8]).expect("submit"),
+        ];
+        engine.synchronize(hs).expect("sync");
+        engine.shutdown().expect("shutdown");
+    })
+    .expect("run");
+    for rank in 0..2 {
+        let file = ringtrain::collective::timeline_path_for_rank(&path, rank);
+        let text = std::fs::read_to_string(&file).expect("timeline written");
+        let json: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+        let events = json["traceEvents"].as_array().expect("traceEvents");
+        let phases: Vec<&str> = events
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .filter_map(|e| e["name"].as_str())
+            .collect();
+        for p in ["queued", "copy_in", "all_reduce", "copy_out"] {
+            assert!(phases.contains(&p), "rank {rank} lacks phase {p}: {phases:?}");
+        }
+        assert!(events.iter().all(|e| e["pid"] == rank));
+    }
+}
+
+#[test]
+fn mpi_algorithm_on_the_local_transport_fails_on_every_rank() {
+    let outs = Communicator::run_local(2, |mut comm| {
+        let mut v = vec![1.0f32; 4];
+        comm.all_reduce(&mut v, &AllReduceOptions::sum().algorithm(Algorithm::Mpi))
+    })
+    .expect("run");
+    for out in outs {
+        assert!(out.expect_err("no MPI here").to_string().contains("mpi"));
+    }
+}

@@ -1,0 +1,254 @@
+//! Multi-rank runs over the MPI transport: the outer tests re-run this test executable
+//! under `mpirun -np N` (oversubscribed), selecting one `#[ignore]`d worker test, and
+//! check mpirun's exit status and output. A worker asserts its own results and exits
+//! non-zero on failure; the outer test kills mpirun after a timeout.
+#![cfg(feature = "mpi")]
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use ringtrain::collective::{
+    Algorithm, AllReduceOptions, Communicator, DType, Element, Error, FusionConfig, FusionEngine,
+    GradientPacker, GradientSpec, PackingConfig, ReduceOp, Tensor, TensorMut,
+};
+
+const TIMEOUT: Duration = Duration::from_secs(90);
+
+/// Runs `worker` under `mpirun -np ranks`; returns (success, combined output).
+fn mpirun(ranks: usize, worker: &str) -> (bool, String) {
+    let exe = std::env::current_exe().expect("test executable path");
+    let mut child = Command::new("mpirun")
+        .arg("-np")
+        .arg(ranks.to_string())
+        .arg(exe)
+        .args(["--ignored", "--exact", worker, "--nocapture", "--test-threads", "1"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        .env("RINGTRAIN_MPI_WORKER", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun must be installed (Open MPI); see scripts/setup");
+    let mut stdout = child.stdout.take().expect("stdout");
+    let mut stderr = child.stderr.take().expect("stderr");
+    let out_thread = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err_thread = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for mpirun") {
+            break Some(status);
+        }
+        if start.elapsed() > TIMEOUT {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let output = format!(
+        "{}\n--- stderr ---\n{}",
+        out_thread.join().unwrap_or_default(),
+        err_thread.join().unwrap_or_default()
+    );
+    match status {
+        Some(s) => (s.success(), output),
+        None => (false, format!("mpirun killed after {TIMEOUT:?}\n{output}")),
+    }
+}
+
+fn input(rank: usize, i: usize) -> f64 {
+    ((i * 5 + rank * 3) % 7) as f64 - 3.0
+}
+
+fn exact(op: ReduceOp, size: usize, i: usize) -> f64 {
+    let vals = (0..size).map(|r| input(r, i));
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => vals.sum(),
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+    }
+}
+
+/// Checks every rank holds the same bytes.
+fn same_on_every_rank(comm: &mut Communicator, bytes: &[u8]) -> Result<bool, Error> {
+    let all = comm.all_gather(bytes)?;
+    Ok(all.iter().all(|b| b == &all[0]))
+}
+
+fn check_algorithms<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
+    let (r, n) = (comm.rank(), comm.size());
+    for &len in &[0usize, 1, 2, 3, 5, 7, 1009, 4999, 70_001] {
+        for op in [ReduceOp::Sum, ReduceOp::Average, ReduceOp::Min, ReduceOp::Max] {
+            for alg in [Algorithm::Ring, Algorithm::RecursiveDoubling, Algorithm::Auto, Algorithm::Mpi] {
+                comm.set_segment_bytes(if len % 2 == 0 { 4096 } else { 256 * 1024 });
+                let mut v: Vec<T> = (0..len).map(|i| T::from_f64(input(r, i))).collect();
+                let opts = AllReduceOptions::with_op(op).algorithm(alg);
+                comm.all_reduce(&mut v, &opts)?;
+                let mut want: Vec<T> = (0..len).map(|i| T::from_f64(exact(op, n, i))).collect();
+                if op == ReduceOp::Average {
+                    T::scale(&mut want, 1.0 / n as f64);
+                }
+                assert!(
+                    v == want,
+                    "rank {r}: {} {op} {alg} len {len} differs from the exact result",
+                    T::NAME
+                );
+                let bytes = T::into_tensor(v).as_bytes().to_vec();
+                assert!(same_on_every_rank(comm, &bytes)?, "{} {op} {alg} len {len}: ranks differ", T::NAME);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "MPI worker: run by the mpirun tests below"]
+fn mpi_worker_collectives() {
+    if std::env::var_os("RINGTRAIN_MPI_WORKER").is_none() {
+        return;
+    }
+    let mut comm = Communicator::mpi().expect("MPI init");
+    let (r, n) = (comm.rank(), comm.size());
+    check_algorithms::<f32>(&mut comm).expect("f32");
+    check_algorithms::<f64>(&mut comm).expect("f64");
+    check_algorithms::<f16>(&mut comm).expect("f16");
+    check_algorithms::<bf16>(&mut comm).expect("bf16");
+
+    // Broadcast from every root, all-gather with per-rank sizes, reduce-scatter, barrier.
+    for root in 0..n {
+        let mut b: Vec<f32> = (0..1001).map(|i| if r == root { i as f32 } else { -1.0 }).collect();
+        comm.broadcast(&mut b, root).expect("broadcast");
+        assert!(b.iter().enumerate().all(|(i, &x)| x == i as f32), "broadcast from {root}");
+    }
+    let mine: Vec<u64> = (0..r * 3 + 1).map(|i| (r * 100 + i) as u64).collect();
+    let all = comm.all_gather(&mine).expect("all_gather");
+    for (src, g) in all.iter().enumerate() {
+        assert_eq!(g, &(0..src * 3 + 1).map(|i| (src * 100 + i) as u64).collect::<Vec<_>>());
+    }
+    let mut rs: Vec<f64> = (0..777).map(|i| input(r, i)).collect();
+    let range = comm.reduce_scatter(&mut rs, &AllReduceOptions::sum()).expect("reduce_scatter");
+    for i in range {
+        assert_eq!(rs[i], exact(ReduceOp::Sum, n, i));
+    }
+    comm.barrier().expect("barrier");
+
+    // Gradient packing.
+    let specs: Vec<GradientSpec> = (0..9)
+        .map(|g| GradientSpec::new(format!("v{g}"), DType::ALL[g % 4], 50 * g + 3))
+        .collect();
+    let mut packer = GradientPacker::new(
+        specs.clone(),
+        PackingConfig { gradient_repacking: 3, agg_small_grads_max_bytes: 400, agg_small_grads_max_group: 2 },
+    )
+    .expect("plan");
+    let mut grads: Vec<Tensor> = specs
+        .iter()
+        .map(|s| {
+            let mut t = Tensor::zeros(s.dtype, s.len);
+            if let Tensor::F32(v) = &mut t {
+                v.iter_mut().enumerate().for_each(|(i, x)| *x = input(r, i) as f32);
+            }
+            t
+        })
+        .collect();
+    let mut views: Vec<TensorMut<'_>> = grads.iter_mut().map(|t| t.as_tensor_mut()).collect();
+    packer.all_reduce(&mut comm, &mut views, &AllReduceOptions::sum()).expect("packed all-reduce");
+    for t in &grads {
+        if let Tensor::F32(v) = t {
+            assert!(v.iter().enumerate().all(|(i, &x)| x as f64 == exact(ReduceOp::Sum, n, i)));
+        }
+    }
+
+    // Tensor fusion, with ranks submitting in different orders.
+    let engine = FusionEngine::start(
+        comm,
+        FusionConfig { threshold_bytes: 8192, cycle_time: Duration::from_micros(500), ..FusionConfig::default() },
+    )
+    .expect("engine");
+    let mut order: Vec<usize> = (0..100).collect();
+    if r % 2 == 1 {
+        order.reverse();
+    }
+    let handles: Vec<_> = order
+        .iter()
+        .map(|&k| {
+            let v: Vec<f32> = (0..k * 13 + 1).map(|i| input(r, i) as f32).collect();
+            engine.submit(&format!("grad{k}"), v).expect("submit")
+        })
+        .collect();
+    let out = engine.synchronize(handles).expect("synchronize");
+    for (&k, t) in order.iter().zip(out) {
+        let v = t.into_vec::<f32>().expect("f32");
+        assert_eq!(v.len(), k * 13 + 1);
+        assert!(v.iter().enumerate().all(|(i, &x)| x as f64 == exact(ReduceOp::Sum, n, i)), "grad{k}");
+    }
+    engine.shutdown().expect("shutdown");
+    println!("COLLECTIVES-OK rank {r} of {n}");
+}
+
+#[test]
+#[ignore = "MPI worker: run by the mpirun tests below"]
+fn mpi_worker_mismatch() {
+    if std::env::var_os("RINGTRAIN_MPI_WORKER").is_none() {
+        return;
+    }
+    let comm = Communicator::mpi().expect("MPI init");
+    let (r, n) = (comm.rank(), comm.size());
+    let engine = FusionEngine::start(comm, FusionConfig::default()).expect("engine");
+    let len = if r == n - 1 { 11 } else { 10 };
+    let bad = engine.submit("embedding/grad", vec![1.0f32; len]).expect("submit");
+    let good = engine.submit("softmax/grad", vec![1.0f32; 5]).expect("submit");
+    let err = bad.wait().expect_err("a length mismatch must fail");
+    let msg = err.to_string();
+    assert!(matches!(err, Error::TensorMismatch { .. }), "{msg}");
+    assert!(msg.contains("embedding/grad") && msg.contains(&format!("rank {}: f32[11]", n - 1)), "{msg}");
+    let good = good.wait().expect("the agreed tensor still reduces");
+    assert_eq!(good.into_vec::<f32>().expect("f32"), vec![n as f32; 5]);
+    engine.shutdown().expect("shutdown");
+    println!("MISMATCH-OK rank {r}: {msg}");
+}
+
+fn expect_ok(ranks: usize, worker: &str, marker: &str) {
+    let start = Instant::now();
+    let (ok, output) = mpirun(ranks, worker);
+    assert!(ok, "mpirun -np {ranks} {worker} failed:\n{output}");
+    let hits = output.matches(marker).count();
+    assert_eq!(hits, ranks, "expected {ranks} lines with {marker}:\n{output}");
+    eprintln!("mpirun -np {ranks} {worker}: {:?}", start.elapsed());
+}
+
+#[test]
+fn mpirun_collectives_2_ranks() {
+    expect_ok(2, "mpi_worker_collectives", "COLLECTIVES-OK");
+}
+
+#[test]
+fn mpirun_collectives_3_ranks() {
+    expect_ok(3, "mpi_worker_collectives", "COLLECTIVES-OK");
+}
+
+#[test]
+fn mpirun_collectives_4_ranks() {
+    expect_ok(4, "mpi_worker_collectives", "COLLECTIVES-OK");
+}
+
+#[test]
+fn mpirun_mismatch_fails_on_every_rank_in_seconds() {
+    for ranks in [2, 3, 4] {
+        let start = Instant::now();
+        expect_ok(ranks, "mpi_worker_mismatch", "MISMATCH-OK");
+        assert!(start.elapsed() < Duration::from_secs(60), "mismatch took {:?}", start.elapsed());
+    }
+}
