@@ -63,12 +63,24 @@ fn check_all_reduce<T: Element>(
     })
     .map_err(|e| TestCaseError::fail(e.to_string()))?;
     let want = expected::<T>(&opts, size, len, salt);
-    let first = outs[0].as_ref().map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let first = outs[0]
+        .as_ref()
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
     for (rank, out) in outs.iter().enumerate() {
-        let out = out.as_ref().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let out = out
+            .as_ref()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert_eq!(bits(out), bits(first), "rank {} differs from rank 0", rank);
     }
-    prop_assert_eq!(bits(first), bits(&want), "{} {:?} size {} len {}", T::NAME, opts, size, len);
+    prop_assert_eq!(
+        bits(first),
+        bits(&want),
+        "{} {:?} size {} len {}",
+        T::NAME,
+        opts,
+        size,
+        len
+    );
     Ok(())
 }
 
@@ -92,7 +104,11 @@ fn algorithms() -> impl Strategy<Value = Algorithm> {
 const PRIMES: [usize; 8] = [2, 3, 5, 7, 997, 1009, 2999, 4999];
 
 fn lengths() -> impl Strategy<Value = usize> {
-    prop_oneof![0usize..12, 0usize..=5000, proptest::sample::select(PRIMES.to_vec())]
+    prop_oneof![
+        0usize..12,
+        0usize..=5000,
+        proptest::sample::select(PRIMES.to_vec())
+    ]
 }
 
 proptest! {
@@ -223,10 +239,22 @@ proptest! {
 
 fn fill(t: &mut Tensor, rank: usize, salt: usize) {
     match t {
-        Tensor::F32(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = input(rank, i, salt) as f32),
-        Tensor::F64(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = input(rank, i, salt)),
-        Tensor::F16(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = f16::from_f64(input(rank, i, salt))),
-        Tensor::BF16(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = bf16::from_f64(input(rank, i, salt))),
+        Tensor::F32(v) => v
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = input(rank, i, salt) as f32),
+        Tensor::F64(v) => v
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = input(rank, i, salt)),
+        Tensor::F16(v) => v
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = f16::from_f64(input(rank, i, salt))),
+        Tensor::BF16(v) => v
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = bf16::from_f64(input(rank, i, salt))),
     }
 }
 
@@ -235,8 +263,14 @@ fn fill_expected(t: &mut Tensor, size: usize, salt: usize) {
     match t {
         Tensor::F32(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = e(i) as f32),
         Tensor::F64(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = e(i)),
-        Tensor::F16(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = f16::from_f64(e(i))),
-        Tensor::BF16(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = bf16::from_f64(e(i))),
+        Tensor::F16(v) => v
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = f16::from_f64(e(i))),
+        Tensor::BF16(v) => v
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = bf16::from_f64(e(i))),
     }
 }
 
@@ -300,7 +334,9 @@ fn fusion_mismatch_is_an_error_on_every_rank() {
         let r = comm.rank();
         let engine = FusionEngine::start(comm, FusionConfig::default()).expect("start");
         let len = if r == 2 { 11 } else { 10 };
-        let bad = engine.submit("decoder/w", vec![1.0f32; len]).expect("submit");
+        let bad = engine
+            .submit("decoder/w", vec![1.0f32; len])
+            .expect("submit");
         let good = engine.submit("decoder/b", vec![1.0f32; 4]).expect("submit");
         let bad = bad.wait();
         let good = good.wait();
@@ -311,8 +347,14 @@ fn fusion_mismatch_is_an_error_on_every_rank() {
     for (bad, good) in outs {
         let msg = bad.expect_err("mismatch must fail").to_string();
         assert!(msg.contains("decoder/w"), "{msg}");
-        assert!(msg.contains("rank 0: f32[10]") && msg.contains("rank 2: f32[11]"), "{msg}");
-        assert_eq!(good.expect("good tensor").into_vec::<f32>().expect("f32"), vec![3.0; 4]);
+        assert!(
+            msg.contains("rank 0: f32[10]") && msg.contains("rank 2: f32[11]"),
+            "{msg}"
+        );
+        assert_eq!(
+            good.expect("good tensor").into_vec::<f32>().expect("f32"),
+            vec![3.0; 4]
+        );
     }
 }
 
@@ -326,7 +368,11 @@ fn fusion_stall_becomes_an_error_naming_the_missing_ranks() {
     let outs = Communicator::run_local(3, |comm| {
         let r = comm.rank();
         let engine = FusionEngine::start(comm, config.clone()).expect("start");
-        let lonely = (r == 0).then(|| engine.submit("only/on/rank0", vec![1.0f64; 3]).expect("submit"));
+        let lonely = (r == 0).then(|| {
+            engine
+                .submit("only/on/rank0", vec![1.0f64; 3])
+                .expect("submit")
+        });
         let result = match lonely {
             Some(h) => h.wait().map(|_| ()),
             None => {
@@ -382,7 +428,10 @@ fn fusion_timeline_is_chrome_trace_json_with_every_phase() {
             .filter_map(|e| e["name"].as_str())
             .collect();
         for p in ["queued", "copy_in", "all_reduce", "copy_out"] {
-            assert!(phases.contains(&p), "rank {rank} lacks phase {p}: {phases:?}");
+            assert!(
+                phases.contains(&p),
+                "rank {rank} lacks phase {p}: {phases:?}"
+            );
         }
         assert!(events.iter().all(|e| e["pid"] == rank));
     }

@@ -23,7 +23,14 @@ fn mpirun(ranks: usize, worker: &str) -> (bool, String) {
         .arg("-np")
         .arg(ranks.to_string())
         .arg(exe)
-        .args(["--ignored", "--exact", worker, "--nocapture", "--test-threads", "1"])
+        .args([
+            "--ignored",
+            "--exact",
+            worker,
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
@@ -90,8 +97,18 @@ fn same_on_every_rank(comm: &mut Communicator, bytes: &[u8]) -> Result<bool, Err
 fn check_algorithms<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
     let (r, n) = (comm.rank(), comm.size());
     for &len in &[0usize, 1, 2, 3, 5, 7, 1009, 4999, 70_001] {
-        for op in [ReduceOp::Sum, ReduceOp::Average, ReduceOp::Min, ReduceOp::Max] {
-            for alg in [Algorithm::Ring, Algorithm::RecursiveDoubling, Algorithm::Auto, Algorithm::Mpi] {
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Average,
+            ReduceOp::Min,
+            ReduceOp::Max,
+        ] {
+            for alg in [
+                Algorithm::Ring,
+                Algorithm::RecursiveDoubling,
+                Algorithm::Auto,
+                Algorithm::Mpi,
+            ] {
                 comm.set_segment_bytes(if len % 2 == 0 { 4096 } else { 256 * 1024 });
                 let mut v: Vec<T> = (0..len).map(|i| T::from_f64(input(r, i))).collect();
                 let opts = AllReduceOptions::with_op(op).algorithm(alg);
@@ -106,7 +123,11 @@ fn check_algorithms<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
                     T::NAME
                 );
                 let bytes = T::into_tensor(v).as_bytes().to_vec();
-                assert!(same_on_every_rank(comm, &bytes)?, "{} {op} {alg} len {len}: ranks differ", T::NAME);
+                assert!(
+                    same_on_every_rank(comm, &bytes)?,
+                    "{} {op} {alg} len {len}: ranks differ",
+                    T::NAME
+                );
             }
         }
     }
@@ -128,17 +149,29 @@ fn mpi_worker_collectives() {
 
     // Broadcast from every root, all-gather with per-rank sizes, reduce-scatter, barrier.
     for root in 0..n {
-        let mut b: Vec<f32> = (0..1001).map(|i| if r == root { i as f32 } else { -1.0 }).collect();
+        let mut b: Vec<f32> = (0..1001)
+            .map(|i| if r == root { i as f32 } else { -1.0 })
+            .collect();
         comm.broadcast(&mut b, root).expect("broadcast");
-        assert!(b.iter().enumerate().all(|(i, &x)| x == i as f32), "broadcast from {root}");
+        assert!(
+            b.iter().enumerate().all(|(i, &x)| x == i as f32),
+            "broadcast from {root}"
+        );
     }
     let mine: Vec<u64> = (0..r * 3 + 1).map(|i| (r * 100 + i) as u64).collect();
     let all = comm.all_gather(&mine).expect("all_gather");
     for (src, g) in all.iter().enumerate() {
-        assert_eq!(g, &(0..src * 3 + 1).map(|i| (src * 100 + i) as u64).collect::<Vec<_>>());
+        assert_eq!(
+            g,
+            &(0..src * 3 + 1)
+                .map(|i| (src * 100 + i) as u64)
+                .collect::<Vec<_>>()
+        );
     }
     let mut rs: Vec<f64> = (0..777).map(|i| input(r, i)).collect();
-    let range = comm.reduce_scatter(&mut rs, &AllReduceOptions::sum()).expect("reduce_scatter");
+    let range = comm
+        .reduce_scatter(&mut rs, &AllReduceOptions::sum())
+        .expect("reduce_scatter");
     for i in range {
         assert_eq!(rs[i], exact(ReduceOp::Sum, n, i));
     }
@@ -150,7 +183,11 @@ fn mpi_worker_collectives() {
         .collect();
     let mut packer = GradientPacker::new(
         specs.clone(),
-        PackingConfig { gradient_repacking: 3, agg_small_grads_max_bytes: 400, agg_small_grads_max_group: 2 },
+        PackingConfig {
+            gradient_repacking: 3,
+            agg_small_grads_max_bytes: 400,
+            agg_small_grads_max_group: 2,
+        },
     )
     .expect("plan");
     let mut grads: Vec<Tensor> = specs
@@ -158,23 +195,34 @@ fn mpi_worker_collectives() {
         .map(|s| {
             let mut t = Tensor::zeros(s.dtype, s.len);
             if let Tensor::F32(v) = &mut t {
-                v.iter_mut().enumerate().for_each(|(i, x)| *x = input(r, i) as f32);
+                v.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = input(r, i) as f32);
             }
             t
         })
         .collect();
     let mut views: Vec<TensorMut<'_>> = grads.iter_mut().map(|t| t.as_tensor_mut()).collect();
-    packer.all_reduce(&mut comm, &mut views, &AllReduceOptions::sum()).expect("packed all-reduce");
+    packer
+        .all_reduce(&mut comm, &mut views, &AllReduceOptions::sum())
+        .expect("packed all-reduce");
     for t in &grads {
         if let Tensor::F32(v) = t {
-            assert!(v.iter().enumerate().all(|(i, &x)| x as f64 == exact(ReduceOp::Sum, n, i)));
+            assert!(v
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x as f64 == exact(ReduceOp::Sum, n, i)));
         }
     }
 
     // Tensor fusion, with ranks submitting in different orders.
     let engine = FusionEngine::start(
         comm,
-        FusionConfig { threshold_bytes: 8192, cycle_time: Duration::from_micros(500), ..FusionConfig::default() },
+        FusionConfig {
+            threshold_bytes: 8192,
+            cycle_time: Duration::from_micros(500),
+            ..FusionConfig::default()
+        },
     )
     .expect("engine");
     let mut order: Vec<usize> = (0..100).collect();
@@ -192,7 +240,12 @@ fn mpi_worker_collectives() {
     for (&k, t) in order.iter().zip(out) {
         let v = t.into_vec::<f32>().expect("f32");
         assert_eq!(v.len(), k * 13 + 1);
-        assert!(v.iter().enumerate().all(|(i, &x)| x as f64 == exact(ReduceOp::Sum, n, i)), "grad{k}");
+        assert!(
+            v.iter()
+                .enumerate()
+                .all(|(i, &x)| x as f64 == exact(ReduceOp::Sum, n, i)),
+            "grad{k}"
+        );
     }
     engine.shutdown().expect("shutdown");
     println!("COLLECTIVES-OK rank {r} of {n}");
@@ -208,12 +261,19 @@ fn mpi_worker_mismatch() {
     let (r, n) = (comm.rank(), comm.size());
     let engine = FusionEngine::start(comm, FusionConfig::default()).expect("engine");
     let len = if r == n - 1 { 11 } else { 10 };
-    let bad = engine.submit("embedding/grad", vec![1.0f32; len]).expect("submit");
-    let good = engine.submit("softmax/grad", vec![1.0f32; 5]).expect("submit");
+    let bad = engine
+        .submit("embedding/grad", vec![1.0f32; len])
+        .expect("submit");
+    let good = engine
+        .submit("softmax/grad", vec![1.0f32; 5])
+        .expect("submit");
     let err = bad.wait().expect_err("a length mismatch must fail");
     let msg = err.to_string();
     assert!(matches!(err, Error::TensorMismatch { .. }), "{msg}");
-    assert!(msg.contains("embedding/grad") && msg.contains(&format!("rank {}: f32[11]", n - 1)), "{msg}");
+    assert!(
+        msg.contains("embedding/grad") && msg.contains(&format!("rank {}: f32[11]", n - 1)),
+        "{msg}"
+    );
     let good = good.wait().expect("the agreed tensor still reduces");
     assert_eq!(good.into_vec::<f32>().expect("f32"), vec![n as f32; 5]);
     engine.shutdown().expect("shutdown");
@@ -225,7 +285,10 @@ fn expect_ok(ranks: usize, worker: &str, marker: &str) {
     let (ok, output) = mpirun(ranks, worker);
     assert!(ok, "mpirun -np {ranks} {worker} failed:\n{output}");
     let hits = output.matches(marker).count();
-    assert_eq!(hits, ranks, "expected {ranks} lines with {marker}:\n{output}");
+    assert_eq!(
+        hits, ranks,
+        "expected {ranks} lines with {marker}:\n{output}"
+    );
     eprintln!("mpirun -np {ranks} {worker}: {:?}", start.elapsed());
 }
 
@@ -249,6 +312,10 @@ fn mpirun_mismatch_fails_on_every_rank_in_seconds() {
     for ranks in [2, 3, 4] {
         let start = Instant::now();
         expect_ok(ranks, "mpi_worker_mismatch", "MISMATCH-OK");
-        assert!(start.elapsed() < Duration::from_secs(60), "mismatch took {:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "mismatch took {:?}",
+            start.elapsed()
+        );
     }
 }

@@ -51,6 +51,9 @@ pub struct AllreduceBenchArgs {
     /// Fusion cycle time in microseconds for the many-small-tensors case.
     #[arg(long, default_value_t = 1000)]
     pub cycle_time_us: u64,
+    /// Write a Chrome-trace timeline of the fused case (`FILE` becomes `FILE.rank<R>.json`).
+    #[arg(long)]
+    pub timeline: Option<PathBuf>,
 }
 
 /// Parses `4096`, `4K`, `4KiB`, `64M`, `1G` (powers of 1024).
@@ -58,9 +61,9 @@ fn parse_bytes(s: &str) -> Result<usize, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: usize = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size: use a number with an optional K, M or G suffix, e.g. 64K"))?;
+    let n: usize = num.parse().map_err(|_| {
+        format!("`{s}` is not a size: use a number with an optional K, M or G suffix, e.g. 64K")
+    })?;
     let mult = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
@@ -68,7 +71,8 @@ fn parse_bytes(s: &str) -> Result<usize, String> {
         "g" | "gb" | "gib" => 1 << 30,
         _ => return Err(format!("`{s}` has an unknown unit `{unit}`: use K, M or G")),
     };
-    n.checked_mul(mult).ok_or_else(|| format!("`{s}` is too large"))
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("`{s}` is too large"))
 }
 
 /// One line of the table (field names as in nccl-tests).
@@ -115,8 +119,12 @@ pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
     let rows = match dtype {
         DType::F32 => measure::table::<f32>(&mut comm, args, &algorithms)?,
         DType::F64 => measure::table::<f64>(&mut comm, args, &algorithms)?,
-        DType::F16 => measure::table::<ringtrain_collective::half::f16>(&mut comm, args, &algorithms)?,
-        DType::BF16 => measure::table::<ringtrain_collective::half::bf16>(&mut comm, args, &algorithms)?,
+        DType::F16 => {
+            measure::table::<ringtrain_collective::half::f16>(&mut comm, args, &algorithms)?
+        }
+        DType::BF16 => {
+            measure::table::<ringtrain_collective::half::bf16>(&mut comm, args, &algorithms)?
+        }
     };
     if comm.rank() == 0 {
         if let Some(path) = &args.json {
@@ -193,7 +201,9 @@ mod measure {
             );
         }
         let max_count = args.max_bytes / T::BYTES;
-        let input: Vec<T> = (0..max_count).map(|i| T::from_f64(input_value(rank, i))).collect();
+        let input: Vec<T> = (0..max_count)
+            .map(|i| T::from_f64(input_value(rank, i)))
+            .collect();
         let expected: Vec<T> = (0..max_count)
             .map(|i| T::from_f64((0..size).map(|r| input_value(r, i)).sum()))
             .collect();
@@ -211,7 +221,7 @@ mod measure {
                 let opts = AllReduceOptions::sum().algorithm(alg);
                 let src = &input[..count];
                 let dst = &mut buf[..count];
-                let mut once = |comm: &mut Communicator, dst: &mut [T]| -> BoxResult<()> {
+                let once = |comm: &mut Communicator, dst: &mut [T]| -> BoxResult<()> {
                     if alg == Algorithm::Mpi {
                         comm.native_all_reduce_into(src, dst, ReduceOp::Sum)?;
                     } else {
@@ -239,7 +249,10 @@ mod measure {
                     .filter(|(a, b)| a != b)
                     .count();
                 let mut wrong = [wrong_here as f64];
-                comm.all_reduce(&mut wrong, &AllReduceOptions::sum().algorithm(Algorithm::RecursiveDoubling))?;
+                comm.all_reduce(
+                    &mut wrong,
+                    &AllReduceOptions::sum().algorithm(Algorithm::RecursiveDoubling),
+                )?;
                 let algbw = bytes_exact as f64 / secs / 1e9;
                 let busbw = algbw * 2.0 * (size as f64 - 1.0) / size as f64;
                 size_rows.push(AllreduceRow {
@@ -271,7 +284,15 @@ mod measure {
                     };
                     println!(
                         "{:>12} {:>11} {:>5} {:>5} {:>12.1} {:>9.3} {:>9.3} {:>6} {:>9}",
-                        r.bytes, r.count, r.dtype, r.algorithm, r.time_us, r.algbw, r.busbw, r.wrong, ratio_text
+                        r.bytes,
+                        r.count,
+                        r.dtype,
+                        r.algorithm,
+                        r.time_us,
+                        r.algbw,
+                        r.busbw,
+                        r.wrong,
+                        ratio_text
                     );
                 }
             }
@@ -318,6 +339,7 @@ mod measure {
         // Fusion: submit every tensor as a backward pass would, then synchronize.
         let config = FusionConfig {
             cycle_time: Duration::from_micros(args.cycle_time_us),
+            timeline: args.timeline.clone(),
             ..FusionConfig::default()
         };
         let engine = FusionEngine::start(comm, config)?;
@@ -353,9 +375,17 @@ mod measure {
                 args.cycle_time_us
             );
             println!("{:>28} {:>14}", "method", "ms per step");
-            println!("{:>28} {:>14.3}", "per-tensor MPI_Allreduce", baseline * 1e3);
+            println!(
+                "{:>28} {:>14.3}",
+                "per-tensor MPI_Allreduce",
+                baseline * 1e3
+            );
             println!("{:>28} {:>14.3}", "ringtrain fusion", fused * 1e3);
-            println!("{:>28} {:>13.1}x", "speedup (baseline/fusion)", baseline / fused);
+            println!(
+                "{:>28} {:>13.1}x",
+                "speedup (baseline/fusion)",
+                baseline / fused
+            );
         }
         if wrong > 0 {
             return Err(format!("fusion gave {wrong} wrong elements on rank {rank}").into());

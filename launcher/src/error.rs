@@ -32,16 +32,6 @@ pub enum LauncherError {
         /// The command that ran.
         command: String,
     },
-    /// A flag value is unusable.
-    #[error("invalid value `{value}` for {flag}: {reason}")]
-    InvalidArgument {
-        /// The flag.
-        flag: &'static str,
-        /// Its value.
-        value: String,
-        /// What to do.
-        reason: String,
-    },
     /// Writing an output file failed.
     #[error("writing `{path}` failed: {source}")]
     Write {

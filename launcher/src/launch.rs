@@ -39,7 +39,12 @@ pub struct LaunchArgs {
     pub dry_run: bool,
 
     /// The ringtrain subcommand each rank runs, after `--`, e.g. `-- train --use-synthetic-data`.
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true, value_name = "COMMAND")]
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        required = true,
+        value_name = "COMMAND"
+    )]
     pub command: Vec<String>,
 }
 
@@ -60,13 +65,20 @@ impl LaunchPlan {
     /// The command as a shell line (environment first).
     pub fn shell_line(&self) -> String {
         let quote = |s: &str| {
-            if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=,:+@%".contains(c)) {
+            if !s.is_empty()
+                && s.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./=,:+@%".contains(c))
+            {
                 s.to_string()
             } else {
                 format!("'{}'", s.replace('\'', "'\\''"))
             }
         };
-        let mut parts: Vec<String> = self.env.iter().map(|(k, v)| format!("{k}={}", quote(v))).collect();
+        let mut parts: Vec<String> = self
+            .env
+            .iter()
+            .map(|(k, v)| format!("{k}={}", quote(v)))
+            .collect();
         parts.push(quote(&self.program));
         parts.extend(self.args.iter().map(|a| quote(a)));
         parts.join(" ")
@@ -88,7 +100,9 @@ impl Machine {
         use std::os::unix::fs::MetadataExt;
         Machine {
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            is_root: std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false),
+            is_root: std::fs::metadata("/proc/self")
+                .map(|m| m.uid() == 0)
+                .unwrap_or(false),
         }
     }
 }
@@ -113,10 +127,16 @@ pub fn plan(args: &LaunchArgs, machine: Machine, exe: &Path) -> LaunchPlan {
     let mut notes = Vec::new();
     if machine.is_root {
         env.push(("OMPI_ALLOW_RUN_AS_ROOT".to_string(), "1".to_string()));
-        env.push(("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM".to_string(), "1".to_string()));
+        env.push((
+            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM".to_string(),
+            "1".to_string(),
+        ));
         notes.push("running as root: Open MPI needs OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)".to_string());
     }
-    env.push(("OMPI_MCA_btl_vader_single_copy_mechanism".to_string(), "none".to_string()));
+    env.push((
+        "OMPI_MCA_btl_vader_single_copy_mechanism".to_string(),
+        "none".to_string(),
+    ));
     let mut mpi = vec!["-np".to_string(), args.np.to_string()];
     if let Some(h) = &args.hostfile {
         mpi.push("--hostfile".to_string());
@@ -125,10 +145,17 @@ pub fn plan(args: &LaunchArgs, machine: Machine, exe: &Path) -> LaunchPlan {
     let oversubscribed = args.hostfile.is_none() && args.np > machine.cores;
     if oversubscribed {
         mpi.push("--oversubscribe".to_string());
-        notes.push(format!("{} ranks on {} cores: --oversubscribe", args.np, machine.cores));
+        notes.push(format!(
+            "{} ranks on {} cores: --oversubscribe",
+            args.np, machine.cores
+        ));
     }
     let threads = threads_in(&args.command);
-    let threads_per_rank = if threads > 0 { threads } else { (machine.cores / args.np).max(1) };
+    let threads_per_rank = if threads > 0 {
+        threads
+    } else {
+        (machine.cores / args.np).max(1)
+    };
     let binding_user_set = args.mpi_args.iter().any(|a| a.starts_with("--bind-to"));
     if !binding_user_set {
         if oversubscribed || threads_per_rank > 1 || args.np * threads_per_rank > machine.cores {
@@ -194,7 +221,10 @@ pub fn execute(plan: &LaunchPlan) -> Result<()> {
         Ok(())
     } else {
         Err(LauncherError::RanksFailed {
-            status: status.code().map_or_else(|| "killed by a signal".to_string(), |c| format!("exit code {c}")),
+            status: status.code().map_or_else(
+                || "killed by a signal".to_string(),
+                |c| format!("exit code {c}"),
+            ),
             command: plan.shell_line(),
         })
     }
@@ -231,11 +261,21 @@ mod tests {
 
     #[test]
     fn small_machine_as_root_gets_root_vars_oversubscription_and_no_binding() {
-        let p = plan(&args(4, &["train", "--threads", "1"]), Machine { cores: 2, is_root: true }, Path::new("/x/ringtrain"));
+        let p = plan(
+            &args(4, &["train", "--threads", "1"]),
+            Machine {
+                cores: 2,
+                is_root: true,
+            },
+            Path::new("/x/ringtrain"),
+        );
         let line = p.shell_line();
         assert!(line.contains("OMPI_ALLOW_RUN_AS_ROOT=1"), "{line}");
         assert!(line.contains("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"), "{line}");
-        assert!(line.contains("OMPI_MCA_btl_vader_single_copy_mechanism=none"), "{line}");
+        assert!(
+            line.contains("OMPI_MCA_btl_vader_single_copy_mechanism=none"),
+            "{line}"
+        );
         assert!(line.contains("--oversubscribe"), "{line}");
         assert!(line.contains("--bind-to none"), "{line}");
         assert!(line.ends_with("/x/ringtrain train --threads 1"), "{line}");
@@ -243,22 +283,49 @@ mod tests {
 
     #[test]
     fn fitting_single_threaded_ranks_bind_to_core_and_non_root_gets_no_root_vars() {
-        let p = plan(&args(2, &["train", "--threads=1"]), Machine { cores: 8, is_root: false }, Path::new("rt"));
+        let p = plan(
+            &args(2, &["train", "--threads=1"]),
+            Machine {
+                cores: 8,
+                is_root: false,
+            },
+            Path::new("rt"),
+        );
         let line = p.shell_line();
         assert!(!line.contains("ALLOW_RUN_AS_ROOT"), "{line}");
         assert!(!line.contains("--oversubscribe"), "{line}");
         assert!(line.contains("--bind-to core"), "{line}");
         // default threads = cores / ranks = 4 > 1: no binding
-        let p = plan(&args(2, &["train"]), Machine { cores: 8, is_root: false }, Path::new("rt"));
+        let p = plan(
+            &args(2, &["train"]),
+            Machine {
+                cores: 8,
+                is_root: false,
+            },
+            Path::new("rt"),
+        );
         assert!(p.shell_line().contains("--bind-to none"));
     }
 
     #[test]
     fn missing_program_is_reported() {
         assert!(find_program("/nonexistent/mpirun-xyz").is_none());
-        let p = plan(&args(2, &["train"]), Machine { cores: 2, is_root: false }, Path::new("rt"));
-        let p = LaunchPlan { program: "/nonexistent/mpirun-xyz".into(), ..p };
+        let p = plan(
+            &args(2, &["train"]),
+            Machine {
+                cores: 2,
+                is_root: false,
+            },
+            Path::new("rt"),
+        );
+        let p = LaunchPlan {
+            program: "/nonexistent/mpirun-xyz".into(),
+            ..p
+        };
         let err = execute(&p).unwrap_err().to_string();
-        assert!(err.contains("scripts/setup") && err.contains("mpirun-xyz"), "{err}");
+        assert!(
+            err.contains("scripts/setup") && err.contains("mpirun-xyz"),
+            "{err}"
+        );
     }
 }

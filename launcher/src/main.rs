@@ -9,6 +9,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench_allreduce;
 mod error;
 mod launch;
 mod sweep;
@@ -33,6 +34,15 @@ enum Command {
     Launch(launch::LaunchArgs),
     /// Run the same training at several rank counts and print the speedup table.
     Sweep(sweep::SweepArgs),
+    /// Benchmarks (run under mpirun): `ringtrain bench allreduce`.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// All-reduce bandwidth table: ring against MPI_Allreduce, and tensor fusion.
+    Allreduce(bench_allreduce::AllreduceBenchArgs),
 }
 
 /// A whole number of at least 1 (rank counts).
@@ -49,6 +59,9 @@ fn run(cli: Cli) -> Result<(), LauncherError> {
         Command::Train(args) => train_cmd::run(&args),
         Command::Launch(args) => launch::run(&args),
         Command::Sweep(args) => sweep::run(&args),
+        Command::Bench(BenchCommand::Allreduce(args)) => {
+            bench_allreduce::run(&args).map_err(|e| LauncherError::Bench(e.to_string()))
+        }
     }
 }
 

@@ -38,7 +38,12 @@ pub struct SweepArgs {
     pub report_dir: Option<PathBuf>,
 
     /// The training command, after `--`, e.g. `-- train --use-synthetic-data`.
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true, value_name = "COMMAND")]
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        required = true,
+        value_name = "COMMAND"
+    )]
     pub command: Vec<String>,
 }
 
@@ -68,7 +73,11 @@ pub fn rows(reports: &[RunReport]) -> Vec<SweepRow> {
     reports
         .iter()
         .map(|r| {
-            let speedup = if base > 0.0 { r.words_per_sec / base } else { 0.0 };
+            let speedup = if base > 0.0 {
+                r.words_per_sec / base
+            } else {
+                0.0
+            };
             SweepRow {
                 ranks: r.ranks,
                 batch_size: r.batch_size_label(),
@@ -128,7 +137,10 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     let base_cmd = without_json_report(&args.command);
     let mut reports = Vec::new();
     for &np in &args.np {
-        let report_path = dir.join(format!("ringtrain-sweep-{}-np{np}.json", std::process::id()));
+        let report_path = dir.join(format!(
+            "ringtrain-sweep-{}-np{np}.json",
+            std::process::id()
+        ));
         let mut command = base_cmd.clone();
         command.push("--json-report".to_string());
         command.push(report_path.display().to_string());
@@ -150,7 +162,8 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     }
     let rows = rows(&reports);
     println!("\n{}", markdown(&rows));
-    let json = serde_json::to_string_pretty(&rows).map_err(|e| LauncherError::Bench(e.to_string()))?;
+    let json =
+        serde_json::to_string_pretty(&rows).map_err(|e| LauncherError::Bench(e.to_string()))?;
     println!("{json}");
     if let Some(path) = &args.json {
         std::fs::write(path, json + "\n").map_err(|source| LauncherError::Write {
@@ -167,10 +180,17 @@ mod tests {
 
     #[test]
     fn json_report_flags_are_replaced() {
-        let cmd: Vec<String> = ["train", "--json-report", "a.json", "--seed", "3", "--json-report=b.json"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+        let cmd: Vec<String> = [
+            "train",
+            "--json-report",
+            "a.json",
+            "--seed",
+            "3",
+            "--json-report=b.json",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         assert_eq!(without_json_report(&cmd), vec!["train", "--seed", "3"]);
     }
 }

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 use ringtrain_train::{
-    DataPaths, DeviceKind, Direction, EncoderType, ModelKind, OptimizerKind, TrainConfig, VariableUpdate,
+    DataPaths, DeviceKind, Direction, EncoderType, ModelKind, OptimizerKind, TrainConfig,
+    VariableUpdate,
 };
 
 fn parse<T: std::str::FromStr<Err = ringtrain_train::Error>>(s: &str) -> Result<T, String> {
@@ -143,11 +144,11 @@ pub struct TrainArgs {
     pub optimizer: OptimizerKind,
 
     /// Learning rate (default: 1e-3 for Adam, 1.0 for SGD).
-    #[arg(long, alias = "learning_rate", value_parser = parse_rate)]
+    #[arg(long, alias = "learning_rate", allow_hyphen_values = true, value_parser = parse_rate)]
     pub learning_rate: Option<f32>,
 
     /// Clip gradients to this global norm (0 = no clipping).
-    #[arg(long, alias = "max_gradient_norm", default_value_t = 5.0, value_parser = parse_norm)]
+    #[arg(long, alias = "max_gradient_norm", default_value_t = 5.0, allow_hyphen_values = true, value_parser = parse_norm)]
     pub max_gradient_norm: f32,
 
     /// Exchange gradients as f16 with dynamic loss scaling (start 2^16, halve and skip the
@@ -191,7 +192,11 @@ impl TrainArgs {
         let mut it = self.data.iter().cloned();
         let data = DataPaths {
             train_src: it.next(),
-            train_tgt: if self.model == ModelKind::Nmt { it.next() } else { None },
+            train_tgt: if self.model == ModelKind::Nmt {
+                it.next()
+            } else {
+                None
+            },
             vocab_src: it.next(),
             vocab_tgt: it.next(),
         };

@@ -246,7 +246,6 @@ def compute_stage(akind, bkind, ty):
 
 def epilogue(name, with_beta):
     """Stores the 8 accumulator rows of a thread: C = alpha acc (+ beta C when with_beta)."""
-    lab = f"{name}_{'BETA' if with_beta else 'NOBETA'}"
     s = ""
     for srow in range(8):
         i, h = srow >> 1, srow & 1

@@ -68,7 +68,8 @@ Arithmetic
   bit-exact.  ``fma`` is exact too: for f32 the f64 product of two f32 is exact
   and the sum's rounding error is recovered with TwoSum to settle f64 results
   that land on an f32 rounding midpoint; f64 ``fma`` uses exact rational
-  arithmetic per element (slow, fine for the few f64 operations in the kernels).  ``.ftz`` flushes subnormal inputs and
+  arithmetic per element (slow, fine for the few f64 operations in the kernels).
+  ``.ftz`` flushes subnormal inputs and
   results to signed zero; ``.sat`` clamps to [0, 1].  Other rounding modes on
   arithmetic (``.rz``, ``.rm``, ``.rp``) are rejected.
 * ``cvt``: float <-> float with ``.rn`` (f16 through numpy, bf16 by explicit
@@ -102,6 +103,14 @@ mask and ``d|p`` destinations), vote.sync (.all .any .uni .ballot), atom / red
 (.global / .shared; add min max inc dec and or xor exch cas), cp.async (.ca/.cg
 with src-size, commit_group, wait_group, wait_all), ldmatrix, mma.sync
 m16n8k16 row.col f32.{f16,bf16}.  Anything else is reported as unsupported.
+
+Not modelled
+------------
+Weak memory ordering (every access is immediately visible: a missing fence
+between blocks is not found), concurrency between blocks (they run one after
+another), named barriers / bar.arrive / barrier thread counts other than the
+whole block, .local / .const / texture memory, .func and call, f16 / f16x2
+arithmetic, rounding modes other than .rn on arithmetic, NaN payloads, timing.
 """
 from __future__ import annotations
 
@@ -268,6 +277,8 @@ def _parse_operand(tok):
         return Operand("pair", items=[_parse_operand(a), _parse_operand(b)])
     if tok == "_":
         return Operand("sink")
+    if tok.startswith("!%"):
+        return Operand("reg", name=tok)  # negated predicate (setp combine, vote)
     if tok.startswith("%"):
         if _SREG.match(tok) or tok in ("%laneid", "%warpid", "%nwarpid", "%warpsize"):
             return Operand("sreg", name=tok)
@@ -322,7 +333,8 @@ def _parse_decl_names(rest):
 
 def _parse_shared(stmt):
     """'.shared .align 16 .b8 name[123]' -> (name, bytes, align)"""
-    m = re.match(r"^(?:\.extern\s+)?\.shared\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+([\w$]+)\s*(?:\[(\d*)\])?", stmt)
+    m = re.match(r"^(?:\.extern\s+)?\.shared\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+([\w$]+)"
+                 r"\s*(?:\[(\d*)\])?", stmt)
     if not m:
         raise EmuError(f"cannot parse shared declaration {stmt!r}")
     align, ty, name, count = m.groups()
@@ -452,7 +464,8 @@ class Module:
                         break
                     dims.append(int(tok.rstrip(",")))
                 limit = int(np.prod(dims))
-                if (d == "maxntid" and nthreads > limit) or (d == "reqntid" and tuple(dims) != block[:len(dims)]):
+                too_big = d == "maxntid" and nthreads > limit
+                if too_big or (d == "reqntid" and tuple(dims) != block[:len(dims)]):
                     raise EmuError(f"{entry}: block {block} violates .{d} {dims}")
         rng = np.random.default_rng(seed)
         mem.begin_launch()
@@ -781,13 +794,10 @@ class _Block:
         if k == "sreg":
             return self.sreg(op.name)
         if k == "imm":
-            if op.fty == "f32":
-                if ty == "f64":
-                    return np.uint64(np.array([op.value], np.uint32).view(np.float32).astype(np.float64).view(np.uint64)[0])
-                return np.uint64(op.value)
-            if op.fty == "f64":
-                if ty == "f32":
-                    return np.uint64(np.array([op.value], np.uint64).view(np.float64).astype(np.float32).view(np.uint32)[0])
+            if op.fty in ("f32", "f64"):
+                if ty in ("f32", "f64") and ty != op.fty:  # e.g. 0f... used by an f64 instruction
+                    val = bits_as(np.array([op.value], np.uint64), op.fty)
+                    return np.uint64(to_bits(val.astype(_FLOAT[ty]), ty)[0])
                 return np.uint64(op.value)
             if op.fty == "dec" or (ty in _FLOAT and isinstance(op.value, int)):
                 fty = ty if ty in _FLOAT else "f64"
@@ -824,6 +834,8 @@ class _Block:
 
     def getp(self, op):
         name = op.name
+        if name.startswith("!"):  # negated predicate operand
+            return ~self.getp(Operand("reg", name=name[1:]))
         if name not in self.preds:
             raise EmuError(f"predicate {name} read before any thread wrote it")
         return self.preds[name]
@@ -963,6 +975,12 @@ def _round_int(x, mode):
     raise EmuError(f"unsupported integer rounding .{mode}")
 
 
+def _int_range(ty):
+    """(min, max) of integer type ``ty``."""
+    bits = 8 * _SIZES[ty]
+    return (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if _is_signed(ty) else (0, 2 ** bits - 1)
+
+
 def _h_cvt(b, inst, mask):
     parts = inst.parts[1:]
     mods = [p for p in parts if p not in _SIZES]
@@ -1024,7 +1042,7 @@ def _h_cvt(b, inst, mask):
         if rnd is None:
             raise EmuError(f"{inst.op}: float -> int needs a rounding modifier")
         r = _round_int(x.astype(np.float64), rnd)
-        lo, hi = (-(2 ** (8 * size - 1)), 2 ** (8 * size - 1) - 1) if _is_signed(dt) else (0, 2 ** (8 * size) - 1)
+        lo, hi = _int_range(dt)
         r = np.where(np.isnan(r), 0, np.clip(r, lo, hi))
         vals = np.array([int(v) for v in r], dtype=object) if size == 8 else r.astype(np.int64)
         if size == 8:
@@ -1035,7 +1053,7 @@ def _h_cvt(b, inst, mask):
         return
     v = x.astype(np.int64) if _is_signed(st) or _SIZES[st] < 8 else x.astype(np.uint64)
     if sat:
-        lo, hi = (-(2 ** (8 * size - 1)), 2 ** (8 * size - 1) - 1) if _is_signed(dt) else (0, 2 ** (8 * size) - 1)
+        lo, hi = _int_range(dt)
         v = np.clip(v.astype(object), lo, hi).astype(np.int64 if lo < 0 or size < 8 else np.uint64)
     b.set(d, dt, v, mask)
 
@@ -1166,7 +1184,9 @@ def _h_arith(b, inst, mask):
                 raise EmuError(f"integer {base} by zero")
             cc = np.where(c == 0, 1, c)
             if _is_signed(ty):
-                q = np.trunc(a / cc).astype(np.int64) if size < 8 else np.array([int(x / y) for x, y in zip(a, cc)], np.int64)
+                # truncating division, exact for every width
+                q = np.array([(abs(int(x)) // abs(int(y))) * (1 if (x < 0) == (y < 0) else -1)
+                              for x, y in zip(a, cc)], np.int64)
                 r = q if base == "div" else a - q * cc
             else:
                 r = a // cc if base == "div" else a % cc
@@ -1307,7 +1327,7 @@ def _h_unary_float(b, inst, mask):
         elif base == "abs":
             r = np.abs(x)
         elif base in ("rcp", "sqrt") and "rn" in inst.parts:
-            r = (np.float32(1) / x) if (base == "rcp" and ty == "f32") else (1 / x if base == "rcp" else np.sqrt(x))
+            r = np.sqrt(x) if base == "sqrt" else np.divide(x.dtype.type(1), x)
         elif base in ("rcp", "sqrt", "rsqrt", "ex2", "lg2", "tanh", "sin", "cos"):
             if "approx" not in inst.parts:
                 raise EmuError(f"{inst.op}: rounding mode not supported")
@@ -1483,7 +1503,7 @@ def _h_atom(b, inst, mask):
 
 def _h_bar(b, inst, mask):
     if inst.parts[1] == "warp":
-        mm = int(b.get(inst.ops[0], "u32")[0]) if inst.ops else 0xFFFFFFFF
+        mm = b.get(inst.ops[0], "u32") if inst.ops else 0xFFFFFFFF
         _check_warp_members(b, mask, mm, inst)
         warps = np.unique(np.nonzero(mask)[0] >> 5)
         b.sh.warp_ep[warps] += 1
@@ -1494,34 +1514,32 @@ def _h_bar(b, inst, mask):
         cnt = int(b.get(inst.ops[1], "u32")[0])
         if cnt != b.nt:
             raise EmuError(f"barrier thread count {cnt} differs from the block size {b.nt}")
-    if b.cur_group:
-        pass  # copies in flight stay pending across barriers
-    b.sh.epoch += 1
+    b.sh.epoch += 1  # cp.async copies in flight stay pending across barriers
 
 
 def _check_warp_members(b, mask, membermask, inst):
+    """Every warp executing ``inst`` must do so with exactly the lanes its member
+    mask names (``membermask``: an int, or per-thread values equal within a warp)."""
+    mm = np.broadcast_to(np.asarray(membermask, np.int64), (b.nt,))
     for w in np.unique(np.nonzero(mask)[0] >> 5):
         lanes = mask[32 * w:32 * w + 32]
-        nl = len(lanes)
-        want = np.array([(membermask >> i) & 1 for i in range(nl)], bool)
+        vals = np.unique(mm[32 * w:32 * w + 32][lanes])
+        if len(vals) != 1:
+            raise EmuError(f"warp {w}: lanes disagree on the member mask")
+        want = np.array([(int(vals[0]) >> i) & 1 for i in range(len(lanes))], bool)
         if (lanes & ~want).any():
             raise EmuError(f"warp {w}: executing lanes {np.nonzero(lanes & ~want)[0].tolist()} "
-                           f"are not in the member mask {membermask:#x}")
+                           f"are not in the member mask {int(vals[0]):#x}")
         if (want & ~lanes).any():
             raise EmuError(f"warp {w}: lanes {np.nonzero(want & ~lanes)[0].tolist()} named in the "
-                           f"member mask {membermask:#x} do not execute this instruction with the "
+                           f"member mask {int(vals[0]):#x} do not execute this instruction with the "
                            f"others (diverged, exited or predicated off)")
 
 
 def _h_shfl(b, inst, mask):
     mode = inst.parts[2]
     d, a, bb, c, mm = inst.ops
-    membermask = b.get(mm, "u32")
-    if mask.any():
-        vals = np.unique(membermask[mask])
-        if len(vals) != 1:
-            raise EmuError("member mask differs between threads")
-        _check_warp_members(b, mask, int(vals[0]), inst)
+    _check_warp_members(b, mask, b.get(mm, "u32"), inst)
     lane = (b.lin & 31)
     bval = b.get(bb, "u32").astype(np.int64) & 31
     cv = b.get(c, "u32").astype(np.int64)
@@ -1557,27 +1575,23 @@ def _h_shfl(b, inst, mask):
 
 
 def _h_vote(b, inst, mask):
-    mode = inst.parts[1]
-    mm = b.get(inst.ops[-1], "u32")
-    if mask.any():
-        _check_warp_members(b, mask, int(mm[mask][0]), inst)
-    if mode == "ballot":
-        p = b.getp(inst.ops[1]) if not inst.ops[1].name.startswith("!") else ~b.getp(Operand("reg", name=inst.ops[1].name[1:]))
-        out = np.zeros(b.nt, np.uint64)
-        for w in range(0, b.nt, 32):
-            bits = sum(int(1 << (t - w)) for t in range(w, min(w + 32, b.nt)) if mask[t] and p[t])
-            out[w:w + 32] = bits
-        b.set(inst.ops[0], "b32", out, mask)
-        return
-    neg = inst.ops[1].name.startswith("!")
-    p = b.getp(Operand("reg", name=inst.ops[1].name.lstrip("!")))
-    p = ~p if neg else p
-    r = np.zeros(b.nt, bool)
+    """vote.sync.{all,any,uni}.pred d, {!}p, membermask; vote.sync.ballot.b32 d, {!}p, membermask."""
+    mode = next(m for m in inst.parts[1:] if m in ("all", "any", "uni", "ballot"))
+    _check_warp_members(b, mask, b.get(inst.ops[-1], "u32"), inst)
+    p = b.getp(inst.ops[1])
+    out_bits = np.zeros(b.nt, np.uint64)
+    out_pred = np.zeros(b.nt, bool)
     for w in range(0, b.nt, 32):
         m = mask[w:w + 32]
-        pv = p[w:w + 32][m]
-        r[w:w + 32] = {"all": pv.all(), "any": pv.any(), "uni": pv.all() or not pv.any()}[mode]
-    b.setp(inst.ops[0], r, mask)
+        pv = p[w:w + 32] & m
+        out_bits[w:w + 32] = sum(1 << i for i in range(len(pv)) if pv[i])
+        sel = p[w:w + 32][m]
+        out_pred[w:w + 32] = {"all": sel.all(), "any": sel.any(), "uni": sel.all() or not sel.any(),
+                              "ballot": False}[mode]
+    if mode == "ballot":
+        b.set(inst.ops[0], "b32", out_bits, mask)
+    else:
+        b.setp(inst.ops[0], out_pred, mask)
 
 
 def _h_nop(b, inst, mask):
@@ -1669,7 +1683,9 @@ def _h_mma(b, inst, mask):
 
     def half(word):
         bits = (word & 0xFFFF).astype(np.uint16)
-        return bits.view(np.float16).astype(np.float64) if ty == "f16" else bf16_bits_to_f32(bits).astype(np.float64)
+        if ty == "f16":
+            return bits.view(np.float16).astype(np.float64)
+        return bf16_bits_to_f32(bits).astype(np.float64)
 
     t = np.nonzero(mask)[0]
     w, l = t >> 5, t & 31

@@ -11,10 +11,17 @@ fn main() -> Result<()> {
     let mut comm = Communicator::mpi()?;
     let (rank, size) = (comm.rank(), comm.size());
     let expected = (size * (size - 1) / 2) as f32;
-    for algorithm in [Algorithm::Ring, Algorithm::RecursiveDoubling, Algorithm::Mpi] {
+    for algorithm in [
+        Algorithm::Ring,
+        Algorithm::RecursiveDoubling,
+        Algorithm::Mpi,
+    ] {
         let mut grads = vec![rank as f32; 1 << 20];
         comm.all_reduce(&mut grads, &AllReduceOptions::sum().algorithm(algorithm))?;
-        assert!(grads.iter().all(|&g| g == expected), "{algorithm}: wrong sum");
+        assert!(
+            grads.iter().all(|&g| g == expected),
+            "{algorithm}: wrong sum"
+        );
     }
     let mut params = vec![rank as f64; 1000];
     comm.broadcast(&mut params, 0)?;

@@ -6,7 +6,7 @@ use half::{bf16, f16};
 
 use crate::dtype::{DType, Element, TensorMut};
 use crate::error::{Error, Result};
-use crate::options::{AllReduceOptions, Algorithm, ReduceOp, WireCompression};
+use crate::options::{Algorithm, AllReduceOptions, ReduceOp, WireCompression};
 use crate::transport::{LocalTransport, Transport};
 
 /// Default ring pipeline segment: small enough that a received segment is still in cache
@@ -82,7 +82,10 @@ fn elements_mut<T: Element>(bytes: &mut [u8], rank: usize) -> Result<&mut [T]> {
     let len = bytes.len();
     bytemuck::try_cast_slice_mut(bytes).map_err(|e| Error::Transport {
         rank,
-        detail: format!("scratch of {len} bytes cannot hold {} elements: {e}", T::DTYPE),
+        detail: format!(
+            "scratch of {len} bytes cannot hold {} elements: {e}",
+            T::DTYPE
+        ),
     })
 }
 
@@ -145,7 +148,9 @@ impl Communicator {
     /// Initialises MPI (once per process) and returns the world communicator.
     #[cfg(feature = "mpi")]
     pub fn mpi() -> Result<Communicator> {
-        Ok(Communicator::new(crate::mpi_transport::MpiTransport::init()?))
+        Ok(Communicator::new(
+            crate::mpi_transport::MpiTransport::init()?
+        ))
     }
 
     /// Runs `f` on `n` threads, each with its own rank of a local communicator, and returns
@@ -249,7 +254,11 @@ impl Communicator {
     }
 
     /// [`Communicator::all_reduce`] on a tensor of any element type.
-    pub fn all_reduce_tensor(&mut self, tensor: TensorMut<'_>, opts: &AllReduceOptions) -> Result<()> {
+    pub fn all_reduce_tensor(
+        &mut self,
+        tensor: TensorMut<'_>,
+        opts: &AllReduceOptions,
+    ) -> Result<()> {
         match tensor {
             TensorMut::F32(t) => self.all_reduce(t, opts),
             TensorMut::F64(t) => self.all_reduce(t, opts),
@@ -363,7 +372,11 @@ impl Communicator {
     /// their data into rank `r - p` and get the result back at the end. In every exchange
     /// the lower rank's data is the accumulator, so both partners compute the same
     /// expression and every rank ends with identical bits.
-    fn recursive_doubling_all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    fn recursive_doubling_all_reduce<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         let (n, r) = (self.size, self.rank);
         let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
         let extra = n - p;
@@ -410,7 +423,12 @@ impl Communicator {
 
     /// The transport's own all-reduce (`MPI_Allreduce`), out of place: the baseline the
     /// benchmarks compare with. `Average` divides by the rank count afterwards.
-    pub fn native_all_reduce_into<T: Element>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+    pub fn native_all_reduce_into<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         if send.len() != recv.len() {
             return Err(Error::invalid(
                 "receive buffer length",
@@ -429,7 +447,11 @@ impl Communicator {
     /// Reduce-scatter in place: afterwards `buf[range]` holds this rank's chunk (chunk
     /// `rank` of [`ring_chunk_range`]) fully reduced and scaled; the rest of `buf` holds
     /// partial sums. Returns that range. Wire compression is not applied here.
-    pub fn reduce_scatter<T: Element>(&mut self, buf: &mut [T], opts: &AllReduceOptions) -> Result<Range<usize>> {
+    pub fn reduce_scatter<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        opts: &AllReduceOptions,
+    ) -> Result<Range<usize>> {
         opts.validate()?;
         if opts.compression != WireCompression::None {
             return Err(Error::invalid(

@@ -10,11 +10,11 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{bounded, unbounded, Receiver, Sender, TryRecvError};
 
 use crate::communicator::Communicator;
 use crate::dtype::{DType, Element, Tensor};
@@ -57,6 +57,64 @@ impl Default for FusionConfig {
 /// that the others can detect stalls); a submission wakes it at once.
 const IDLE_POLL: Duration = Duration::from_millis(50);
 
+/// Wakes the background thread at most twice per cycle (first submission, flush), not
+/// once per submission: under load every wake-up of a thread can cost a scheduler slice.
+#[derive(Debug, Default)]
+struct Wakeup {
+    state: Mutex<WakeState>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct WakeState {
+    /// Something was queued since the engine last looked.
+    queued: bool,
+    /// A caller waits on its handles (or shutdown): end the collection window now.
+    flush: bool,
+}
+
+impl Wakeup {
+    fn lock(&self) -> std::sync::MutexGuard<'_, WakeState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn queued(&self) {
+        let mut s = self.lock();
+        if !s.queued {
+            s.queued = true;
+            self.cv.notify_one();
+        }
+    }
+
+    fn flush(&self) {
+        let mut s = self.lock();
+        s.flush = true;
+        self.cv.notify_one();
+    }
+
+    /// Waits up to `timeout` for a submission or flush; true when one came.
+    fn wait_queued(&self, timeout: Duration) -> bool {
+        let s = self.lock();
+        let (s, _) = self
+            .cv
+            .wait_timeout_while(s, timeout, |s| !s.queued && !s.flush)
+            .unwrap_or_else(|p| p.into_inner());
+        s.queued || s.flush
+    }
+
+    /// Waits until `deadline` or a flush, then starts a new window.
+    fn wait_flush_until(&self, deadline: Instant) {
+        let s = self.lock();
+        let timeout = deadline.saturating_duration_since(Instant::now());
+        let (mut s, _) = self
+            .cv
+            .wait_timeout_while(s, timeout, |s| !s.flush)
+            .unwrap_or_else(|p| p.into_inner());
+        s.flush = false;
+        s.queued = false;
+    }
+}
+
 enum Command {
     Submit {
         name: String,
@@ -72,6 +130,7 @@ enum Command {
 pub struct Handle {
     name: String,
     rx: Receiver<Result<Tensor>>,
+    wake: Arc<Wakeup>,
 }
 
 impl Handle {
@@ -81,7 +140,18 @@ impl Handle {
     }
 
     /// Blocks until the tensor is reduced (or failed) and returns it.
+    ///
+    /// Waiting ends the engine's current collection window at once: nothing this rank
+    /// submits later can join a fusion this caller is already waiting for.
     pub fn wait(self) -> Result<Tensor> {
+        if self.rx.is_empty() {
+            // The engine may have stopped; the receive below reports that.
+            self.wake.flush();
+        }
+        self.wait_without_flush()
+    }
+
+    fn wait_without_flush(self) -> Result<Tensor> {
         match self.rx.recv() {
             Ok(r) => r,
             Err(_) => Err(Error::EngineStopped {
@@ -103,6 +173,7 @@ pub struct FusionEngine {
     tx: Option<Sender<Command>>,
     thread: Option<JoinHandle<Result<Communicator>>>,
     foreign: ForeignFailures,
+    wake: Arc<Wakeup>,
     rank: usize,
     size: usize,
 }
@@ -133,9 +204,11 @@ impl FusionEngine {
         let rank = comm.rank();
         let size = comm.size();
         let worker_foreign = Arc::clone(&foreign);
+        let wake = Arc::new(Wakeup::default());
+        let worker_wake = Arc::clone(&wake);
         let thread = std::thread::Builder::new()
             .name(format!("ringtrain-fusion-{rank}"))
-            .spawn(move || run_engine(comm, config, rx, worker_foreign))
+            .spawn(move || run_engine(comm, config, rx, worker_foreign, worker_wake))
             .map_err(|e| Error::EngineStopped {
                 reason: format!("cannot start the background thread: {e}"),
             })?;
@@ -143,6 +216,7 @@ impl FusionEngine {
             tx: Some(tx),
             thread: Some(thread),
             foreign,
+            wake,
             rank,
             size,
         })
@@ -173,9 +247,11 @@ impl FusionEngine {
             at: Instant::now(),
         })
         .map_err(|_| stopped())?;
+        self.wake.queued();
         Ok(Handle {
             name: name.to_owned(),
             rx,
+            wake: Arc::clone(&self.wake),
         })
     }
 
@@ -185,8 +261,9 @@ impl FusionEngine {
     pub fn synchronize(&self, handles: Vec<Handle>) -> Result<Vec<Tensor>> {
         let mut out = Vec::with_capacity(handles.len());
         let mut first_err = None;
+        self.wake.flush();
         for h in handles {
-            match h.wait() {
+            match h.wait_without_flush() {
                 Ok(t) => out.push(t),
                 Err(e) => {
                     first_err.get_or_insert(e);
@@ -223,6 +300,7 @@ impl FusionEngine {
         if let Some(tx) = self.tx.take() {
             // The thread may be gone already; its join result says why.
             let _ = tx.send(Command::Shutdown);
+            self.wake.flush();
         }
         let thread = self.thread.take().ok_or_else(|| Error::EngineStopped {
             reason: "shutdown was already called".into(),
@@ -259,6 +337,7 @@ struct Engine {
     shutting_down: bool,
     table: ReadyTable,
     foreign: ForeignFailures,
+    wake: Arc<Wakeup>,
     buffer: Vec<u64>,
     timeline: Timeline,
 }
@@ -268,6 +347,7 @@ fn run_engine(
     config: FusionConfig,
     rx: Receiver<Command>,
     foreign: ForeignFailures,
+    wake: Arc<Wakeup>,
 ) -> Result<Communicator> {
     let rank = comm.rank();
     let timeline = Timeline::new(config.timeline.as_deref(), rank, Instant::now());
@@ -279,6 +359,7 @@ fn run_engine(
         shutting_down: false,
         table: ReadyTable::new(comm.size()),
         foreign,
+        wake,
         buffer: Vec::new(),
         timeline,
         config,
@@ -333,33 +414,27 @@ impl Engine {
         }
     }
 
-    /// Collects submissions for one cycle.
+    /// Collects submissions for one cycle: an idle engine waits for the first
+    /// submission; then it gathers for `cycle_time`, or less when a caller waits on its
+    /// handles.
     fn collect(&mut self, rx: &Receiver<Command>) {
         let busy = self.shutting_down
             || !self.local.is_empty()
             || !self.fresh.is_empty()
             || !self.table.is_empty();
-        let cycle = self.config.cycle_time;
-        let mut deadline = Instant::now() + if busy { cycle } else { IDLE_POLL };
-        let mut woke = busy;
+        if busy || self.wake.wait_queued(IDLE_POLL) {
+            self.wake
+                .wait_flush_until(Instant::now() + self.config.cycle_time);
+        }
         loop {
-            match rx.recv_deadline(deadline) {
-                Ok(cmd) => {
-                    self.accept(cmd);
-                    if !woke {
-                        woke = true;
-                        deadline = Instant::now() + cycle;
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => break,
-                Err(RecvTimeoutError::Disconnected) => {
+            match rx.try_recv() {
+                Ok(cmd) => self.accept(cmd),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
                     self.shutting_down = true;
                     break;
                 }
             }
-        }
-        while let Ok(cmd) = rx.try_recv() {
-            self.accept(cmd);
         }
     }
 
@@ -390,7 +465,10 @@ impl Engine {
             }
             let negotiated = Instant::now();
             let decisions = self.table.apply(&messages, negotiated);
-            for w in self.table.take_warnings(negotiated, self.config.stall_warning) {
+            for w in self
+                .table
+                .take_warnings(negotiated, self.config.stall_warning)
+            {
                 if w.submitted.contains(&self.rank) {
                     eprintln!(
                         "ringtrain-collective: rank {}: WARNING: tensor `{}` was submitted on ranks {:?} but ranks {:?} have not submitted it after {:.1?}; it fails in {:.1?} unless they do",
@@ -461,13 +539,15 @@ impl Engine {
                     });
                 };
                 debug_assert_eq!(p.tensor.len(), *len);
-                self.timeline.phase(
-                    name,
-                    "queued",
-                    p.submitted,
-                    negotiated,
-                    serde_json::json!({ "bytes": p.tensor.size_bytes() }),
-                );
+                if self.timeline.enabled() {
+                    self.timeline.phase(
+                        name,
+                        "queued",
+                        p.submitted,
+                        negotiated,
+                        serde_json::json!({ "bytes": p.tensor.size_bytes() }),
+                    );
+                }
                 group.push((name.clone(), p));
             }
             let result = match dtype {
@@ -506,13 +586,15 @@ impl Engine {
             let start = Instant::now();
             comm.all_reduce(typed_mut::<T>(&mut p.tensor)?, &opts)?;
             let end = Instant::now();
-            self.timeline.phase(
-                name,
-                "all_reduce",
-                start,
-                end,
-                serde_json::json!({ "fused_tensors": 1, "fused_bytes": p.tensor.size_bytes() }),
-            );
+            if self.timeline.enabled() {
+                self.timeline.phase(
+                    name,
+                    "all_reduce",
+                    start,
+                    end,
+                    serde_json::json!({ "fused_tensors": 1, "fused_bytes": p.tensor.size_bytes() }),
+                );
+            }
             return Ok(());
         }
         let total: usize = group.iter().map(|(_, p)| p.tensor.len()).sum();
@@ -520,7 +602,8 @@ impl Engine {
         if self.buffer.len() < words {
             self.buffer.resize(words, 0);
         }
-        let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.buffer[..words])[..total * T::BYTES];
+        let bytes =
+            &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.buffer[..words])[..total * T::BYTES];
         let fused: &mut [T] = bytemuck::cast_slice_mut(bytes);
         let mut copy_in = Vec::with_capacity(group.len());
         let mut at = 0;
@@ -547,12 +630,22 @@ impl Engine {
         if self.timeline.enabled() {
             let args = serde_json::json!({ "fused_tensors": group.len(), "fused_bytes": total * T::BYTES });
             for (k, (name, _)) in group.iter().enumerate() {
-                self.timeline
-                    .phase(name, "copy_in", copy_in[k].0, copy_in[k].1, serde_json::json!({}));
+                self.timeline.phase(
+                    name,
+                    "copy_in",
+                    copy_in[k].0,
+                    copy_in[k].1,
+                    serde_json::json!({}),
+                );
                 self.timeline
                     .phase(name, "all_reduce", reduced.0, reduced.1, args.clone());
-                self.timeline
-                    .phase(name, "copy_out", copy_out[k].0, copy_out[k].1, serde_json::json!({}));
+                self.timeline.phase(
+                    name,
+                    "copy_out",
+                    copy_out[k].0,
+                    copy_out[k].1,
+                    serde_json::json!({}),
+                );
             }
         }
         Ok(())

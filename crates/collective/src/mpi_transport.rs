@@ -84,7 +84,12 @@ impl MpiTransport {
         Ok(())
     }
 
-    fn check_status(&self, status: mpi::point_to_point::Status, peer: usize, expected: usize) -> Result<()> {
+    fn check_status(
+        &self,
+        status: mpi::point_to_point::Status,
+        peer: usize,
+        expected: usize,
+    ) -> Result<()> {
         let got = status.count(u8::equivalent_datatype()) as usize;
         if got != expected {
             return Err(Error::Transport {
@@ -119,10 +124,7 @@ impl Transport for MpiTransport {
 
     fn recv(&self, peer: usize, buf: &mut [u8]) -> Result<()> {
         self.check(peer, buf.len())?;
-        let status = self
-            .world()
-            .process_at_rank(peer as i32)
-            .receive_into(buf);
+        let status = self.world().process_at_rank(peer as i32).receive_into(buf);
         self.check_status(status, peer, buf.len())
     }
 
@@ -197,7 +199,13 @@ impl Transport for MpiTransport {
         Ok(())
     }
 
-    fn native_all_reduce(&self, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    fn native_all_reduce(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
         if send.len() != recv.len() {
             return Err(Error::invalid(
                 "receive buffer length",

@@ -165,7 +165,11 @@ impl Failure {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Decision {
     /// Reduce this tensor now (decisions come in agreed order).
-    Reduce { name: String, dtype: DType, len: usize },
+    Reduce {
+        name: String,
+        dtype: DType,
+        len: usize,
+    },
     /// Fail this tensor on every rank.
     Fail { name: String, failure: Failure },
 }

@@ -91,9 +91,7 @@ impl FromStr for Algorithm {
         match s.to_ascii_lowercase().as_str() {
             "ring" | "xring" => Ok(Algorithm::Ring),
             "mpi" => Ok(Algorithm::Mpi),
-            "rd" | "recursive-doubling" | "recursive_doubling" => {
-                Ok(Algorithm::RecursiveDoubling)
-            }
+            "rd" | "recursive-doubling" | "recursive_doubling" => Ok(Algorithm::RecursiveDoubling),
             "auto" => Ok(Algorithm::Auto),
             _ => Err(Error::invalid(
                 "all-reduce algorithm",

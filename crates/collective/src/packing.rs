@@ -299,7 +299,11 @@ fn repack(specs: &[GradientSpec], packs: usize) -> Vec<ReductionUnit> {
 
 /// Groups neighbouring tensors of at most `max_bytes` bytes and one dtype, at most
 /// `max_group` per group. Larger tensors and lone small ones stay on their own.
-fn aggregate(tensors: Vec<ReductionUnit>, max_bytes: usize, max_group: usize) -> Vec<ReductionUnit> {
+fn aggregate(
+    tensors: Vec<ReductionUnit>,
+    max_bytes: usize,
+    max_group: usize,
+) -> Vec<ReductionUnit> {
     let mut out: Vec<ReductionUnit> = Vec::new();
     let mut group: Option<(ReductionUnit, usize)> = None;
     for t in tensors {
@@ -352,8 +356,16 @@ mod tests {
         assert_eq!(
             p.units()[2].pieces,
             vec![
-                UnitPiece { grad: 0, offset: 4, len: 1 },
-                UnitPiece { grad: 1, offset: 0, len: 1 }
+                UnitPiece {
+                    grad: 0,
+                    offset: 4,
+                    len: 1
+                },
+                UnitPiece {
+                    grad: 1,
+                    offset: 0,
+                    len: 1
+                }
             ]
         );
     }

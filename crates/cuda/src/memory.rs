@@ -257,7 +257,7 @@ impl<T: Element> GpuBuffer<T> {
 
     /// A read view of elements `range`.
     pub fn slice(&self, range: Range<usize>) -> Result<DevSlice<'_, T>> {
-        self.as_slice().sub(range)
+        self.as_slice().slice(range)
     }
 
     /// A write view of elements `range`.
@@ -307,7 +307,7 @@ impl<'a, T: Element> DevSlice<'a, T> {
         self.device
     }
     /// A narrower view.
-    pub fn sub(self, range: Range<usize>) -> Result<DevSlice<'a, T>> {
+    pub fn slice(self, range: Range<usize>) -> Result<DevSlice<'a, T>> {
         check_range("range", &range, self.len)?;
         Ok(DevSlice {
             ptr: self.ptr + (range.start * std::mem::size_of::<T>()) as u64,

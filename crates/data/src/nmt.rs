@@ -20,11 +20,11 @@
 //! 1. All pairs are put in one order: a permutation drawn from `(seed, epoch)` when
 //!    shuffling, file order otherwise. Every rank computes the same order, so **all ranks
 //!    must use the same seed**.
-//! 2. Rank `r` of `size` takes the slice [`rank_range`](crate::rank_range)`(n, r, size)` of
+//! 2. Rank `r` of `size` takes the slice [`rank_range`]`(n, r, size)` of
 //!    that order: the shards are disjoint and every pair is used by exactly one rank per
 //!    epoch. When `n % size != 0` the first `n % size` ranks get one pair more; nothing is
 //!    dropped.
-//! 3. The shard is grouped by target length with [`bucket_of`](crate::bucket_of) and each
+//! 3. The shard is grouped by target length with [`bucket_of`] and each
 //!    bucket is cut into batches of this rank's batch size, in shard order. The last batch of
 //!    a bucket may be smaller; it is kept, or dropped when `drop_partial` is set.
 //! 4. When shuffling, the batches' order is shuffled with `(seed, epoch, rank)`.

@@ -50,10 +50,18 @@
 //!
 //! # Math and determinism
 //!
-//! `exp`, `tanh`, `log` and `sqrt` come from the `libm` crate whether or not `std` is on,
-//! so results are the same bits with and without `std`. Reductions inside a row use a
-//! fixed order of interleaved lanes. The [`par`] module (feature `rayon`) splits work over
-//! rows or fixed blocks only, so its results equal the serial kernels bit for bit.
+//! All arithmetic is f32 (optimizer scalars and norms are formed in f64). No kernel uses
+//! `std`'s float functions, so the results are the same bits with and without `std`:
+//! - `exp`, `tanh` and the sigmoid in the softmax and LSTM loops are the crate's own
+//!   branch-free polynomial versions (within 2 ulp for `exp` and 4 ulp for `tanh` of the
+//!   exact value, checked against f64 in the tests), because a library call per element
+//!   would stop those loops from vectorising;
+//! - `log` (once per softmax row), `sqrt` and `pow` come from the `libm` crate.
+//!
+//! Reductions inside a row use a fixed order of interleaved lanes. The `par` module
+//! (feature `rayon`) splits work over rows or fixed blocks only, so its results equal the
+//! serial kernels bit for bit. Compare GPU results with these kernels bit for bit only for
+//! the casts and reductions; the transcendental kernels agree to a few ulp.
 //!
 //! # Errors
 //!
@@ -65,7 +73,7 @@
 //!
 //! - `alloc`: [`lstm_cell_reference`].
 //! - `std` (default): `alloc`, plus `std::error::Error` through `thiserror`.
-//! - `rayon`: `std`, plus the parallel twins in [`par`].
+//! - `rayon`: `std`, plus the parallel twins in `par`.
 #![no_std]
 #![warn(missing_docs)]
 
@@ -73,7 +81,6 @@
 extern crate alloc;
 
 mod error;
-mod exp;
 pub mod lstm;
 pub mod optim;
 #[cfg(feature = "rayon")]
@@ -81,6 +88,7 @@ pub mod par;
 pub mod precision;
 pub mod reduce;
 pub mod softmax;
+mod vector_math;
 
 pub use error::{Error, Result};
 pub use lstm::*;

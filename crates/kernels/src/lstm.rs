@@ -7,16 +7,11 @@
 //! `b * 4H + k * H + j`.
 
 use crate::error::{check_len, checked_product, Error, Result};
+use crate::vector_math::{sigmoid, tanh};
 
 /// Forget-gate bias used by [`init_lstm_bias`] callers unless told otherwise (the
 /// TensorFlow `forget_bias=1.0` default, which keeps the cell open early in training).
 pub const DEFAULT_FORGET_BIAS: f32 = 1.0;
-
-/// Logistic sigmoid `1 / (1 + e^-x)`; saturates to exactly 0 or 1, never NaN for finite x.
-#[inline(always)]
-pub(crate) fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + crate::exp::exp(-x))
-}
 
 /// Writes zeros into `bias` (`[4H]`) except the forget block (`bias[H..2H]`), which gets
 /// `forget_bias`.
@@ -138,7 +133,7 @@ fn activate_row(act: &mut [f32], c_prev: &[f32], c: &mut [f32], h: &mut [f32]) {
     for j in 0..hidden {
         let i = sigmoid(act_i[j]);
         let f = sigmoid(act_f[j]);
-        let g = libm::tanhf(act_g[j]);
+        let g = tanh(act_g[j]);
         let o = sigmoid(act_o[j]);
         let c_new = f * c_prev[j] + i * g;
         act_i[j] = i;
@@ -146,7 +141,7 @@ fn activate_row(act: &mut [f32], c_prev: &[f32], c: &mut [f32], h: &mut [f32]) {
         act_g[j] = g;
         act_o[j] = o;
         c[j] = c_new;
-        h[j] = o * libm::tanhf(c_new);
+        h[j] = o * tanh(c_new);
     }
 }
 
@@ -210,7 +205,7 @@ pub(crate) fn backward_row(
     let dc_prev = &mut dc_prev[..hidden];
     for j in 0..hidden {
         let (i, f, g, o) = (act_i[j], act_f[j], act_g[j], act_o[j]);
-        let tanh_c = libm::tanhf(c[j]);
+        let tanh_c = tanh(c[j]);
         let dc_total = dc[j] + dh[j] * o * (1.0 - tanh_c * tanh_c);
         d_i[j] = dc_total * g * (i * (1.0 - i));
         d_f[j] = dc_total * c_prev[j] * (f * (1.0 - f));
@@ -395,11 +390,11 @@ pub fn lstm_cell_reference(
         for j in 0..hidden {
             let i = sigmoid(gates[j]);
             let f = sigmoid(gates[hidden + j]);
-            let g = libm::tanhf(gates[2 * hidden + j]);
+            let g = tanh(gates[2 * hidden + j]);
             let o = sigmoid(gates[3 * hidden + j]);
             let c_new = f * c_prev[b * hidden + j] + i * g;
             c[b * hidden + j] = c_new;
-            h[b * hidden + j] = o * libm::tanhf(c_new);
+            h[b * hidden + j] = o * tanh(c_new);
         }
     }
     Ok(())

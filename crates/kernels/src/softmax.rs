@@ -9,7 +9,7 @@
 //! in order, then the tail), so the serial and the parallel kernels agree bit for bit.
 
 use crate::error::{check_len, checked_product, Error, Result};
-use crate::exp::exp;
+use crate::vector_math::exp;
 
 /// Number of interleaved accumulators a row reduction uses (one SIMD register of f32).
 const LANES: usize = 8;

@@ -215,8 +215,16 @@ fn reference_cell_matches_f64_matmul_then_pointwise() {
 
 /// Scalar loss `sum(wh * h) + sum(wc * c)` in f64 from f32 kernel outputs.
 fn loss_of(c: &[f32], h: &[f32], wc: &[f32], wh: &[f32]) -> f64 {
-    let lc: f64 = c.iter().zip(wc).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
-    let lh: f64 = h.iter().zip(wh).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+    let lc: f64 = c
+        .iter()
+        .zip(wc)
+        .map(|(&a, &b)| f64::from(a) * f64::from(b))
+        .sum();
+    let lh: f64 = h
+        .iter()
+        .zip(wh)
+        .map(|(&a, &b)| f64::from(a) * f64::from(b))
+        .sum();
     lc + lh
 }
 
@@ -253,7 +261,7 @@ fn backward_matches_finite_differences_of_the_f32_kernel() {
     // truncation against f32 rounding of order 1e-7 / eps.
     let eps = 1e-2f32;
     let tol = 2e-3;
-    for idx in 0..k.gates.len() {
+    for (idx, &analytic) in dgates.iter().enumerate() {
         let mut plus = Case {
             gates: k.gates.clone(),
             bias: k.bias.clone(),
@@ -264,15 +272,15 @@ fn backward_matches_finite_differences_of_the_f32_kernel() {
         let (cp, hp, _) = run_forward(&plus);
         plus.gates[idx] -= 2.0 * eps;
         let (cm, hm, _) = run_forward(&plus);
-        let numeric = (loss_of(&cp, &hp, &wc, &wh) - loss_of(&cm, &hm, &wc, &wh))
-            / (2.0 * f64::from(eps));
-        let analytic = f64::from(dgates[idx]);
+        let numeric =
+            (loss_of(&cp, &hp, &wc, &wh) - loss_of(&cm, &hm, &wc, &wh)) / (2.0 * f64::from(eps));
+        let analytic = f64::from(analytic);
         assert!(
             (numeric - analytic).abs() <= tol * (1.0 + numeric.abs()),
             "dgates[{idx}]: analytic {analytic}, numeric {numeric}"
         );
     }
-    for idx in 0..k.c_prev.len() {
+    for (idx, &analytic) in dc_prev.iter().enumerate() {
         let mut plus = Case {
             gates: k.gates.clone(),
             bias: k.bias.clone(),
@@ -283,9 +291,9 @@ fn backward_matches_finite_differences_of_the_f32_kernel() {
         let (cp, hp, _) = run_forward(&plus);
         plus.c_prev[idx] -= 2.0 * eps;
         let (cm, hm, _) = run_forward(&plus);
-        let numeric = (loss_of(&cp, &hp, &wc, &wh) - loss_of(&cm, &hm, &wc, &wh))
-            / (2.0 * f64::from(eps));
-        let analytic = f64::from(dc_prev[idx]);
+        let numeric =
+            (loss_of(&cp, &hp, &wc, &wh) - loss_of(&cm, &hm, &wc, &wh)) / (2.0 * f64::from(eps));
+        let analytic = f64::from(analytic);
         assert!(
             (numeric - analytic).abs() <= tol * (1.0 + numeric.abs()),
             "dc_prev[{idx}]: analytic {analytic}, numeric {numeric}"
@@ -309,8 +317,14 @@ fn backward_matches_finite_differences_in_f64() {
     let c_prev: Vec<f64> = k.c_prev.iter().map(|&v| f64::from(v)).collect();
     let loss64 = |pre: &[f64], c_prev: &[f64]| {
         let (c, h, _) = forward64(pre, c_prev, k.batch, k.hidden);
-        c.iter().zip(&wc).map(|(a, &b)| a * f64::from(b)).sum::<f64>()
-            + h.iter().zip(&wh).map(|(a, &b)| a * f64::from(b)).sum::<f64>()
+        c.iter()
+            .zip(&wc)
+            .map(|(a, &b)| a * f64::from(b))
+            .sum::<f64>()
+            + h.iter()
+                .zip(&wh)
+                .map(|(a, &b)| a * f64::from(b))
+                .sum::<f64>()
     };
     let eps = 1e-5;
     for idx in 0..pre.len() {
@@ -390,12 +404,27 @@ fn wrong_lengths_name_the_argument_and_write_nothing() {
         &proj, &gates, &bias, &c_prev, &mut c, &mut h, &mut act, 0, 3, batch, hidden,
     )
     .unwrap_err();
-    assert!(matches!(err, Error::ShapeMismatch { arg: "input_proj", expected: 72, actual: 48 }));
+    assert!(matches!(
+        err,
+        Error::ShapeMismatch {
+            arg: "input_proj",
+            expected: 72,
+            actual: 48
+        }
+    ));
 
     let mut dgates = vec![0.0; batch * 4 * hidden];
     let mut dc_prev = vec![0.0; batch * hidden + 2];
     let err = lstm_pointwise_backward(
-        &act, &c_prev, &c, &h, &c, &mut dgates, &mut dc_prev, batch, hidden,
+        &act,
+        &c_prev,
+        &c,
+        &h,
+        &c,
+        &mut dgates,
+        &mut dc_prev,
+        batch,
+        hidden,
     )
     .unwrap_err();
     assert!(matches!(err, Error::ShapeMismatch { arg: "dc_prev", .. }));

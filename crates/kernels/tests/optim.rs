@@ -48,7 +48,7 @@ fn momentum_reference(
     nesterov: bool,
 ) -> Vec<Vec<f64>> {
     let mut p: Vec<f64> = P0.iter().map(|&x| f64::from(x)).collect();
-    let mut buf = vec![0.0f64; 4];
+    let mut buf = [0.0f64; 4];
     let mut out = Vec::new();
     for (step, g) in GRADS.iter().enumerate() {
         for n in 0..4 {
@@ -89,21 +89,45 @@ fn momentum_sgd_matches_pytorch() {
         let mut buf = vec![123.0f32; 4]; // ignored on the first step
         for (step, g) in GRADS.iter().enumerate() {
             sgd_momentum_step(
-                &mut p, g, &mut buf, lr, momentum, dampening, wd, nesterov, step == 0,
+                &mut p,
+                g,
+                &mut buf,
+                lr,
+                momentum,
+                dampening,
+                wd,
+                nesterov,
+                step == 0,
             )
             .unwrap();
             assert_close(&p, &want[step], 1e-6, "momentum");
         }
     }
-    let err = sgd_momentum_step(&mut [0.0], &[0.0], &mut [0.0], 0.1, 0.0, 0.0, 0.0, true, true)
-        .unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { arg: "nesterov", .. }));
+    let err = sgd_momentum_step(
+        &mut [0.0],
+        &[0.0],
+        &mut [0.0],
+        0.1,
+        0.0,
+        0.0,
+        0.0,
+        true,
+        true,
+    )
+    .unwrap_err();
+    assert!(matches!(
+        err,
+        Error::InvalidArgument {
+            arg: "nesterov",
+            ..
+        }
+    ));
 }
 
 fn adam_reference(lr: f64, b1: f64, b2: f64, eps: f64, wd: f64, decoupled: bool) -> Vec<Vec<f64>> {
     let mut p: Vec<f64> = P0.iter().map(|&x| f64::from(x)).collect();
-    let mut m = vec![0.0f64; 4];
-    let mut v = vec![0.0f64; 4];
+    let mut m = [0.0f64; 4];
+    let mut v = [0.0f64; 4];
     let mut out = Vec::new();
     for (t, g) in GRADS.iter().enumerate() {
         let step = (t + 1) as i32;
@@ -153,9 +177,23 @@ fn adam_and_adamw_match_pytorch() {
     }
     // First Adam step moves every parameter with a non-zero gradient by about lr.
     let mut p = [1.0f32, 1.0];
-    adam_step(&mut p, &[0.3, -5.0], &mut [0.0; 2], &mut [0.0; 2], 0.01, 0.9, 0.999, 1e-8, 0.0, 1)
-        .unwrap();
-    assert!((p[0] - 0.99).abs() < 1e-6 && (p[1] - 1.01).abs() < 1e-6, "{p:?}");
+    adam_step(
+        &mut p,
+        &[0.3, -5.0],
+        &mut [0.0; 2],
+        &mut [0.0; 2],
+        0.01,
+        0.9,
+        0.999,
+        1e-8,
+        0.0,
+        1,
+    )
+    .unwrap();
+    assert!(
+        (p[0] - 0.99).abs() < 1e-6 && (p[1] - 1.01).abs() < 1e-6,
+        "{p:?}"
+    );
 }
 
 #[test]
@@ -169,9 +207,25 @@ fn optimizer_errors_name_the_argument() {
             actual: 2
         }
     );
-    let err = sgd_momentum_step(&mut p, &[0.0; 3], &mut [0.0; 4], 0.1, 0.9, 0.0, 0.0, false, true)
-        .unwrap_err();
-    assert!(matches!(err, Error::ShapeMismatch { arg: "momentum_buf", .. }));
+    let err = sgd_momentum_step(
+        &mut p,
+        &[0.0; 3],
+        &mut [0.0; 4],
+        0.1,
+        0.9,
+        0.0,
+        0.0,
+        false,
+        true,
+    )
+    .unwrap_err();
+    assert!(matches!(
+        err,
+        Error::ShapeMismatch {
+            arg: "momentum_buf",
+            ..
+        }
+    ));
     let (g, mut m, mut v) = ([1.0f32; 3], [0.0f32; 3], [0.0f32; 2]);
     let err = adam_step(&mut p, &g, &mut m, &mut v, 0.1, 0.9, 0.999, 1e-8, 0.0, 1).unwrap_err();
     assert!(matches!(err, Error::ShapeMismatch { arg: "v", .. }));

@@ -39,16 +39,20 @@ fn check_lstm(batch: usize, hidden: usize, seed: u64) {
     let dc = random(seed + 5, n, 1.0);
 
     let (mut c, mut h, mut act) = (vec![0.0; n], vec![0.0; n], vec![0.0; g]);
-    k::lstm_pointwise_forward(&gates, &bias, &c_prev, &mut c, &mut h, &mut act, batch, hidden)
-        .unwrap();
+    k::lstm_pointwise_forward(
+        &gates, &bias, &c_prev, &mut c, &mut h, &mut act, batch, hidden,
+    )
+    .unwrap();
     let (mut cs, mut hs, mut acts) = (vec![0.0; n], vec![0.0; n], vec![0.0; g]);
     k::lstm_pointwise_forward_step(
         &proj, &gates, &bias, &c_prev, &mut cs, &mut hs, &mut acts, 1, steps, batch, hidden,
     )
     .unwrap();
     let (mut dg, mut dcp) = (vec![0.0; g], vec![0.0; n]);
-    k::lstm_pointwise_backward(&act, &c_prev, &c, &dh, &dc, &mut dg, &mut dcp, batch, hidden)
-        .unwrap();
+    k::lstm_pointwise_backward(
+        &act, &c_prev, &c, &dh, &dc, &mut dg, &mut dcp, batch, hidden,
+    )
+    .unwrap();
 
     on_pools(|| {
         let (mut c2, mut h2, mut act2) = (vec![0.0; n], vec![0.0; n], vec![0.0; g]);
@@ -130,17 +134,25 @@ fn check_elementwise(len: usize, seed: u64) {
     k::sgd_step(&mut sgd, &grads, 0.1, 1e-3).unwrap();
     let mut mom = p0.clone();
     let mut buf = grads.clone();
-    k::sgd_momentum_step(&mut mom, &grads, &mut buf, 0.1, 0.9, 0.1, 1e-3, false, false).unwrap();
+    k::sgd_momentum_step(
+        &mut mom, &grads, &mut buf, 0.1, 0.9, 0.1, 1e-3, false, false,
+    )
+    .unwrap();
     let mut nest = p0.clone();
     let mut nbuf = vec![0.0; len];
     k::sgd_momentum_step(&mut nest, &grads, &mut nbuf, 0.1, 0.9, 0.0, 0.0, true, true).unwrap();
     let mut adam = p0.clone();
     let (mut m, mut v) = (grads.clone(), vec![0.01; len]);
-    k::adam_step(&mut adam, &grads, &mut m, &mut v, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 3).unwrap();
+    k::adam_step(
+        &mut adam, &grads, &mut m, &mut v, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 3,
+    )
+    .unwrap();
     let mut adamw = p0.clone();
     let (mut mw, mut vw) = (grads.clone(), vec![0.01; len]);
-    k::adamw_step(&mut adamw, &grads, &mut mw, &mut vw, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 3)
-        .unwrap();
+    k::adamw_step(
+        &mut adamw, &grads, &mut mw, &mut vw, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 3,
+    )
+    .unwrap();
 
     on_pools(|| {
         let mut h2 = vec![f16::ZERO; len];
@@ -163,20 +175,23 @@ fn check_elementwise(len: usize, seed: u64) {
         par::sgd_step(&mut p, &grads, 0.1, 1e-3).unwrap();
         assert_eq!(bits(&sgd), bits(&p));
         let (mut p, mut bf) = (p0.clone(), grads.clone());
-        par::sgd_momentum_step(&mut p, &grads, &mut bf, 0.1, 0.9, 0.1, 1e-3, false, false)
-            .unwrap();
+        par::sgd_momentum_step(&mut p, &grads, &mut bf, 0.1, 0.9, 0.1, 1e-3, false, false).unwrap();
         assert_eq!((bits(&mom), bits(&buf)), (bits(&p), bits(&bf)));
         let (mut p, mut bf) = (p0.clone(), vec![0.0; len]);
         par::sgd_momentum_step(&mut p, &grads, &mut bf, 0.1, 0.9, 0.0, 0.0, true, true).unwrap();
         assert_eq!((bits(&nest), bits(&nbuf)), (bits(&p), bits(&bf)));
         let (mut p, mut m2, mut v2) = (p0.clone(), grads.clone(), vec![0.01; len]);
-        par::adam_step(&mut p, &grads, &mut m2, &mut v2, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 3)
-            .unwrap();
+        par::adam_step(
+            &mut p, &grads, &mut m2, &mut v2, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 3,
+        )
+        .unwrap();
         assert_eq!(bits(&adam), bits(&p));
         assert_eq!((bits(&m), bits(&v)), (bits(&m2), bits(&v2)));
         let (mut p, mut m2, mut v2) = (p0.clone(), grads.clone(), vec![0.01; len]);
-        par::adamw_step(&mut p, &grads, &mut m2, &mut v2, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 3)
-            .unwrap();
+        par::adamw_step(
+            &mut p, &grads, &mut m2, &mut v2, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 3,
+        )
+        .unwrap();
         assert_eq!(bits(&adamw), bits(&p));
         assert_eq!((bits(&mw), bits(&vw)), (bits(&m2), bits(&v2)));
     });

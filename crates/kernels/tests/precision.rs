@@ -54,12 +54,7 @@ fn f16_rounds_to_nearest_even() {
 #[test]
 fn bf16_rounds_to_nearest_even() {
     // bf16 keeps 8 significant bits: 1 + 2^-8 is a tie between 1 and 1 + 2^-7.
-    let src = [
-        1.0 + 2f32.powi(-8),
-        1.0 + 3.0 * 2f32.powi(-8),
-        3.0e38,
-        -0.0,
-    ];
+    let src = [1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), 3.0e38, -0.0];
     let (dst, flag) = to_bf16(&src, 1.0);
     assert!(!flag);
     let got: Vec<u16> = dst.iter().map(|h| h.to_bits()).collect();
@@ -103,7 +98,11 @@ fn planted_inf_and_nan_are_flagged_anywhere() {
         }
     }
     assert!(!has_non_finite_f32(&[]));
-    assert!(!has_non_finite_f32(&[f32::MAX, f32::MIN, f32::MIN_POSITIVE]));
+    assert!(!has_non_finite_f32(&[
+        f32::MAX,
+        f32::MIN,
+        f32::MIN_POSITIVE
+    ]));
 }
 
 #[test]

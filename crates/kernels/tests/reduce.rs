@@ -72,8 +72,16 @@ fn check_min_max<T: ReduceElement>() {
     let hi: Vec<f64> = hi.into_iter().map(T::to_f64).collect();
     assert_eq!(lo[..2], [0.5, -2.0], "{}", T::NAME);
     assert_eq!(hi[..2], [1.0, 3.0], "{}", T::NAME);
-    assert!(lo[2].is_nan() && lo[3].is_nan(), "{}: NaN propagates", T::NAME);
-    assert!(hi[2].is_nan() && hi[3].is_nan(), "{}: NaN propagates", T::NAME);
+    assert!(
+        lo[2].is_nan() && lo[3].is_nan(),
+        "{}: NaN propagates",
+        T::NAME
+    );
+    assert!(
+        hi[2].is_nan() && hi[3].is_nan(),
+        "{}: NaN propagates",
+        T::NAME
+    );
     assert_eq!((lo[4], hi[4]), (5.0, 5.0));
 
     let mut acc = vec![v(1.0), v(2.0)];

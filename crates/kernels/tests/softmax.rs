@@ -7,8 +7,15 @@ use ringtrain_kernels::{
     softmax_xent_backward, softmax_xent_forward, softmax_xent_forward_online, Error,
 };
 
-type Forward = fn(&[f32], &[u32], &[f32], &mut [f32], &mut [f32], usize, usize)
-    -> ringtrain_kernels::Result<()>;
+type Forward = fn(
+    &[f32],
+    &[u32],
+    &[f32],
+    &mut [f32],
+    &mut [f32],
+    usize,
+    usize,
+) -> ringtrain_kernels::Result<()>;
 const FORWARDS: [(&str, Forward); 2] = [
     ("two-pass", softmax_xent_forward),
     ("online", softmax_xent_forward_online),
@@ -61,7 +68,10 @@ fn reference(b: &Batch) -> (Vec<f64>, Vec<f64>) {
 
 fn run(f: Forward, b: &Batch) -> (Vec<f32>, Vec<f32>) {
     let (mut loss, mut lse) = (vec![f32::NAN; b.rows], vec![f32::NAN; b.rows]);
-    f(&b.logits, &b.labels, &b.mask, &mut loss, &mut lse, b.rows, b.vocab).unwrap();
+    f(
+        &b.logits, &b.labels, &b.mask, &mut loss, &mut lse, b.rows, b.vocab,
+    )
+    .unwrap();
     (loss, lse)
 }
 
@@ -128,7 +138,11 @@ fn forward_is_finite_for_huge_logits() {
         // Row 0 has five maxima (columns 0, 3, .., 12) and its label is one of them; row 1's
         // label is 2e4 below its maxima.
         assert!((loss[0] - 5.0f32.ln()).abs() < 1e-3, "{name}: {}", loss[0]);
-        assert!((loss[1] - (2e4 + 4.0f32.ln())).abs() < 2e-2, "{name}: {}", loss[1]);
+        assert!(
+            (loss[1] - (2e4 + 4.0f32.ln())).abs() < 2e-2,
+            "{name}: {}",
+            loss[1]
+        );
     }
     let mut grad = b.logits.clone();
     let (_, lse) = run(softmax_xent_forward, &b);
@@ -167,7 +181,10 @@ fn padded_rows_get_zero_loss_and_gradient_and_any_label() {
             logits: b.logits.clone(),
             ..b
         });
-        assert!((f64::from(loss[2]) - 0.5 * full[2]).abs() < 1e-5, "mask weight");
+        assert!(
+            (f64::from(loss[2]) - 0.5 * full[2]).abs() < 1e-5,
+            "mask weight"
+        );
     }
     let (_, lse) = run(softmax_xent_forward, &b);
     let mut grad = b.logits.clone();
@@ -187,8 +204,7 @@ fn backward_matches_f64_formula() {
         for v in 0..b.vocab {
             let x = f64::from(b.logits[r * b.vocab + v]);
             let onehot = if v == b.labels[r] as usize { 1.0 } else { 0.0 };
-            let want =
-                ((x - lse64[r]).exp() - onehot) * f64::from(scale) * f64::from(b.mask[r]);
+            let want = ((x - lse64[r]).exp() - onehot) * f64::from(scale) * f64::from(b.mask[r]);
             let got = f64::from(grad[r * b.vocab + v]);
             // exp(x - lse) carries the absolute error of lse (~1e-6 * |lse|) as a relative one.
             assert!(
@@ -242,7 +258,16 @@ fn errors_name_the_argument_and_write_nothing() {
     let b = batch(9, 3, 4, 1.0);
     let (mut loss, mut lse) = (vec![7.0f32; 3], vec![7.0f32; 3]);
     for (_, f) in FORWARDS {
-        let err = f(&b.logits, &b.labels, &b.mask, &mut loss[..2], &mut lse, 3, 4).unwrap_err();
+        let err = f(
+            &b.logits,
+            &b.labels,
+            &b.mask,
+            &mut loss[..2],
+            &mut lse,
+            3,
+            4,
+        )
+        .unwrap_err();
         assert_eq!(
             err,
             Error::ShapeMismatch {
@@ -251,9 +276,27 @@ fn errors_name_the_argument_and_write_nothing() {
                 actual: 2
             }
         );
-        let err = f(&b.logits[1..], &b.labels, &b.mask, &mut loss, &mut lse, 3, 4).unwrap_err();
+        let err = f(
+            &b.logits[1..],
+            &b.labels,
+            &b.mask,
+            &mut loss,
+            &mut lse,
+            3,
+            4,
+        )
+        .unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { arg: "logits", .. }));
-        let err = f(&b.logits, &b.labels, &b.mask[..1], &mut loss, &mut lse, 3, 4).unwrap_err();
+        let err = f(
+            &b.logits,
+            &b.labels,
+            &b.mask[..1],
+            &mut loss,
+            &mut lse,
+            3,
+            4,
+        )
+        .unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { arg: "mask", .. }));
         let err = f(&[], &[], &[], &mut [], &mut [], 0, 0).unwrap_err();
         assert!(matches!(err, Error::InvalidArgument { arg: "vocab", .. }));
@@ -268,13 +311,23 @@ fn errors_name_the_argument_and_write_nothing() {
             }
         );
         assert!(err.to_string().contains("label 4 in row 1"));
-        assert!(loss.iter().chain(&lse).all(|&v| v == 7.0), "nothing written");
+        assert!(
+            loss.iter().chain(&lse).all(|&v| v == 7.0),
+            "nothing written"
+        );
     }
     let mut grad = b.logits.clone();
     let err = softmax_xent_backward(&mut grad, &lse, &[0, 9, 0], &b.mask, 1.0, 3, 4).unwrap_err();
-    assert!(matches!(err, Error::LabelOutOfRange { row: 1, label: 9, .. }));
-    let err = softmax_xent_backward(&mut grad, &lse[..2], &b.labels, &b.mask, 1.0, 3, 4)
-        .unwrap_err();
+    assert!(matches!(
+        err,
+        Error::LabelOutOfRange {
+            row: 1,
+            label: 9,
+            ..
+        }
+    ));
+    let err =
+        softmax_xent_backward(&mut grad, &lse[..2], &b.labels, &b.mask, 1.0, 3, 4).unwrap_err();
     assert!(matches!(err, Error::ShapeMismatch { arg: "lse", .. }));
     assert_eq!(grad, b.logits, "nothing written");
 }

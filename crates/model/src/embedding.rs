@@ -24,19 +24,50 @@ pub(crate) struct EmbeddingWork<Buf> {
 
 impl<Buf> EmbeddingWork<Buf> {
     pub(crate) fn new<B: Backend<Buffer = Buf>>(be: &B, rows: usize, width: usize) -> Result<Self> {
-        Ok(EmbeddingWork { out: be.zeros(rows * width)?, dx: be.zeros(rows * width)? })
+        Ok(EmbeddingWork {
+            out: be.zeros(rows * width)?,
+            dx: be.zeros(rows * width)?,
+        })
     }
 }
 
 impl Embedding {
-    pub(crate) fn register(layout: &mut ParamLayout, name: &str, vocab: usize, width: usize, init_scale: f32) -> Result<Self> {
-        let start = layout.push(name, &[vocab, width], ParamInit::Uniform { scale: init_scale })?;
-        Ok(Embedding { table: start..start + vocab * width, vocab, width })
+    pub(crate) fn register(
+        layout: &mut ParamLayout,
+        name: &str,
+        vocab: usize,
+        width: usize,
+        init_scale: f32,
+    ) -> Result<Self> {
+        let start = layout.push(
+            name,
+            &[vocab, width],
+            ParamInit::Uniform { scale: init_scale },
+        )?;
+        Ok(Embedding {
+            table: start..start + vocab * width,
+            vocab,
+            width,
+        })
     }
 
     /// `work.out[r] = table[ids[r]]`: 1 launch.
-    pub(crate) fn forward<B: Backend>(&self, be: &B, params: &B::Buffer, ids: &[u32], work: &mut EmbeddingWork<B::Buffer>) -> Result<()> {
-        be.gather_rows(params, self.table.start, self.vocab, self.width, ids, &mut work.out, 0)
+    pub(crate) fn forward<B: Backend>(
+        &self,
+        be: &B,
+        params: &B::Buffer,
+        ids: &[u32],
+        work: &mut EmbeddingWork<B::Buffer>,
+    ) -> Result<()> {
+        be.gather_rows(
+            params,
+            self.table.start,
+            self.vocab,
+            self.width,
+            ids,
+            &mut work.out,
+            0,
+        )
     }
 
     /// Table gradient from `work.dx`: zero it, add row `r` into row `ids[r]`; 2 launches.
@@ -49,7 +80,15 @@ impl Embedding {
         on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
     ) -> Result<()> {
         be.fill(grads, self.table.start, self.table.len(), 0.0)?;
-        be.scatter_add_rows(&work.dx, 0, ids, self.width, grads, self.table.start, self.vocab)?;
+        be.scatter_add_rows(
+            &work.dx,
+            0,
+            ids,
+            self.width,
+            grads,
+            self.table.start,
+            self.vocab,
+        )?;
         on_ready(self.table.clone(), grads);
         Ok(())
     }
@@ -73,14 +112,32 @@ pub(crate) struct ProjectionWork<Buf> {
 
 impl<Buf> ProjectionWork<Buf> {
     pub(crate) fn new<B: Backend<Buffer = Buf>>(be: &B, rows: usize, vocab: usize) -> Result<Self> {
-        Ok(ProjectionWork { logits: be.zeros(rows * vocab)?, loss: be.zeros(rows)?, lse: be.zeros(rows)? })
+        Ok(ProjectionWork {
+            logits: be.zeros(rows * vocab)?,
+            loss: be.zeros(rows)?,
+            lse: be.zeros(rows)?,
+        })
     }
 }
 
 impl Projection {
-    pub(crate) fn register(layout: &mut ParamLayout, name: &str, hidden: usize, vocab: usize, init_scale: f32) -> Result<Self> {
-        let start = layout.push(name, &[hidden, vocab], ParamInit::Uniform { scale: init_scale })?;
-        Ok(Projection { kernel: start..start + hidden * vocab, hidden, vocab })
+    pub(crate) fn register(
+        layout: &mut ParamLayout,
+        name: &str,
+        hidden: usize,
+        vocab: usize,
+        init_scale: f32,
+    ) -> Result<Self> {
+        let start = layout.push(
+            name,
+            &[hidden, vocab],
+            ParamInit::Uniform { scale: init_scale },
+        )?;
+        Ok(Projection {
+            kernel: start..start + hidden * vocab,
+            hidden,
+            vocab,
+        })
     }
 
     /// Logits for all `rows` at once, the loss rows and their sum: 3 launches.
@@ -98,7 +155,15 @@ impl Projection {
     ) -> Result<f64> {
         let spec = Gemm::nn(rows, self.vocab, self.hidden).at(h_offset, self.kernel.start, 0);
         be.gemm(h, params, &mut work.logits, &spec)?;
-        be.softmax_xent_forward(&work.logits, labels, mask, &mut work.loss, &mut work.lse, rows, self.vocab)?;
+        be.softmax_xent_forward(
+            &work.logits,
+            labels,
+            mask,
+            &mut work.loss,
+            &mut work.lse,
+            rows,
+            self.vocab,
+        )?;
         be.sum(&work.loss, 0, rows)
     }
 
@@ -119,11 +184,21 @@ impl Projection {
         dh: GradTarget<'_, B::Buffer>,
         on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
     ) -> Result<()> {
-        be.softmax_xent_backward(&mut work.logits, &work.lse, labels, mask, 1.0, rows, self.vocab)?;
+        be.softmax_xent_backward(
+            &mut work.logits,
+            &work.lse,
+            labels,
+            mask,
+            1.0,
+            rows,
+            self.vocab,
+        )?;
         let dw = Gemm::tn(self.hidden, self.vocab, rows).at(h_offset, 0, self.kernel.start);
         be.gemm(h, &work.logits, grads, &dw)?;
         on_ready(self.kernel.clone(), grads);
-        let dx = Gemm::nt(rows, self.hidden, self.vocab).at(0, self.kernel.start, dh.offset).accumulate(dh.accumulate);
+        let dx = Gemm::nt(rows, self.hidden, self.vocab)
+            .at(0, self.kernel.start, dh.offset)
+            .accumulate(dh.accumulate);
         be.gemm(&work.logits, params, dh.buf, &dx)
     }
 }

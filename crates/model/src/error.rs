@@ -62,11 +62,27 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// `InvalidConfig` for `field` with `value` and `reason`.
-pub(crate) fn config_error(field: &'static str, value: impl ToString, reason: impl Into<String>) -> Error {
-    Error::InvalidConfig { field, value: value.to_string(), reason: reason.into() }
+pub(crate) fn config_error(
+    field: &'static str,
+    value: impl ToString,
+    reason: impl Into<String>,
+) -> Error {
+    Error::InvalidConfig {
+        field,
+        value: value.to_string(),
+        reason: reason.into(),
+    }
 }
 
 /// `InvalidBatch` for `field` with `value` and `reason`.
-pub(crate) fn batch_error(field: &'static str, value: impl ToString, reason: impl Into<String>) -> Error {
-    Error::InvalidBatch { field, value: value.to_string(), reason: reason.into() }
+pub(crate) fn batch_error(
+    field: &'static str,
+    value: impl ToString,
+    reason: impl Into<String>,
+) -> Error {
+    Error::InvalidBatch {
+        field,
+        value: value.to_string(),
+        reason: reason.into(),
+    }
 }

@@ -21,7 +21,8 @@ use crate::error::Result;
 use crate::params::{ParamInit, ParamLayout};
 
 /// Which implementation an LSTM layer uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LstmImpl {
     /// cuDNN-style: all-steps input product, one 4-gate product and one fused pointwise
     /// kernel per step.
@@ -38,7 +39,11 @@ impl std::str::FromStr for LstmImpl {
         match s {
             "fused" => Ok(LstmImpl::Fused),
             "stepwise" => Ok(LstmImpl::Stepwise),
-            other => Err(crate::error::config_error("lstm", other, "use `fused` or `stepwise`")),
+            other => Err(crate::error::config_error(
+                "lstm",
+                other,
+                "use `fused` or `stepwise`",
+            )),
         }
     }
 }
@@ -99,7 +104,12 @@ pub(crate) struct LstmWork<Buf> {
 
 impl<Buf> LstmWork<Buf> {
     /// A workspace for `steps` x `batch` of a layer with `hidden` units.
-    pub(crate) fn new<B: Backend<Buffer = Buf>>(be: &B, hidden: usize, steps: usize, batch: usize) -> Result<Self> {
+    pub(crate) fn new<B: Backend<Buffer = Buf>>(
+        be: &B,
+        hidden: usize,
+        steps: usize,
+        batch: usize,
+    ) -> Result<Self> {
         let rows = steps * batch;
         Ok(LstmWork {
             rows_capacity: rows,
@@ -138,7 +148,14 @@ impl LstmLayer {
         let uniform = ParamInit::Uniform { scale: init_scale };
         let w_ih = layout.push(format!("{prefix}/w_ih"), &[input, 4 * hidden], uniform)?;
         let w_hh = layout.push(format!("{prefix}/w_hh"), &[hidden, 4 * hidden], uniform)?;
-        let bias = layout.push(format!("{prefix}/bias"), &[4 * hidden], ParamInit::LstmBias { hidden, forget_bias })?;
+        let bias = layout.push(
+            format!("{prefix}/bias"),
+            &[4 * hidden],
+            ParamInit::LstmBias {
+                hidden,
+                forget_bias,
+            },
+        )?;
         let g4 = 4 * hidden;
         Ok(LstmLayer {
             input,
@@ -181,7 +198,14 @@ impl LstmLayer {
     fn step(&self, s: usize, steps: usize, batch: usize) -> LstmStep {
         let t = if self.reverse { steps - 1 - s } else { s };
         let (prev_slot, out_slot) = if self.reverse { (t + 1, t) } else { (t, t + 1) };
-        LstmStep { step: t, steps, batch, hidden: self.hidden, prev_slot, out_slot }
+        LstmStep {
+            step: t,
+            steps,
+            batch,
+            hidden: self.hidden,
+            prev_slot,
+            out_slot,
+        }
     }
 
     /// Writes the initial state into its slot (zeros when `init` is `None`): 2 launches.
@@ -224,7 +248,9 @@ impl LstmLayer {
     ) -> Result<()> {
         match imp {
             LstmImpl::Fused => self.forward_fused(be, params, x, x_offset, init, w, steps, batch),
-            LstmImpl::Stepwise => self.forward_stepwise(be, params, x, x_offset, init, w, steps, batch),
+            LstmImpl::Stepwise => {
+                self.forward_stepwise(be, params, x, x_offset, init, w, steps, batch)
+            }
         }
     }
 
@@ -286,7 +312,9 @@ impl LstmLayer {
             let (prev, out) = (at.prev_slot * bh, at.out_slot * bh);
             let xo = x_offset + at.step * batch * input;
             for k in 0..4 {
-                let z = Gemm::nn(batch, h, input).at(xo, self.w_ih.start + k * h, k * n + blk).strides(input, g4, h);
+                let z = Gemm::nn(batch, h, input)
+                    .at(xo, self.w_ih.start + k * h, k * n + blk)
+                    .strides(input, g4, h);
                 be.gemm(x, params, &mut w.gates, &z)?;
             }
             for k in 0..4 {
@@ -297,18 +325,52 @@ impl LstmLayer {
                 be.gemm(&w.hiddens, params, &mut w.gates, &z)?;
             }
             for k in 0..4 {
-                be.add_row_bias(params, self.bias.start + k * h, &mut w.gates, k * n + blk, batch, h)?;
+                be.add_row_bias(
+                    params,
+                    self.bias.start + k * h,
+                    &mut w.gates,
+                    k * n + blk,
+                    batch,
+                    h,
+                )?;
             }
             for k in 0..4 {
                 let f = if k == 2 { Unary::Tanh } else { Unary::Sigmoid };
                 be.unary(f, &w.gates, k * n + blk, &mut w.act, k * n + blk, bh)?;
             }
             // c = f * c_prev + i * g ; h = o * tanh(c)
-            be.binary(Binary::Mul, &w.act, gf + blk, &w.cells, prev, &mut w.tmp, 0, bh)?;
-            be.binary(Binary::Mul, &w.act, gi + blk, &w.act, gg + blk, &mut w.cells, out, bh)?;
+            be.binary(
+                Binary::Mul,
+                &w.act,
+                gf + blk,
+                &w.cells,
+                prev,
+                &mut w.tmp,
+                0,
+                bh,
+            )?;
+            be.binary(
+                Binary::Mul,
+                &w.act,
+                gi + blk,
+                &w.act,
+                gg + blk,
+                &mut w.cells,
+                out,
+                bh,
+            )?;
             be.in_place(InPlace::Add, &w.tmp, 0, &mut w.cells, out, bh)?;
             be.unary(Unary::Tanh, &w.cells, out, &mut w.tanh_c, blk, bh)?;
-            be.binary(Binary::Mul, &w.act, go + blk, &w.tanh_c, blk, &mut w.hiddens, out, bh)?;
+            be.binary(
+                Binary::Mul,
+                &w.act,
+                go + blk,
+                &w.tanh_c,
+                blk,
+                &mut w.hiddens,
+                out,
+                bh,
+            )?;
         }
         Ok(())
     }
@@ -337,12 +399,12 @@ impl LstmLayer {
         on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
     ) -> Result<()> {
         match imp {
-            LstmImpl::Fused => {
-                self.backward_fused(be, params, grads, x, x_offset, w, steps, batch, need_dh0, dx, on_ready)
-            }
-            LstmImpl::Stepwise => {
-                self.backward_stepwise(be, params, grads, x, x_offset, w, steps, batch, need_dh0, dx, on_ready)
-            }
+            LstmImpl::Fused => self.backward_fused(
+                be, params, grads, x, x_offset, w, steps, batch, need_dh0, dx, on_ready,
+            ),
+            LstmImpl::Stepwise => self.backward_stepwise(
+                be, params, grads, x, x_offset, w, steps, batch, need_dh0, dx, on_ready,
+            ),
         }
     }
 
@@ -375,13 +437,23 @@ impl LstmLayer {
                     .accumulate(true);
                 be.gemm(&w.gates, params, &mut w.dh, &rec)?;
             }
-            be.lstm_backward_step(&w.act, &w.cells, &w.dh, &w.dc, &mut w.gates, &mut w.dc_next, &at)?;
+            be.lstm_backward_step(
+                &w.act,
+                &w.cells,
+                &w.dh,
+                &w.dc,
+                &mut w.gates,
+                &mut w.dc_next,
+                &at,
+            )?;
             std::mem::swap(&mut w.dc, &mut w.dc_next);
             last_step = Some(at.step);
         }
         let first = last_step.unwrap_or(0);
         if need_dh0 {
-            let dh0 = Gemm::nt(batch, h, g4).at(first * bg, self.w_hh.start, 0).strides(g4, g4, h);
+            let dh0 = Gemm::nt(batch, h, g4)
+                .at(first * bg, self.w_hh.start, 0)
+                .strides(g4, g4, h);
             be.gemm(&w.gates, params, &mut w.dh0, &dh0)?;
         }
         let dw_ih = Gemm::tn(input, g4, rows).at(x_offset, 0, self.w_ih.start);
@@ -394,7 +466,9 @@ impl LstmLayer {
         be.column_sums(&w.gates, 0, rows, g4, grads, self.bias.start, false)?;
         on_ready(self.bias.clone(), grads);
         if let Some(dx) = dx {
-            let spec = Gemm::nt(rows, input, g4).at(0, self.w_ih.start, dx.offset).accumulate(dx.accumulate);
+            let spec = Gemm::nt(rows, input, g4)
+                .at(0, self.w_ih.start, dx.offset)
+                .accumulate(dx.accumulate);
             be.gemm(&w.gates, params, dx.buf, &spec)?;
         }
         Ok(())
@@ -435,21 +509,94 @@ impl LstmLayer {
                 }
             }
             // Output gate: dz_o = dh * tanh(c) * o(1-o).
-            be.binary(Binary::Mul, &w.dh, blk, &w.tanh_c, blk, &mut w.gates, go + blk, bh)?;
-            be.in_place(InPlace::MulSigmoidGrad, &w.act, go + blk, &mut w.gates, go + blk, bh)?;
+            be.binary(
+                Binary::Mul,
+                &w.dh,
+                blk,
+                &w.tanh_c,
+                blk,
+                &mut w.gates,
+                go + blk,
+                bh,
+            )?;
+            be.in_place(
+                InPlace::MulSigmoidGrad,
+                &w.act,
+                go + blk,
+                &mut w.gates,
+                go + blk,
+                bh,
+            )?;
             // dc += dh * o * (1 - tanh(c)^2).
             be.binary(Binary::Mul, &w.dh, blk, &w.act, go + blk, &mut w.tmp, 0, bh)?;
             be.in_place(InPlace::MulTanhGrad, &w.tanh_c, blk, &mut w.tmp, 0, bh)?;
             be.in_place(InPlace::Add, &w.tmp, 0, &mut w.dc, 0, bh)?;
             // dz_i = dc * g * i(1-i); dz_g = dc * i * (1-g^2); dz_f = dc * c_prev * f(1-f).
-            be.binary(Binary::Mul, &w.dc, 0, &w.act, gg + blk, &mut w.gates, gi + blk, bh)?;
-            be.in_place(InPlace::MulSigmoidGrad, &w.act, gi + blk, &mut w.gates, gi + blk, bh)?;
-            be.binary(Binary::Mul, &w.dc, 0, &w.act, gi + blk, &mut w.gates, gg + blk, bh)?;
-            be.in_place(InPlace::MulTanhGrad, &w.act, gg + blk, &mut w.gates, gg + blk, bh)?;
-            be.binary(Binary::Mul, &w.dc, 0, &w.cells, prev, &mut w.gates, gf + blk, bh)?;
-            be.in_place(InPlace::MulSigmoidGrad, &w.act, gf + blk, &mut w.gates, gf + blk, bh)?;
+            be.binary(
+                Binary::Mul,
+                &w.dc,
+                0,
+                &w.act,
+                gg + blk,
+                &mut w.gates,
+                gi + blk,
+                bh,
+            )?;
+            be.in_place(
+                InPlace::MulSigmoidGrad,
+                &w.act,
+                gi + blk,
+                &mut w.gates,
+                gi + blk,
+                bh,
+            )?;
+            be.binary(
+                Binary::Mul,
+                &w.dc,
+                0,
+                &w.act,
+                gi + blk,
+                &mut w.gates,
+                gg + blk,
+                bh,
+            )?;
+            be.in_place(
+                InPlace::MulTanhGrad,
+                &w.act,
+                gg + blk,
+                &mut w.gates,
+                gg + blk,
+                bh,
+            )?;
+            be.binary(
+                Binary::Mul,
+                &w.dc,
+                0,
+                &w.cells,
+                prev,
+                &mut w.gates,
+                gf + blk,
+                bh,
+            )?;
+            be.in_place(
+                InPlace::MulSigmoidGrad,
+                &w.act,
+                gf + blk,
+                &mut w.gates,
+                gf + blk,
+                bh,
+            )?;
             // dc_prev = dc * f.
-            be.binary(Binary::Mul, &w.dc, 0, &w.act, gf + blk, &mut w.dc_next, 0, bh)?;
+            be.binary(
+                Binary::Mul,
+                &w.dc,
+                0,
+                &w.act,
+                gf + blk,
+                &mut w.dc_next,
+                0,
+                bh,
+            )?;
             std::mem::swap(&mut w.dc, &mut w.dc_next);
             let xo = x_offset + at.step * batch * input;
             for k in 0..4 {
@@ -467,12 +614,24 @@ impl LstmLayer {
                 be.gemm(&w.hiddens, &w.gates, grads, &spec)?;
             }
             for k in 0..4 {
-                be.column_sums(&w.gates, k * n + blk, batch, h, grads, self.bias.start + k * h, !first)?;
+                be.column_sums(
+                    &w.gates,
+                    k * n + blk,
+                    batch,
+                    h,
+                    grads,
+                    self.bias.start + k * h,
+                    !first,
+                )?;
             }
             if let Some(dx) = dx.as_mut() {
                 for k in 0..4 {
                     let spec = Gemm::nt(batch, input, h)
-                        .at(k * n + blk, self.w_ih.start + k * h, dx.offset + at.step * batch * input)
+                        .at(
+                            k * n + blk,
+                            self.w_ih.start + k * h,
+                            dx.offset + at.step * batch * input,
+                        )
                         .strides(h, g4, input)
                         .accumulate(k > 0 || dx.accumulate);
                     be.gemm(&w.gates, params, dx.buf, &spec)?;

@@ -54,7 +54,10 @@ pub trait Model {
     /// Both buffers at once, for an optimizer step.
     fn params_and_grads_mut(
         &mut self,
-    ) -> (&mut <Self::Backend as Backend>::Buffer, &mut <Self::Backend as Backend>::Buffer);
+    ) -> (
+        &mut <Self::Backend as Backend>::Buffer,
+        &mut <Self::Backend as Backend>::Buffer,
+    );
     /// Re-initialises every parameter from `seed`.
     ///
     /// # Errors
@@ -92,7 +95,12 @@ pub(crate) fn check_ids(field: &'static str, ids: &[u32], vocab: usize) -> Resul
 }
 
 /// Checks `values.len() == expected`.
-pub(crate) fn check_len<T>(field: &'static str, values: &[T], expected: usize, shape: &str) -> Result<()> {
+pub(crate) fn check_len<T>(
+    field: &'static str,
+    values: &[T],
+    expected: usize,
+    shape: &str,
+) -> Result<()> {
     if values.len() == expected {
         Ok(())
     } else {
@@ -105,10 +113,19 @@ pub(crate) fn check_len<T>(field: &'static str, values: &[T], expected: usize, s
 }
 
 /// Checks labels of rows with a non-zero mask, and that the mask is finite.
-pub(crate) fn check_labels(field: &'static str, labels: &[u32], mask: &[f32], vocab: usize) -> Result<()> {
+pub(crate) fn check_labels(
+    field: &'static str,
+    labels: &[u32],
+    mask: &[f32],
+    vocab: usize,
+) -> Result<()> {
     for (pos, (&label, &m)) in labels.iter().zip(mask).enumerate() {
         if !m.is_finite() {
-            return Err(crate::error::batch_error("mask", format!("{m} at position {pos}"), "mask weights must be finite (1.0 real token, 0.0 padding)"));
+            return Err(crate::error::batch_error(
+                "mask",
+                format!("{m} at position {pos}"),
+                "mask weights must be finite (1.0 real token, 0.0 padding)",
+            ));
         }
         if m != 0.0 && label as usize >= vocab {
             return Err(crate::error::batch_error(
@@ -124,7 +141,11 @@ pub(crate) fn check_labels(field: &'static str, labels: &[u32], mask: &[f32], vo
 /// Checks that a size is at least 1.
 pub(crate) fn check_positive(field: &'static str, value: usize) -> Result<()> {
     if value == 0 {
-        Err(crate::error::batch_error(field, value, "must be at least 1"))
+        Err(crate::error::batch_error(
+            field,
+            value,
+            "must be at least 1",
+        ))
     } else {
         Ok(())
     }

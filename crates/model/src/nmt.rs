@@ -16,11 +16,14 @@ use crate::backend::Backend;
 use crate::embedding::{Embedding, EmbeddingWork, Projection, ProjectionWork};
 use crate::error::{config_error, Result};
 use crate::lstm::{GradTarget, InitState, LstmImpl, LstmLayer, LstmWork};
-use crate::model::{check_ids, check_labels, check_len, check_positive, GradsReady, Model, StepStats};
+use crate::model::{
+    check_ids, check_labels, check_len, check_positive, GradsReady, Model, StepStats,
+};
 use crate::params::ParamLayout;
 
 /// Encoder kind.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum EncoderKind {
     /// Bidirectional: `layers / 2` layers per direction.
     #[default]
@@ -41,7 +44,7 @@ impl std::str::FromStr for EncoderKind {
 }
 
 /// Sizes and choices of an [`NmtModel`].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct NmtConfig {
     /// Source vocabulary size.
     pub src_vocab: usize,
@@ -104,10 +107,18 @@ impl NmtConfig {
             ));
         }
         if !(self.init_scale.is_finite() && self.init_scale >= 0.0) {
-            return Err(config_error("init_scale", self.init_scale, "must be finite and >= 0 (TF NMT uses 0.1)"));
+            return Err(config_error(
+                "init_scale",
+                self.init_scale,
+                "must be finite and >= 0 (TF NMT uses 0.1)",
+            ));
         }
         if !self.forget_bias.is_finite() {
-            return Err(config_error("forget_bias", self.forget_bias, "must be finite (usually 1.0)"));
+            return Err(config_error(
+                "forget_bias",
+                self.forget_bias,
+                "must be finite (usually 1.0)",
+            ));
         }
         Ok(())
     }
@@ -178,15 +189,35 @@ impl<B: Backend> NmtModel<B> {
         config.validate()?;
         let c = &config;
         let mut layout = ParamLayout::new();
-        let proj = Projection::register(&mut layout, "proj/kernel", c.hidden, c.tgt_vocab, c.init_scale)?;
+        let proj = Projection::register(
+            &mut layout,
+            "proj/kernel",
+            c.hidden,
+            c.tgt_vocab,
+            c.init_scale,
+        )?;
         let mut decoder = Vec::with_capacity(c.layers);
         for l in (0..c.layers).rev() {
             let input = if l == 0 { c.emb } else { c.hidden };
             let name = format!("decoder/layer_{l}");
-            decoder.push(LstmLayer::register(&mut layout, &name, input, c.hidden, false, c.init_scale, c.forget_bias)?);
+            decoder.push(LstmLayer::register(
+                &mut layout,
+                &name,
+                input,
+                c.hidden,
+                false,
+                c.init_scale,
+                c.forget_bias,
+            )?);
         }
         decoder.reverse();
-        let tgt_emb = Embedding::register(&mut layout, "embedding/tgt", c.tgt_vocab, c.emb, c.init_scale)?;
+        let tgt_emb = Embedding::register(
+            &mut layout,
+            "embedding/tgt",
+            c.tgt_vocab,
+            c.emb,
+            c.init_scale,
+        )?;
         let (depth, stride) = Self::encoder_shape(c);
         let mut encoder = Vec::with_capacity(c.layers);
         for d in (0..depth).rev() {
@@ -195,15 +226,31 @@ impl<B: Backend> NmtModel<B> {
             for r in 0..stride {
                 let name = match c.encoder {
                     EncoderKind::Uni => format!("encoder/layer_{d}"),
-                    EncoderKind::Bi => format!("encoder/{}/layer_{d}", if r == 0 { "fw" } else { "bw" }),
+                    EncoderKind::Bi => {
+                        format!("encoder/{}/layer_{d}", if r == 0 { "fw" } else { "bw" })
+                    }
                 };
-                group.push(LstmLayer::register(&mut layout, &name, input, c.hidden, r == 1, c.init_scale, c.forget_bias)?);
+                group.push(LstmLayer::register(
+                    &mut layout,
+                    &name,
+                    input,
+                    c.hidden,
+                    r == 1,
+                    c.init_scale,
+                    c.forget_bias,
+                )?);
             }
             encoder.push(group);
         }
         encoder.reverse();
         let encoder: Vec<LstmLayer> = encoder.into_iter().flatten().collect();
-        let src_emb = Embedding::register(&mut layout, "embedding/src", c.src_vocab, c.emb, c.init_scale)?;
+        let src_emb = Embedding::register(
+            &mut layout,
+            "embedding/src",
+            c.src_vocab,
+            c.emb,
+            c.init_scale,
+        )?;
         let params = backend.zeros(layout.total_len())?;
         let grads = backend.zeros(layout.total_len())?;
         let mut model = NmtModel {
@@ -271,8 +318,12 @@ impl<B: Backend> NmtModel<B> {
             batch,
             src_emb: EmbeddingWork::new(be, src_len * batch, e)?,
             tgt_emb: EmbeddingWork::new(be, tgt_len * batch, e)?,
-            encoder: (0..self.encoder.len()).map(|_| LstmWork::new(be, h, src_len, batch)).collect::<Result<_>>()?,
-            decoder: (0..self.decoder.len()).map(|_| LstmWork::new(be, h, tgt_len, batch)).collect::<Result<_>>()?,
+            encoder: (0..self.encoder.len())
+                .map(|_| LstmWork::new(be, h, src_len, batch))
+                .collect::<Result<_>>()?,
+            decoder: (0..self.decoder.len())
+                .map(|_| LstmWork::new(be, h, tgt_len, batch))
+                .collect::<Result<_>>()?,
             head: ProjectionWork::new(be, tgt_len * batch, v)?,
         };
         self.work = Some(work);
@@ -292,7 +343,8 @@ impl<B: Backend> NmtModel<B> {
         let (depth, stride) = Self::encoder_shape(&self.config);
         debug_assert!(w.encoder.iter().all(|lw| lw.fits(ts, batch)));
         debug_assert!(w.decoder.iter().all(|lw| lw.fits(tt, batch)));
-        self.src_emb.forward(be, &self.params, b.src, &mut w.src_emb)?;
+        self.src_emb
+            .forward(be, &self.params, b.src, &mut w.src_emb)?;
         for d in 0..depth {
             for r in 0..stride {
                 let i = d * stride + r;
@@ -301,12 +353,26 @@ impl<B: Backend> NmtModel<B> {
                 let (x, x_offset) = if d == 0 {
                     (&w.src_emb.out, 0)
                 } else {
-                    (&below[i - stride].hiddens, self.encoder[i - stride].output_offset(batch))
+                    (
+                        &below[i - stride].hiddens,
+                        self.encoder[i - stride].output_offset(batch),
+                    )
                 };
-                layer.forward(be, imp, &self.params, x, x_offset, None, &mut rest[0], ts, batch)?;
+                layer.forward(
+                    be,
+                    imp,
+                    &self.params,
+                    x,
+                    x_offset,
+                    None,
+                    &mut rest[0],
+                    ts,
+                    batch,
+                )?;
             }
         }
-        self.tgt_emb.forward(be, &self.params, b.tgt_in, &mut w.tgt_emb)?;
+        self.tgt_emb
+            .forward(be, &self.params, b.tgt_in, &mut w.tgt_emb)?;
         for l in 0..self.decoder.len() {
             let layer = &self.decoder[l];
             let enc = &self.encoder[l];
@@ -321,9 +387,22 @@ impl<B: Backend> NmtModel<B> {
             let (x, x_offset) = if l == 0 {
                 (&w.tgt_emb.out, 0)
             } else {
-                (&below[l - 1].hiddens, self.decoder[l - 1].output_offset(batch))
+                (
+                    &below[l - 1].hiddens,
+                    self.decoder[l - 1].output_offset(batch),
+                )
             };
-            layer.forward(be, imp, &self.params, x, x_offset, Some(init), &mut rest[0], tt, batch)?;
+            layer.forward(
+                be,
+                imp,
+                &self.params,
+                x,
+                x_offset,
+                Some(init),
+                &mut rest[0],
+                tt,
+                batch,
+            )?;
         }
         let top = self.decoder.len() - 1;
         let loss = self.proj.forward(
@@ -340,7 +419,11 @@ impl<B: Backend> NmtModel<B> {
         Ok((loss, tokens))
     }
 
-    fn backward(&mut self, b: &NmtBatch<'_>, on_ready: &mut GradsReady<'_, B::Buffer>) -> Result<()> {
+    fn backward(
+        &mut self,
+        b: &NmtBatch<'_>,
+        on_ready: &mut GradsReady<'_, B::Buffer>,
+    ) -> Result<()> {
         let Some(w) = self.work.as_mut() else {
             return Ok(());
         };
@@ -362,7 +445,11 @@ impl<B: Backend> NmtModel<B> {
                 b.tgt_out,
                 b.tgt_mask,
                 &mut w.head,
-                GradTarget { buf: &mut top_work.dh, offset: 0, accumulate: false },
+                GradTarget {
+                    buf: &mut top_work.dh,
+                    offset: 0,
+                    accumulate: false,
+                },
                 on_ready,
             )?;
         }
@@ -371,20 +458,44 @@ impl<B: Backend> NmtModel<B> {
             let lw = &mut rest[0];
             be.fill(&mut lw.dc, 0, bh, 0.0)?;
             let (x, x_offset, dx) = if l == 0 {
-                (&w.tgt_emb.out, 0, GradTarget { buf: &mut w.tgt_emb.dx, offset: 0, accumulate: false })
+                (
+                    &w.tgt_emb.out,
+                    0,
+                    GradTarget {
+                        buf: &mut w.tgt_emb.dx,
+                        offset: 0,
+                        accumulate: false,
+                    },
+                )
             } else {
                 let lower = &mut below[l - 1];
                 (
                     &lower.hiddens,
                     self.decoder[l - 1].output_offset(batch),
-                    GradTarget { buf: &mut lower.dh, offset: 0, accumulate: false },
+                    GradTarget {
+                        buf: &mut lower.dh,
+                        offset: 0,
+                        accumulate: false,
+                    },
                 )
             };
             self.decoder[l].backward(
-                be, imp, &self.params, &mut self.grads, x, x_offset, lw, tt, batch, true, Some(dx), on_ready,
+                be,
+                imp,
+                &self.params,
+                &mut self.grads,
+                x,
+                x_offset,
+                lw,
+                tt,
+                batch,
+                true,
+                Some(dx),
+                on_ready,
             )?;
         }
-        self.tgt_emb.backward(be, &mut self.grads, b.tgt_in, &w.tgt_emb, on_ready)?;
+        self.tgt_emb
+            .backward(be, &mut self.grads, b.tgt_in, &w.tgt_emb, on_ready)?;
         for d in (0..depth).rev() {
             for r in 0..stride {
                 let i = d * stride + r;
@@ -397,25 +508,56 @@ impl<B: Backend> NmtModel<B> {
                     be.fill(&mut lw.dh, 0, ts * bh, 0.0)?;
                     be.copy(&dec.dh0, 0, &mut lw.dh, final_dh, bh)?;
                 } else {
-                    be.in_place(crate::backend::InPlace::Add, &dec.dh0, 0, &mut lw.dh, final_dh, bh)?;
+                    be.in_place(
+                        crate::backend::InPlace::Add,
+                        &dec.dh0,
+                        0,
+                        &mut lw.dh,
+                        final_dh,
+                        bh,
+                    )?;
                 }
                 be.copy(&dec.dc, 0, &mut lw.dc, 0, bh)?;
                 let (x, x_offset, dx) = if d == 0 {
-                    (&w.src_emb.out, 0, GradTarget { buf: &mut w.src_emb.dx, offset: 0, accumulate: r > 0 })
+                    (
+                        &w.src_emb.out,
+                        0,
+                        GradTarget {
+                            buf: &mut w.src_emb.dx,
+                            offset: 0,
+                            accumulate: r > 0,
+                        },
+                    )
                 } else {
                     let lower = &mut below[i - stride];
                     (
                         &lower.hiddens,
                         self.encoder[i - stride].output_offset(batch),
-                        GradTarget { buf: &mut lower.dh, offset: 0, accumulate: false },
+                        GradTarget {
+                            buf: &mut lower.dh,
+                            offset: 0,
+                            accumulate: false,
+                        },
                     )
                 };
                 layer.backward(
-                    be, imp, &self.params, &mut self.grads, x, x_offset, lw, ts, batch, false, Some(dx), on_ready,
+                    be,
+                    imp,
+                    &self.params,
+                    &mut self.grads,
+                    x,
+                    x_offset,
+                    lw,
+                    ts,
+                    batch,
+                    false,
+                    Some(dx),
+                    on_ready,
                 )?;
             }
         }
-        self.src_emb.backward(be, &mut self.grads, b.src, &w.src_emb, on_ready)
+        self.src_emb
+            .backward(be, &mut self.grads, b.src, &w.src_emb, on_ready)
     }
 }
 
@@ -451,7 +593,11 @@ impl<B: Backend> Model for NmtModel<B> {
     fn forward_loss(&mut self, batch: &NmtBatch<'_>) -> Result<StepStats> {
         let start = self.backend.launches();
         let (loss_sum, tokens) = self.forward(batch)?;
-        Ok(StepStats { loss_sum, tokens, launches: self.backend.launches() - start })
+        Ok(StepStats {
+            loss_sum,
+            tokens,
+            launches: self.backend.launches() - start,
+        })
     }
     fn forward_backward(
         &mut self,
@@ -461,6 +607,10 @@ impl<B: Backend> Model for NmtModel<B> {
         let start = self.backend.launches();
         let (loss_sum, tokens) = self.forward(batch)?;
         self.backward(batch, on_grads_ready)?;
-        Ok(StepStats { loss_sum, tokens, launches: self.backend.launches() - start })
+        Ok(StepStats {
+            loss_sum,
+            tokens,
+            launches: self.backend.launches() - start,
+        })
     }
 }

@@ -64,17 +64,36 @@ impl ParamLayout {
     ///
     /// # Errors
     /// `InvalidConfig` when `name` is already used or the shape has a zero dimension.
-    pub fn push(&mut self, name: impl Into<String>, shape: &[usize], init: ParamInit) -> Result<usize> {
+    pub fn push(
+        &mut self,
+        name: impl Into<String>,
+        shape: &[usize],
+        init: ParamInit,
+    ) -> Result<usize> {
         let name = name.into();
         if self.get(&name).is_some() {
-            return Err(config_error("parameter name", &name, "names must be unique"));
+            return Err(config_error(
+                "parameter name",
+                &name,
+                "names must be unique",
+            ));
         }
         let len = shape.iter().product::<usize>();
         if len == 0 {
-            return Err(config_error("parameter shape", format!("{name} {shape:?}"), "every dimension must be at least 1"));
+            return Err(config_error(
+                "parameter shape",
+                format!("{name} {shape:?}"),
+                "every dimension must be at least 1",
+            ));
         }
         let offset = self.total_len;
-        self.entries.push(ParamEntry { name, shape: shape.to_vec(), offset, len, init });
+        self.entries.push(ParamEntry {
+            name,
+            shape: shape.to_vec(),
+            offset,
+            len,
+            init,
+        });
         self.total_len += len;
         Ok(offset)
     }
@@ -107,10 +126,14 @@ impl ParamLayout {
             match e.init {
                 ParamInit::Uniform { scale } => {
                     if scale > 0.0 {
-                        dst.iter_mut().for_each(|x| *x = rng.gen_range(-scale..scale));
+                        dst.iter_mut()
+                            .for_each(|x| *x = rng.gen_range(-scale..scale));
                     }
                 }
-                ParamInit::LstmBias { hidden, forget_bias } => {
+                ParamInit::LstmBias {
+                    hidden,
+                    forget_bias,
+                } => {
                     ringtrain_kernels::init_lstm_bias(dst, hidden, forget_bias)?;
                 }
             }

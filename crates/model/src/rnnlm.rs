@@ -5,11 +5,13 @@ use crate::backend::Backend;
 use crate::embedding::{Embedding, EmbeddingWork, Projection, ProjectionWork};
 use crate::error::{config_error, Result};
 use crate::lstm::{GradTarget, LstmImpl, LstmLayer, LstmWork};
-use crate::model::{check_ids, check_labels, check_len, check_positive, GradsReady, Model, StepStats};
+use crate::model::{
+    check_ids, check_labels, check_len, check_positive, GradsReady, Model, StepStats,
+};
 use crate::params::ParamLayout;
 
 /// Sizes and choices of an [`RnnLm`].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LmConfig {
     /// Vocabulary size (embedding rows and projection width).
     pub vocab: usize,
@@ -47,16 +49,29 @@ impl LmConfig {
     /// # Errors
     /// `InvalidConfig` naming the first bad field.
     pub fn validate(&self) -> Result<()> {
-        for (field, value) in [("vocab", self.vocab), ("emb", self.emb), ("hidden", self.hidden), ("layers", self.layers)] {
+        for (field, value) in [
+            ("vocab", self.vocab),
+            ("emb", self.emb),
+            ("hidden", self.hidden),
+            ("layers", self.layers),
+        ] {
             if value == 0 {
                 return Err(config_error(field, value, "must be at least 1"));
             }
         }
         if !(self.init_scale.is_finite() && self.init_scale >= 0.0) {
-            return Err(config_error("init_scale", self.init_scale, "must be finite and >= 0 (usually 0.1)"));
+            return Err(config_error(
+                "init_scale",
+                self.init_scale,
+                "must be finite and >= 0 (usually 0.1)",
+            ));
         }
         if !self.forget_bias.is_finite() {
-            return Err(config_error("forget_bias", self.forget_bias, "must be finite (usually 1.0)"));
+            return Err(config_error(
+                "forget_bias",
+                self.forget_bias,
+                "must be finite (usually 1.0)",
+            ));
         }
         Ok(())
     }
@@ -118,18 +133,37 @@ impl<B: Backend> RnnLm<B> {
         config.validate()?;
         let c = &config;
         let mut layout = ParamLayout::new();
-        let proj = Projection::register(&mut layout, "proj/kernel", c.hidden, c.vocab, c.init_scale)?;
+        let proj =
+            Projection::register(&mut layout, "proj/kernel", c.hidden, c.vocab, c.init_scale)?;
         let mut layers = Vec::with_capacity(c.layers);
         for l in (0..c.layers).rev() {
             let input = if l == 0 { c.emb } else { c.hidden };
             let name = format!("lm/layer_{l}");
-            layers.push(LstmLayer::register(&mut layout, &name, input, c.hidden, false, c.init_scale, c.forget_bias)?);
+            layers.push(LstmLayer::register(
+                &mut layout,
+                &name,
+                input,
+                c.hidden,
+                false,
+                c.init_scale,
+                c.forget_bias,
+            )?);
         }
         layers.reverse();
         let emb = Embedding::register(&mut layout, "embedding/lm", c.vocab, c.emb, c.init_scale)?;
         let params = backend.zeros(layout.total_len())?;
         let grads = backend.zeros(layout.total_len())?;
-        let mut model = RnnLm { backend, config, layout, params, grads, proj, layers, emb, work: None };
+        let mut model = RnnLm {
+            backend,
+            config,
+            layout,
+            params,
+            grads,
+            proj,
+            layers,
+            emb,
+            work: None,
+        };
         model.init_params(seed)?;
         Ok(model)
     }
@@ -166,7 +200,9 @@ impl<B: Backend> RnnLm<B> {
             len,
             batch,
             emb: EmbeddingWork::new(be, len * batch, c.emb)?,
-            layers: (0..self.layers.len()).map(|_| LstmWork::new(be, c.hidden, len, batch)).collect::<Result<_>>()?,
+            layers: (0..self.layers.len())
+                .map(|_| LstmWork::new(be, c.hidden, len, batch))
+                .collect::<Result<_>>()?,
             head: ProjectionWork::new(be, len * batch, c.vocab)?,
         };
         self.work = Some(work);
@@ -187,9 +223,22 @@ impl<B: Backend> RnnLm<B> {
             let (x, x_offset) = if l == 0 {
                 (&w.emb.out, 0)
             } else {
-                (&below[l - 1].hiddens, self.layers[l - 1].output_offset(b.batch))
+                (
+                    &below[l - 1].hiddens,
+                    self.layers[l - 1].output_offset(b.batch),
+                )
             };
-            self.layers[l].forward(be, imp, &self.params, x, x_offset, None, &mut rest[0], b.len, b.batch)?;
+            self.layers[l].forward(
+                be,
+                imp,
+                &self.params,
+                x,
+                x_offset,
+                None,
+                &mut rest[0],
+                b.len,
+                b.batch,
+            )?;
         }
         let top = self.layers.len() - 1;
         let loss = self.proj.forward(
@@ -206,7 +255,11 @@ impl<B: Backend> RnnLm<B> {
         Ok((loss, tokens))
     }
 
-    fn backward(&mut self, b: &LmBatch<'_>, on_ready: &mut GradsReady<'_, B::Buffer>) -> Result<()> {
+    fn backward(
+        &mut self,
+        b: &LmBatch<'_>,
+        on_ready: &mut GradsReady<'_, B::Buffer>,
+    ) -> Result<()> {
         let Some(w) = self.work.as_mut() else {
             return Ok(());
         };
@@ -226,7 +279,11 @@ impl<B: Backend> RnnLm<B> {
                 b.targets,
                 b.mask,
                 &mut w.head,
-                GradTarget { buf: &mut top_work.dh, offset: 0, accumulate: false },
+                GradTarget {
+                    buf: &mut top_work.dh,
+                    offset: 0,
+                    accumulate: false,
+                },
                 on_ready,
             )?;
         }
@@ -235,20 +292,44 @@ impl<B: Backend> RnnLm<B> {
             let lw = &mut rest[0];
             be.fill(&mut lw.dc, 0, bh, 0.0)?;
             let (x, x_offset, dx) = if l == 0 {
-                (&w.emb.out, 0, GradTarget { buf: &mut w.emb.dx, offset: 0, accumulate: false })
+                (
+                    &w.emb.out,
+                    0,
+                    GradTarget {
+                        buf: &mut w.emb.dx,
+                        offset: 0,
+                        accumulate: false,
+                    },
+                )
             } else {
                 let lower = &mut below[l - 1];
                 (
                     &lower.hiddens,
                     self.layers[l - 1].output_offset(b.batch),
-                    GradTarget { buf: &mut lower.dh, offset: 0, accumulate: false },
+                    GradTarget {
+                        buf: &mut lower.dh,
+                        offset: 0,
+                        accumulate: false,
+                    },
                 )
             };
             self.layers[l].backward(
-                be, imp, &self.params, &mut self.grads, x, x_offset, lw, b.len, b.batch, false, Some(dx), on_ready,
+                be,
+                imp,
+                &self.params,
+                &mut self.grads,
+                x,
+                x_offset,
+                lw,
+                b.len,
+                b.batch,
+                false,
+                Some(dx),
+                on_ready,
             )?;
         }
-        self.emb.backward(be, &mut self.grads, b.inputs, &w.emb, on_ready)
+        self.emb
+            .backward(be, &mut self.grads, b.inputs, &w.emb, on_ready)
     }
 }
 
@@ -284,12 +365,24 @@ impl<B: Backend> Model for RnnLm<B> {
     fn forward_loss(&mut self, batch: &LmBatch<'_>) -> Result<StepStats> {
         let start = self.backend.launches();
         let (loss_sum, tokens) = self.forward(batch)?;
-        Ok(StepStats { loss_sum, tokens, launches: self.backend.launches() - start })
+        Ok(StepStats {
+            loss_sum,
+            tokens,
+            launches: self.backend.launches() - start,
+        })
     }
-    fn forward_backward(&mut self, batch: &LmBatch<'_>, on_grads_ready: &mut GradsReady<'_, B::Buffer>) -> Result<StepStats> {
+    fn forward_backward(
+        &mut self,
+        batch: &LmBatch<'_>,
+        on_grads_ready: &mut GradsReady<'_, B::Buffer>,
+    ) -> Result<StepStats> {
         let start = self.backend.launches();
         let (loss_sum, tokens) = self.forward(batch)?;
         self.backward(batch, on_grads_ready)?;
-        Ok(StepStats { loss_sum, tokens, launches: self.backend.launches() - start })
+        Ok(StepStats {
+            loss_sum,
+            tokens,
+            launches: self.backend.launches() - start,
+        })
     }
 }

@@ -8,7 +8,10 @@ use ringtrain_model::{CudaBackend, EncoderKind, Error, LstmImpl, Model, NmtModel
 #[test]
 fn cuda_backend_without_feature_is_not_compiled() {
     let err = CudaBackend::new(0).expect_err("no cuda feature");
-    assert!(matches!(err, Error::NotCompiledWithCuda { device: 0 }), "{err}");
+    assert!(
+        matches!(err, Error::NotCompiledWithCuda { device: 0 }),
+        "{err}"
+    );
     assert!(err.to_string().contains("--features cuda"));
 }
 
@@ -16,17 +19,41 @@ fn cuda_backend_without_feature_is_not_compiled() {
 #[test]
 fn cuda_backend_with_feature_reports_unavailable() {
     let err = CudaBackend::new(1).expect_err("no GPU model backend yet");
-    assert!(matches!(err, Error::CudaBackendUnavailable { device: 1 }), "{err}");
+    assert!(
+        matches!(err, Error::CudaBackendUnavailable { device: 1 }),
+        "{err}"
+    );
 }
 
 #[test]
 fn bad_configs_are_rejected() {
     let odd = toy::tiny_nmt(EncoderKind::Bi, 3, LstmImpl::Fused);
     let err = NmtModel::new(toy::cpu(1), odd, 1).expect_err("odd bi layers");
-    assert!(matches!(err, Error::InvalidConfig { field: "layers", .. }), "{err}");
-    let zero = ringtrain_model::NmtConfig { hidden: 0, ..toy::tiny_nmt(EncoderKind::Uni, 1, LstmImpl::Fused) };
+    assert!(
+        matches!(
+            err,
+            Error::InvalidConfig {
+                field: "layers",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let zero = ringtrain_model::NmtConfig {
+        hidden: 0,
+        ..toy::tiny_nmt(EncoderKind::Uni, 1, LstmImpl::Fused)
+    };
     let err = NmtModel::new(toy::cpu(1), zero, 1).expect_err("hidden 0");
-    assert!(matches!(err, Error::InvalidConfig { field: "hidden", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::InvalidConfig {
+                field: "hidden",
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(ringtrain_model::CpuBackend::new(0).is_err());
 }
 
@@ -36,14 +63,30 @@ fn bad_batches_are_rejected() {
     let mut model = NmtModel::new(toy::cpu(1), config.clone(), 1).expect("model");
     let mut data = toy::NmtData::random(&config, 2, 3, 3, 1);
     data.src[4] = config.src_vocab as u32;
-    let err = model.forward_loss(&data.view()).expect_err("src id out of range");
-    assert!(matches!(err, Error::InvalidBatch { field: "src", .. }), "{err}");
+    let err = model
+        .forward_loss(&data.view())
+        .expect_err("src id out of range");
+    assert!(
+        matches!(err, Error::InvalidBatch { field: "src", .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("position 4"), "{err}");
 
     let mut data = toy::NmtData::random(&config, 2, 3, 3, 1);
     data.tgt_out[1] = 100;
-    let err = model.forward_loss(&data.view()).expect_err("label out of range");
-    assert!(matches!(err, Error::InvalidBatch { field: "tgt_out", .. }), "{err}");
+    let err = model
+        .forward_loss(&data.view())
+        .expect_err("label out of range");
+    assert!(
+        matches!(
+            err,
+            Error::InvalidBatch {
+                field: "tgt_out",
+                ..
+            }
+        ),
+        "{err}"
+    );
     // The same label under a zero mask is padding and allowed.
     data.mask[1] = 0.0;
     assert!(model.forward_loss(&data.view()).is_ok());
@@ -51,7 +94,16 @@ fn bad_batches_are_rejected() {
     let mut data = toy::NmtData::random(&config, 2, 3, 3, 1);
     data.tgt_in.pop();
     let err = model.forward_loss(&data.view()).expect_err("short tgt_in");
-    assert!(matches!(err, Error::InvalidBatch { field: "tgt_in", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::InvalidBatch {
+                field: "tgt_in",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -62,7 +114,10 @@ fn workspaces_grow_with_larger_batches() {
     let large = toy::NmtData::random(&config, 4, 6, 5, 2);
     let a = model.forward_loss(&small.view()).expect("small").loss_sum;
     let b = model.forward_loss(&large.view()).expect("large").loss_sum;
-    let a2 = model.forward_loss(&small.view()).expect("small again").loss_sum;
+    let a2 = model
+        .forward_loss(&small.view())
+        .expect("small again")
+        .loss_sum;
     assert!(b > a);
     assert_eq!(a, a2, "reusing larger workspaces changed the result");
 }

@@ -9,12 +9,22 @@ mod toy;
 
 use ringtrain_model::{EncoderKind, LstmImpl, Model, NmtModel, RnnLm, StepStats};
 
-fn assert_same(name: &str, a: (StepStats, Vec<f32>), b: (StepStats, Vec<f32>), layout: &ringtrain_model::ParamLayout) {
+fn assert_same(
+    name: &str,
+    a: (StepStats, Vec<f32>),
+    b: (StepStats, Vec<f32>),
+    layout: &ringtrain_model::ParamLayout,
+) {
     let (sa, ga) = a;
     let (sb, gb) = b;
     assert_eq!(sa.tokens, sb.tokens);
     let rel = (sa.loss_sum - sb.loss_sum).abs() / sa.loss_sum.abs();
-    assert!(rel < 1e-5, "{name}: loss {} vs {}", sa.loss_sum, sb.loss_sum);
+    assert!(
+        rel < 1e-5,
+        "{name}: loss {} vs {}",
+        sa.loss_sum,
+        sb.loss_sum
+    );
     for e in layout.entries() {
         let (ta, tb) = (&ga[e.range()], &gb[e.range()]);
         let scale = ta.iter().fold(0.0f32, |m, x| m.max(x.abs()));
@@ -29,11 +39,24 @@ fn assert_same(name: &str, a: (StepStats, Vec<f32>), b: (StepStats, Vec<f32>), l
     }
 }
 
-fn nmt_run(encoder: EncoderKind, lstm: LstmImpl, threads: usize) -> (StepStats, Vec<f32>, ringtrain_model::ParamLayout) {
-    let config = ringtrain_model::NmtConfig { hidden: 16, emb: 12, src_vocab: 20, tgt_vocab: 24, init_scale: 0.3, ..toy::tiny_nmt(encoder, 4, lstm) };
+fn nmt_run(
+    encoder: EncoderKind,
+    lstm: LstmImpl,
+    threads: usize,
+) -> (StepStats, Vec<f32>, ringtrain_model::ParamLayout) {
+    let config = ringtrain_model::NmtConfig {
+        hidden: 16,
+        emb: 12,
+        src_vocab: 20,
+        tgt_vocab: 24,
+        init_scale: 0.3,
+        ..toy::tiny_nmt(encoder, 4, lstm)
+    };
     let data = toy::NmtData::random(&config, 5, 6, 7, 21);
     let mut model = NmtModel::new(toy::cpu(threads), config, 3).expect("model");
-    let stats = model.forward_backward(&data.view(), &mut |_, _| {}).expect("step");
+    let stats = model
+        .forward_backward(&data.view(), &mut |_, _| {})
+        .expect("step");
     (stats, model.grads().clone(), model.layout().clone())
 }
 
@@ -54,10 +77,18 @@ fn nmt_uni_fused_equals_stepwise() {
 #[test]
 fn rnnlm_fused_equals_stepwise() {
     let run = |lstm| {
-        let config = ringtrain_model::LmConfig { hidden: 16, emb: 12, vocab: 30, init_scale: 0.3, ..toy::tiny_lm(3, lstm) };
+        let config = ringtrain_model::LmConfig {
+            hidden: 16,
+            emb: 12,
+            vocab: 30,
+            init_scale: 0.3,
+            ..toy::tiny_lm(3, lstm)
+        };
         let data = toy::LmData::random(&config, 4, 9, 22);
         let mut model = RnnLm::new(toy::cpu(1), config, 4).expect("model");
-        let stats = model.forward_backward(&data.view(), &mut |_, _| {}).expect("step");
+        let stats = model
+            .forward_backward(&data.view(), &mut |_, _| {})
+            .expect("step");
         (stats, model.grads().clone(), model.layout().clone())
     };
     let (sf, gf, layout) = run(LstmImpl::Fused);

@@ -22,7 +22,9 @@ fn check_model<M>(model: &mut M, batch: &M::Batch<'_>, samples: usize, seed: u64
 where
     M: Model<Backend = ringtrain_model::CpuBackend>,
 {
-    let stats = model.forward_backward(batch, &mut |_, _| {}).expect("forward_backward");
+    let stats = model
+        .forward_backward(batch, &mut |_, _| {})
+        .expect("forward_backward");
     assert!(stats.loss_sum.is_finite() && stats.loss_sum > 0.0);
     let analytic = model.grads().clone();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -72,7 +74,10 @@ fn nmt_bi_encoder_gradients_match_finite_differences() {
     let data = toy::NmtData::random(&config, 3, 4, 3, 11);
     let mut model = NmtModel::new(toy::cpu(1), config, 5).expect("model");
     let significant = check_model(&mut model, &data.view(), 6, 1);
-    assert!(significant > 40, "only {significant} sampled gradients were non-negligible");
+    assert!(
+        significant > 40,
+        "only {significant} sampled gradients were non-negligible"
+    );
 }
 
 #[test]
@@ -81,7 +86,10 @@ fn nmt_uni_encoder_gradients_match_finite_differences() {
     let data = toy::NmtData::random(&config, 3, 4, 3, 12);
     let mut model = NmtModel::new(toy::cpu(1), config, 6).expect("model");
     let significant = check_model(&mut model, &data.view(), 6, 2);
-    assert!(significant > 20, "only {significant} sampled gradients were non-negligible");
+    assert!(
+        significant > 20,
+        "only {significant} sampled gradients were non-negligible"
+    );
 }
 
 #[test]
@@ -90,7 +98,10 @@ fn nmt_stepwise_gradients_match_finite_differences() {
     let data = toy::NmtData::random(&config, 2, 3, 3, 13);
     let mut model = NmtModel::new(toy::cpu(1), config, 7).expect("model");
     let significant = check_model(&mut model, &data.view(), 6, 3);
-    assert!(significant > 20, "only {significant} sampled gradients were non-negligible");
+    assert!(
+        significant > 20,
+        "only {significant} sampled gradients were non-negligible"
+    );
 }
 
 #[test]
@@ -99,5 +110,8 @@ fn rnnlm_gradients_match_finite_differences() {
     let data = toy::LmData::random(&config, 3, 5, 14);
     let mut model = RnnLm::new(toy::cpu(1), config, 8).expect("model");
     let significant = check_model(&mut model, &data.view(), 6, 4);
-    assert!(significant > 20, "only {significant} sampled gradients were non-negligible");
+    assert!(
+        significant > 20,
+        "only {significant} sampled gradients were non-negligible"
+    );
 }

@@ -1,15 +1,18 @@
 //! Launch counts per batch equal the counts derived below, and fused < stepwise.
 //!
-//! Per LSTM layer of T steps (fused): forward = input GEMM + 2 initial-state writes +
-//! T x (recurrent GEMM + pointwise); backward = (T-1) recurrent GEMMs + T pointwise
-//! + [dh0 GEMM] + dW_ih, dW_hh, db + dX.
-//! Stepwise per step forward: 4 input GEMMs + 4 recurrent GEMMs + 4 bias adds +
-//! 4 activations + 5 cell ops = 21; backward: 4 recurrent GEMMs (not at the first
-//! processed step) + 12 element-wise + 12 weight-gradient ops + 4 dX GEMMs, then [4 dh0 GEMMs].
-//! Around the layers: 1 gather per embedding, projection GEMM + softmax + loss sum;
-//! backward softmax + dW_proj + dH, 1 zero-fill of dc per decoder/LM layer, per encoder
-//! layer a dh set-up (top: fill + copy of the decoder's dh0; below: 1 add) and a copy of
-//! the decoder's dc0, and fill + scatter-add per embedding.
+//! Fused LSTM layer of T steps. Forward: input GEMM, 2 initial-state writes, and per step
+//! a recurrent GEMM and a pointwise kernel. Backward: T-1 recurrent GEMMs, T pointwise
+//! kernels, the dh0 GEMM when the initial state is trainable, dW_ih, dW_hh, db and dX.
+//!
+//! Stepwise layer. Forward per step: 4 input GEMMs, 4 recurrent GEMMs, 4 bias adds,
+//! 4 activations and 5 cell operations (21). Backward per step: 4 recurrent GEMMs (not at
+//! the first processed step), 12 element-wise operations, 12 weight-gradient operations
+//! and 4 dX GEMMs; then 4 dh0 GEMMs when needed.
+//!
+//! Around the layers. Forward: 1 gather per embedding; projection GEMM, softmax and loss
+//! sum. Backward: softmax, dW_proj and dH; 1 zero-fill of dc per decoder or LM layer; per
+//! encoder layer a dh set-up (top: fill and copy of the decoder's dh0; below: 1 add) and a
+//! copy of the decoder's dc0; fill and scatter-add per embedding.
 
 mod toy;
 
@@ -37,17 +40,25 @@ fn nmt_expected(c: &NmtConfig, ts: u64, tt: u64) -> u64 {
     };
     let forward = 2 + l * layer_forward(c.lstm, ts) + l * layer_forward(c.lstm, tt) + 3;
     let decoder_backward = l * (1 + layer_backward(c.lstm, tt, true));
-    let encoder_backward =
-        l * (1 + layer_backward(c.lstm, ts, false)) + tops * 2 + (l - tops);
+    let encoder_backward = l * (1 + layer_backward(c.lstm, ts, false)) + tops * 2 + (l - tops);
     forward + 3 + decoder_backward + 2 + encoder_backward + 2
 }
 
 fn nmt_measured(c: NmtConfig, ts: usize, tt: usize) -> u64 {
     let data = toy::NmtData::random(&c, 3, ts, tt, 1);
     let mut model = NmtModel::new(toy::cpu(1), c, 1).expect("model");
-    let first = model.forward_backward(&data.view(), &mut |_, _| {}).expect("step").launches;
-    let second = model.forward_backward(&data.view(), &mut |_, _| {}).expect("step").launches;
-    assert_eq!(first, second, "launch count must not depend on workspace allocation");
+    let first = model
+        .forward_backward(&data.view(), &mut |_, _| {})
+        .expect("step")
+        .launches;
+    let second = model
+        .forward_backward(&data.view(), &mut |_, _| {})
+        .expect("step")
+        .launches;
+    assert_eq!(
+        first, second,
+        "launch count must not depend on workspace allocation"
+    );
     first
 }
 
@@ -58,7 +69,10 @@ fn nmt_launch_counts_match_formula() {
             let (ts, tt) = (5, 4);
             let fused = toy::tiny_nmt(encoder, layers, LstmImpl::Fused);
             let stepwise = toy::tiny_nmt(encoder, layers, LstmImpl::Stepwise);
-            let (ef, es) = (nmt_expected(&fused, ts as u64, tt as u64), nmt_expected(&stepwise, ts as u64, tt as u64));
+            let (ef, es) = (
+                nmt_expected(&fused, ts as u64, tt as u64),
+                nmt_expected(&stepwise, ts as u64, tt as u64),
+            );
             let (mf, ms) = (nmt_measured(fused, ts, tt), nmt_measured(stepwise, ts, tt));
             assert_eq!(mf, ef, "fused {encoder:?} {layers} layers");
             assert_eq!(ms, es, "stepwise {encoder:?} {layers} layers");
@@ -71,8 +85,17 @@ fn nmt_launch_counts_match_formula() {
 fn benchmark_config_launch_counts() {
     // The CPU benchmark shape (length 30 both sides); counted on a tiny model of the
     // same structure, since counts do not depend on widths or batch.
-    let fused = NmtConfig { src_vocab: 7, tgt_vocab: 6, emb: 4, hidden: 4, ..NmtConfig::benchmark() };
-    let stepwise = NmtConfig { lstm: LstmImpl::Stepwise, ..fused.clone() };
+    let fused = NmtConfig {
+        src_vocab: 7,
+        tgt_vocab: 6,
+        emb: 4,
+        hidden: 4,
+        ..NmtConfig::benchmark()
+    };
+    let stepwise = NmtConfig {
+        lstm: LstmImpl::Stepwise,
+        ..fused.clone()
+    };
     assert_eq!(nmt_expected(&fused, 30, 30), 526);
     assert_eq!(nmt_expected(&stepwise, 30, 30), 6380);
     assert_eq!(nmt_measured(fused, 30, 30), 526);
@@ -86,10 +109,18 @@ fn rnnlm_launch_counts_match_formula() {
         let t = 6u64;
         let data = toy::LmData::random(&config, 2, t as usize, 3);
         let mut model = RnnLm::new(toy::cpu(1), config, 1).expect("model");
-        let measured = model.forward_backward(&data.view(), &mut |_, _| {}).expect("step").launches;
-        let expected = 1 + 3 * layer_forward(lstm, t) + 3 + 3 + 3 * (1 + layer_backward(lstm, t, false)) + 2;
+        let measured = model
+            .forward_backward(&data.view(), &mut |_, _| {})
+            .expect("step")
+            .launches;
+        let expected =
+            1 + 3 * layer_forward(lstm, t) + 3 + 3 + 3 * (1 + layer_backward(lstm, t, false)) + 2;
         assert_eq!(measured, expected, "{lstm:?}");
         let forward_only = model.forward_loss(&data.view()).expect("forward").launches;
-        assert_eq!(forward_only, 1 + 3 * layer_forward(lstm, t) + 3, "{lstm:?} forward");
+        assert_eq!(
+            forward_only,
+            1 + 3 * layer_forward(lstm, t) + 3,
+            "{lstm:?} forward"
+        );
     }
 }

@@ -25,7 +25,10 @@ fn names(layout: &ParamLayout) -> Vec<String> {
 }
 
 fn layer(prefix: &str) -> Vec<String> {
-    ["w_ih", "w_hh", "bias"].iter().map(|t| format!("{prefix}/{t}")).collect()
+    ["w_ih", "w_hh", "bias"]
+        .iter()
+        .map(|t| format!("{prefix}/{t}"))
+        .collect()
 }
 
 /// Ranges reported during backward: consecutive, ascending, exactly the tensors in order.
@@ -36,13 +39,21 @@ fn assert_ready_ranges(ready: &[Range<usize>], layout: &ParamLayout) {
     for r in ready {
         covered[r.clone()].iter_mut().for_each(|c| *c += 1);
     }
-    assert!(covered.iter().all(|&c| c == 1), "gradient buffer not covered exactly once");
+    assert!(
+        covered.iter().all(|&c| c == 1),
+        "gradient buffer not covered exactly once"
+    );
 }
 
 #[test]
 fn nmt_bi_layout_is_in_backward_order() {
     let config = toy::tiny_nmt(EncoderKind::Bi, 4, LstmImpl::Fused);
-    let (h, e, vs, vt) = (config.hidden, config.emb, config.src_vocab, config.tgt_vocab);
+    let (h, e, vs, vt) = (
+        config.hidden,
+        config.emb,
+        config.src_vocab,
+        config.tgt_vocab,
+    );
     let model = NmtModel::new(toy::cpu(1), config, 1).expect("model");
     let layout = model.layout();
     assert_unique_and_contiguous(layout);
@@ -75,7 +86,12 @@ fn nmt_bi_layout_is_in_backward_order() {
 
 #[test]
 fn nmt_uni_and_rnnlm_layouts() {
-    let model = NmtModel::new(toy::cpu(1), toy::tiny_nmt(EncoderKind::Uni, 2, LstmImpl::Fused), 1).expect("model");
+    let model = NmtModel::new(
+        toy::cpu(1),
+        toy::tiny_nmt(EncoderKind::Uni, 2, LstmImpl::Fused),
+        1,
+    )
+    .expect("model");
     assert_unique_and_contiguous(model.layout());
     let mut expected = vec!["proj/kernel".to_string()];
     expected.extend(layer("decoder/layer_1"));
@@ -115,7 +131,11 @@ fn grads_ready_ranges_cover_buffer_once_in_order() {
                 .expect("step");
             assert_ready_ranges(&ready, model.layout());
             for (r, snap) in ready.iter().zip(&snapshots) {
-                assert_eq!(&model.grads()[r.clone()], snap.as_slice(), "range {r:?} changed after it was reported ready");
+                assert_eq!(
+                    &model.grads()[r.clone()],
+                    snap.as_slice(),
+                    "range {r:?} changed after it was reported ready"
+                );
             }
             assert!(model.grads().iter().all(|g| g.is_finite()));
         }
@@ -124,7 +144,8 @@ fn grads_ready_ranges_cover_buffer_once_in_order() {
     let data = toy::LmData::random(&config, 2, 3, 9);
     let mut lm = RnnLm::new(toy::cpu(1), config, 2).expect("lm");
     let mut ready = Vec::new();
-    lm.forward_backward(&data.view(), &mut |r, _| ready.push(r)).expect("step");
+    lm.forward_backward(&data.view(), &mut |r, _| ready.push(r))
+        .expect("step");
     assert_ready_ranges(&ready, lm.layout());
 }
 
@@ -145,8 +166,16 @@ fn init_is_seeded_uniform_with_forget_bias() {
                 assert_eq!(x, want, "{}[{j}]", e.name);
             }
         } else {
-            assert!(v.iter().all(|x| x.abs() <= 0.5), "{} outside ±init_scale", e.name);
-            assert!(v.iter().any(|x| x.abs() > 0.1), "{} looks not initialised", e.name);
+            assert!(
+                v.iter().all(|x| x.abs() <= 0.5),
+                "{} outside ±init_scale",
+                e.name
+            );
+            assert!(
+                v.iter().any(|x| x.abs() > 0.1),
+                "{} looks not initialised",
+                e.name
+            );
         }
     }
 }

@@ -28,7 +28,9 @@ impl BatchSplit {
         let base = total / workers;
         let extra = total % workers;
         BatchSplit {
-            per_worker: (0..workers).map(|w| base + usize::from(w < extra)).collect(),
+            per_worker: (0..workers)
+                .map(|w| base + usize::from(w < extra))
+                .collect(),
         }
     }
 

@@ -116,7 +116,9 @@ impl Checkpoint {
             reason,
         };
         if bytes.len() < 8 || bytes[..8] != CHECKPOINT_MAGIC {
-            return Err(corrupt("it does not start with the ringtrain checkpoint magic number".into()));
+            return Err(corrupt(
+                "it does not start with the ringtrain checkpoint magic number".into(),
+            ));
         }
         if bytes.len() < 24 {
             return Err(corrupt(format!("it is truncated ({} bytes)", bytes.len())));
@@ -140,7 +142,9 @@ impl Checkpoint {
         let json_len = u64::from_le_bytes(len_bytes) as usize;
         let rest = &body[20..];
         if json_len > rest.len() {
-            return Err(corrupt(format!("header length {json_len} exceeds the file")));
+            return Err(corrupt(format!(
+                "header length {json_len} exceeds the file"
+            )));
         }
         let header: Header = serde_json::from_slice(&rest[..json_len])
             .map_err(|e| corrupt(format!("header is not valid: {e}")))?;
@@ -184,7 +188,8 @@ impl Checkpoint {
         let tmp = temp_path(path);
         {
             let mut f = fs::File::create(&tmp).map_err(io_err("creating checkpoint", &tmp))?;
-            f.write_all(&bytes).map_err(io_err("writing checkpoint", &tmp))?;
+            f.write_all(&bytes)
+                .map_err(io_err("writing checkpoint", &tmp))?;
             f.sync_all().map_err(io_err("syncing checkpoint", &tmp))?;
         }
         fs::rename(&tmp, path).map_err(io_err("renaming checkpoint into place", path))?;
@@ -206,12 +211,25 @@ impl Checkpoint {
 
     /// Checks that this checkpoint can continue a run with `config` and `param_count`
     /// parameters; the error names the first field that differs.
-    pub fn check_compatible(&self, config: &TrainConfig, param_count: usize, path: &Path) -> Result<()> {
+    pub fn check_compatible(
+        &self,
+        config: &TrainConfig,
+        param_count: usize,
+        path: &Path,
+    ) -> Result<()> {
         let a = &self.config;
         let fields: [(&str, String, String); 8] = [
             ("--model", config.model.to_string(), a.model.to_string()),
-            ("--encoder-type", config.encoder_type.to_string(), a.encoder_type.to_string()),
-            ("--direction", config.direction.to_string(), a.direction.to_string()),
+            (
+                "--encoder-type",
+                config.encoder_type.to_string(),
+                a.encoder_type.to_string(),
+            ),
+            (
+                "--direction",
+                config.direction.to_string(),
+                a.direction.to_string(),
+            ),
             (
                 "--num-encoder-layers",
                 config.num_encoder_layers.to_string(),
@@ -222,9 +240,21 @@ impl Checkpoint {
                 config.num_decoder_layers.to_string(),
                 a.num_decoder_layers.to_string(),
             ),
-            ("--num-units", config.num_units.to_string(), a.num_units.to_string()),
-            ("--optimizer", config.optimizer.to_string(), a.optimizer.to_string()),
-            ("parameter count", param_count.to_string(), self.params.len().to_string()),
+            (
+                "--num-units",
+                config.num_units.to_string(),
+                a.num_units.to_string(),
+            ),
+            (
+                "--optimizer",
+                config.optimizer.to_string(),
+                a.optimizer.to_string(),
+            ),
+            (
+                "parameter count",
+                param_count.to_string(),
+                self.params.len().to_string(),
+            ),
         ];
         for (field, expected, found) in fields {
             if expected != found {
@@ -242,7 +272,10 @@ impl Checkpoint {
 
 /// The temporary file a checkpoint is written to before the rename.
 pub fn temp_path(path: &Path) -> PathBuf {
-    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    let mut name = path
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
     name.push(".tmp");
     path.with_file_name(name)
 }
@@ -253,7 +286,10 @@ mod tests {
 
     fn sample() -> Checkpoint {
         Checkpoint {
-            config: TrainConfig { seed: 9, ..TrainConfig::default() },
+            config: TrainConfig {
+                seed: 9,
+                ..TrainConfig::default()
+            },
             step: 12,
             params: vec![1.5, -2.0, 3.25],
             optimizer: OptimizerState::Adam {
@@ -278,7 +314,10 @@ mod tests {
             let mut bad = bytes.clone();
             bad[i] ^= 0x40;
             let err = Checkpoint::from_bytes(&bad, &path).unwrap_err();
-            assert!(matches!(err, Error::CheckpointCorrupt { .. }), "byte {i}: {err}");
+            assert!(
+                matches!(err, Error::CheckpointCorrupt { .. }),
+                "byte {i}: {err}"
+            );
         }
         let err = Checkpoint::from_bytes(&bytes[..bytes.len() / 2], &path).unwrap_err();
         assert!(err.to_string().contains("corrupt"), "{err}");
@@ -287,14 +326,22 @@ mod tests {
     #[test]
     fn mismatch_names_the_field() {
         let ck = sample();
-        let cfg = TrainConfig { num_units: 99, seed: 9, ..TrainConfig::default() };
-        let err = ck.check_compatible(&cfg, 3, Path::new("x.ckpt")).unwrap_err().to_string();
+        let cfg = TrainConfig {
+            num_units: 99,
+            seed: 9,
+            ..TrainConfig::default()
+        };
+        let err = ck
+            .check_compatible(&cfg, 3, Path::new("x.ckpt"))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("--num-units") && err.contains("99"), "{err}");
         let err = ck
             .check_compatible(&ck.config, 4, Path::new("x.ckpt"))
             .unwrap_err()
             .to_string();
         assert!(err.contains("parameter count"), "{err}");
-        ck.check_compatible(&ck.config, 3, Path::new("x.ckpt")).unwrap();
+        ck.check_compatible(&ck.config, 3, Path::new("x.ckpt"))
+            .unwrap();
     }
 }

@@ -297,7 +297,11 @@ impl TrainConfig {
         positive("--timed-batches", self.timed_batches)?;
         if let Some(lr) = self.learning_rate {
             if !(lr.is_finite() && lr > 0.0) {
-                return Err(Error::invalid("--learning-rate", lr, "must be a positive finite number"));
+                return Err(Error::invalid(
+                    "--learning-rate",
+                    lr,
+                    "must be a positive finite number",
+                ));
             }
         }
         if !(self.max_gradient_norm.is_finite() && self.max_gradient_norm >= 0.0) {
@@ -315,7 +319,11 @@ impl TrainConfig {
             ));
         }
         if !(self.cycle_time_ms.is_finite() && self.cycle_time_ms >= 0.0) {
-            return Err(Error::invalid("--cycle-time-ms", self.cycle_time_ms, "must be >= 0"));
+            return Err(Error::invalid(
+                "--cycle-time-ms",
+                self.cycle_time_ms,
+                "must be >= 0",
+            ));
         }
         if self.resume && self.checkpoint.is_none() {
             return Err(Error::invalid(
@@ -336,7 +344,10 @@ impl TrainConfig {
 
     /// Checks values against the world size.
     pub fn validate_for_world(&self, world: usize) -> Result<()> {
-        if self.variable_update == VariableUpdate::ParameterServer && self.ps_ranks >= world && self.ps_ranks > 0 {
+        if self.variable_update == VariableUpdate::ParameterServer
+            && self.ps_ranks >= world
+            && self.ps_ranks > 0
+        {
             return Err(Error::invalid(
                 "--ps-ranks",
                 self.ps_ranks,
@@ -375,19 +386,31 @@ mod tests {
 
     #[test]
     fn enums_parse_aliases_and_reject_unknown_with_flag_name() {
-        assert_eq!("cudnn_lstm".parse::<EncoderType>().unwrap(), EncoderType::Fused);
-        assert_eq!("dynamic_rnn".parse::<EncoderType>().unwrap(), EncoderType::Stepwise);
+        assert_eq!(
+            "cudnn_lstm".parse::<EncoderType>().unwrap(),
+            EncoderType::Fused
+        );
+        assert_eq!(
+            "dynamic_rnn".parse::<EncoderType>().unwrap(),
+            EncoderType::Stepwise
+        );
         assert_eq!(
             "parameter-server".parse::<VariableUpdate>().unwrap(),
             VariableUpdate::ParameterServer
         );
         let err = "lstm9".parse::<ModelKind>().unwrap_err().to_string();
-        assert!(err.contains("--model") && err.contains("lstm9") && err.contains("rnnlm"), "{err}");
+        assert!(
+            err.contains("--model") && err.contains("lstm9") && err.contains("rnnlm"),
+            "{err}"
+        );
     }
 
     #[test]
     fn validate_names_the_flag_and_value() {
-        let cfg = TrainConfig { batch_size: 0, ..TrainConfig::default() };
+        let cfg = TrainConfig {
+            batch_size: 0,
+            ..TrainConfig::default()
+        };
         let err = cfg.validate().unwrap_err().to_string();
         assert!(err.contains("--batch-size") && err.contains('0'), "{err}");
         let cfg = TrainConfig {
@@ -395,20 +418,32 @@ mod tests {
             num_encoder_layers: 3,
             ..TrainConfig::default()
         };
-        assert!(cfg.validate().unwrap_err().to_string().contains("--num-encoder-layers"));
+        assert!(cfg
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--num-encoder-layers"));
         let cfg = TrainConfig {
             variable_update: VariableUpdate::ParameterServer,
             ps_ranks: 2,
             ..TrainConfig::default()
         };
-        assert!(cfg.validate_for_world(2).unwrap_err().to_string().contains("--ps-ranks"));
+        assert!(cfg
+            .validate_for_world(2)
+            .unwrap_err()
+            .to_string()
+            .contains("--ps-ranks"));
         assert!(cfg.validate_for_world(3).is_ok());
         assert_eq!(cfg.worker_count(3), 1);
     }
 
     #[test]
     fn config_round_trips_through_json() {
-        let cfg = TrainConfig { seed: 77, total_batch_size: Some(9), ..TrainConfig::default() };
+        let cfg = TrainConfig {
+            seed: 77,
+            total_batch_size: Some(9),
+            ..TrainConfig::default()
+        };
         let text = serde_json::to_string(&cfg).unwrap();
         let back: TrainConfig = serde_json::from_str(&text).unwrap();
         assert_eq!(back, cfg);

@@ -6,9 +6,17 @@
 //! communicator.
 
 /// Environment variables that carry the local rank, in the order they are tried.
-pub const LOCAL_RANK_VARS: [&str; 3] = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"];
+pub const LOCAL_RANK_VARS: [&str; 3] = [
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "SLURM_LOCALID",
+];
 /// Environment variables that carry the number of ranks on this node.
-pub const LOCAL_SIZE_VARS: [&str; 3] = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"];
+pub const LOCAL_SIZE_VARS: [&str; 3] = [
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "SLURM_NTASKS_PER_NODE",
+];
 
 /// Where a local rank came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,11 +80,22 @@ mod tests {
 
     #[test]
     fn reads_each_launcher_in_order() {
-        let env: HashMap<&str, &str> = [("SLURM_LOCALID", "3"), ("MPI_LOCALRANKID", "1"), ("MPI_LOCALNRANKS", "4")]
-            .into_iter()
-            .collect();
+        let env: HashMap<&str, &str> = [
+            ("SLURM_LOCALID", "3"),
+            ("MPI_LOCALRANKID", "1"),
+            ("MPI_LOCALNRANKS", "4"),
+        ]
+        .into_iter()
+        .collect();
         let lr = local_rank_from(|k| env.get(k).map(|s| s.to_string())).unwrap();
-        assert_eq!(lr, LocalRank { rank: 1, size: 4, source: LocalRankSource::Env("MPI_LOCALRANKID") });
+        assert_eq!(
+            lr,
+            LocalRank {
+                rank: 1,
+                size: 4,
+                source: LocalRankSource::Env("MPI_LOCALRANKID")
+            }
+        );
         let env: HashMap<&str, &str> = [("SLURM_LOCALID", "2")].into_iter().collect();
         let lr = local_rank_from(|k| env.get(k).map(|s| s.to_string())).unwrap();
         assert_eq!((lr.rank, lr.size), (2, 3));

@@ -27,7 +27,9 @@ pub enum Error {
         source: std::io::Error,
     },
     /// A checkpoint file is damaged or not a ringtrain checkpoint.
-    #[error("checkpoint `{path}` is corrupt: {reason}; delete it or point --checkpoint at a good file")]
+    #[error(
+        "checkpoint `{path}` is corrupt: {reason}; delete it or point --checkpoint at a good file"
+    )]
     CheckpointCorrupt {
         /// The file concerned.
         path: PathBuf,

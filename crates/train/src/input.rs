@@ -4,8 +4,9 @@
 use std::sync::Arc;
 
 use ringtrain_data::{
-    BatchSizing, LengthLimits, LmBatcher, LmCorpus, NmtBatcher, NmtBatcherConfig, OverLimit, ParallelCorpus,
-    Prefetcher, SyntheticLm, SyntheticLmConfig, SyntheticNmt, SyntheticNmtConfig, Vocab,
+    BatchSizing, LengthLimits, LmBatcher, LmCorpus, NmtBatcher, NmtBatcherConfig, OverLimit,
+    ParallelCorpus, Prefetcher, SyntheticLm, SyntheticLmConfig, SyntheticNmt, SyntheticNmtConfig,
+    Vocab,
 };
 
 use crate::config::{ModelKind, TrainConfig};
@@ -32,7 +33,10 @@ fn sizing(cfg: &TrainConfig) -> BatchSizing {
     }
 }
 
-fn required<'a>(path: &'a Option<std::path::PathBuf>, what: &'static str) -> Result<&'a std::path::Path> {
+fn required<'a>(
+    path: &'a Option<std::path::PathBuf>,
+    what: &'static str,
+) -> Result<&'a std::path::Path> {
     path.as_deref().ok_or_else(|| {
         Error::invalid(
             "--data",
@@ -128,7 +132,13 @@ impl InputPipeline {
                     }
                     None => LmCorpus::load_building_vocab(text)?,
                 };
-                let batcher = LmBatcher::new(Arc::new(corpus), sizing(cfg), cfg.src_max_len, worker, workers)?;
+                let batcher = LmBatcher::new(
+                    Arc::new(corpus),
+                    sizing(cfg),
+                    cfg.src_max_len,
+                    worker,
+                    workers,
+                )?;
                 let source = batcher.stream().map(|b| Ok(Batch::Lm(b)));
                 Ok(InputPipeline {
                     batches: Prefetcher::spawn(source, PREFETCH_DEPTH)?,

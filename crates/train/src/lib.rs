@@ -46,16 +46,17 @@ pub mod trainer;
 pub use batch_split::BatchSplit;
 pub use checkpoint::{Checkpoint, CHECKPOINT_MAGIC, CHECKPOINT_VERSION};
 pub use config::{
-    DataPaths, DeviceKind, Direction, EncoderType, ModelKind, OptimizerKind, TrainConfig, VariableUpdate,
+    DataPaths, DeviceKind, Direction, EncoderType, ModelKind, OptimizerKind, TrainConfig,
+    VariableUpdate,
 };
 pub use device::{local_rank_from_env, LocalRank, LocalRankSource};
 pub use error::{Error, Result};
 pub use input::InputPipeline;
+pub use model_adapter::{build_model, ModelAdapter};
 pub use optimizer::{LossScaler, Optimizer, OptimizerState};
 pub use report::{RankFigures, RunReport};
+pub use run::run_rank;
 pub use strategy::{greedy_placement, StepOutcome, StepStats, Strategy};
 pub use throughput::{RateStats, StepBreakdown, ThroughputMeter, ThroughputSummary};
 pub use trainable::{Batch, ParamSpec, PassOutput, TrainableModel};
-pub use model_adapter::{build_model, ModelAdapter};
-pub use run::run_rank;
 pub use trainer::{train, TrainOutcome};

@@ -4,7 +4,8 @@ use std::ops::Range;
 use std::time::Instant;
 
 use ringtrain_model::{
-    Backend, CpuBackend, CudaBackend, EncoderKind, LmConfig, LstmImpl, Model, NmtConfig, NmtModel, RnnLm,
+    Backend, CpuBackend, CudaBackend, EncoderKind, LmConfig, LstmImpl, Model, NmtConfig, NmtModel,
+    RnnLm,
 };
 
 use crate::config::{DeviceKind, Direction, EncoderType, ModelKind, TrainConfig};
@@ -53,7 +54,9 @@ impl<M: Model> ModelAdapter<M> {
 /// Runs one pass, forwarding ready ranges as slices and timing forward (until the first
 /// gradient range is final) and backward (the rest).
 fn timed_pass(
-    run: impl FnOnce(&mut dyn FnMut(Range<usize>, &Vec<f32>)) -> ringtrain_model::Result<ringtrain_model::StepStats>,
+    run: impl FnOnce(
+        &mut dyn FnMut(Range<usize>, &Vec<f32>),
+    ) -> ringtrain_model::Result<ringtrain_model::StepStats>,
     on_ready: &mut ReadyCallback<'_>,
 ) -> Result<PassOutput> {
     let start = Instant::now();
@@ -107,7 +110,11 @@ where
         let (p, g) = self.model.params_and_grads_mut();
         (p, g)
     }
-    fn forward_backward(&mut self, batch: &Batch, on_ready: &mut ReadyCallback<'_>) -> Result<PassOutput> {
+    fn forward_backward(
+        &mut self,
+        batch: &Batch,
+        on_ready: &mut ReadyCallback<'_>,
+    ) -> Result<PassOutput> {
         let Batch::Nmt(b) = batch else {
             return Err(wrong_batch("nmt"));
         };
@@ -150,7 +157,11 @@ where
         let (p, g) = self.model.params_and_grads_mut();
         (p, g)
     }
-    fn forward_backward(&mut self, batch: &Batch, on_ready: &mut ReadyCallback<'_>) -> Result<PassOutput> {
+    fn forward_backward(
+        &mut self,
+        batch: &Batch,
+        on_ready: &mut ReadyCallback<'_>,
+    ) -> Result<PassOutput> {
         let Batch::Lm(b) = batch else {
             return Err(wrong_batch("rnnlm"));
         };
@@ -204,7 +215,10 @@ pub fn build_model(
             return Err(Error::invalid(
                 "--device",
                 "cuda",
-                format!("GPU {} has no training binding in this version; use --device cpu", gpu.device()),
+                format!(
+                    "GPU {} has no training binding in this version; use --device cpu",
+                    gpu.device()
+                ),
             ));
         }
     };
@@ -237,7 +251,13 @@ pub fn build_model(
             };
             let description = format!(
                 "nmt {} {} {}+{} layers, {} units, vocab {}/{}",
-                cfg.encoder_type, cfg.direction, config.layers, config.layers, config.hidden, src_vocab, tgt_vocab
+                cfg.encoder_type,
+                cfg.direction,
+                config.layers,
+                config.layers,
+                config.hidden,
+                src_vocab,
+                tgt_vocab
             );
             let model = NmtModel::new(backend, config, seed)?;
             Ok(Box::new(ModelAdapter::wrap(model, description)))
@@ -275,11 +295,26 @@ mod tests {
 
     #[test]
     fn cuda_without_the_feature_says_so_and_layer_mismatch_names_the_flag() {
-        let cfg = TrainConfig { device: DeviceKind::Cuda, ..TrainConfig::default() };
-        let err = build_model(&cfg, 50, 50, 0, 1).err().map(|e| e.to_string()).unwrap_or_default();
+        let cfg = TrainConfig {
+            device: DeviceKind::Cuda,
+            ..TrainConfig::default()
+        };
+        let err = build_model(&cfg, 50, 50, 0, 1)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(err.contains("cuda"), "{err}");
-        let cfg = TrainConfig { num_decoder_layers: 3, ..TrainConfig::default() };
-        let err = build_model(&cfg, 50, 50, 0, 1).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(err.contains("--num-decoder-layers") && err.contains('3'), "{err}");
+        let cfg = TrainConfig {
+            num_decoder_layers: 3,
+            ..TrainConfig::default()
+        };
+        let err = build_model(&cfg, 50, 50, 0, 1)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("--num-decoder-layers") && err.contains('3'),
+            "{err}"
+        );
     }
 }

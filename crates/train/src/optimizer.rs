@@ -51,7 +51,12 @@ impl Optimizer {
                 step: 0,
             },
         };
-        Optimizer { kind, lr, len, state }
+        Optimizer {
+            kind,
+            lr,
+            len,
+            state,
+        }
     }
 
     /// Which optimizer this is.
@@ -109,7 +114,12 @@ impl Optimizer {
     }
 
     /// Updates `params[range]` from `grads` (both slices cover exactly `range`).
-    pub fn apply_range(&mut self, range: Range<usize>, params: &mut [f32], grads: &[f32]) -> Result<()> {
+    pub fn apply_range(
+        &mut self,
+        range: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+    ) -> Result<()> {
         if range.end > self.len || params.len() != range.len() || grads.len() != range.len() {
             return Err(Error::RankMismatch(format!(
                 "optimizer range {range:?} with {} params / {} grads does not fit {} elements",
@@ -195,7 +205,10 @@ mod tests {
 
     #[test]
     fn loss_scaler_halves_on_overflow_and_doubles_after_interval() {
-        let mut s = LossScaler { growth_interval: 3, ..LossScaler::default() };
+        let mut s = LossScaler {
+            growth_interval: 3,
+            ..LossScaler::default()
+        };
         assert!(s.update(true));
         assert_eq!(s.scale, 32768.0);
         assert!(!s.update(false));
@@ -217,7 +230,8 @@ mod tests {
             let mut b = Optimizer::new(kind, 0.01, 10);
             b.begin_step();
             b.apply_range(0..4, &mut parts[0..4], &grads[0..4]).unwrap();
-            b.apply_range(4..10, &mut parts[4..10], &grads[4..10]).unwrap();
+            b.apply_range(4..10, &mut parts[4..10], &grads[4..10])
+                .unwrap();
             assert_eq!(whole, parts);
             assert_ne!(whole, vec![1.0f32; 10]);
         }

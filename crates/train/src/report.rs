@@ -104,7 +104,12 @@ impl RunReport {
 
     /// Batch size per worker as the seeds' tables show it (a range when uneven).
     pub fn batch_size_label(&self) -> String {
-        let sizes: Vec<usize> = self.per_rank.iter().map(|r| r.batch_size).filter(|&b| b > 0).collect();
+        let sizes: Vec<usize> = self
+            .per_rank
+            .iter()
+            .map(|r| r.batch_size)
+            .filter(|&b| b > 0)
+            .collect();
         match (sizes.iter().min(), sizes.iter().max()) {
             (Some(a), Some(b)) if a == b => a.to_string(),
             (Some(a), Some(b)) => format!("{a}-{b}"),

@@ -23,23 +23,28 @@ pub fn run_rank(
     let threads = cpu_threads(cfg.threads, local_size);
     // The optimizer and casts use rayon's global pool; the model has its own.
     // An already-initialised pool (a second run in one process) is fine to keep.
-    let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global();
     let workers = cfg.worker_count(comm.size());
     let rank = comm.rank();
     let is_worker = rank < workers;
-    let (mut batches, src_vocab, tgt_vocab): (Box<dyn Iterator<Item = ringtrain_data::Result<_>>>, _, _) =
-        if is_worker {
-            let input = InputPipeline::new(cfg, rank, workers)?;
-            let (s, t) = (input.src_vocab_size, input.tgt_vocab_size);
-            (Box::new(input.batches), s, t)
-        } else {
-            // A dedicated parameter server reads no data but needs the vocabulary sizes:
-            // it builds the pipeline of worker 0 only to learn them.
-            let input = InputPipeline::new(cfg, 0, workers)?;
-            let (s, t) = (input.src_vocab_size, input.tgt_vocab_size);
-            drop(input);
-            (Box::new(std::iter::empty()), s, t)
-        };
+    let (mut batches, src_vocab, tgt_vocab): (
+        Box<dyn Iterator<Item = ringtrain_data::Result<_>>>,
+        _,
+        _,
+    ) = if is_worker {
+        let input = InputPipeline::new(cfg, rank, workers)?;
+        let (s, t) = (input.src_vocab_size, input.tgt_vocab_size);
+        (Box::new(input.batches), s, t)
+    } else {
+        // A dedicated parameter server reads no data but needs the vocabulary sizes:
+        // it builds the pipeline of worker 0 only to learn them.
+        let input = InputPipeline::new(cfg, 0, workers)?;
+        let (s, t) = (input.src_vocab_size, input.tgt_vocab_size);
+        drop(input);
+        (Box::new(std::iter::empty()), s, t)
+    };
     let mut model = build_model(cfg, src_vocab, tgt_vocab, local_rank, threads)?;
     let outcome = train(cfg, comm, model.as_mut(), &mut batches, log)?;
     if rank == 0 {

@@ -205,7 +205,11 @@ impl ThroughputMeter {
             timed_batches: self.timed.len(),
             timed_seconds,
             timed_words,
-            words_per_sec: if timed_seconds > 0.0 { timed_words / timed_seconds } else { 0.0 },
+            words_per_sec: if timed_seconds > 0.0 {
+                timed_words / timed_seconds
+            } else {
+                0.0
+            },
             per_step: self.current(),
             mean_breakdown: sum.scaled(1.0 / n),
             final_loss: self.timed.last().map_or(f64::NAN, |r| r.loss),
@@ -237,7 +241,10 @@ mod tests {
     #[test]
     fn warmup_is_excluded_and_rate_is_words_over_time() {
         let mut m = ThroughputMeter::new(2);
-        let b = StepBreakdown { forward: 0.1, ..Default::default() };
+        let b = StepBreakdown {
+            forward: 0.1,
+            ..Default::default()
+        };
         // warm-up steps are slow and must not count
         assert!(!m.record_step(1, Duration::from_secs(10), 5.0, 1.0, b));
         assert!(!m.record_step(2, Duration::from_secs(10), 5.0, 1.0, b));

@@ -113,7 +113,11 @@ pub trait TrainableModel: Send {
     /// Forward and backward on `batch`. Overwrites the gradient buffer with
     /// `∂(loss_sum)/∂θ` (the gradient of the summed token losses) and calls `on_ready`
     /// for disjoint ranges that together cover the buffer, each as soon as it is final.
-    fn forward_backward(&mut self, batch: &Batch, on_ready: &mut ReadyCallback<'_>) -> Result<PassOutput>;
+    fn forward_backward(
+        &mut self,
+        batch: &Batch,
+        on_ready: &mut ReadyCallback<'_>,
+    ) -> Result<PassOutput>;
     /// A short description for logs (`nmt fused uni 2+2 layers, 64 units, ...`).
     fn describe(&self) -> String;
 }

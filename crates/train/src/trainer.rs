@@ -218,7 +218,10 @@ pub fn train(
             local_timed_words += local.words;
             local_timed_launches += launches as f64;
         }
-        if rank == 0 && cfg.display_every > 0 && (i % cfg.display_every == 0 || i == cfg.total_steps()) {
+        if rank == 0
+            && cfg.display_every > 0
+            && (i % cfg.display_every == 0 || i == cfg.total_steps())
+        {
             let stats = if i > cfg.warmup_batches {
                 meter.current()
             } else {
@@ -229,7 +232,10 @@ pub fn train(
                 line.push_str("\t(warm-up)");
             }
             if outcome.skipped {
-                line.push_str(&format!("\t(f16 overflow: step skipped, loss scale now {})", scaler.map_or(0.0, |s| s.scale)));
+                line.push_str(&format!(
+                    "\t(f16 overflow: step skipped, loss scale now {})",
+                    scaler.map_or(0.0, |s| s.scale)
+                ));
             }
             log(&line);
         }
@@ -252,7 +258,11 @@ pub fn train(
     let b = summary.mean_breakdown;
     let timed_n = summary.timed_batches.max(1) as f64;
     slots[rank * SLOT..(rank + 1) * SLOT].copy_from_slice(&[
-        if is_worker { split.of(strategy.worker_index()) as f64 } else { 0.0 },
+        if is_worker {
+            split.of(strategy.worker_index()) as f64
+        } else {
+            0.0
+        },
         local_timed_words,
         summary.timed_seconds,
         b.data_wait,
@@ -308,7 +318,11 @@ pub fn train(
         timed_batches: summary.timed_batches,
         timed_seconds,
         timed_words,
-        words_per_sec: if timed_seconds > 0.0 { timed_words / timed_seconds } else { 0.0 },
+        words_per_sec: if timed_seconds > 0.0 {
+            timed_words / timed_seconds
+        } else {
+            0.0
+        },
         per_step_words_per_sec: summary.per_step,
         per_rank,
         breakdown: mean_breakdown,

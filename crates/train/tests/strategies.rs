@@ -6,7 +6,8 @@ use std::ops::Range;
 use ringtrain_collective::Communicator;
 use ringtrain_data::{SyntheticNmt, SyntheticNmtConfig};
 use ringtrain_train::{
-    train, Batch, BatchSplit, OptimizerKind, ParamSpec, PassOutput, TrainConfig, TrainableModel, VariableUpdate,
+    train, Batch, BatchSplit, OptimizerKind, ParamSpec, PassOutput, TrainConfig, TrainableModel,
+    VariableUpdate,
 };
 
 /// Token-level softmax regression: logits = emb[input] · proj + bias, label = target.
@@ -21,14 +22,23 @@ struct TokenRegression {
 impl TokenRegression {
     fn new(vocab: usize, dim: usize, seed: u64) -> Self {
         let n = vocab * dim * 2 + vocab;
-        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut state = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let params: Vec<f32> = (0..n)
             .map(|_| {
-                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.5
             })
             .collect();
-        TokenRegression { vocab, dim, grads: vec![0.0; params.len()], params }
+        TokenRegression {
+            vocab,
+            dim,
+            grads: vec![0.0; params.len()],
+            params,
+        }
     }
     fn emb(&self) -> Range<usize> {
         0..self.vocab * self.dim
@@ -44,9 +54,18 @@ impl TokenRegression {
 impl TrainableModel for TokenRegression {
     fn param_specs(&self) -> Vec<ParamSpec> {
         vec![
-            ParamSpec { name: "emb".into(), range: self.emb() },
-            ParamSpec { name: "proj".into(), range: self.proj() },
-            ParamSpec { name: "bias".into(), range: self.bias() },
+            ParamSpec {
+                name: "emb".into(),
+                range: self.emb(),
+            },
+            ParamSpec {
+                name: "proj".into(),
+                range: self.proj(),
+            },
+            ParamSpec {
+                name: "bias".into(),
+                range: self.bias(),
+            },
         ]
     }
     fn params(&self) -> &[f32] {
@@ -63,7 +82,9 @@ impl TrainableModel for TokenRegression {
         batch: &Batch,
         on_ready: &mut ringtrain_train::trainable::ReadyCallback<'_>,
     ) -> ringtrain_train::Result<PassOutput> {
-        let Batch::Nmt(b) = batch else { panic!("test model takes NMT batches") };
+        let Batch::Nmt(b) = batch else {
+            panic!("test model takes NMT batches")
+        };
         let (v, d) = (self.vocab, self.dim);
         let mut grads = std::mem::take(&mut self.grads);
         grads.fill(0.0);
@@ -80,7 +101,9 @@ impl TrainableModel for TokenRegression {
             let e = &self.params[emb.start + x * d..emb.start + (x + 1) * d];
             for (c, l) in logits.iter_mut().enumerate() {
                 *l = f64::from(self.params[bias.start + c])
-                    + (0..d).map(|k| f64::from(e[k]) * f64::from(self.params[proj.start + k * v + c])).sum::<f64>();
+                    + (0..d)
+                        .map(|k| f64::from(e[k]) * f64::from(self.params[proj.start + k * v + c]))
+                        .sum::<f64>();
             }
             let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let z: f64 = logits.iter().map(|l| (l - max).exp()).sum();
@@ -141,7 +164,11 @@ fn config(update: VariableUpdate, optimizer: OptimizerKind) -> TrainConfig {
     TrainConfig {
         variable_update: update,
         optimizer,
-        learning_rate: Some(if optimizer == OptimizerKind::Sgd { 0.5 } else { 0.01 }),
+        learning_rate: Some(if optimizer == OptimizerKind::Sgd {
+            0.5
+        } else {
+            0.01
+        }),
         max_gradient_norm: 0.0,
         warmup_batches: 1,
         timed_batches: STEPS - 1,
@@ -159,7 +186,12 @@ fn run(cfg: &TrainConfig, ranks: usize) -> Vec<Vec<f32>> {
         let rank = comm.rank();
         // Every rank starts from different values: the broadcast from rank 0 must fix that.
         let mut model = TokenRegression::new(VOCAB, 4, 7 + rank as u64);
-        let mut batches = if rank < workers { batches_for(&split, rank, 99) } else { Vec::new() }.into_iter();
+        let mut batches = if rank < workers {
+            batches_for(&split, rank, 99)
+        } else {
+            Vec::new()
+        }
+        .into_iter();
         let outcome = train(cfg, comm, &mut model, &mut batches, &mut |_| {}).unwrap();
         assert_eq!(outcome.report.steps, STEPS as u64);
         model.params().to_vec()
@@ -180,7 +212,11 @@ fn single(cfg: &TrainConfig, global_batch: usize) -> Vec<f32> {
 
 fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
     assert_eq!(a.len(), b.len());
-    let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
     assert!(worst <= tol, "{what}: max difference {worst} > {tol}");
 }
 
@@ -190,27 +226,54 @@ fn initial() -> Vec<f32> {
 
 #[test]
 fn replicated_overlapped_two_ranks_equal_one_rank_with_double_batch() {
-    let cfg = TrainConfig { batch_size: 4, ..config(VariableUpdate::Replicated, OptimizerKind::Sgd) };
+    let cfg = TrainConfig {
+        batch_size: 4,
+        ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
+    };
     let ranks = run(&cfg, 2);
     let reference = single(&cfg, 8);
     assert_close(&ranks[0], &ranks[1], 0.0, "replicas");
     assert_close(&ranks[0], &reference, 1e-5, "2x4 vs 1x8");
     // With global-norm clipping active the result must still match.
-    let clipped = TrainConfig { max_gradient_norm: 0.05, ..cfg.clone() };
+    let clipped = TrainConfig {
+        max_gradient_norm: 0.05,
+        ..cfg.clone()
+    };
     let ranks_clipped = run(&clipped, 2);
-    assert_close(&ranks_clipped[0], &single(&clipped, 8), 1e-5, "clipped 2x4 vs 1x8");
-    assert!(ranks_clipped[0].iter().zip(&ranks[0]).any(|(a, b)| (a - b).abs() > 1e-4));
+    assert_close(
+        &ranks_clipped[0],
+        &single(&clipped, 8),
+        1e-5,
+        "clipped 2x4 vs 1x8",
+    );
+    assert!(ranks_clipped[0]
+        .iter()
+        .zip(&ranks[0])
+        .any(|(a, b)| (a - b).abs() > 1e-4));
     // Training moved the parameters (the test would pass trivially otherwise).
-    assert!(reference.iter().zip(initial()).any(|(a, b)| (a - b).abs() > 1e-3));
+    assert!(reference
+        .iter()
+        .zip(initial())
+        .any(|(a, b)| (a - b).abs() > 1e-3));
 }
 
 #[test]
 fn replicated_packed_and_aggregated_equal_one_rank() {
-    let base = TrainConfig { batch_size: 3, ..config(VariableUpdate::Replicated, OptimizerKind::Sgd) };
+    let base = TrainConfig {
+        batch_size: 3,
+        ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
+    };
     let reference = single(&base, 9);
     for cfg in [
-        TrainConfig { gradient_repacking: 2, ..base.clone() },
-        TrainConfig { agg_small_grads_max_bytes: 1024, agg_small_grads_max_group: 2, ..base.clone() },
+        TrainConfig {
+            gradient_repacking: 2,
+            ..base.clone()
+        },
+        TrainConfig {
+            agg_small_grads_max_bytes: 1024,
+            agg_small_grads_max_group: 2,
+            ..base.clone()
+        },
     ] {
         let ranks = run(&cfg, 3);
         assert_close(&ranks[2], &reference, 1e-5, "packed 3x3 vs 1x9");
@@ -230,9 +293,15 @@ fn uneven_total_batch_is_weighted_by_examples() {
 
 #[test]
 fn parameter_server_equals_replicated() {
-    let repl = TrainConfig { batch_size: 4, ..config(VariableUpdate::Replicated, OptimizerKind::Adam) };
+    let repl = TrainConfig {
+        batch_size: 4,
+        ..config(VariableUpdate::Replicated, OptimizerKind::Adam)
+    };
     let reference = run(&repl, 2);
-    let ps = TrainConfig { variable_update: VariableUpdate::ParameterServer, ..repl.clone() };
+    let ps = TrainConfig {
+        variable_update: VariableUpdate::ParameterServer,
+        ..repl.clone()
+    };
     let shards = run(&ps, 2);
     assert_close(&shards[0], &shards[1], 0.0, "ps replicas");
     assert_close(&shards[0], &reference[0], 1e-5, "ps vs replicated");
@@ -240,19 +309,51 @@ fn parameter_server_equals_replicated() {
     let dedicated = TrainConfig { ps_ranks: 1, ..ps };
     let out = run(&dedicated, 3);
     assert_close(&out[2], &reference[0], 1e-5, "dedicated ps vs replicated");
-    assert_close(&out[0], &reference[0], 1e-5, "dedicated ps worker vs replicated");
+    assert_close(
+        &out[0],
+        &reference[0],
+        1e-5,
+        "dedicated ps worker vs replicated",
+    );
     // SGD without clipping: the averaging itself must be right.
-    let repl_sgd = TrainConfig { batch_size: 4, ..config(VariableUpdate::Replicated, OptimizerKind::Sgd) };
-    let ps_sgd = TrainConfig { variable_update: VariableUpdate::ParameterServer, max_gradient_norm: 0.05, ..repl_sgd.clone() };
-    let a = run(&TrainConfig { max_gradient_norm: 0.05, ..repl_sgd }, 2);
+    let repl_sgd = TrainConfig {
+        batch_size: 4,
+        ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
+    };
+    let ps_sgd = TrainConfig {
+        variable_update: VariableUpdate::ParameterServer,
+        max_gradient_norm: 0.05,
+        ..repl_sgd.clone()
+    };
+    let a = run(
+        &TrainConfig {
+            max_gradient_norm: 0.05,
+            ..repl_sgd
+        },
+        2,
+    );
     let b = run(&ps_sgd, 2);
     assert_close(&b[1], &a[0], 1e-5, "ps vs replicated, sgd with clipping");
-    assert_close(&run(&TrainConfig { max_gradient_norm: 0.0, ..ps_sgd }, 2)[0], &single(&config(VariableUpdate::Replicated, OptimizerKind::Sgd), 8), 1e-5, "ps 2x4 vs 1x8");
+    assert_close(
+        &run(
+            &TrainConfig {
+                max_gradient_norm: 0.0,
+                ..ps_sgd
+            },
+            2,
+        )[0],
+        &single(&config(VariableUpdate::Replicated, OptimizerKind::Sgd), 8),
+        1e-5,
+        "ps 2x4 vs 1x8",
+    );
 }
 
 #[test]
 fn independent_replicas_train_only_on_their_own_data() {
-    let cfg = TrainConfig { batch_size: 4, ..config(VariableUpdate::Independent, OptimizerKind::Sgd) };
+    let cfg = TrainConfig {
+        batch_size: 4,
+        ..config(VariableUpdate::Independent, OptimizerKind::Sgd)
+    };
     let ranks = run(&cfg, 2);
     // Rank 0's data is rows 0..4 of each global batch of 8.
     let split = BatchSplit::per_rank(4, 2);
@@ -263,8 +364,16 @@ fn independent_replicas_train_only_on_their_own_data() {
         model.params().to_vec()
     })
     .unwrap();
-    assert_close(&ranks[0], &own[0], 1e-6, "independent rank 0 vs its own data alone");
-    assert!(ranks[0].iter().zip(&ranks[1]).any(|(a, b)| (a - b).abs() > 1e-4));
+    assert_close(
+        &ranks[0],
+        &own[0],
+        1e-6,
+        "independent rank 0 vs its own data alone",
+    );
+    assert!(ranks[0]
+        .iter()
+        .zip(&ranks[1])
+        .any(|(a, b)| (a - b).abs() > 1e-4));
 }
 
 #[test]
@@ -275,7 +384,13 @@ fn fp16_gradients_track_f32_training() {
         ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
     };
     let ranks = run(&cfg, 2);
-    let reference = single(&TrainConfig { fp16_gradients: false, ..cfg.clone() }, 8);
+    let reference = single(
+        &TrainConfig {
+            fp16_gradients: false,
+            ..cfg.clone()
+        },
+        8,
+    );
     assert_close(&ranks[0], &ranks[1], 0.0, "fp16 replicas");
     assert_close(&ranks[0], &reference, 2e-3, "fp16 vs f32");
 }

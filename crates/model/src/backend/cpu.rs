@@ -32,7 +32,11 @@ impl std::fmt::Debug for CpuBackend {
 fn span(what: &'static str, offset: usize, len: usize, buf_len: usize) -> Result<Range<usize>> {
     match offset.checked_add(len) {
         Some(end) if end <= buf_len => Ok(offset..end),
-        _ => Err(Error::OutOfBounds { what, end: offset.saturating_add(len), len: buf_len }),
+        _ => Err(Error::OutOfBounds {
+            what,
+            end: offset.saturating_add(len),
+            len: buf_len,
+        }),
     }
 }
 
@@ -63,12 +67,19 @@ impl CpuBackend {
                 .num_threads(threads)
                 .thread_name(|i| format!("ringtrain-cpu-{i}"))
                 .build()
-                .map_err(|e| Error::ThreadPool { threads, reason: e.to_string() })?;
+                .map_err(|e| Error::ThreadPool {
+                    threads,
+                    reason: e.to_string(),
+                })?;
             Some(pool)
         } else {
             None
         };
-        Ok(CpuBackend { threads, pool, launches: AtomicU64::new(0) })
+        Ok(CpuBackend {
+            threads,
+            pool,
+            launches: AtomicU64::new(0),
+        })
     }
 
     /// Number of threads the backend computes with.
@@ -153,9 +164,24 @@ impl Backend for CpuBackend {
                 len: g.lda.min(g.ldb).min(g.ldc),
             });
         }
-        span("gemm A", g.a_offset, strided_extent(a_rows, a_cols, g.lda), a.len())?;
-        span("gemm B", g.b_offset, strided_extent(b_rows, b_cols, g.ldb), b.len())?;
-        span("gemm C", g.c_offset, strided_extent(g.m, g.n, g.ldc), c.len())?;
+        span(
+            "gemm A",
+            g.a_offset,
+            strided_extent(a_rows, a_cols, g.lda),
+            a.len(),
+        )?;
+        span(
+            "gemm B",
+            g.b_offset,
+            strided_extent(b_rows, b_cols, g.ldb),
+            b.len(),
+        )?;
+        span(
+            "gemm C",
+            g.c_offset,
+            strided_extent(g.m, g.n, g.ldc),
+            c.len(),
+        )?;
         self.launched();
         if g.m == 0 || g.n == 0 {
             return Ok(());
@@ -169,8 +195,16 @@ impl Backend for CpuBackend {
             }
             return Ok(());
         }
-        let (a_rs, a_cs) = if g.trans_a { (1, g.lda as isize) } else { (g.lda as isize, 1) };
-        let (b_rs, b_cs) = if g.trans_b { (1, g.ldb as isize) } else { (g.ldb as isize, 1) };
+        let (a_rs, a_cs) = if g.trans_a {
+            (1, g.lda as isize)
+        } else {
+            (g.lda as isize, 1)
+        };
+        let (b_rs, b_cs) = if g.trans_b {
+            (1, g.ldb as isize)
+        } else {
+            (g.ldb as isize, 1)
+        };
         let a_ptr = a[g.a_offset..].as_ptr();
         let b_ptr = b[g.b_offset..].as_ptr();
         let c_ptr = c[g.c_offset..].as_mut_ptr();
@@ -225,8 +259,18 @@ impl Backend for CpuBackend {
         dst: &mut Vec<f32>,
         dst_offset: usize,
     ) -> Result<()> {
-        let t = span("gather table", table_offset, table_rows * width, table.len())?;
-        let d = span("gather destination", dst_offset, ids.len() * width, dst.len())?;
+        let t = span(
+            "gather table",
+            table_offset,
+            table_rows * width,
+            table.len(),
+        )?;
+        let d = span(
+            "gather destination",
+            dst_offset,
+            ids.len() * width,
+            dst.len(),
+        )?;
         check_ids(ids, table_rows)?;
         self.launched();
         let table = &table[t];
@@ -248,7 +292,12 @@ impl Backend for CpuBackend {
         table_rows: usize,
     ) -> Result<()> {
         let s = span("scatter source", src_offset, ids.len() * width, src.len())?;
-        let t = span("scatter table", table_offset, table_rows * width, table.len())?;
+        let t = span(
+            "scatter table",
+            table_offset,
+            table_rows * width,
+            table.len(),
+        )?;
         check_ids(ids, table_rows)?;
         self.launched();
         let table = &mut table[t];
@@ -436,7 +485,9 @@ impl Backend for CpuBackend {
                     act, c_prev, c, dh, dc, dgates, dc_prev, batch, hidden,
                 )
             } else {
-                kernels::lstm_pointwise_backward(act, c_prev, c, dh, dc, dgates, dc_prev, batch, hidden)
+                kernels::lstm_pointwise_backward(
+                    act, c_prev, c, dh, dc, dgates, dc_prev, batch, hidden,
+                )
             }
         })?;
         Ok(())
@@ -501,7 +552,11 @@ impl Backend for CpuBackend {
 /// Every id below `rows`, else `OutOfBounds` naming the first bad one.
 fn check_ids(ids: &[u32], rows: usize) -> Result<()> {
     match ids.iter().find(|&&id| id as usize >= rows) {
-        Some(&id) => Err(Error::OutOfBounds { what: "embedding row id", end: id as usize + 1, len: rows }),
+        Some(&id) => Err(Error::OutOfBounds {
+            what: "embedding row id",
+            end: id as usize + 1,
+            len: rows,
+        }),
         None => Ok(()),
     }
 }
@@ -516,7 +571,11 @@ fn two_slots<'a>(
 ) -> Result<(&'a [f32], &'a mut [f32])> {
     let end = read.max(write).saturating_add(1).saturating_mul(len);
     if read == write || end > buf.len() {
-        return Err(Error::OutOfBounds { what, end, len: buf.len() });
+        return Err(Error::OutOfBounds {
+            what,
+            end,
+            len: buf.len(),
+        });
     }
     if read < write {
         let (lo, hi) = buf.split_at_mut(write * len);

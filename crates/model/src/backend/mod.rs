@@ -75,22 +75,40 @@ impl Gemm {
 
     /// `C[m,n] = A[m,k]·Bᵀ` with `B` stored dense `[n, k]`.
     pub fn nt(m: usize, n: usize, k: usize) -> Self {
-        Gemm { ldb: k, trans_b: true, ..Gemm::nn(m, n, k) }
+        Gemm {
+            ldb: k,
+            trans_b: true,
+            ..Gemm::nn(m, n, k)
+        }
     }
 
     /// `C[m,n] = Aᵀ·B[k,n]` with `A` stored dense `[k, m]`.
     pub fn tn(m: usize, n: usize, k: usize) -> Self {
-        Gemm { lda: m, trans_a: true, ..Gemm::nn(m, n, k) }
+        Gemm {
+            lda: m,
+            trans_a: true,
+            ..Gemm::nn(m, n, k)
+        }
     }
 
     /// Sets the three offsets.
     pub fn at(self, a_offset: usize, b_offset: usize, c_offset: usize) -> Self {
-        Gemm { a_offset, b_offset, c_offset, ..self }
+        Gemm {
+            a_offset,
+            b_offset,
+            c_offset,
+            ..self
+        }
     }
 
     /// Sets the three row strides.
     pub fn strides(self, lda: usize, ldb: usize, ldc: usize) -> Self {
-        Gemm { lda, ldb, ldc, ..self }
+        Gemm {
+            lda,
+            ldb,
+            ldc,
+            ..self
+        }
     }
 
     /// Sets `accumulate`.
@@ -185,7 +203,13 @@ pub trait Backend: Send {
         len: usize,
     ) -> Result<()>;
     /// The matrix product described by `spec` (see [`Gemm`]).
-    fn gemm(&self, a: &Self::Buffer, b: &Self::Buffer, c: &mut Self::Buffer, spec: &Gemm) -> Result<()>;
+    fn gemm(
+        &self,
+        a: &Self::Buffer,
+        b: &Self::Buffer,
+        c: &mut Self::Buffer,
+        spec: &Gemm,
+    ) -> Result<()>;
     /// Embedding lookup: row `r` of `dst` (at `dst_offset`, `width` wide) = row `ids[r]` of
     /// the `[table_rows, width]` table at `table_offset`.
     #[allow(clippy::too_many_arguments)]

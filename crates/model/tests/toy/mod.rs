@@ -3,9 +3,7 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use ringtrain_model::{
-    CpuBackend, EncoderKind, LmBatch, LmConfig, LstmImpl, NmtBatch, NmtConfig,
-};
+use ringtrain_model::{CpuBackend, EncoderKind, LmBatch, LmConfig, LstmImpl, NmtBatch, NmtConfig};
 
 /// Owned data behind an [`NmtBatch`].
 pub struct NmtData {
@@ -22,12 +20,26 @@ impl NmtData {
     /// Random ids; the last target step of sentence 0 is padding (mask 0).
     pub fn random(c: &NmtConfig, batch: usize, src_len: usize, tgt_len: usize, seed: u64) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let src = (0..src_len * batch).map(|_| rng.gen_range(0..c.src_vocab as u32)).collect();
-        let tgt_in = (0..tgt_len * batch).map(|_| rng.gen_range(0..c.tgt_vocab as u32)).collect();
-        let tgt_out = (0..tgt_len * batch).map(|_| rng.gen_range(0..c.tgt_vocab as u32)).collect();
+        let src = (0..src_len * batch)
+            .map(|_| rng.gen_range(0..c.src_vocab as u32))
+            .collect();
+        let tgt_in = (0..tgt_len * batch)
+            .map(|_| rng.gen_range(0..c.tgt_vocab as u32))
+            .collect();
+        let tgt_out = (0..tgt_len * batch)
+            .map(|_| rng.gen_range(0..c.tgt_vocab as u32))
+            .collect();
         let mut mask = vec![1.0f32; tgt_len * batch];
         mask[(tgt_len - 1) * batch] = 0.0;
-        NmtData { batch, src_len, tgt_len, src, tgt_in, tgt_out, mask }
+        NmtData {
+            batch,
+            src_len,
+            tgt_len,
+            src,
+            tgt_in,
+            tgt_out,
+            mask,
+        }
     }
 
     pub fn view(&self) -> NmtBatch<'_> {
@@ -55,15 +67,31 @@ pub struct LmData {
 impl LmData {
     pub fn random(c: &LmConfig, batch: usize, len: usize, seed: u64) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let inputs = (0..len * batch).map(|_| rng.gen_range(0..c.vocab as u32)).collect();
-        let targets = (0..len * batch).map(|_| rng.gen_range(0..c.vocab as u32)).collect();
+        let inputs = (0..len * batch)
+            .map(|_| rng.gen_range(0..c.vocab as u32))
+            .collect();
+        let targets = (0..len * batch)
+            .map(|_| rng.gen_range(0..c.vocab as u32))
+            .collect();
         let mut mask = vec![1.0f32; len * batch];
         mask[len * batch - 1] = 0.0;
-        LmData { batch, len, inputs, targets, mask }
+        LmData {
+            batch,
+            len,
+            inputs,
+            targets,
+            mask,
+        }
     }
 
     pub fn view(&self) -> LmBatch<'_> {
-        LmBatch { batch: self.batch, len: self.len, inputs: &self.inputs, targets: &self.targets, mask: &self.mask }
+        LmBatch {
+            batch: self.batch,
+            len: self.len,
+            inputs: &self.inputs,
+            targets: &self.targets,
+            mask: &self.mask,
+        }
     }
 }
 
@@ -84,7 +112,15 @@ pub fn tiny_nmt(encoder: EncoderKind, layers: usize, lstm: LstmImpl) -> NmtConfi
 
 /// A tiny RNNLM config.
 pub fn tiny_lm(layers: usize, lstm: LstmImpl) -> LmConfig {
-    LmConfig { vocab: 7, emb: 5, hidden: 4, layers, lstm, init_scale: 0.5, forget_bias: 1.0 }
+    LmConfig {
+        vocab: 7,
+        emb: 5,
+        hidden: 4,
+        layers,
+        lstm,
+        init_scale: 0.5,
+        forget_bias: 1.0,
+    }
 }
 
 pub fn cpu(threads: usize) -> CpuBackend {

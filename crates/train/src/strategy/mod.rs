@@ -47,7 +47,13 @@ impl StepStats {
     const LEN: usize = 5;
 
     fn to_array(self) -> [f64; Self::LEN] {
-        [self.loss_sum, self.target_tokens, self.words, self.examples, self.overflow]
+        [
+            self.loss_sum,
+            self.target_tokens,
+            self.words,
+            self.examples,
+            self.overflow,
+        ]
     }
 
     fn from_slice(v: &[f64]) -> Self {
@@ -114,13 +120,20 @@ pub enum Strategy {
 
 impl Strategy {
     /// Builds the strategy for `cfg`, after rank 0 has broadcast `params` to every rank.
-    pub fn new(cfg: &TrainConfig, mut comm: Communicator, specs: &[ParamSpec], params: &mut [f32]) -> Result<Self> {
+    pub fn new(
+        cfg: &TrainConfig,
+        mut comm: Communicator,
+        specs: &[ParamSpec],
+        params: &mut [f32],
+    ) -> Result<Self> {
         cfg.validate_for_world(comm.size())?;
         check_same_everywhere(&mut comm, "parameter count", params.len() as f64)?;
         comm.broadcast(params, 0)?;
         Ok(match cfg.variable_update {
             VariableUpdate::Replicated => Strategy::Replicated(Replicated::new(cfg, comm, specs)?),
-            VariableUpdate::ParameterServer => Strategy::ParameterServer(ParameterServer::new(cfg, comm, specs)?),
+            VariableUpdate::ParameterServer => {
+                Strategy::ParameterServer(ParameterServer::new(cfg, comm, specs)?)
+            }
             VariableUpdate::Independent => Strategy::Independent(Independent::new(comm)),
         })
     }

@@ -122,7 +122,12 @@ impl ParameterServer {
     }
 
     fn gather(&self, server: usize, flat: &[f32]) -> Vec<f32> {
-        let mut out = Vec::with_capacity(self.owned[server].iter().map(|&t| self.specs[t].range.len()).sum());
+        let mut out = Vec::with_capacity(
+            self.owned[server]
+                .iter()
+                .map(|&t| self.specs[t].range.len())
+                .sum(),
+        );
         for &t in &self.owned[server] {
             out.extend_from_slice(&flat[self.specs[t].range.clone()]);
         }
@@ -141,7 +146,11 @@ impl ParameterServer {
 
     /// Workers other than `owner` send `packed` to it; the owner receives from each in
     /// rank order and returns the sum. Every other rank returns `None`.
-    fn reduce_to_owner<T: ringtrain_collective::Element>(&mut self, owner: usize, mut packed: Vec<T>) -> Result<Option<Vec<T>>> {
+    fn reduce_to_owner<T: ringtrain_collective::Element>(
+        &mut self,
+        owner: usize,
+        mut packed: Vec<T>,
+    ) -> Result<Option<Vec<T>>> {
         let transport = self.comm.transport();
         if owner == self.rank {
             if !self.is_worker() {
@@ -180,7 +189,8 @@ impl ParameterServer {
             let packed = self.gather(s, grads);
             if self.fp16 {
                 let mut half = vec![f16::ZERO; packed.len()];
-                overflow_local |= ringtrain_kernels::par::f32_to_f16_scaled(&packed, wire_scale, &mut half)?;
+                overflow_local |=
+                    ringtrain_kernels::par::f32_to_f16_scaled(&packed, wire_scale, &mut half)?;
                 if let Some(sum) = self.reduce_to_owner(owner, half)? {
                     let mut out = vec![0.0f32; sum.len()];
                     ringtrain_kernels::par::f16_to_f32_unscaled(&sum, 1.0, &mut out)?;
@@ -201,7 +211,8 @@ impl ParameterServer {
         v[StepStats::LEN + 1] = f64::from(u8::from(owned_non_finite));
         self.comm.all_reduce(&mut v, &AllReduceOptions::sum())?;
         let stats = StepStats::from_slice(&v[..StepStats::LEN]);
-        let skipped = stats.overflow > 0.0 || v[StepStats::LEN + 1] > 0.0 || !v[StepStats::LEN].is_finite();
+        let skipped =
+            stats.overflow > 0.0 || v[StepStats::LEN + 1] > 0.0 || !v[StepStats::LEN].is_finite();
         let mut communication_seconds = comm_start.elapsed().as_secs_f64();
 
         let mut optimizer_seconds = 0.0;
@@ -209,7 +220,8 @@ impl ParameterServer {
         if !skipped {
             // 3. Owners average, clip and update their tensors.
             let opt_start = Instant::now();
-            let correction = correction_factor(if self.fp16 { wire_scale } else { 1.0 }, stats.examples);
+            let correction =
+                correction_factor(if self.fp16 { wire_scale } else { 1.0 }, stats.examples);
             grad_norm = v[StepStats::LEN].sqrt() * f64::from(correction.abs());
             let clip = if max_gradient_norm > 0.0 {
                 ringtrain_kernels::clip_factor(grad_norm, max_gradient_norm)
@@ -296,7 +308,10 @@ mod tests {
     #[test]
     fn greedy_placement_balances_bytes_in_model_order() {
         // 100 -> s0; 60 -> s1; 50 -> s1 (60 < 100); 40 -> s0 (100 < 110); 10 -> s1 (110 < 140)
-        assert_eq!(greedy_placement(&[100, 60, 50, 40, 10], 2), vec![0, 1, 1, 0, 1]);
+        assert_eq!(
+            greedy_placement(&[100, 60, 50, 40, 10], 2),
+            vec![0, 1, 1, 0, 1]
+        );
         assert_eq!(greedy_placement(&[5, 5, 5], 3), vec![0, 1, 2]);
         assert_eq!(greedy_placement(&[5, 5], 1), vec![0, 0]);
     }

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use half::f16;
 use ringtrain_collective::{
-    AllReduceOptions, Communicator, DType, FusionConfig, FusionEngine, GradientPacker, GradientSpec, Handle,
-    PackingConfig, ReduceOp, Tensor, TensorMut,
+    AllReduceOptions, Communicator, DType, FusionConfig, FusionEngine, GradientPacker,
+    GradientSpec, Handle, PackingConfig, ReduceOp, Tensor, TensorMut,
 };
 
 use super::{correction_factor, update_replica, StepInputs, StepOutcome, StepStats};
@@ -54,8 +54,14 @@ impl Replicated {
     pub fn new(cfg: &TrainConfig, comm: Communicator, specs: &[ParamSpec]) -> Result<Self> {
         let rank = comm.rank();
         let world = comm.size();
-        let packed = cfg.gradient_repacking > 0 || cfg.agg_small_grads_max_bytes > 0 || !cfg.overlap_backward;
-        let dtype = if cfg.fp16_gradients { DType::F16 } else { DType::F32 };
+        let packed = cfg.gradient_repacking > 0
+            || cfg.agg_small_grads_max_bytes > 0
+            || !cfg.overlap_backward;
+        let dtype = if cfg.fp16_gradients {
+            DType::F16
+        } else {
+            DType::F32
+        };
         let mode = if packed {
             let grad_specs = specs
                 .iter()
@@ -116,7 +122,9 @@ impl Replicated {
         self.fp16 = fp16;
         self.wire_scale = wire_scale;
         if let Mode::Overlapped {
-            pending, local_overflow, ..
+            pending,
+            local_overflow,
+            ..
         } = &mut self.mode
         {
             pending.clear();
@@ -142,7 +150,8 @@ impl Replicated {
         let name = format!("grad.{}", range.start);
         let tensor: Tensor = if self.fp16 {
             let mut half = vec![f16::ZERO; grads.len()];
-            *local_overflow |= ringtrain_kernels::par::f32_to_f16_scaled(grads, self.wire_scale, &mut half)?;
+            *local_overflow |=
+                ringtrain_kernels::par::f32_to_f16_scaled(grads, self.wire_scale, &mut half)?;
             half.into()
         } else {
             grads.to_vec().into()
@@ -177,7 +186,8 @@ impl Replicated {
                         grads.len()
                     )));
                 }
-                let stats_handle = engine.submit("step.stats", Tensor::from(local.to_array().to_vec()))?;
+                let stats_handle =
+                    engine.submit("step.stats", Tensor::from(local.to_array().to_vec()))?;
                 let (ranges, handles): (Vec<_>, Vec<_>) = pending.drain(..).unzip();
                 let mut reduced = engine.synchronize(handles)?;
                 let stats_vec = stats_handle.wait()?.into_vec::<f64>()?;
@@ -196,7 +206,8 @@ impl Replicated {
             Mode::Packed { comm, packer } => {
                 if fp16 {
                     let mut half = vec![f16::ZERO; grads.len()];
-                    let overflow = ringtrain_kernels::par::f32_to_f16_scaled(grads, wire_scale, &mut half)?;
+                    let overflow =
+                        ringtrain_kernels::par::f32_to_f16_scaled(grads, wire_scale, &mut half)?;
                     local.overflow = f64::from(u8::from(overflow));
                     {
                         let mut tensors = split_tensors(&mut half, &self.specs);

@@ -1,0 +1,212 @@
+//! Compares the two well-kept pure-Rust GEMM crates, `gemm` and `matrixmultiply`, at the
+//! shapes the ringtrain CPU backend multiplies during one NMT training step
+//! (batch 64, length 30, emb/hidden 256, vocab 8000), for the three layouts it uses:
+//! NN (forward), NT (gradient w.r.t. the input) and TN (weight gradient over all steps).
+//!
+//! Run: `cargo bench -p ringtrain --bench gemm_cpu`. Prints GFLOP/s of each crate with one
+//! and two threads and the ratio gemm / matrixmultiply.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+/// Which operand is stored transposed: C[m,n] = op(A)·op(B), all row-major.
+#[derive(Clone, Copy)]
+enum Layout {
+    /// A is [m,k], B is [k,n].
+    Nn,
+    /// A is [m,k], B is stored [n,k].
+    Nt,
+    /// A is stored [k,m], B is [k,n].
+    Tn,
+}
+
+impl Layout {
+    fn name(self) -> &'static str {
+        match self {
+            Layout::Nn => "NN",
+            Layout::Nt => "NT",
+            Layout::Tn => "TN",
+        }
+    }
+    /// (row stride, column stride) of op(A) and op(B) in their row-major storage.
+    fn strides(self, m: usize, n: usize, k: usize) -> ((isize, isize), (isize, isize)) {
+        let (m, n, k) = (m as isize, n as isize, k as isize);
+        match self {
+            Layout::Nn => ((k, 1), (n, 1)),
+            Layout::Nt => ((k, 1), (1, k)),
+            Layout::Tn => ((1, m), (n, 1)),
+        }
+    }
+}
+
+struct Shape {
+    what: &'static str,
+    m: usize,
+    n: usize,
+    k: usize,
+    layout: Layout,
+}
+
+fn gemm_crate(s: &Shape, a: &[f32], b: &[f32], c: &mut [f32], threads: usize) {
+    let ((ars, acs), (brs, bcs)) = s.layout.strides(s.m, s.n, s.k);
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: a, b and c hold m*k, k*n and m*n elements (checked by the caller), and the
+    // strides above address only elements inside them; c does not alias a or b.
+    unsafe {
+        gemm::gemm(
+            s.m,
+            s.n,
+            s.k,
+            c.as_mut_ptr(),
+            1,
+            s.n as isize,
+            false,
+            a.as_ptr(),
+            acs,
+            ars,
+            b.as_ptr(),
+            bcs,
+            brs,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
+fn matrixmultiply_rows(s: &Shape, row0: usize, rows: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
+    let ((ars, acs), (brs, bcs)) = s.layout.strides(s.m, s.n, s.k);
+    let a_off = row0 as isize * ars;
+    // SAFETY: rows row0..row0+rows of op(A) lie inside `a` (offset row0*ars plus strides
+    // within m*k elements); `c` is exactly those rows of C (rows*n elements) and does not
+    // alias a or b.
+    unsafe {
+        matrixmultiply::sgemm(
+            rows,
+            s.k,
+            s.n,
+            1.0,
+            a.as_ptr().offset(a_off),
+            ars,
+            acs,
+            b.as_ptr(),
+            brs,
+            bcs,
+            0.0,
+            c.as_mut_ptr(),
+            s.n as isize,
+            1,
+        );
+    }
+}
+
+fn matrixmultiply_crate(s: &Shape, a: &[f32], b: &[f32], c: &mut [f32], threads: usize) {
+    if threads <= 1 {
+        matrixmultiply_rows(s, 0, s.m, a, b, c);
+        return;
+    }
+    // Two threads: split C's rows in halves (what the CPU backend would do with rayon).
+    let half = s.m / 2;
+    let (c0, c1) = c.split_at_mut(half * s.n);
+    rayon::join(
+        || matrixmultiply_rows(s, 0, half, a, b, c0),
+        || matrixmultiply_rows(s, half, s.m - half, a, b, c1),
+    );
+}
+
+/// Median seconds per call over repeated runs filling about `budget`.
+fn time_it(budget: Duration, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut samples = Vec::new();
+    let start = Instant::now();
+    while start.elapsed() < budget || samples.len() < 5 {
+        let t = Instant::now();
+        f();
+        samples.push(t.elapsed().as_secs_f64());
+    }
+    samples.sort_by(|x, y| x.total_cmp(y));
+    samples[samples.len() / 2]
+}
+
+fn main() {
+    let (b, t, e, h, v) = (64usize, 30usize, 256usize, 256usize, 8000usize);
+    let rows = b * t;
+    let shapes = [
+        Shape { what: "input proj x*W_ih, all steps", m: rows, n: 4 * h, k: e, layout: Layout::Nn },
+        Shape { what: "input proj, emb 512", m: rows, n: 4 * h, k: 512, layout: Layout::Nn },
+        Shape { what: "recurrent h*W_hh, one step", m: b, n: 4 * h, k: h, layout: Layout::Nn },
+        Shape { what: "logits h*W_proj", m: rows, n: v, k: h, layout: Layout::Nn },
+        Shape { what: "dX = dGates*W_ih^T", m: rows, n: e, k: 4 * h, layout: Layout::Nt },
+        Shape { what: "dH = dLogits*W_proj^T", m: rows, n: h, k: v, layout: Layout::Nt },
+        Shape { what: "dW_ih = X^T*dGates", m: e, n: 4 * h, k: rows, layout: Layout::Tn },
+        Shape { what: "dW_proj = H^T*dLogits", m: h, n: v, k: rows, layout: Layout::Tn },
+    ];
+    let budget = Duration::from_millis(300);
+    let pool2 = rayon::ThreadPoolBuilder::new().num_threads(2).build();
+    let pool2 = match pool2 {
+        Ok(p) => p,
+        Err(err) => {
+            eprintln!("gemm_cpu: cannot start a 2-thread rayon pool: {err}");
+            std::process::exit(1);
+        }
+    };
+    println!("gemm_cpu: GFLOP/s (baseline = matrixmultiply 0.3, ours = gemm 0.19), ratio = gemm / matrixmultiply");
+    println!(
+        "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8} {:>8} {:>6} | {:>8} {:>8} {:>6}",
+        "product", "op", "M", "N", "K", "mm 1t", "gemm 1t", "ratio", "mm 2t", "gemm 2t", "ratio"
+    );
+    let mut sum_log_ratio = [0.0f64; 2];
+    for s in &shapes {
+        let a: Vec<f32> = (0..s.m * s.k).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
+        let bm: Vec<f32> = (0..s.k * s.n).map(|i| ((i % 89) as f32 - 44.0) * 0.01).collect();
+        let mut c1 = vec![0.0f32; s.m * s.n];
+        let mut c2 = vec![0.0f32; s.m * s.n];
+        // Both crates must agree before their speed means anything.
+        gemm_crate(s, &a, &bm, &mut c1, 1);
+        matrixmultiply_crate(s, &a, &bm, &mut c2, 1);
+        let max_diff = c1.iter().zip(&c2).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        if max_diff > 1e-2 {
+            eprintln!("gemm_cpu: {} results differ by {max_diff}", s.what);
+            std::process::exit(1);
+        }
+        let flop = 2.0 * (s.m * s.n * s.k) as f64;
+        let mut row = Vec::new();
+        for threads in [1usize, 2] {
+            let (tm, tg) = pool2.install(|| {
+                let tm = time_it(budget, || matrixmultiply_crate(s, black_box(&a), &bm, &mut c2, threads));
+                let tg = time_it(budget, || gemm_crate(s, black_box(&a), &bm, &mut c1, threads));
+                (tm, tg)
+            });
+            let (gm, gg) = (flop / tm * 1e-9, flop / tg * 1e-9);
+            sum_log_ratio[threads - 1] += (gg / gm).ln();
+            row.push((gm, gg));
+        }
+        println!(
+            "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8.1} {:>8.1} {:>6.2} | {:>8.1} {:>8.1} {:>6.2}",
+            s.what,
+            s.layout.name(),
+            s.m,
+            s.n,
+            s.k,
+            row[0].0,
+            row[0].1,
+            row[0].1 / row[0].0,
+            row[1].0,
+            row[1].1,
+            row[1].1 / row[1].0
+        );
+    }
+    let n = shapes.len() as f64;
+    println!(
+        "geometric mean ratio gemm / matrixmultiply: 1 thread {:.2}, 2 threads {:.2}",
+        (sum_log_ratio[0] / n).exp(),
+        (sum_log_ratio[1] / n).exp()
+    );
+}

@@ -1,0 +1,175 @@
+//! The `ringtrain` command's user errors: each names the flag and the value.
+
+use std::process::{Command, Output};
+
+fn ringtrain(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ringtrain"))
+        .args(args)
+        .env("RUST_LOG", "off")
+        .output()
+        .expect("the ringtrain binary runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+const TINY: &[&str] = &[
+    "--num-units",
+    "8",
+    "--vocab-size",
+    "50",
+    "--src-max-len",
+    "4",
+    "--warmup-batches",
+    "1",
+    "--timed-batches",
+    "2",
+    "--threads",
+    "1",
+];
+
+fn train(extra: &[&str]) -> Output {
+    let mut args = vec!["train"];
+    args.extend_from_slice(TINY);
+    args.extend_from_slice(extra);
+    ringtrain(&args)
+}
+
+#[test]
+fn bad_flag_values_name_the_flag_and_the_value() {
+    for (flag, value) in [
+        ("--model", "transformer"),
+        ("--variable-update", "allreduce9"),
+        ("--encoder-type", "gru"),
+        ("--direction", "sideways"),
+        ("--optimizer", "lamb"),
+        ("--device", "tpu"),
+        ("--batch-size", "0"),
+        ("--learning-rate", "-1"),
+        ("--max-gradient-norm", "nan"),
+    ] {
+        let out = train(&[flag, value]);
+        assert!(!out.status.success(), "{flag} {value} was accepted");
+        let err = stderr(&out);
+        assert!(
+            err.contains(flag) && err.contains(value),
+            "{flag} {value}: {err}"
+        );
+    }
+}
+
+#[test]
+fn config_conflicts_are_explained() {
+    let out = train(&["--direction", "bi", "--num-encoder-layers", "3"]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("--num-encoder-layers") && err.contains('3'),
+        "{err}"
+    );
+    let out = train(&["--num-decoder-layers", "3"]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("--num-decoder-layers"),
+        "{err}"
+    );
+    let out = train(&["--resume"]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("--checkpoint"),
+        "{err}"
+    );
+    let out = train(&["--data", "/nonexistent/train.en", "--model", "rnnlm"]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("/nonexistent/train.en"),
+        "{err}"
+    );
+}
+
+#[test]
+fn cuda_without_the_feature_is_a_clear_error() {
+    let out = train(&["--device", "cuda"]);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("cuda") && err.contains("feature"), "{err}");
+}
+
+#[test]
+fn aliases_from_the_seeds_are_accepted_and_a_run_prints_the_table() {
+    let out = train(&[
+        "--encoder_type",
+        "cudnn_lstm",
+        "--variable_update",
+        "replicated",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("| ranks | batch size |") && text.contains("total words/s:"),
+        "{text}"
+    );
+    let out = train(&["--encoder-type", "dynamic_rnn", "--model", "rnnlm"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+fn help_explains_every_flag() {
+    let out = ringtrain(&["train", "--help"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--model",
+        "--variable-update",
+        "--gradient-repacking",
+        "--agg-small-grads-max-bytes",
+        "--agg-small-grads-max-group",
+        "--encoder-type",
+        "--direction",
+        "--num-encoder-layers",
+        "--num-decoder-layers",
+        "--num-units",
+        "--vocab-size",
+        "--batch-size",
+        "--src-max-len",
+        "--use-synthetic-data",
+        "--warmup-batches",
+        "--timed-batches",
+        "--json-report",
+        "--device",
+        "--threads",
+        "--data",
+        "--optimizer",
+        "--learning-rate",
+        "--total-batch-size",
+        "--fp16-gradients",
+        "--checkpoint",
+        "--resume",
+        "--seed",
+    ] {
+        assert!(text.contains(flag), "--help does not mention {flag}");
+    }
+}
+
+#[test]
+fn launch_without_mpirun_says_to_run_setup() {
+    let out = ringtrain(&[
+        "launch",
+        "--np",
+        "2",
+        "--mpirun",
+        "/nonexistent/mpirun",
+        "--",
+        "train",
+    ]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("scripts/setup"),
+        "{err}"
+    );
+    let out = ringtrain(&["launch", "--np", "0", "--", "train"]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("--np") && err.contains('0'),
+        "{err}"
+    );
+}

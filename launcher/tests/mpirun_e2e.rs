@@ -1,0 +1,183 @@
+//! End to end under mpirun: `ringtrain launch` at 2 and 3 ranks and `ringtrain sweep`,
+//! checking the printed table and the JSON report.
+
+use std::process::{Command, Output};
+
+fn ringtrain(args: &[String]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ringtrain"))
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        .output()
+        .expect("the ringtrain binary runs")
+}
+
+fn strings(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+const TINY: &[&str] = &[
+    "--num-units",
+    "8",
+    "--vocab-size",
+    "60",
+    "--src-max-len",
+    "5",
+    "--warmup-batches",
+    "2",
+    "--timed-batches",
+    "3",
+    "--threads",
+    "1",
+];
+
+fn launch(np: usize, extra: &[&str], report: &std::path::Path) -> (String, serde_json::Value) {
+    let mut args = strings(&["launch", "--np", &np.to_string(), "--", "train"]);
+    args.extend(strings(TINY));
+    args.extend(strings(extra));
+    args.push("--json-report".into());
+    args.push(report.display().to_string());
+    let out = ringtrain(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "launch --np {np} failed:\n{stdout}\n{stderr}"
+    );
+    assert!(
+        stderr.contains("mpirun -np"),
+        "launch prints the command it runs: {stderr}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+    (stdout, json)
+}
+
+#[test]
+fn two_ranks_replicated_print_the_table_and_write_the_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("r2.json");
+    let (stdout, json) = launch(2, &["--batch-size", "4"], &report);
+    assert!(
+        stdout.contains("| ranks | batch size | total time for 3 batches (s) | words/s |"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("| 2 | 4 |"), "{stdout}");
+    assert!(
+        stdout
+            .trim_end()
+            .lines()
+            .last()
+            .unwrap()
+            .starts_with("total words/s:"),
+        "{stdout}"
+    );
+    assert_eq!(json["ranks"], 2);
+    assert_eq!(json["timed_batches"], 3);
+    let per_rank = json["per_rank"].as_array().unwrap();
+    assert_eq!(per_rank.len(), 2);
+    // words = source + target over all ranks: 2 ranks x 4 x (5 + 5) per batch, 3 timed batches
+    assert_eq!(
+        json["timed_words"].as_f64().unwrap(),
+        2.0 * 4.0 * 10.0 * 3.0
+    );
+    let total = json["words_per_sec"].as_f64().unwrap();
+    let sum: f64 = per_rank.iter().map(|r| r["words"].as_f64().unwrap()).sum();
+    assert_eq!(sum, 240.0);
+    assert!(total > 0.0);
+    for key in [
+        "data_wait",
+        "forward",
+        "backward",
+        "communication",
+        "optimizer",
+    ] {
+        assert!(
+            json["breakdown"][key].as_f64().is_some(),
+            "breakdown lacks {key}"
+        );
+    }
+    assert!(json["launches_per_batch"].as_f64().unwrap() > 0.0);
+    assert_eq!(json["config"]["variable_update"], "replicated");
+}
+
+#[test]
+fn three_ranks_uneven_total_batch_and_parameter_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("r3.json");
+    let (stdout, json) = launch(3, &["--total-batch-size", "10"], &report);
+    assert!(stdout.contains("| 3 | 3-4 |"), "{stdout}");
+    let sizes: Vec<u64> = json["per_rank"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["batch_size"].as_u64().unwrap())
+        .collect();
+    assert_eq!(sizes, vec![4, 3, 3]);
+    assert_eq!(json["global_batch_size"], 10);
+
+    let report = dir.path().join("ps.json");
+    let (_, json) = launch(
+        3,
+        &[
+            "--batch-size",
+            "2",
+            "--variable-update",
+            "parameter_server",
+            "--ps-ranks",
+            "1",
+        ],
+        &report,
+    );
+    assert_eq!(json["workers"], 2);
+    assert_eq!(json["per_rank"][2]["batch_size"], 0);
+    assert!(json["final_loss"].as_f64().unwrap().is_finite());
+}
+
+#[test]
+fn sweep_prints_the_seeds_table_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let json_path = dir.path().join("sweep.json");
+    let mut args = strings(&[
+        "sweep",
+        "--np",
+        "1,2",
+        "--json",
+        &json_path.display().to_string(),
+        "--",
+        "train",
+    ]);
+    args.extend(strings(TINY));
+    args.extend(strings(&[
+        "--batch-size",
+        "2",
+        "--variable-update",
+        "independent",
+    ]));
+    let out = ringtrain(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout
+            .contains("| ranks | batch size | total time for 3 batches (s) | words/s | speedup |"),
+        "{stdout}"
+    );
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["ranks"], 1);
+    assert_eq!(rows[1]["ranks"], 2);
+    assert_eq!(rows[0]["speedup"].as_f64().unwrap(), 1.0);
+    assert!(rows[1]["speedup"].as_f64().unwrap() > 0.0);
+    assert!(
+        stdout.contains("| 1 | 2 |") && stdout.contains("| 2 | 2 |"),
+        "{stdout}"
+    );
+}
