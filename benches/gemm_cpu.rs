@@ -139,14 +139,62 @@ fn main() {
     let (b, t, e, h, v) = (64usize, 30usize, 256usize, 256usize, 8000usize);
     let rows = b * t;
     let shapes = [
-        Shape { what: "input proj x*W_ih, all steps", m: rows, n: 4 * h, k: e, layout: Layout::Nn },
-        Shape { what: "input proj, emb 512", m: rows, n: 4 * h, k: 512, layout: Layout::Nn },
-        Shape { what: "recurrent h*W_hh, one step", m: b, n: 4 * h, k: h, layout: Layout::Nn },
-        Shape { what: "logits h*W_proj", m: rows, n: v, k: h, layout: Layout::Nn },
-        Shape { what: "dX = dGates*W_ih^T", m: rows, n: e, k: 4 * h, layout: Layout::Nt },
-        Shape { what: "dH = dLogits*W_proj^T", m: rows, n: h, k: v, layout: Layout::Nt },
-        Shape { what: "dW_ih = X^T*dGates", m: e, n: 4 * h, k: rows, layout: Layout::Tn },
-        Shape { what: "dW_proj = H^T*dLogits", m: h, n: v, k: rows, layout: Layout::Tn },
+        Shape {
+            what: "input proj x*W_ih, all steps",
+            m: rows,
+            n: 4 * h,
+            k: e,
+            layout: Layout::Nn,
+        },
+        Shape {
+            what: "input proj, emb 512",
+            m: rows,
+            n: 4 * h,
+            k: 512,
+            layout: Layout::Nn,
+        },
+        Shape {
+            what: "recurrent h*W_hh, one step",
+            m: b,
+            n: 4 * h,
+            k: h,
+            layout: Layout::Nn,
+        },
+        Shape {
+            what: "logits h*W_proj",
+            m: rows,
+            n: v,
+            k: h,
+            layout: Layout::Nn,
+        },
+        Shape {
+            what: "dX = dGates*W_ih^T",
+            m: rows,
+            n: e,
+            k: 4 * h,
+            layout: Layout::Nt,
+        },
+        Shape {
+            what: "dH = dLogits*W_proj^T",
+            m: rows,
+            n: h,
+            k: v,
+            layout: Layout::Nt,
+        },
+        Shape {
+            what: "dW_ih = X^T*dGates",
+            m: e,
+            n: 4 * h,
+            k: rows,
+            layout: Layout::Tn,
+        },
+        Shape {
+            what: "dW_proj = H^T*dLogits",
+            m: h,
+            n: v,
+            k: rows,
+            layout: Layout::Tn,
+        },
     ];
     let budget = Duration::from_millis(300);
     let pool2 = rayon::ThreadPoolBuilder::new().num_threads(2).build();
@@ -164,14 +212,22 @@ fn main() {
     );
     let mut sum_log_ratio = [0.0f64; 2];
     for s in &shapes {
-        let a: Vec<f32> = (0..s.m * s.k).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
-        let bm: Vec<f32> = (0..s.k * s.n).map(|i| ((i % 89) as f32 - 44.0) * 0.01).collect();
+        let a: Vec<f32> = (0..s.m * s.k)
+            .map(|i| ((i % 97) as f32 - 48.0) * 0.01)
+            .collect();
+        let bm: Vec<f32> = (0..s.k * s.n)
+            .map(|i| ((i % 89) as f32 - 44.0) * 0.01)
+            .collect();
         let mut c1 = vec![0.0f32; s.m * s.n];
         let mut c2 = vec![0.0f32; s.m * s.n];
         // Both crates must agree before their speed means anything.
         gemm_crate(s, &a, &bm, &mut c1, 1);
         matrixmultiply_crate(s, &a, &bm, &mut c2, 1);
-        let max_diff = c1.iter().zip(&c2).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        let max_diff = c1
+            .iter()
+            .zip(&c2)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
         if max_diff > 1e-2 {
             eprintln!("gemm_cpu: {} results differ by {max_diff}", s.what);
             std::process::exit(1);
@@ -180,8 +236,12 @@ fn main() {
         let mut row = Vec::new();
         for threads in [1usize, 2] {
             let (tm, tg) = pool2.install(|| {
-                let tm = time_it(budget, || matrixmultiply_crate(s, black_box(&a), &bm, &mut c2, threads));
-                let tg = time_it(budget, || gemm_crate(s, black_box(&a), &bm, &mut c1, threads));
+                let tm = time_it(budget, || {
+                    matrixmultiply_crate(s, black_box(&a), &bm, &mut c2, threads)
+                });
+                let tg = time_it(budget, || {
+                    gemm_crate(s, black_box(&a), &bm, &mut c1, threads)
+                });
                 (tm, tg)
             });
             let (gm, gg) = (flop / tm * 1e-9, flop / tg * 1e-9);

@@ -44,8 +44,7 @@ type LstmBackward = fn(
 ) -> k::Result<()>;
 type SoftmaxForward =
     fn(&[f32], &[u32], &[f32], &mut [f32], &mut [f32], usize, usize) -> k::Result<()>;
-type SoftmaxBackward =
-    fn(&mut [f32], &[f32], &[u32], &[f32], f32, usize, usize) -> k::Result<()>;
+type SoftmaxBackward = fn(&mut [f32], &[f32], &[u32], &[f32], f32, usize, usize) -> k::Result<()>;
 type ToF16 = fn(&[f32], f32, &mut [f16]) -> k::Result<bool>;
 type ToBf16 = fn(&[f32], f32, &mut [bf16]) -> k::Result<bool>;
 type Adam =
@@ -159,7 +158,16 @@ fn bench_softmax(c: &mut Criterion) {
             b.iter(|| {
                 // Restoring the logits is part of both variants' time alike.
                 grad.copy_from_slice(&logits);
-                f(&mut grad, &lse, &labels, &mask, 1.0 / ROWS as f32, ROWS, VOCAB).unwrap()
+                f(
+                    &mut grad,
+                    &lse,
+                    &labels,
+                    &mask,
+                    1.0 / ROWS as f32,
+                    ROWS,
+                    VOCAB,
+                )
+                .unwrap()
             })
         });
     }
@@ -229,7 +237,11 @@ fn bench_adam(c: &mut Criterion) {
 
 /// Mean time per iteration (ns) that criterion estimated in this run.
 fn mean_ns(dir: &Path, group: &str, name: &str) -> Option<f64> {
-    let path = dir.join(group).join(name).join("new").join("estimates.json");
+    let path = dir
+        .join(group)
+        .join(name)
+        .join("new")
+        .join("estimates.json");
     let text = std::fs::read_to_string(path).ok()?;
     let json: serde_json::Value = serde_json::from_str(&text).ok()?;
     json["mean"]["point_estimate"].as_f64()

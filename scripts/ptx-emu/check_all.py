@@ -36,6 +36,16 @@ shapes and outputs of the entry:
                        weight_decay 0 must match exactly (the decay term is
                        skipped, as in the CPU kernels and PyTorch).
   sum_of_squares       |acc - ref| / ref, ref exact in float64; bound 1e-12.
+  model_ops.ptx        (twins of crates/model/src/backend/cpu.rs)
+    fill, gather_rows, scatter_add_rows, column_sums, add_row_bias, binary_*,
+    in_place_*:        bit-exact against float32 references that add in the CPU's
+                       order (rows r = 0, 1, ...); repeated ids, an id outside the
+                       table (gather: NaN row; scatter: segment skipped), -0.0 and
+                       Inf / NaN inputs included.
+    unary_sigmoid/tanh max |x - ref| / max(1, |ref|), ref in float64; bound 4e-6
+                       (the ex2.approx math of ptx/lstm.ptx).
+    sum_partials       |fsum(partials) - exact sum| / sum|x|; bound 2^-24 + 4096 * 2^-52
+                       (ptx/model_ops.ptx: the f32 rounding of each block's f64 partial).
 
 Exit status 1 if any entry fails, has no check here, or an emulator error occurs.
 """
@@ -760,6 +770,253 @@ def check_scale_by_clip_factor(mod, entry, opts):
     return results, 0.0
 
 
+
+# ---------------------------------------------------------------------------
+# model_ops.ptx (twins of the ops in crates/model/src/backend/cpu.rs)
+# ---------------------------------------------------------------------------
+
+# (n, grid, block, element offset of every operand)
+MODEL_EW_CASES = [(1, (1, 1, 1), (256, 1, 1), 0), (5, (2, 1, 1), (32, 1, 1), 1),
+                  (259, (2, 1, 1), (64, 1, 1), 3), (1000, (3, 1, 1), (256, 1, 1), 0)]
+
+
+def _with_specials(x, si):
+    """Second shape on: Inf, -Inf, NaN, -0.0 and a large value among the inputs."""
+    if si >= 1 and len(x) >= 5:
+        x[0], x[1], x[2], x[3], x[4] = np.inf, -np.inf, np.nan, -0.0, F(40.0)
+    return x
+
+
+def check_fill(mod, entry, opts):
+    results = []
+    for si, (n, grid, block, off) in enumerate(MODEL_EW_CASES):
+        value = F([1.5, -0.0, 0.0, -3.25e-3][si])
+        L = Launch(mod, entry, opts)
+        L.buf("dst", np.full(n, np.nan, np.float32), "w", offset=off * 4)
+        L.run(grid, block, value=float(value), n=n)
+        err = f32_mismatch(L.out("dst", np.float32), np.full(n, value, np.float32))
+        results.append((f"n{n} grid{grid[0]}x{block[0]} value{value:g}", err))
+    return results, 0.0
+
+
+def check_model_unary(mod, entry, opts):
+    op = entry.split("_", 1)[1]
+    results = []
+    for si, (n, grid, block, off) in enumerate(MODEL_EW_CASES):
+        rng = rng_for(entry, si)
+        x = _with_specials((rng.standard_normal(n) * 4).astype(np.float32), si)
+        if n > 8:
+            x[5:8] = [-30.0, 25.0, 1e-7]
+        L = Launch(mod, entry, opts)
+        L.buf("x", x, "r", offset=off * 4)
+        L.buf("dst", np.full(n, np.nan, np.float32), "w")
+        L.run(grid, block, n=n)
+        x64 = x.astype(np.float64)
+        ref = 1.0 / (1.0 + np.exp(-x64)) if op == "sigmoid" else np.tanh(x64)
+        err = rel_err_floor1(L.out("dst", np.float32), ref)
+        results.append((f"n{n} grid{grid[0]}x{block[0]} x+{off}", err))
+    return results, 4e-6
+
+
+def check_model_binary(mod, entry, opts):
+    op = entry.split("_", 1)[1]
+    results = []
+    for si, (n, grid, block, off) in enumerate(MODEL_EW_CASES):
+        rng = rng_for(entry, si)
+        a = _with_specials(_vec(rng, n, 3.0), si)
+        b = _vec(rng, n, 3.0)
+        L = Launch(mod, entry, opts)
+        L.buf("a", a, "r", offset=off * 4)
+        L.buf("b", b, "r")
+        L.buf("dst", np.full(n, np.nan, np.float32), "w", offset=(si % 2) * 4)
+        L.run(grid, block, n=n)
+        ref = a + b if op == "add" else a * b
+        err = f32_mismatch(L.out("dst", np.float32), ref)
+        results.append((f"n{n} grid{grid[0]}x{block[0]} a+{off}", err))
+    return results, 0.0
+
+
+def check_model_in_place(mod, entry, opts):
+    op = entry[len("in_place_"):]
+    results = []
+    for si, (n, grid, block, off) in enumerate(MODEL_EW_CASES):
+        rng = rng_for(entry, si)
+        if op == "add":
+            x = _vec(rng, n, 3.0)
+        else:  # activations: sigmoid outputs in [0, 1], tanh outputs in [-1, 1]
+            x = rng.uniform(0.0 if "sigmoid" in op else -1.0, 1.0, n).astype(np.float32)
+        x = _with_specials(x, si)
+        d = _vec(rng, n, 2.0)
+        L = Launch(mod, entry, opts)
+        L.buf("x", x, "r")
+        L.buf("dst", d, "rw", offset=off * 4)
+        L.run(grid, block, n=n)
+        one = F(1.0)
+        if op == "add":
+            ref = d + x
+        elif op == "mul_sigmoid_grad":
+            ref = d * (x * (one - x))  # as the CPU: x*(1-x) first, then the product
+        else:
+            ref = d * (one - x * x)
+        err = f32_mismatch(L.out("dst", np.float32), ref)
+        results.append((f"n{n} grid{grid[0]}x{block[0]} dst+{off}", err))
+    return results, 0.0
+
+
+# (rows, cols, grid, block, src element offset)
+MODEL_MATRIX_CASES = [(1, 1, (1, 1, 1), (32, 1, 1), 0), (3, 5, (1, 1, 1), (64, 1, 1), 2),
+                      (7, 33, (2, 1, 1), (32, 1, 1), 1), (37, 40, (1, 1, 1), (32, 1, 1), 0),
+                      (0, 6, (1, 1, 1), (32, 1, 1), 0), (4, 300, (2, 1, 1), (64, 1, 1), 3)]
+
+
+def check_column_sums(mod, entry, opts):
+    results = []
+    for si, (rows, cols, grid, block, off) in enumerate(MODEL_MATRIX_CASES):
+        for accumulate in (0, 1):
+            rng = rng_for(entry, si)
+            src = _vec(rng, rows * cols, 2.0)
+            if rows * cols >= 4:
+                src[3] = -0.0
+            dst = _vec(rng, cols, 5.0)
+            L = Launch(mod, entry, opts)
+            L.buf("src", src if rows * cols else np.zeros(1, np.float32), "w" if rows == 0 else "r",
+                  offset=off * 4)
+            L.buf("dst", dst if accumulate else np.full(cols, np.nan, np.float32),
+                  "rw" if accumulate else "w")
+            L.run(grid, block, rows=rows, cols=cols, accumulate=accumulate)
+            acc = dst.copy() if accumulate else np.zeros(cols, np.float32)
+            for r in range(rows):  # the CPU's order: row after row, f32 additions
+                acc = (acc + src[r * cols:(r + 1) * cols]).astype(np.float32)
+            err = f32_mismatch(L.out("dst", np.float32), acc)
+            results.append((f"rows{rows} cols{cols} grid{grid[0]}x{block[0]} acc{accumulate}", err))
+    return results, 0.0
+
+
+def check_add_row_bias(mod, entry, opts):
+    results = []
+    for si, (rows, cols, grid, block, off) in enumerate(MODEL_MATRIX_CASES):
+        rng = rng_for(entry, si)
+        bias = _vec(rng, cols)
+        dst = _vec(rng, rows * cols, 3.0)
+        L = Launch(mod, entry, opts)
+        L.buf("bias", bias, "r", offset=(si % 3) * 4)
+        L.buf("dst", dst if rows else np.zeros(1, np.float32), "rw", offset=off * 4)
+        L.run(grid, block, rows=rows, cols=cols)
+        ref = (dst.reshape(rows, cols) + bias).ravel() if rows else np.zeros(1, np.float32)
+        err = f32_mismatch(L.out("dst", np.float32), ref)
+        results.append((f"rows{rows} cols{cols} grid{grid[0]}x{block[0]}", err))
+    return results, 0.0
+
+
+# (table_rows, width, ids count, grid, block)
+EMB_CASES = [(1, 1, 1, (1, 1, 1), (32, 1, 1)), (5, 3, 7, (1, 1, 1), (64, 1, 1)),
+             (11, 33, 20, (2, 1, 1), (64, 1, 1)), (50, 16, 64, (3, 1, 1), (128, 1, 1)),
+             (4, 7, 0, (1, 1, 1), (32, 1, 1))]
+
+
+def _emb_ids(rng, table_rows, count):
+    ids = rng.integers(0, table_rows, count).astype(np.uint32)
+    if count >= 6:
+        ids[1] = ids[4] = ids[5] = ids[0]  # repeated ids: several rows into one table row
+    return ids
+
+
+def check_gather_rows(mod, entry, opts):
+    results = []
+    for si, (table_rows, width, count, grid, block) in enumerate(EMB_CASES):
+        rng = rng_for(entry, si)
+        table = _vec(rng, table_rows * width)
+        ids = _emb_ids(rng, table_rows, count)
+        bad = count >= 7 and si == 2
+        if bad:
+            ids[6] = table_rows  # out of range: the row must come out NaN, nothing read
+        L = Launch(mod, entry, opts)
+        L.buf("table", table, "r", offset=4 * (si % 2))
+        L.buf("ids", ids if count else np.zeros(1, np.uint32), "r")
+        L.buf("dst", np.full(max(count * width, 1), np.nan, np.float32), "w")
+        L.run(grid, block, table_rows=table_rows, width=width, rows=count)
+        got = L.out("dst", np.float32)
+        t = table.reshape(table_rows, width)
+        ref = np.full(max(count * width, 1), np.nan, np.float32)
+        for r, i in enumerate(ids):
+            if i < table_rows:
+                ref[r * width:(r + 1) * width] = t[i]
+        err = f32_mismatch(got, ref)
+        results.append((f"table{table_rows}x{width} ids{count}" + (" bad id" if bad else ""), err))
+    return results, 0.0
+
+
+def scatter_segments(ids):
+    """The launcher's grouping: a stable counting sort of the row indices by id.
+    Returns (order, seg_start, seg_id) with segments in increasing id order."""
+    ids = np.asarray(ids, np.uint32)
+    uniq, counts = np.unique(ids, return_counts=True)
+    order = np.argsort(ids, kind="stable").astype(np.uint32)
+    seg_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+    return order, seg_start, uniq.astype(np.uint32)
+
+
+def check_scatter_add_rows(mod, entry, opts):
+    results = []
+    for si, (table_rows, width, count, grid, block) in enumerate(EMB_CASES):
+        rng = rng_for(entry, si)
+        table = _vec(rng, table_rows * width)
+        ids = _emb_ids(rng, table_rows, count)
+        src = _vec(rng, count * width, 3.0)
+        if count * width >= 3:
+            src[2] = -0.0
+        order, seg_start, seg_id = scatter_segments(ids)
+        skipped = si == 3
+        if skipped:  # a segment whose id is outside the table is skipped, nothing touched
+            seg_id = np.append(seg_id, np.uint32(table_rows + 3))
+            order = np.append(order, np.uint32(0))
+            seg_start = np.append(seg_start, seg_start[-1] + 1).astype(np.uint32)
+        L = Launch(mod, entry, opts)
+        L.buf("src", src if count else np.zeros(1, np.float32), "r", offset=4 * (si % 2))
+        L.buf("order", order if len(order) else np.zeros(1, np.uint32), "r")
+        L.buf("seg_start", seg_start, "r")
+        L.buf("seg_id", seg_id if len(seg_id) else np.zeros(1, np.uint32), "r")
+        L.buf("table", table, "rw")
+        L.run(grid, block, table_rows=table_rows, width=width, segments=len(seg_id))
+        ref = table.reshape(table_rows, width).copy()
+        for r, i in enumerate(ids):  # the CPU's order: rows r = 0, 1, ...
+            ref[i] = (ref[i] + src[r * width:(r + 1) * width]).astype(np.float32)
+        err = f32_mismatch(L.out("table", np.float32), ref.ravel())
+        results.append((f"table{table_rows}x{width} ids{count} segments{len(seg_id)}" +
+                        (" bad segment" if skipped else ""), err))
+    return results, 0.0
+
+
+SUM_PARTIALS_BOUND = 2.0 ** -24 + 4096 * 2.0 ** -52  # per unit of sum|x|, n <= 4096 here
+
+
+def check_sum_partials(mod, entry, opts):
+    """err = |sum of partials in f64 - exact sum| / sum|x|; bound 2^-24 + n 2^-52
+    (ptx/model_ops.ptx)."""
+    results = []
+    cases = [(1, (1, 1, 1), (32, 1, 1)), (5, (2, 1, 1), (64, 1, 1)),
+             (259, (3, 1, 1), (96, 1, 1)), (3000, (2, 1, 1), (1024, 1, 1)),
+             (4096, (5, 1, 1), (256, 1, 1))]
+    for si, (n, grid, block) in enumerate(cases):
+        rng = rng_for(entry, si)
+        x = _vec(rng, n, 3.0)
+        if si == 4:
+            x = (x * np.float32(1e4)).astype(np.float32)
+            x[::2] += np.float32(1e6)  # large values that cancel poorly in f32
+        L = Launch(mod, entry, opts)
+        L.buf("x", x, "r", offset=4 * (si % 2))
+        L.buf("partials", np.full(grid[0], np.nan, np.float32), "w")
+        L.run(grid, block, n=n)
+        parts = L.out("partials", np.float32)
+        got = math.fsum(float(p) for p in parts)
+        exact = math.fsum(float(v) for v in x)
+        scale = math.fsum(abs(float(v)) for v in x)
+        err = abs(got - exact) / scale if scale else abs(got)
+        if not np.isfinite(parts).all():
+            err = math.inf
+        results.append((f"n{n} grid{grid[0]}x{block[0]}", err))
+    return results, SUM_PARTIALS_BOUND
+
 # ---------------------------------------------------------------------------
 # Registry and driver
 # ---------------------------------------------------------------------------
@@ -794,6 +1051,21 @@ CHECKS = {
         "scale_f32": check_scale_f32,
         "sum_of_squares": check_sum_of_squares,
         "scale_by_clip_factor": check_scale_by_clip_factor,
+    },
+    "model_ops.ptx": {
+        "fill": check_fill,
+        "gather_rows": check_gather_rows,
+        "scatter_add_rows": check_scatter_add_rows,
+        "column_sums": check_column_sums,
+        "add_row_bias": check_add_row_bias,
+        "unary_sigmoid": check_model_unary,
+        "unary_tanh": check_model_unary,
+        "binary_add": check_model_binary,
+        "binary_mul": check_model_binary,
+        "in_place_add": check_model_in_place,
+        "in_place_mul_sigmoid_grad": check_model_in_place,
+        "in_place_mul_tanh_grad": check_model_in_place,
+        "sum_partials": check_sum_partials,
     },
 }
 

@@ -1,12 +1,20 @@
 //! Tensor fusion with asynchronous submission, as Horovod does it.
 //!
 //! [`FusionEngine::submit`] hands a named tensor to a background thread and returns a
-//! [`Handle`]. Every cycle the background threads of all ranks agree (see
-//! [`crate::negotiation`]) on which tensors every rank has submitted, copy those into a
-//! fusion buffer up to [`FusionConfig::threshold_bytes`], all-reduce the buffer, copy the
-//! results back and complete the handles. A shape disagreement fails the tensor on every
-//! rank; a tensor missing on some ranks is reported after [`FusionConfig::stall_warning`]
-//! and failed [`FusionConfig::stall_error`] later.
+//! [`Handle`]. Every cycle the background threads of all ranks agree on which tensors
+//! every rank has submitted: each all-gathers the (name, dtype, length) of the tensors
+//! submitted on it since the last cycle, and every rank feeds the same gathered lists, in
+//! rank order, into its own copy of one table, so all ranks take the same decisions in the
+//! same order. Rank 0 acts as coordinator for time-outs only: its list also names the
+//! tensors whose stall timeout ran out.
+//!
+//! Tensors ready everywhere are copied into a fusion buffer (per dtype, up to
+//! [`FusionConfig::threshold_bytes`]), all-reduced, copied back, and their handles
+//! complete. A shape disagreement fails the tensor on every rank, naming each rank's dtype
+//! and length; a tensor missing on some ranks is reported on stderr after
+//! [`FusionConfig::stall_warning`], naming the missing ranks, and fails on every rank
+//! [`FusionConfig::stall_error`] later (ranks that never submitted it see the error from
+//! [`FusionEngine::synchronize`] or [`FusionEngine::take_foreign_failure`]).
 
 use std::collections::HashMap;
 use std::path::PathBuf;

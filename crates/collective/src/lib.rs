@@ -90,7 +90,7 @@ mod error;
 pub mod fusion;
 #[cfg(feature = "mpi")]
 mod mpi_transport;
-pub mod negotiation;
+mod negotiation;
 mod options;
 mod packing;
 mod timeline;

@@ -21,7 +21,8 @@
 //! [`Gpu`] bundles one device's context, a stream and the module cache.
 //! [`GpuBuffer`] owns device memory; kernels take borrowed views
 //! ([`DevSlice`], [`DevSliceMut`]) so outputs cannot alias inputs. One Rust
-//! module per PTX file ([`lstm`], [`softmax`], [`fp16`], [`optim`], [`gemm`])
+//! module per PTX file ([`lstm`], [`softmax`], [`fp16`], [`optim`], [`gemm`],
+//! [`model_ops`])
 //! embeds the file with `include_str!`, declares every entry's parameter list
 //! ([`KernelSignature`]) and, with the `cuda` feature, holds the typed launchers
 //! that check lengths and return [`Error`] instead of launching bad work.
@@ -89,6 +90,7 @@ pub mod signature;
 pub mod fp16;
 pub mod gemm;
 pub mod lstm;
+pub mod model_ops;
 pub mod optim;
 pub mod softmax;
 
@@ -115,10 +117,11 @@ pub use runtime::{Gpu, KernelArg, LaunchConfig};
 pub use timing::GpuTimer;
 
 /// Every PTX module of the crate, in `ptx/` file-name order.
-pub const MODULES: [&PtxModule; 5] = [
+pub const MODULES: [&PtxModule; 6] = [
     &fp16::MODULE,
     &gemm::MODULE,
     &lstm::MODULE,
+    &model_ops::MODULE,
     &optim::MODULE,
     &softmax::MODULE,
 ];

@@ -13,8 +13,8 @@ use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain_cuda::{
-    fp16, gemm, lstm, optim, softmax, AsDevSlice, Error, Gpu, GpuBuffer, GpuTimer, KernelArg,
-    LaunchConfig, NonFiniteFlag, Transpose,
+    fp16, gemm, lstm, model_ops, optim, softmax, AsDevSlice, Error, Gpu, GpuBuffer, GpuTimer,
+    KernelArg, LaunchConfig, NonFiniteFlag, Transpose,
 };
 use ringtrain_kernels as cpu;
 
@@ -1122,6 +1122,149 @@ fn gemm_tensor_core_launcher_rejects_bad_leading_dims_and_alignment() {
         ),
         "{err}"
     );
+}
+
+// ---------------------------------------------------------------- model ops
+
+const OP_LENGTHS: &[usize] = &[1, 255, 257, 10_007];
+
+#[test]
+fn model_elementwise_ops_are_bit_exact() {
+    let gpu = gpu();
+    let mut rng = rng(15);
+    for &n in OP_LENGTHS {
+        let a = uniform(&mut rng, n, -2.0, 2.0);
+        let b = uniform(&mut rng, n, -2.0, 2.0);
+        let (da, db) = (gpu.upload(&a).unwrap(), gpu.upload(&b).unwrap());
+        let mut out = poisoned::<f32>(&gpu, n);
+        model_ops::fill(&gpu, &mut out, 0.25).unwrap();
+        assert!(
+            out.to_host().unwrap().iter().all(|&x| x == 0.25),
+            "fill n {n}"
+        );
+        model_ops::binary_add(&gpu, &da, &db, &mut out).unwrap();
+        let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+        assert_bits_eq("binary_add", &out.to_host().unwrap(), &want, f32_is_nan);
+        model_ops::binary_mul(&gpu, &da, &db, &mut out).unwrap();
+        let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x * y).collect();
+        assert_bits_eq("binary_mul", &out.to_host().unwrap(), &want, f32_is_nan);
+        let mut acc = gpu.upload(&b).unwrap();
+        model_ops::in_place_add(&gpu, &da, &mut acc).unwrap();
+        let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| y + x).collect();
+        assert_bits_eq("in_place_add", &acc.to_host().unwrap(), &want, f32_is_nan);
+        let mut acc = gpu.upload(&b).unwrap();
+        model_ops::in_place_mul_sigmoid_grad(&gpu, &da, &mut acc).unwrap();
+        let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| y * (x * (1.0 - x))).collect();
+        assert_bits_eq(
+            "in_place_mul_sigmoid_grad",
+            &acc.to_host().unwrap(),
+            &want,
+            f32_is_nan,
+        );
+        let mut acc = gpu.upload(&b).unwrap();
+        model_ops::in_place_mul_tanh_grad(&gpu, &da, &mut acc).unwrap();
+        let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| y * (1.0 - x * x)).collect();
+        assert_bits_eq(
+            "in_place_mul_tanh_grad",
+            &acc.to_host().unwrap(),
+            &want,
+            f32_is_nan,
+        );
+        model_ops::unary_sigmoid(&gpu, &da, &mut out).unwrap();
+        let want: Vec<f32> = a
+            .iter()
+            .map(|&x| (1.0 / (1.0 + (-f64::from(x)).exp())) as f32)
+            .collect();
+        assert_close("unary_sigmoid", &out.to_host().unwrap(), &want, 1e-6, 0.0);
+        model_ops::unary_tanh(&gpu, &da, &mut out).unwrap();
+        let want: Vec<f32> = a.iter().map(|&x| f64::from(x).tanh() as f32).collect();
+        assert_close("unary_tanh", &out.to_host().unwrap(), &want, 1e-6, 0.0);
+        let total = model_ops::sum(&gpu, &da).unwrap();
+        let exact: f64 = a.iter().map(|&x| f64::from(x)).sum();
+        let mag: f64 = a.iter().map(|&x| f64::from(x).abs()).sum();
+        let bound = (2f64.powi(-24) + n as f64 * 2f64.powi(-52)) * mag;
+        assert!(
+            (total - exact).abs() <= bound,
+            "sum n {n}: {total} vs {exact}"
+        );
+    }
+}
+
+#[test]
+fn model_row_ops_are_bit_exact() {
+    let gpu = gpu();
+    let mut rng = rng(16);
+    for &(rows, width, table_rows) in &[
+        (1usize, 1usize, 1usize),
+        (7, 33, 5),
+        (100, 512, 37),
+        (3, 1000, 2),
+    ] {
+        let table = uniform(&mut rng, table_rows * width, -1.0, 1.0);
+        let ids: Vec<u32> = (0..rows)
+            .map(|_| rng.gen_range(0..table_rows as u32))
+            .collect();
+        let dtable = gpu.upload(&table).unwrap();
+        let mut dst = poisoned::<f32>(&gpu, rows * width);
+        model_ops::gather_rows(&gpu, &dtable, &ids, &mut dst, table_rows, width).unwrap();
+        let want: Vec<f32> = ids
+            .iter()
+            .flat_map(|&id| table[id as usize * width..(id as usize + 1) * width].to_vec())
+            .collect();
+        assert_bits_eq("gather_rows", &dst.to_host().unwrap(), &want, f32_is_nan);
+
+        let src = uniform(&mut rng, rows * width, -1.0, 1.0);
+        let dsrc = gpu.upload(&src).unwrap();
+        let mut dgrad = gpu.upload(&table).unwrap();
+        model_ops::scatter_add_rows(&gpu, &dsrc, &ids, &mut dgrad, table_rows, width).unwrap();
+        let mut want = table.clone();
+        for (r, &id) in ids.iter().enumerate() {
+            for c in 0..width {
+                want[id as usize * width + c] += src[r * width + c];
+            }
+        }
+        assert_bits_eq(
+            "scatter_add_rows",
+            &dgrad.to_host().unwrap(),
+            &want,
+            f32_is_nan,
+        );
+
+        for accumulate in [false, true] {
+            let start = uniform(&mut rng, width, -1.0, 1.0);
+            let mut dsums = if accumulate {
+                gpu.upload(&start).unwrap()
+            } else {
+                poisoned::<f32>(&gpu, width)
+            };
+            model_ops::column_sums(&gpu, &dsrc, &mut dsums, rows, width, accumulate).unwrap();
+            let want: Vec<f32> = (0..width)
+                .map(|c| {
+                    let mut acc = if accumulate { start[c] } else { 0.0 };
+                    for r in 0..rows {
+                        acc += src[r * width + c];
+                    }
+                    acc
+                })
+                .collect();
+            assert_bits_eq("column_sums", &dsums.to_host().unwrap(), &want, f32_is_nan);
+        }
+
+        let bias = uniform(&mut rng, width, -1.0, 1.0);
+        let dbias = gpu.upload(&bias).unwrap();
+        let mut dout = gpu.upload(&src).unwrap();
+        model_ops::add_row_bias(&gpu, &dbias, &mut dout, rows, width).unwrap();
+        let want: Vec<f32> = src
+            .iter()
+            .enumerate()
+            .map(|(i, x)| x + bias[i % width])
+            .collect();
+        assert_bits_eq("add_row_bias", &dout.to_host().unwrap(), &want, f32_is_nan);
+    }
+    let dtable = gpu.zeros::<f32>(8).unwrap();
+    let mut dst = gpu.zeros::<f32>(4).unwrap();
+    let err = model_ops::gather_rows(&gpu, &dtable, &[0, 4], &mut dst, 4, 2).unwrap_err();
+    assert!(err.to_string().contains("ids[1] = 4"), "{err}");
 }
 
 // ---------------------------------------------------------------- runtime

@@ -56,7 +56,9 @@
 //!   branch-free polynomial versions (within 2 ulp for `exp` and 4 ulp for `tanh` of the
 //!   exact value, checked against f64 in the tests), because a library call per element
 //!   would stop those loops from vectorising;
-//! - `log` (once per softmax row), `sqrt` and `pow` come from the `libm` crate.
+//! - `log` (once per softmax row) and `pow` come from the `libm` crate;
+//! - `sqrt` is correctly rounded by IEEE 754, so `f32::sqrt` (with `std`, vectorisable)
+//!   and `libm::sqrtf` (without) give the same bits.
 //!
 //! Reductions inside a row use a fixed order of interleaved lanes. The `par` module
 //! (feature `rayon`) splits work over rows or fixed blocks only, so its results equal the
@@ -79,6 +81,8 @@
 
 #[cfg(feature = "alloc")]
 extern crate alloc;
+#[cfg(feature = "std")]
+extern crate std;
 
 mod error;
 pub mod lstm;

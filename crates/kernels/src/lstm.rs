@@ -146,7 +146,7 @@ fn activate_row(act: &mut [f32], c_prev: &[f32], c: &mut [f32], h: &mut [f32]) {
 }
 
 /// Forward of one batch row of [`lstm_pointwise_forward`].
-#[inline]
+#[inline(never)]
 pub(crate) fn forward_row(
     gates: &[f32],
     bias: &[f32],
@@ -162,7 +162,7 @@ pub(crate) fn forward_row(
 }
 
 /// Forward of one batch row of [`lstm_pointwise_forward_step`].
-#[inline]
+#[inline(never)]
 pub(crate) fn forward_step_row(
     input_proj: &[f32],
     recurrent: &[f32],
@@ -179,7 +179,7 @@ pub(crate) fn forward_step_row(
 }
 
 /// Backward of one batch row of [`lstm_pointwise_backward`].
-#[inline]
+#[inline(never)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_row(
     act: &[f32],

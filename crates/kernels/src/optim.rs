@@ -7,6 +7,7 @@
 //! PyTorch does.
 
 use crate::error::{check_len, Error, Result};
+use crate::vector_math::sqrt;
 
 /// `p -= lr * (g + weight_decay * p)` (plain SGD with L2 weight decay).
 ///
@@ -235,7 +236,7 @@ impl AdamStep {
             let g = if L2 { g + s.l2 * *p } else { g };
             *m = s.beta1 * *m + s.one_minus_beta1 * g;
             *v = s.beta2 * *v + s.one_minus_beta2 * g * g;
-            let denom = libm::sqrtf(*v) / s.bias_correction2_sqrt + s.eps;
+            let denom = sqrt(*v) / s.bias_correction2_sqrt + s.eps;
             *p -= s.step_size * (*m / denom);
         }
     }

@@ -86,6 +86,21 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp(-x))
 }
 
+/// Correctly rounded square root (IEEE 754 requires it, so every implementation gives the
+/// same bits). With `std` this is `f32::sqrt`, which LLVM vectorises (`sqrtps`); without,
+/// `libm::sqrtf`.
+#[inline(always)]
+pub(crate) fn sqrt(x: f32) -> f32 {
+    #[cfg(feature = "std")]
+    {
+        x.sqrt()
+    }
+    #[cfg(not(feature = "std"))]
+    {
+        libm::sqrtf(x)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::{exp, sigmoid, tanh};
@@ -135,6 +150,16 @@ mod tests {
         assert_eq!(tanh(f32::INFINITY), 1.0);
         assert_eq!(tanh(f32::NEG_INFINITY), -1.0);
         assert!(tanh(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn sqrt_equals_libm_bit_for_bit() {
+        let mut x = 1e-30f32;
+        while x < 1e30 {
+            assert_eq!(super::sqrt(x).to_bits(), libm::sqrtf(x).to_bits(), "{x}");
+            x *= 1.000_37;
+        }
+        assert!(super::sqrt(-1.0).is_nan());
     }
 
     #[test]

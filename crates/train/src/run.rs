@@ -28,6 +28,18 @@ pub fn run_rank(
         .build_global();
     let workers = cfg.worker_count(comm.size());
     let rank = comm.rank();
+    if rank == 0 {
+        let source = match local.map(|l| l.source) {
+            Some(crate::device::LocalRankSource::Env(var)) => format!("from {var}"),
+            Some(crate::device::LocalRankSource::SharedMemorySplit) => "from the MPI shared-memory split".to_string(),
+            Some(crate::device::LocalRankSource::Default) | None => "single process".to_string(),
+        };
+        log(&format!(
+            "ringtrain: device {} {local_rank} (local rank {local_rank} of {local_size}, {source}), {threads} CPU thread(s) per rank, transport {}",
+            cfg.device,
+            comm.transport_name()
+        ));
+    }
     let is_worker = rank < workers;
     let (mut batches, src_vocab, tgt_vocab): (
         Box<dyn Iterator<Item = ringtrain_data::Result<_>>>,

@@ -1,0 +1,458 @@
+//! The model's generic f32 operations (`ptx/model_ops.ptx`): the GPU twins of
+//! the ops of `ringtrain_model::Backend` that have no kernel family of their
+//! own (fill, embedding gather and scatter-add, column sums, bias add,
+//! sigmoid/tanh and their gradients, elementwise add/mul, sum).
+//!
+//! All are bit-identical to the CPU backend except `unary_sigmoid` /
+//! `unary_tanh` (ex2.approx, 1e-6 absolute, like `ptx/lstm.ptx`) and [`sum`]
+//! (f64 per block, rounded to f32 per block; see the PTX header for the bound).
+
+use crate::signature::{KernelSignature, Param::*, PtxModule};
+
+/// The PTX text of `ptx/model_ops.ptx`.
+pub const PTX: &str = include_str!("../../../ptx/model_ops.ptx");
+
+const UNARY: &[crate::signature::Param] = &[Ptr, Ptr, U32];
+const BINARY: &[crate::signature::Param] = &[Ptr, Ptr, Ptr, U32];
+
+/// Every entry of `ptx/model_ops.ptx`.
+pub const KERNELS: &[KernelSignature] = &[
+    KernelSignature {
+        name: "fill",
+        params: &[Ptr, F32, U32],
+    },
+    KernelSignature {
+        name: "gather_rows",
+        params: &[Ptr, Ptr, Ptr, U32, U32, U32],
+    },
+    KernelSignature {
+        name: "scatter_add_rows",
+        params: &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32],
+    },
+    KernelSignature {
+        name: "column_sums",
+        params: &[Ptr, Ptr, U32, U32, U32],
+    },
+    KernelSignature {
+        name: "add_row_bias",
+        params: &[Ptr, Ptr, U32, U32],
+    },
+    KernelSignature {
+        name: "unary_sigmoid",
+        params: UNARY,
+    },
+    KernelSignature {
+        name: "unary_tanh",
+        params: UNARY,
+    },
+    KernelSignature {
+        name: "binary_add",
+        params: BINARY,
+    },
+    KernelSignature {
+        name: "binary_mul",
+        params: BINARY,
+    },
+    KernelSignature {
+        name: "in_place_add",
+        params: UNARY,
+    },
+    KernelSignature {
+        name: "in_place_mul_sigmoid_grad",
+        params: UNARY,
+    },
+    KernelSignature {
+        name: "in_place_mul_tanh_grad",
+        params: UNARY,
+    },
+    KernelSignature {
+        name: "sum_partials",
+        params: UNARY,
+    },
+];
+
+/// `ptx/model_ops.ptx` with its declarations.
+pub const MODULE: PtxModule = PtxModule {
+    name: "model_ops",
+    file: "ptx/model_ops.ptx",
+    text: PTX,
+    kernels: KERNELS,
+};
+
+#[cfg(feature = "cuda")]
+pub use launchers::*;
+
+#[cfg(feature = "cuda")]
+mod launchers {
+    use super::MODULE;
+    use crate::error::{check_len, Error, Result};
+    use crate::memory::{AsDevSlice, AsDevSliceMut};
+    use crate::runtime::{Gpu, KernelArg, LaunchConfig};
+
+    const BLOCK: u32 = 256;
+
+    fn count(arg: &'static str, n: usize) -> Result<u32> {
+        if n > i32::MAX as usize {
+            return Err(Error::TooLarge {
+                arg,
+                value: n,
+                limit: i32::MAX as usize,
+            });
+        }
+        Ok(n as u32)
+    }
+
+    fn product(arg: &'static str, a: usize, b: usize) -> Result<usize> {
+        let limit = i32::MAX as usize;
+        match a.checked_mul(b) {
+            Some(v) if v <= limit => Ok(v),
+            other => Err(Error::TooLarge {
+                arg,
+                value: other.unwrap_or(usize::MAX),
+                limit,
+            }),
+        }
+    }
+
+    fn config(gpu: &Gpu, work: usize) -> LaunchConfig {
+        LaunchConfig::linear(gpu.grid_for(work, BLOCK), BLOCK)
+    }
+
+    fn check_ids(ids: &[u32], table_rows: usize) -> Result<()> {
+        if let Some((row, id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= table_rows)
+        {
+            return Err(Error::InvalidArgument {
+                arg: "ids",
+                value: format!("ids[{row}] = {id}"),
+                reason: "every id must be below table_rows (the embedding table's row count)",
+            });
+        }
+        Ok(())
+    }
+
+    /// `dst[i] = value`.
+    pub fn fill(gpu: &Gpu, dst: &mut impl AsDevSliceMut<f32>, value: f32) -> Result<()> {
+        let dst = dst.dev_slice_mut();
+        let n = count("dst", dst.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            gpu.arg_mut("dst", &dst)?,
+            KernelArg::F32(value),
+            KernelArg::U32(n),
+        ];
+        // SAFETY: a live view of n elements on this GPU, borrowed mutably.
+        unsafe { gpu.launch(&MODULE, "fill", config(gpu, dst.len()), &args) }
+    }
+
+    /// Embedding lookup: `dst[r, :] = table[ids[r], :]` (`table` is
+    /// `[table_rows, width]`, `dst` is `[ids.len(), width]`). The ids are checked
+    /// on the host and uploaded (the copy waits for the stream).
+    pub fn gather_rows(
+        gpu: &Gpu,
+        table: &impl AsDevSlice<f32>,
+        ids: &[u32],
+        dst: &mut impl AsDevSliceMut<f32>,
+        table_rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        let (table, dst) = (table.dev_slice(), dst.dev_slice_mut());
+        let rows = ids.len();
+        check_len(
+            "table",
+            product("table_rows * width", table_rows, width)?,
+            table.len(),
+        )?;
+        let n = product("rows * width", rows, width)?;
+        check_len("dst", n, dst.len())?;
+        check_ids(ids, table_rows)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let ids_dev = gpu.upload(ids)?;
+        let ids_view = ids_dev.as_slice();
+        let args = [
+            gpu.arg("table", &table)?,
+            gpu.arg("ids", &ids_view)?,
+            gpu.arg_mut("dst", &dst)?,
+            KernelArg::U32(table_rows as u32),
+            KernelArg::U32(width as u32),
+            KernelArg::U32(rows as u32),
+        ];
+        // SAFETY: live, length-checked views on this GPU; every id is below
+        // table_rows (checked above); dst is borrowed mutably. `ids_dev` lives
+        // until the end of this function; freeing it waits for the kernel.
+        unsafe { gpu.launch(&MODULE, "gather_rows", config(gpu, n), &args) }
+    }
+
+    /// Embedding gradient: `table[ids[r], :] += src[r, :]` for r = 0, 1, ... in
+    /// order (bit-identical to the CPU loop). The rows are grouped by id on the
+    /// host (a stable counting sort), so each table row is updated by one thread
+    /// per column without atomics.
+    pub fn scatter_add_rows(
+        gpu: &Gpu,
+        src: &impl AsDevSlice<f32>,
+        ids: &[u32],
+        table: &mut impl AsDevSliceMut<f32>,
+        table_rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        let (src, table) = (src.dev_slice(), table.dev_slice_mut());
+        let rows = ids.len();
+        check_len("src", product("rows * width", rows, width)?, src.len())?;
+        check_len(
+            "table",
+            product("table_rows * width", table_rows, width)?,
+            table.len(),
+        )?;
+        check_ids(ids, table_rows)?;
+        if rows == 0 || width == 0 {
+            return Ok(());
+        }
+        // Stable counting sort of the row indices by id.
+        let mut counts = vec![0u32; table_rows + 1];
+        for &id in ids {
+            counts[id as usize + 1] += 1;
+        }
+        for i in 1..counts.len() {
+            counts[i] += counts[i - 1];
+        }
+        let mut next = counts.clone();
+        let mut order = vec![0u32; rows];
+        for (r, &id) in ids.iter().enumerate() {
+            order[next[id as usize] as usize] = r as u32;
+            next[id as usize] += 1;
+        }
+        let mut seg_start = Vec::new();
+        let mut seg_id = Vec::new();
+        for id in 0..table_rows {
+            if counts[id + 1] > counts[id] {
+                seg_start.push(counts[id]);
+                seg_id.push(id as u32);
+            }
+        }
+        seg_start.push(rows as u32);
+        let segments = seg_id.len();
+        let work = product("segments * width", segments, width)?;
+        let (order, seg_start, seg_id) = (
+            gpu.upload(&order)?,
+            gpu.upload(&seg_start)?,
+            gpu.upload(&seg_id)?,
+        );
+        let (order_v, start_v, id_v) = (order.as_slice(), seg_start.as_slice(), seg_id.as_slice());
+        let args = [
+            gpu.arg("src", &src)?,
+            gpu.arg("order", &order_v)?,
+            gpu.arg("seg_start", &start_v)?,
+            gpu.arg("seg_id", &id_v)?,
+            gpu.arg_mut("table", &table)?,
+            KernelArg::U32(table_rows as u32),
+            KernelArg::U32(width as u32),
+            KernelArg::U32(segments as u32),
+        ];
+        // SAFETY: live, length-checked views on this GPU; order holds row
+        // indices below rows, seg_start has segments + 1 entries, seg_id ids
+        // below table_rows; table is borrowed mutably and each (segment,
+        // column) element is written by one thread. The index buffers live
+        // until the end of this function; freeing them waits for the kernel.
+        unsafe { gpu.launch(&MODULE, "scatter_add_rows", config(gpu, work), &args) }
+    }
+
+    /// `dst[c] = (accumulate ? dst[c] : 0) + sum over rows of src[r, c]`, rows in order.
+    pub fn column_sums(
+        gpu: &Gpu,
+        src: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let (src, dst) = (src.dev_slice(), dst.dev_slice_mut());
+        check_len("src", product("rows * cols", rows, cols)?, src.len())?;
+        check_len("dst", cols, dst.len())?;
+        let rows32 = count("rows", rows)?;
+        if cols == 0 {
+            return Ok(());
+        }
+        let args = [
+            gpu.arg("src", &src)?,
+            gpu.arg_mut("dst", &dst)?,
+            KernelArg::U32(rows32),
+            KernelArg::U32(cols as u32),
+            KernelArg::U32(accumulate as u32),
+        ];
+        // SAFETY: live, length-checked views on this GPU; dst borrowed mutably.
+        unsafe { gpu.launch(&MODULE, "column_sums", config(gpu, cols), &args) }
+    }
+
+    /// `dst[r, c] += bias[c]`.
+    pub fn add_row_bias(
+        gpu: &Gpu,
+        bias: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let (bias, dst) = (bias.dev_slice(), dst.dev_slice_mut());
+        check_len("bias", cols, bias.len())?;
+        let n = product("rows * cols", rows, cols)?;
+        check_len("dst", n, dst.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            gpu.arg("bias", &bias)?,
+            gpu.arg_mut("dst", &dst)?,
+            KernelArg::U32(rows as u32),
+            KernelArg::U32(cols as u32),
+        ];
+        // SAFETY: live, length-checked views on this GPU; dst borrowed mutably.
+        unsafe { gpu.launch(&MODULE, "add_row_bias", config(gpu, n), &args) }
+    }
+
+    fn unary(
+        gpu: &Gpu,
+        kernel: &'static str,
+        x: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        let (x, dst) = (x.dev_slice(), dst.dev_slice_mut());
+        check_len("dst", x.len(), dst.len())?;
+        let n = count("x", x.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            gpu.arg("x", &x)?,
+            gpu.arg_mut("dst", &dst)?,
+            KernelArg::U32(n),
+        ];
+        // SAFETY: live views of n elements on this GPU; dst borrowed mutably.
+        unsafe { gpu.launch(&MODULE, kernel, config(gpu, x.len()), &args) }
+    }
+
+    /// `dst = sigmoid(x)`.
+    pub fn unary_sigmoid(
+        gpu: &Gpu,
+        x: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        unary(gpu, "unary_sigmoid", x, dst)
+    }
+
+    /// `dst = tanh(x)`.
+    pub fn unary_tanh(
+        gpu: &Gpu,
+        x: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        unary(gpu, "unary_tanh", x, dst)
+    }
+
+    /// `dst += x`.
+    pub fn in_place_add(
+        gpu: &Gpu,
+        x: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        unary(gpu, "in_place_add", x, dst)
+    }
+
+    /// `dst *= x * (1 - x)` (x is a sigmoid output).
+    pub fn in_place_mul_sigmoid_grad(
+        gpu: &Gpu,
+        x: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        unary(gpu, "in_place_mul_sigmoid_grad", x, dst)
+    }
+
+    /// `dst *= 1 - x * x` (x is a tanh output).
+    pub fn in_place_mul_tanh_grad(
+        gpu: &Gpu,
+        x: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        unary(gpu, "in_place_mul_tanh_grad", x, dst)
+    }
+
+    fn binary(
+        gpu: &Gpu,
+        kernel: &'static str,
+        a: &impl AsDevSlice<f32>,
+        b: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        let (a, b, dst) = (a.dev_slice(), b.dev_slice(), dst.dev_slice_mut());
+        check_len("b", a.len(), b.len())?;
+        check_len("dst", a.len(), dst.len())?;
+        let n = count("a", a.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            gpu.arg("a", &a)?,
+            gpu.arg("b", &b)?,
+            gpu.arg_mut("dst", &dst)?,
+            KernelArg::U32(n),
+        ];
+        // SAFETY: live views of n elements on this GPU; dst borrowed mutably.
+        unsafe { gpu.launch(&MODULE, kernel, config(gpu, a.len()), &args) }
+    }
+
+    /// `dst = a + b`.
+    pub fn binary_add(
+        gpu: &Gpu,
+        a: &impl AsDevSlice<f32>,
+        b: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        binary(gpu, "binary_add", a, b, dst)
+    }
+
+    /// `dst = a * b`.
+    pub fn binary_mul(
+        gpu: &Gpu,
+        a: &impl AsDevSlice<f32>,
+        b: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        binary(gpu, "binary_mul", a, b, dst)
+    }
+
+    /// Sum of `x`: per-block f64 sums rounded to f32 on the device, added in
+    /// f64 on the host. Waits for the stream (it returns a host value).
+    pub fn sum(gpu: &Gpu, x: &impl AsDevSlice<f32>) -> Result<f64> {
+        let x = x.dev_slice();
+        let n = count("x", x.len())?;
+        if n == 0 {
+            return Ok(0.0);
+        }
+        let blocks = x
+            .len()
+            .div_ceil(BLOCK as usize)
+            .min(gpu.multiprocessors() as usize * 4);
+        let mut partials = gpu.alloc::<f32>(blocks)?;
+        let partials_view = partials.as_mut_slice();
+        let args = [
+            gpu.arg("x", &x)?,
+            gpu.arg_mut("partials", &partials_view)?,
+            KernelArg::U32(n),
+        ];
+        // SAFETY: x is a live view of n elements on this GPU; partials holds
+        // one float per block of the launch.
+        unsafe {
+            gpu.launch(
+                &MODULE,
+                "sum_partials",
+                LaunchConfig::linear(blocks as u32, BLOCK),
+                &args,
+            )?;
+        }
+        Ok(partials.to_host()?.iter().map(|&p| f64::from(p)).sum())
+    }
+}
