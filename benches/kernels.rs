@@ -1,5 +1,6 @@
 //! Criterion benchmarks of the hot CPU kernels: each serial kernel is the baseline for its
-//! `par` twin, and the two-pass softmax is the baseline for the online one. After the
+//! `par` twin, the two-pass softmax is the baseline for the online one, and plain scalar
+//! loops with `std`'s `exp`/`tanh` are the baseline for the LSTM and softmax forwards. After the
 //! measurements the bench prints, from criterion's own estimates of this run, a table with
 //! the baseline, our figure and the ratio.
 //!
@@ -50,6 +51,58 @@ type ToBf16 = fn(&[f32], f32, &mut [bf16]) -> k::Result<bool>;
 type Adam =
     fn(&mut [f32], &[f32], &mut [f32], &mut [f32], f32, f32, f32, f32, f32, u32) -> k::Result<()>;
 
+/// Baseline: the pointwise LSTM forward written plainly with `std`'s scalar `exp`/`tanh`.
+#[allow(clippy::too_many_arguments)]
+fn lstm_forward_plain_std(
+    gates: &[f32],
+    bias: &[f32],
+    c_prev: &[f32],
+    c: &mut [f32],
+    h: &mut [f32],
+    act: &mut [f32],
+    batch: usize,
+    hidden: usize,
+) -> k::Result<()> {
+    let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
+    for b in 0..batch {
+        for j in 0..hidden {
+            let at = |gate: usize| b * 4 * hidden + gate * hidden + j;
+            let i = sigmoid(gates[at(0)] + bias[j]);
+            let f = sigmoid(gates[at(1)] + bias[hidden + j]);
+            let g = (gates[at(2)] + bias[2 * hidden + j]).tanh();
+            let o = sigmoid(gates[at(3)] + bias[3 * hidden + j]);
+            let cn = f * c_prev[b * hidden + j] + i * g;
+            c[b * hidden + j] = cn;
+            h[b * hidden + j] = o * cn.tanh();
+            act[at(0)] = i;
+            act[at(1)] = f;
+            act[at(2)] = g;
+            act[at(3)] = o;
+        }
+    }
+    Ok(())
+}
+
+/// Baseline: two-pass softmax cross-entropy written plainly with `std`'s scalar `exp`/`ln`.
+fn softmax_forward_plain_std(
+    logits: &[f32],
+    labels: &[u32],
+    mask: &[f32],
+    loss: &mut [f32],
+    lse: &mut [f32],
+    rows: usize,
+    vocab: usize,
+) -> k::Result<()> {
+    for r in 0..rows {
+        let row = &logits[r * vocab..(r + 1) * vocab];
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+        lse[r] = max + sum.ln();
+        loss[r] = mask[r] * (lse[r] - row[labels[r] as usize]);
+    }
+    Ok(())
+}
+
 fn bench_lstm(c: &mut Criterion) {
     let (n, g) = (BATCH * HIDDEN, BATCH * 4 * HIDDEN);
     let gates = random(1, g, 3.0);
@@ -62,7 +115,8 @@ fn bench_lstm(c: &mut Criterion) {
 
     let mut group = c.benchmark_group("lstm_pointwise_forward");
     group.throughput(Throughput::Elements(n as u64));
-    let forwards: [(&str, LstmForward); 2] = [
+    let forwards: [(&str, LstmForward); 3] = [
+        ("plain_std", lstm_forward_plain_std),
         ("serial", k::lstm_pointwise_forward),
         ("par", par::lstm_pointwise_forward),
     ];
@@ -121,7 +175,8 @@ fn bench_softmax(c: &mut Criterion) {
 
     let mut group = c.benchmark_group("softmax_xent_forward");
     group.throughput(Throughput::Elements((ROWS * VOCAB) as u64));
-    let forwards: [(&str, SoftmaxForward); 4] = [
+    let forwards: [(&str, SoftmaxForward); 5] = [
+        ("plain_std", softmax_forward_plain_std),
         ("serial", k::softmax_xent_forward),
         ("par", par::softmax_xent_forward),
         ("online_serial", k::softmax_xent_forward_online),
@@ -249,8 +304,10 @@ fn mean_ns(dir: &Path, group: &str, name: &str) -> Option<f64> {
 
 fn print_ratios(dir: &Path) {
     let pairs = [
+        ("lstm_pointwise_forward", "plain_std", "serial"),
         ("lstm_pointwise_forward", "serial", "par"),
         ("lstm_pointwise_backward", "serial", "par"),
+        ("softmax_xent_forward", "plain_std", "serial"),
         ("softmax_xent_forward", "serial", "par"),
         ("softmax_xent_forward", "serial", "online_serial"),
         ("softmax_xent_forward", "online_serial", "online_par"),

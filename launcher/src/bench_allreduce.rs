@@ -181,6 +181,22 @@ mod measure {
         ((i + rank) % 3) as f64
     }
 
+    /// One all-reduce: `mpi` out of place (`MPI_Allreduce`, as nccl-tests measures it),
+    /// the others in place on `dst`.
+    fn run_once<T: Element>(
+        comm: &mut Communicator,
+        alg: Algorithm,
+        src: &[T],
+        dst: &mut [T],
+    ) -> BoxResult<()> {
+        if alg == Algorithm::Mpi {
+            comm.native_all_reduce_into(src, dst, ReduceOp::Sum)?;
+        } else {
+            comm.all_reduce(dst, &AllReduceOptions::sum().algorithm(alg))?;
+        }
+        Ok(())
+    }
+
     pub(super) fn table<T: Element>(
         comm: &mut Communicator,
         args: &AllreduceBenchArgs,
@@ -216,33 +232,36 @@ mod measure {
             let iters = args
                 .iters
                 .unwrap_or_else(|| ((1usize << 30) / bytes_exact).clamp(3, 200));
-            let mut size_rows = Vec::new();
+            // The algorithms take turns in rounds, so that a change in machine load hits
+            // them alike.
+            let rounds = iters.clamp(1, 4);
+            let per_round = iters.div_ceil(rounds);
+            let src = &input[..count];
+            let dst = &mut buf[..count];
             for &alg in algorithms {
-                let opts = AllReduceOptions::sum().algorithm(alg);
-                let src = &input[..count];
-                let dst = &mut buf[..count];
-                let once = |comm: &mut Communicator, dst: &mut [T]| -> BoxResult<()> {
-                    if alg == Algorithm::Mpi {
-                        comm.native_all_reduce_into(src, dst, ReduceOp::Sum)?;
-                    } else {
-                        comm.all_reduce(dst, &opts)?;
-                    }
-                    Ok(())
-                };
                 dst.copy_from_slice(src);
                 for _ in 0..args.warmup {
-                    once(comm, dst)?;
+                    run_once(comm, alg, src, dst)?;
                 }
-                comm.barrier()?;
-                let start = Instant::now();
-                for _ in 0..iters {
-                    once(comm, dst)?;
+            }
+            let mut elapsed = vec![0.0f64; algorithms.len()];
+            for _ in 0..rounds {
+                for (k, &alg) in algorithms.iter().enumerate() {
+                    comm.barrier()?;
+                    let start = Instant::now();
+                    for _ in 0..per_round {
+                        run_once(comm, alg, src, dst)?;
+                    }
+                    elapsed[k] += start.elapsed().as_secs_f64();
                 }
-                let local = start.elapsed().as_secs_f64() / iters as f64;
+            }
+            let mut size_rows = Vec::new();
+            for (k, &alg) in algorithms.iter().enumerate() {
+                let local = elapsed[k] / (rounds * per_round) as f64;
                 let secs = max_over_ranks(comm, local)?;
                 // Correctness: one more run from the original input, checked exactly.
                 dst.copy_from_slice(src);
-                once(comm, dst)?;
+                run_once(comm, alg, src, dst)?;
                 let wrong_here = dst
                     .iter()
                     .zip(&expected[..count])

@@ -613,29 +613,37 @@ impl Engine {
         let bytes =
             &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.buffer[..words])[..total * T::BYTES];
         let fused: &mut [T] = bytemuck::cast_slice_mut(bytes);
-        let mut copy_in = Vec::with_capacity(group.len());
+        // Per-tensor timestamps only when a timeline is written: they cost more than
+        // copying a small tensor.
+        let timed = self.timeline.enabled();
+        let stamp = || timed.then(Instant::now);
+        let mut copy_in = Vec::with_capacity(if timed { group.len() } else { 0 });
         let mut at = 0;
         for (_, p) in group.iter_mut() {
-            let start = Instant::now();
+            let start = stamp();
             let src = typed_mut::<T>(&mut p.tensor)?;
             fused[at..at + src.len()].copy_from_slice(src);
             at += src.len();
-            copy_in.push((start, Instant::now()));
+            if let (Some(s), Some(e)) = (start, stamp()) {
+                copy_in.push((s, e));
+            }
         }
         let start = Instant::now();
         comm.all_reduce(fused, &opts)?;
         let reduced = (start, Instant::now());
-        let mut copy_out = Vec::with_capacity(group.len());
+        let mut copy_out = Vec::with_capacity(copy_in.len());
         let mut at = 0;
         for (_, p) in group.iter_mut() {
-            let start = Instant::now();
+            let start = stamp();
             let dst = typed_mut::<T>(&mut p.tensor)?;
             let n = dst.len();
             dst.copy_from_slice(&fused[at..at + n]);
             at += n;
-            copy_out.push((start, Instant::now()));
+            if let (Some(s), Some(e)) = (start, stamp()) {
+                copy_out.push((s, e));
+            }
         }
-        if self.timeline.enabled() {
+        if timed {
             let args = serde_json::json!({ "fused_tensors": group.len(), "fused_bytes": total * T::BYTES });
             for (k, (name, _)) in group.iter().enumerate() {
                 self.timeline.phase(

@@ -235,6 +235,10 @@ impl ReadyTable {
     pub(crate) fn apply(&mut self, messages: &[CycleMessage], now: Instant) -> Vec<Decision> {
         for (rank, msg) in messages.iter().enumerate() {
             for a in &msg.announcements {
+                if let Some(e) = self.entries.get_mut(&a.name) {
+                    e.shapes[rank] = Some((a.dtype, a.len));
+                    continue;
+                }
                 let size = self.size;
                 let next_seq = &mut self.next_seq;
                 let entry = self.entries.entry(a.name.clone()).or_insert_with(|| {

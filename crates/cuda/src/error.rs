@@ -18,6 +18,16 @@ pub enum Error {
         /// Elements the slice has.
         actual: usize,
     },
+    /// A device slice is shorter than the strided matrix it must hold.
+    #[error("`{arg}` has {actual} elements but the matrix with its leading dimension spans {needed}: pass a larger buffer or smaller m/n/k/ld")]
+    TooShort {
+        /// Argument name.
+        arg: &'static str,
+        /// Elements the matrix spans.
+        needed: usize,
+        /// Elements the slice has.
+        actual: usize,
+    },
     /// A size does not fit the kernels' 32-bit element indices.
     #[error("`{arg}` = {value} is too large: the kernels index with 32-bit integers, so it must be at most {limit}; split the work into smaller launches")]
     TooLarge {
@@ -79,7 +89,7 @@ pub enum Error {
     },
     /// A call into the CUDA driver failed.
     #[cfg(feature = "cuda")]
-    #[error("CUDA driver error while {during}: {source} (is an NVIDIA driver installed and a GPU visible? check nvidia-smi and CUDA_VISIBLE_DEVICES)")]
+    #[error("CUDA driver error while {during}: {source:?} (is an NVIDIA driver installed and a GPU visible? check nvidia-smi and CUDA_VISIBLE_DEVICES)")]
     Driver {
         /// What was being done.
         during: &'static str,

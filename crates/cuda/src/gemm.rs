@@ -157,9 +157,9 @@ mod launchers {
             });
         }
         if len < needed {
-            return Err(Error::ShapeMismatch {
+            return Err(Error::TooShort {
                 arg,
-                expected: needed,
+                needed,
                 actual: len,
             });
         }

@@ -22,10 +22,10 @@
 //! [`GpuBuffer`] owns device memory; kernels take borrowed views
 //! ([`DevSlice`], [`DevSliceMut`]) so outputs cannot alias inputs. One Rust
 //! module per PTX file ([`lstm`], [`softmax`], [`fp16`], [`optim`], [`gemm`],
-//! [`model_ops`])
-//! embeds the file with `include_str!`, declares every entry's parameter list
-//! ([`KernelSignature`]) and, with the `cuda` feature, holds the typed launchers
-//! that check lengths and return [`Error`] instead of launching bad work.
+//! [`model_ops`]) embeds the file with `include_str!`, declares every entry's
+//! parameter list ([`KernelSignature`]) and, with the `cuda` feature, holds the
+//! typed launchers that check lengths and return [`Error`] instead of launching
+//! bad work.
 //!
 //! # Features
 //!

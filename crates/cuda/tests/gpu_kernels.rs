@@ -1114,9 +1114,9 @@ fn gemm_tensor_core_launcher_rejects_bad_leading_dims_and_alignment() {
     assert!(
         matches!(
             err,
-            Error::ShapeMismatch {
+            Error::TooShort {
                 arg: "a",
-                expected: 16,
+                needed: 16,
                 actual: 10
             }
         ),

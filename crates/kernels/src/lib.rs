@@ -60,6 +60,10 @@
 //! - `sqrt` is correctly rounded by IEEE 754, so `f32::sqrt` (with `std`, vectorisable)
 //!   and `libm::sqrtf` (without) give the same bits.
 //!
+//! None of the arithmetic is contracted into FMA (Rust never does that on its own), so
+//! building with wider vectors (`RUSTFLAGS="-C target-cpu=native"`) changes the speed, not
+//! the bits.
+//!
 //! Reductions inside a row use a fixed order of interleaved lanes. The `par` module
 //! (feature `rayon`) splits work over rows or fixed blocks only, so its results equal the
 //! serial kernels bit for bit. Compare GPU results with these kernels bit for bit only for

@@ -2,9 +2,8 @@
 //! backward pass, and a whole-cell reference.
 //!
 //! The matrix products `x·W_ih` and `h_prev·W_hh` are done by the caller (a GEMM); these
-//! kernels take the resulting pre-activations and do everything else. Layouts are the
-//! crate-level ones: gate block k (i = 0, f = 1, g = 2, o = 3), unit j, batch row b at
-//! `b * 4H + k * H + j`.
+//! kernels take the resulting pre-activations and do everything else. Layouts (row-major,
+//! gate order `i, f, g, o`) are described once, in the crate-level docs.
 
 use crate::error::{check_len, checked_product, Error, Result};
 use crate::vector_math::{sigmoid, tanh};

@@ -9,12 +9,29 @@
 use crate::error::{check_len, Error, Result};
 use crate::vector_math::sqrt;
 
+/// `Err(InvalidArgument)` naming `arg` unless `value` is finite and `>= 0` (PyTorch's
+/// optimizers reject negative or NaN learning rates, momenta, epsilons and decays too).
+#[inline]
+pub(crate) fn check_non_negative(arg: &'static str, value: f32) -> Result<()> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument {
+            arg,
+            reason: "must be a finite number >= 0",
+        })
+    }
+}
+
 /// `p -= lr * (g + weight_decay * p)` (plain SGD with L2 weight decay).
 ///
 /// # Errors
-/// `ShapeMismatch` naming `grads` when its length differs from `params`.
+/// `ShapeMismatch` naming `grads` when its length differs from `params`;
+/// `InvalidArgument` naming `lr` or `weight_decay` when it is negative or not finite.
 pub fn sgd_step(params: &mut [f32], grads: &[f32], lr: f32, weight_decay: f32) -> Result<()> {
     check_len("grads", grads.len(), params.len())?;
+    check_non_negative("lr", lr)?;
+    check_non_negative("weight_decay", weight_decay)?;
     sgd_block(params, grads, lr, weight_decay);
     Ok(())
 }
@@ -56,6 +73,10 @@ impl MomentumStep {
         nesterov: bool,
         first_step: bool,
     ) -> Result<Self> {
+        check_non_negative("lr", lr)?;
+        check_non_negative("momentum", momentum)?;
+        check_non_negative("dampening", dampening)?;
+        check_non_negative("weight_decay", weight_decay)?;
         if nesterov && (momentum <= 0.0 || dampening != 0.0) {
             return Err(Error::InvalidArgument {
                 arg: "nesterov",
@@ -117,7 +138,8 @@ impl MomentumStep {
 /// # Errors
 /// `ShapeMismatch` naming `grads` or `momentum_buf` when its length differs from `params`;
 /// `InvalidArgument` naming `nesterov` when Nesterov is asked for with `momentum <= 0` or
-/// non-zero `dampening` (PyTorch rejects that too).
+/// non-zero `dampening` (PyTorch rejects that too), or naming a hyper-parameter that is
+/// negative or not finite.
 #[allow(clippy::too_many_arguments)]
 pub fn sgd_momentum_step(
     params: &mut [f32],
@@ -166,6 +188,9 @@ impl AdamStep {
         step: u32,
         decoupled: bool,
     ) -> Result<Self> {
+        check_non_negative("lr", lr)?;
+        check_non_negative("eps", eps)?;
+        check_non_negative("weight_decay", weight_decay)?;
         if step == 0 {
             return Err(Error::InvalidArgument {
                 arg: "step",
@@ -256,7 +281,8 @@ pub(crate) fn check_adam(params: &[f32], grads: &[f32], m: &[f32], v: &[f32]) ->
 ///
 /// # Errors
 /// `ShapeMismatch` naming `grads`, `m` or `v` when its length differs from `params`;
-/// `InvalidArgument` for `step == 0` or a beta outside `[0, 1)`.
+/// `InvalidArgument` for `step == 0`, a beta outside `[0, 1)`, or a negative or non-finite
+/// `lr`, `eps` or `weight_decay`.
 #[allow(clippy::too_many_arguments)]
 pub fn adam_step(
     params: &mut [f32],

@@ -263,6 +263,8 @@ pub fn scale_f32(buf: &mut [f32], factor: f32) {
 /// As the serial kernel.
 pub fn sgd_step(params: &mut [f32], grads: &[f32], lr: f32, weight_decay: f32) -> Result<()> {
     check_len("grads", grads.len(), params.len())?;
+    optim::check_non_negative("lr", lr)?;
+    optim::check_non_negative("weight_decay", weight_decay)?;
     params
         .par_chunks_mut(PAR_BLOCK)
         .zip(grads.par_chunks(PAR_BLOCK))

@@ -23,10 +23,16 @@ const MAX_ARG: f32 = 89.0;
 
 /// `e^x` in f32: +inf above ~88.72, 0 below ~-103.97, NaN for NaN.
 #[inline(always)]
-#[allow(clippy::manual_clamp)] // `clamp` keeps NaN; max/min map it into range (fixed below)
 pub(crate) fn exp(x: f32) -> f32 {
-    // NaN becomes MIN_ARG here so the integer exponent arithmetic stays in range.
-    let clamped = x.max(MIN_ARG).min(MAX_ARG);
+    // Plain compare-and-select (one maxps/minps each): NaN fails the first comparison and
+    // becomes MIN_ARG, so the integer exponent arithmetic stays in range; the NaN is put
+    // back at the end. `f32::clamp` would keep the NaN, `f32::max` costs extra NaN fix-ups.
+    let low_clamped = if x > MIN_ARG { x } else { MIN_ARG };
+    let clamped = if low_clamped < MAX_ARG {
+        low_clamped
+    } else {
+        MAX_ARG
+    };
     // x = n ln2 + r with |r| <= ln2 / 2.
     let shifted = clamped * LOG2_E + ROUND_MAGIC;
     let n_f = shifted - ROUND_MAGIC;

@@ -234,6 +234,25 @@ fn optimizer_errors_name_the_argument() {
     assert!(matches!(err, Error::InvalidArgument { arg: "step", .. }));
     let err = adam_step(&mut p, &g, &mut m, &mut v, 0.1, 1.0, 0.999, 1e-8, 0.0, 1).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument { arg: "beta1", .. }));
+    let err = adam_step(&mut p, &g, &mut m, &mut v, -0.1, 0.9, 0.999, 1e-8, 0.0, 1).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { arg: "lr", .. }));
+    let err = sgd_step(&mut p, &g, 0.1, f32::NAN).unwrap_err();
+    assert!(matches!(
+        err,
+        Error::InvalidArgument {
+            arg: "weight_decay",
+            ..
+        }
+    ));
+    let err = sgd_momentum_step(&mut p, &g, &mut m, 0.1, -0.9, 0.0, 0.0, false, true).unwrap_err();
+    assert!(matches!(
+        err,
+        Error::InvalidArgument {
+            arg: "momentum",
+            ..
+        }
+    ));
+    assert!(err.to_string().contains("`momentum` is invalid"));
     assert_eq!(p, [0.0; 3], "nothing written on error");
     assert_eq!(m, [0.0; 3]);
 }
