@@ -6,7 +6,9 @@
 //! - ranks that use several threads (or share cores) must not be bound to one core:
 //!   `--bind-to none`;
 //! - in containers where cross-memory attach fails, shared-memory transfers need
-//!   `OMPI_MCA_btl_vader_single_copy_mechanism=none`.
+//!   `OMPI_MCA_btl_vader_single_copy_mechanism=none`;
+//! - the gradient-reduction thread overlaps backward on the same cores, so MPI should
+//!   yield while it waits: `OMPI_MCA_mpi_yield_when_idle=1`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

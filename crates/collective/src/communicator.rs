@@ -237,10 +237,10 @@ impl Communicator {
         if self.size > 1 && !buf.is_empty() {
             let bytes = std::mem::size_of_val(buf);
             match self.resolve_algorithm(opts.algorithm, bytes) {
-                Algorithm::Ring => self.ring_all_reduce(buf, opts.op)?,
+                // resolve_algorithm turns Auto into one of the others.
+                Algorithm::Ring | Algorithm::Auto => self.ring_all_reduce(buf, opts.op)?,
                 Algorithm::RecursiveDoubling => self.recursive_doubling_all_reduce(buf, opts.op)?,
                 Algorithm::Mpi => self.mpi_all_reduce_in_place(buf, opts.op)?,
-                Algorithm::Auto => unreachable!("resolve_algorithm never returns Auto"),
             }
         } else if self.size > 1 && opts.algorithm == Algorithm::Mpi {
             // Still check that the algorithm exists, so that a bad choice fails on every rank.
@@ -303,7 +303,13 @@ impl Communicator {
                 self.wire_bf16 = wire;
                 result
             }
-            WireCompression::None => unreachable!("checked by the caller"),
+            WireCompression::None => {
+                let plain = AllReduceOptions {
+                    compression: WireCompression::None,
+                    ..*opts
+                };
+                self.all_reduce(data, &plain)
+            }
         }
     }
 
@@ -499,40 +505,36 @@ impl Communicator {
         Ok(())
     }
 
-    /// Gathers every rank's `send` (lengths may differ per rank) on every rank, in rank order.
+    /// Gathers every rank's `send` (lengths may differ per rank) on every rank, in rank
+    /// order. Every rank sends its data straight to every other rank: one message step,
+    /// which suits the small, latency-bound gathers (negotiation, metadata) it serves.
     pub fn all_gather<T: bytemuck::Pod>(&mut self, send: &[T]) -> Result<Vec<Vec<T>>> {
-        let (n, r) = (self.size, self.rank);
-        let right = (r + 1) % n;
-        let left = (r + n - 1) % n;
-        // Lengths first, around the ring.
-        let mut lens = vec![0u64; n];
-        lens[r] = send.len() as u64;
-        for i in 0..n.saturating_sub(1) {
-            let s = (r + n - i) % n;
-            let d = (r + 2 * n - i - 1) % n;
-            let (sb, rb) = split_read_write(&mut lens, s..s + 1, d..d + 1);
-            self.transport
-                .sendrecv(right, bytes_of(sb), left, bytes_of_mut(rb))?;
-        }
-        let mut out: Vec<Vec<T>> = lens
-            .iter()
-            .map(|&l| vec![T::zeroed(); l as usize])
-            .collect();
-        out[r].copy_from_slice(send);
-        for i in 0..n.saturating_sub(1) {
-            let s = (r + n - i) % n;
-            let d = (r + 2 * n - i - 1) % n;
-            let mut incoming = std::mem::take(&mut out[d]);
-            let result = self.transport.sendrecv(
-                right,
-                bytes_of(&out[s]),
-                left,
-                bytes_of_mut(&mut incoming),
-            );
-            out[d] = incoming;
-            result?;
-        }
-        Ok(out)
+        let gathered = self.transport.exchange_all(bytes_of(send))?;
+        let rank = self.rank;
+        gathered
+            .into_iter()
+            .enumerate()
+            .map(|(src, bytes)| {
+                if bytes.len() % std::mem::size_of::<T>().max(1) != 0 {
+                    return Err(Error::Transport {
+                        rank,
+                        detail: format!(
+                            "all_gather: rank {src} sent {} bytes, not a whole number of {}-byte elements: the ranks gathered different types",
+                            bytes.len(),
+                            std::mem::size_of::<T>()
+                        ),
+                    });
+                }
+                let mut v = vec![T::zeroed(); bytes.len() / std::mem::size_of::<T>().max(1)];
+                bytes_of_mut(&mut v).copy_from_slice(&bytes);
+                Ok(v)
+            })
+            .collect()
+    }
+
+    /// The raw bytes every rank contributed, in rank order (no copies into typed vectors).
+    pub fn all_gather_bytes(&mut self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.transport.exchange_all(send)
     }
 
     /// Returns once every rank has entered the barrier (dissemination algorithm).

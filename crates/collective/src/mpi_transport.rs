@@ -128,6 +128,42 @@ impl Transport for MpiTransport {
         self.check_status(status, peer, buf.len())
     }
 
+    fn recv_vec(&self, peer: usize) -> Result<Vec<u8>> {
+        self.check(peer, 0)?;
+        let (data, _status) = self
+            .world()
+            .process_at_rank(peer as i32)
+            .receive_vec::<u8>();
+        Ok(data)
+    }
+
+    /// Non-blocking sends to every peer, then receives of unknown length (matched probe).
+    fn exchange_all(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.check(0, data.len())?;
+        let (n, r) = (self.size, self.rank);
+        let world = self.world();
+        let mut out = vec![Vec::new(); n];
+        mpi::request::scope(|scope| {
+            let sends: Vec<_> = (1..n)
+                .map(|k| {
+                    world
+                        .process_at_rank(((r + k) % n) as i32)
+                        .immediate_send(scope, data)
+                })
+                .collect();
+            for k in 1..n {
+                let peer = (r + n - k) % n;
+                let (v, _status) = world.process_at_rank(peer as i32).receive_vec::<u8>();
+                out[peer] = v;
+            }
+            for s in sends {
+                s.wait();
+            }
+        });
+        out[r] = data.to_vec();
+        Ok(out)
+    }
+
     fn sendrecv(&self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
         self.check(to, send.len())?;
         self.check(from, recv.len())?;

@@ -28,6 +28,28 @@ pub trait Transport: Send {
     /// deadlocking when every rank calls it at once (as a ring step does).
     fn sendrecv(&self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()>;
 
+    /// Receives one message of any length from `peer`.
+    fn recv_vec(&self, peer: usize) -> Result<Vec<u8>>;
+
+    /// Sends `data` to every other rank and returns every rank's data, own included, in
+    /// rank order: one message step, however many ranks (lengths may differ per rank).
+    ///
+    /// This default needs buffered sends (as the local transport has); transports whose
+    /// sends block override it.
+    fn exchange_all(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let (n, r) = (self.size(), self.rank());
+        for k in 1..n {
+            self.send((r + k) % n, data)?;
+        }
+        let mut out = vec![Vec::new(); n];
+        for k in 1..n {
+            let peer = (r + n - k) % n;
+            out[peer] = self.recv_vec(peer)?;
+        }
+        out[r] = data.to_vec();
+        Ok(out)
+    }
+
     /// Like [`Transport::sendrecv`], but moves the data in segments of `segment_bytes`
     /// and calls `on_segment(byte_offset, bytes)` for every received segment, in order,
     /// while later segments are still in flight where the transport allows it.
@@ -195,5 +217,13 @@ impl Transport for LocalTransport {
     fn sendrecv(&self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
         self.send(to, send)?;
         self.recv(from, recv)
+    }
+
+    fn recv_vec(&self, peer: usize) -> Result<Vec<u8>> {
+        self.check_peer(peer)?;
+        self.from_peer[peer].recv().map_err(|_| Error::Transport {
+            rank: self.rank,
+            detail: format!("rank {peer} has gone away before sending the expected message"),
+        })
     }
 }

@@ -50,8 +50,8 @@
 //!
 //! # Math and determinism
 //!
-//! All arithmetic is f32 (optimizer scalars and norms are formed in f64). No kernel uses
-//! `std`'s float functions, so the results are the same bits with and without `std`:
+//! All arithmetic is f32 (optimizer scalars and norms are formed in f64), and the results
+//! are the same bits with and without `std`:
 //! - `exp`, `tanh` and the sigmoid in the softmax and LSTM loops are the crate's own
 //!   branch-free polynomial versions (within 2 ulp for `exp` and 4 ulp for `tanh` of the
 //!   exact value, checked against f64 in the tests), because a library call per element

@@ -83,13 +83,15 @@ fn row_max(row: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = row.chunks_exact(LANES);
     let tail = chunks.remainder();
+    // Compare-and-select (a single maxps) rather than f32::max: NaN compares false and is
+    // skipped either way.
     for chunk in chunks {
         for (lane, &x) in lanes.iter_mut().zip(chunk) {
-            *lane = lane.max(x);
+            *lane = if x > *lane { x } else { *lane };
         }
     }
     for (lane, &x) in lanes.iter_mut().zip(tail) {
-        *lane = lane.max(x);
+        *lane = if x > *lane { x } else { *lane };
     }
     lanes.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
 }

@@ -370,6 +370,18 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// crc32 of the flags every rank must share (paths written only by rank 0 and the
+    /// per-node thread count are left out), to catch ranks started with different flags.
+    pub fn fingerprint(&self) -> u32 {
+        let shared = TrainConfig {
+            json_report: None,
+            checkpoint: None,
+            threads: 0,
+            ..self.clone()
+        };
+        crc32fast::hash(serde_json::to_string(&shared).unwrap_or_default().as_bytes())
+    }
+
     /// Ranks that compute gradients (all but dedicated parameter servers).
     pub fn worker_count(&self, world: usize) -> usize {
         if self.variable_update == VariableUpdate::ParameterServer && self.ps_ranks > 0 {

@@ -394,3 +394,22 @@ fn fp16_gradients_track_f32_training() {
     assert_close(&ranks[0], &ranks[1], 0.0, "fp16 replicas");
     assert_close(&ranks[0], &reference, 2e-3, "fp16 vs f32");
 }
+
+#[test]
+fn ranks_with_different_flags_fail_on_every_rank_instead_of_hanging() {
+    let results = Communicator::run_local(2, |comm| {
+        let rank = comm.rank();
+        let mut cfg = config(VariableUpdate::Replicated, OptimizerKind::Sgd);
+        if rank == 1 {
+            cfg.batch_size = 5;
+        }
+        let mut model = TokenRegression::new(VOCAB, 4, 7);
+        let mut batches = batches_for(&BatchSplit::per_rank(cfg.batch_size, 1), 0, 1).into_iter();
+        train(&cfg, comm, &mut model, &mut batches, &mut |_| {}).err().map(|e| e.to_string())
+    })
+    .unwrap();
+    for err in results {
+        let err = err.expect("a mismatch must be an error");
+        assert!(err.contains("differs between ranks") && err.contains("flags"), "{err}");
+    }
+}

@@ -1,37 +1,891 @@
-//! The CUDA backend's entry point.
+//! The CUDA backend: model buffers in GPU memory, every operation a kernel launch on one
+//! stream of the backend's device.
 //!
 //! Without the `cuda` feature the crate has no GPU runtime and [`CudaBackend::new`] returns
-//! [`Error::NotCompiledWithCuda`]. With the feature the PTX runtime (ringtrain-cuda) is
-//! linked, but the model operations are not yet implemented on the GPU, so
-//! [`CudaBackend::new`] returns [`Error::CudaBackendUnavailable`] rather than a backend
-//! that would silently do nothing.
+//! [`Error::NotCompiledWithCuda`].
+//!
+//! With it, [`CudaBackend`] drives one GPU through ringtrain-cuda: `Buffer` is a
+//! [`ringtrain_cuda::GpuBuffer<f32>`], operands are views at element offsets, and each
+//! operation queues one kernel (the PTX kernels of `ptx/`: `gemm`, `lstm`, `softmax`,
+//! `model_ops`) on the device's stream. Only [`Backend::download`], [`Backend::sum`] and the
+//! per-call uploads of ids, labels and masks wait for the stream. Launches are counted as
+//! the CPU backend counts them: one per operation, also when an operation has no work.
+//!
+//! Numerics against the CPU backend: fill, copy, embeddings, column sums, bias adds, the
+//! element-wise and in-place operations are bit-identical; sigmoid / tanh (alone and inside
+//! the LSTM kernels) differ by less than 1e-6 absolute; GEMMs accumulate in f32 in another
+//! order (relative differences around 1e-6 of the row norms); the softmax's log-sum-exp
+//! differs by at most 2e-6·max(1, |lse|); [`Backend::sum`] by at most
+//! (2^-24 + n·2^-52)·Σ|x| (see `ptx/model_ops.ptx`).
+//!
+//! [`GemmPrecision::F16`] / [`GemmPrecision::Bf16`] (mixed precision) copy both GEMM
+//! operands to 16-bit scratch buffers and multiply them on tensor cores with f32
+//! accumulation; parameters, gradients and activations stay f32 (f32 master weights).
+//! Products whose row strides are not multiples of 8 fall back to the f32 GEMM.
 
-use crate::error::{Error, Result};
+#[cfg(feature = "cuda")]
+pub use imp::{CudaBackend, GemmPrecision};
 
-/// Handle of the GPU backend. No value of it can be made in this version (see the module
-/// docs): every constructor returns an error that says why.
-#[derive(Debug)]
-pub struct CudaBackend {
-    device: usize,
-    _unconstructible: std::convert::Infallible,
+#[cfg(not(feature = "cuda"))]
+pub use stand_in::CudaBackend;
+
+#[cfg(not(feature = "cuda"))]
+mod stand_in {
+    use crate::error::{Error, Result};
+
+    /// Handle of the GPU backend. Without the `cuda` feature no value of it can be made:
+    /// [`CudaBackend::new`] returns an error that says how to get one.
+    #[derive(Debug)]
+    pub struct CudaBackend {
+        device: usize,
+        _unconstructible: std::convert::Infallible,
+    }
+
+    impl CudaBackend {
+        /// The backend on GPU `device`.
+        ///
+        /// # Errors
+        /// [`Error::NotCompiledWithCuda`]: the crate was built without the `cuda` feature.
+        pub fn new(device: usize) -> Result<CudaBackend> {
+            Err(Error::NotCompiledWithCuda { device })
+        }
+
+        /// The GPU index this backend drives.
+        pub fn device(&self) -> usize {
+            self.device
+        }
+    }
 }
 
-impl CudaBackend {
-    /// The backend on GPU `device`.
-    ///
-    /// # Errors
-    /// [`Error::NotCompiledWithCuda`] when the crate was built without the `cuda` feature;
-    /// [`Error::CudaBackendUnavailable`] when it was built with it.
-    pub fn new(device: usize) -> Result<CudaBackend> {
-        if cfg!(feature = "cuda") {
-            Err(Error::CudaBackendUnavailable { device })
-        } else {
-            Err(Error::NotCompiledWithCuda { device })
+#[cfg(feature = "cuda")]
+mod imp {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    use std::ops::Range;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use half::{bf16, f16};
+    use ringtrain_cuda::model_ops;
+    use ringtrain_cuda::{
+        fp16, gemm, lstm, softmax, DevSlice, DevSliceMut, Element, Gpu, GpuBuffer, NonFiniteFlag,
+        Transpose,
+    };
+
+    use crate::backend::{Backend, Binary, Gemm, InPlace, LstmStep, Unary};
+    use crate::error::{Error, Result};
+
+    /// Element type of the GEMM operands.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub enum GemmPrecision {
+        /// f32 operands, f32 SIMT GEMM (`gemm_f32_*`).
+        #[default]
+        F32,
+        /// Operands rounded to f16, tensor-core GEMM with f32 accumulation.
+        F16,
+        /// Operands rounded to bf16, tensor-core GEMM with f32 accumulation.
+        Bf16,
+    }
+
+    /// GPU errors as the model crate's error. The crate's error enum has no GPU variant
+    /// yet, so a driver or launch failure is reported as a problem with the `device`
+    /// setting, carrying the driver's full message.
+    fn gpu_error(e: ringtrain_cuda::Error) -> Error {
+        Error::InvalidConfig {
+            field: "device",
+            value: "cuda".into(),
+            reason: format!(
+                "the GPU failed: {e}; check that the device exists, is not out of memory, \
+                 and that the NVIDIA driver works (nvidia-smi)"
+            ),
         }
     }
 
-    /// The GPU index this backend drives.
-    pub fn device(&self) -> usize {
-        self.device
+    /// Scratch device memory reused between calls.
+    struct Scratch {
+        /// u32 buffers (ids, labels, scatter segments) by exact length.
+        words: HashMap<usize, Vec<GpuBuffer<u32>>>,
+        /// f32 buffers (masks, staging of partial uploads / downloads) by exact length.
+        floats: HashMap<usize, Vec<GpuBuffer<f32>>>,
+        /// f16 copies of the GEMM operands (A, B), grown as needed.
+        f16_ops: [Option<GpuBuffer<f16>>; 2],
+        /// bf16 copies of the GEMM operands (A, B), grown as needed.
+        bf16_ops: [Option<GpuBuffer<bf16>>; 2],
+        /// Set by the 16-bit casts on overflow; informational only.
+        cast_flag: NonFiniteFlag,
+    }
+
+    /// Takes a cached buffer of exactly `len` elements from `pool`, or allocates one.
+    fn take<T: Element>(
+        gpu: &Gpu,
+        pool: &mut HashMap<usize, Vec<GpuBuffer<T>>>,
+        len: usize,
+    ) -> Result<GpuBuffer<T>> {
+        match pool.get_mut(&len).and_then(Vec::pop) {
+            Some(buf) => Ok(buf),
+            None => gpu.alloc::<T>(len).map_err(gpu_error),
+        }
+    }
+
+    fn give<T: Element>(pool: &mut HashMap<usize, Vec<GpuBuffer<T>>>, buf: GpuBuffer<T>) {
+        pool.entry(buf.len()).or_default().push(buf);
+    }
+
+    /// CUDA backend on one GPU (see the module docs).
+    pub struct CudaBackend {
+        gpu: Gpu,
+        precision: GemmPrecision,
+        launches: AtomicU64,
+        scratch: RefCell<Scratch>,
+    }
+
+    impl std::fmt::Debug for CudaBackend {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("CudaBackend")
+                .field("device", &self.gpu.ordinal())
+                .field("name", &self.gpu.name())
+                .field("precision", &self.precision)
+                .field("launches", &self.launches())
+                .finish()
+        }
+    }
+
+    /// `offset..offset + len` if it fits in `buf_len`, else `OutOfBounds` naming `what`.
+    fn span(what: &'static str, offset: usize, len: usize, buf_len: usize) -> Result<Range<usize>> {
+        match offset.checked_add(len) {
+            Some(end) if end <= buf_len => Ok(offset..end),
+            _ => Err(Error::OutOfBounds {
+                what,
+                end: offset.saturating_add(len),
+                len: buf_len,
+            }),
+        }
+    }
+
+    /// Elements a strided `[rows, cols]` matrix view with row stride `ld` spans.
+    fn strided_extent(rows: usize, cols: usize, ld: usize) -> usize {
+        if rows == 0 || cols == 0 {
+            0
+        } else {
+            (rows - 1) * ld + cols
+        }
+    }
+
+    /// Every id below `rows`, else `OutOfBounds` naming the first bad one (as the CPU).
+    fn check_ids(ids: &[u32], rows: usize) -> Result<()> {
+        match ids.iter().find(|&&id| id as usize >= rows) {
+            Some(&id) => Err(Error::OutOfBounds {
+                what: "embedding row id",
+                end: id as usize + 1,
+                len: rows,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn view<'a>(buf: &'a GpuBuffer<f32>, r: Range<usize>) -> Result<DevSlice<'a, f32>> {
+        buf.slice(r).map_err(gpu_error)
+    }
+
+    fn view_mut<'a>(buf: &'a mut GpuBuffer<f32>, r: Range<usize>) -> Result<DevSliceMut<'a, f32>> {
+        buf.slice_mut(r).map_err(gpu_error)
+    }
+
+    /// Read view of slot `read` and write view of slot `write` of a `[slots, len]` buffer.
+    fn two_slots<'a>(
+        buf: &'a mut GpuBuffer<f32>,
+        read: usize,
+        write: usize,
+        len: usize,
+        what: &'static str,
+    ) -> Result<(DevSliceMut<'a, f32>, DevSliceMut<'a, f32>)> {
+        let end = read.max(write).saturating_add(1).saturating_mul(len);
+        if read == write || end > buf.len() {
+            return Err(Error::OutOfBounds {
+                what,
+                end,
+                len: buf.len(),
+            });
+        }
+        let lo = read.min(write) * len;
+        let whole = buf.as_mut_slice();
+        let (_, rest) = whole.split_at_mut(lo).map_err(gpu_error)?;
+        let gap = read.max(write) * len - lo;
+        let (first, second) = rest.split_at_mut(gap).map_err(gpu_error)?;
+        let (first, _) = first.split_at_mut(len).map_err(gpu_error)?;
+        let (second, _) = second.split_at_mut(len).map_err(gpu_error)?;
+        Ok(if read < write {
+            (first, second)
+        } else {
+            (second, first)
+        })
+    }
+
+    impl CudaBackend {
+        /// The backend on GPU `device` with f32 GEMMs.
+        ///
+        /// # Errors
+        /// A GPU error when the device does not exist or cannot be initialised.
+        pub fn new(device: usize) -> Result<CudaBackend> {
+            CudaBackend::with_precision(device, GemmPrecision::F32)
+        }
+
+        /// The backend on GPU `device` with GEMM operands in `precision`.
+        ///
+        /// # Errors
+        /// A GPU error when the device does not exist or cannot be initialised.
+        pub fn with_precision(device: usize, precision: GemmPrecision) -> Result<CudaBackend> {
+            let count = Gpu::device_count().map_err(gpu_error)?;
+            if device >= count {
+                return Err(Error::InvalidConfig {
+                    field: "device",
+                    value: device.to_string(),
+                    reason: format!(
+                        "this machine has {count} CUDA device(s), numbered from 0; pick one below {count} \
+                         (one rank per GPU: the local rank picks it)"
+                    ),
+                });
+            }
+            let gpu = Gpu::new(device).map_err(gpu_error)?;
+            for module in [
+                &gemm::MODULE,
+                &lstm::MODULE,
+                &softmax::MODULE,
+                &model_ops::MODULE,
+                &fp16::MODULE,
+            ] {
+                gpu.load(module).map_err(gpu_error)?;
+            }
+            let scratch = Scratch {
+                words: HashMap::new(),
+                floats: HashMap::new(),
+                f16_ops: [None, None],
+                bf16_ops: [None, None],
+                cast_flag: NonFiniteFlag::new(&gpu).map_err(gpu_error)?,
+            };
+            Ok(CudaBackend {
+                gpu,
+                precision,
+                launches: AtomicU64::new(0),
+                scratch: RefCell::new(scratch),
+            })
+        }
+
+        /// The GPU index this backend drives.
+        pub fn device(&self) -> usize {
+            self.gpu.ordinal()
+        }
+
+        /// The GPU runtime handle (context, stream, module cache).
+        pub fn gpu(&self) -> &Gpu {
+            &self.gpu
+        }
+
+        /// Element type of the GEMM operands.
+        pub fn precision(&self) -> GemmPrecision {
+            self.precision
+        }
+
+        /// Waits until every queued operation has finished (for timing).
+        ///
+        /// # Errors
+        /// A GPU error from an earlier launch or the synchronization itself.
+        pub fn synchronize(&self) -> Result<()> {
+            self.gpu.synchronize().map_err(gpu_error)
+        }
+
+        fn launched(&self) {
+            self.launches.fetch_add(1, Ordering::Relaxed);
+        }
+
+        /// Uploads `host` into a cached u32 buffer of its length (synchronizes).
+        fn upload_words(&self, host: &[u32]) -> Result<GpuBuffer<u32>> {
+            let mut scratch = self.scratch.borrow_mut();
+            let mut buf = take(&self.gpu, &mut scratch.words, host.len())?;
+            buf.copy_from_host(host).map_err(gpu_error)?;
+            Ok(buf)
+        }
+
+        /// Uploads `host` into a cached f32 buffer of its length (synchronizes).
+        fn upload_floats(&self, host: &[f32]) -> Result<GpuBuffer<f32>> {
+            let mut scratch = self.scratch.borrow_mut();
+            let mut buf = take(&self.gpu, &mut scratch.floats, host.len())?;
+            buf.copy_from_host(host).map_err(gpu_error)?;
+            Ok(buf)
+        }
+
+        fn return_words(&self, buf: GpuBuffer<u32>) {
+            give(&mut self.scratch.borrow_mut().words, buf);
+        }
+
+        fn return_floats(&self, buf: GpuBuffer<f32>) {
+            give(&mut self.scratch.borrow_mut().floats, buf);
+        }
+
+        /// Runs `f` with labels and mask on the device.
+        fn with_labels<R>(
+            &self,
+            labels: &[u32],
+            mask: &[f32],
+            rows: usize,
+            f: impl FnOnce(&GpuBuffer<u32>, &GpuBuffer<f32>) -> Result<R>,
+        ) -> Result<R> {
+            if labels.len() != rows || mask.len() != rows {
+                return Err(Error::OutOfBounds {
+                    what: "softmax labels / mask (one per row)",
+                    end: labels.len().max(mask.len()),
+                    len: rows,
+                });
+            }
+            let labels_dev = self.upload_words(labels)?;
+            let mask_dev = self.upload_floats(mask)?;
+            let result = f(&labels_dev, &mask_dev);
+            self.return_words(labels_dev);
+            self.return_floats(mask_dev);
+            result
+        }
+
+        /// The 16-bit GEMM: both operand spans cast into scratch, then the tensor-core
+        /// product. Returns `false` (nothing queued) when the strides do not allow it.
+        #[allow(clippy::too_many_arguments)]
+        fn gemm_half(
+            &self,
+            transpose: Transpose,
+            a: DevSlice<'_, f32>,
+            b: DevSlice<'_, f32>,
+            c: &mut DevSliceMut<'_, f32>,
+            g: &Gemm,
+            beta: f32,
+        ) -> Result<bool> {
+            if g.lda % 8 != 0 || g.ldb % 8 != 0 || g.k == 0 {
+                return Ok(false);
+            }
+            let mut scratch = self.scratch.borrow_mut();
+            let scratch = &mut *scratch;
+            let flag = &mut scratch.cast_flag;
+            let (m, n, k, lda, ldb, ldc) = (g.m, g.n, g.k, g.lda, g.ldb, g.ldc);
+            match self.precision {
+                GemmPrecision::F16 => {
+                    let [sa, sb] = &mut scratch.f16_ops;
+                    let mut ha = grown(&self.gpu, sa, a.len())?;
+                    let mut hb = grown(&self.gpu, sb, b.len())?;
+                    fp16::f32_to_f16_scaled(&self.gpu, &a, 1.0, &mut ha, flag)
+                        .map_err(gpu_error)?;
+                    fp16::f32_to_f16_scaled(&self.gpu, &b, 1.0, &mut hb, flag)
+                        .map_err(gpu_error)?;
+                    gemm::gemm_f16(
+                        &self.gpu, transpose, &ha, &hb, c, m, n, k, lda, ldb, ldc, 1.0, beta,
+                    )
+                    .map_err(gpu_error)?;
+                }
+                GemmPrecision::Bf16 => {
+                    let [sa, sb] = &mut scratch.bf16_ops;
+                    let mut ha = grown(&self.gpu, sa, a.len())?;
+                    let mut hb = grown(&self.gpu, sb, b.len())?;
+                    fp16::f32_to_bf16_scaled(&self.gpu, &a, 1.0, &mut ha, flag)
+                        .map_err(gpu_error)?;
+                    fp16::f32_to_bf16_scaled(&self.gpu, &b, 1.0, &mut hb, flag)
+                        .map_err(gpu_error)?;
+                    gemm::gemm_bf16(
+                        &self.gpu, transpose, &ha, &hb, c, m, n, k, lda, ldb, ldc, 1.0, beta,
+                    )
+                    .map_err(gpu_error)?;
+                }
+                GemmPrecision::F32 => return Ok(false),
+            }
+            Ok(true)
+        }
+    }
+
+    /// The first `len` elements of `slot`, reallocated (to the next power of two) when
+    /// it holds fewer. Buffers start 256-byte aligned, as the tensor-core GEMM needs.
+    fn grown<'a, T: Element>(
+        gpu: &Gpu,
+        slot: &'a mut Option<GpuBuffer<T>>,
+        len: usize,
+    ) -> Result<DevSliceMut<'a, T>> {
+        if slot.as_ref().is_none_or(|buf| buf.len() < len) {
+            *slot = None; // free the old one first
+            *slot = Some(gpu.alloc::<T>(len.next_power_of_two()).map_err(gpu_error)?);
+        }
+        match slot {
+            Some(buf) => buf.slice_mut(0..len).map_err(gpu_error),
+            None => Err(Error::OutOfBounds {
+                what: "GEMM operand scratch",
+                end: len,
+                len: 0,
+            }),
+        }
+    }
+
+    impl Backend for CudaBackend {
+        type Buffer = GpuBuffer<f32>;
+
+        fn name(&self) -> &'static str {
+            "cuda"
+        }
+
+        fn zeros(&self, len: usize) -> Result<GpuBuffer<f32>> {
+            self.gpu.zeros(len).map_err(gpu_error)
+        }
+
+        fn len(&self, buf: &GpuBuffer<f32>) -> usize {
+            buf.len()
+        }
+
+        fn upload(&self, src: &[f32], dst: &mut GpuBuffer<f32>, offset: usize) -> Result<()> {
+            let r = span("upload destination", offset, src.len(), dst.len())?;
+            if r.len() == dst.len() {
+                return dst.copy_from_host(src).map_err(gpu_error);
+            }
+            let staged = self.upload_floats(src)?;
+            let copied = self
+                .gpu
+                .copy(&staged, &mut view_mut(dst, r)?)
+                .map_err(gpu_error);
+            self.return_floats(staged);
+            copied
+        }
+
+        fn download(&self, src: &GpuBuffer<f32>, offset: usize, dst: &mut [f32]) -> Result<()> {
+            let r = span("download source", offset, dst.len(), src.len())?;
+            if r.len() == src.len() {
+                return src.copy_to_host(dst).map_err(gpu_error);
+            }
+            let mut staged = {
+                let mut scratch = self.scratch.borrow_mut();
+                take(&self.gpu, &mut scratch.floats, dst.len())?
+            };
+            let result = self
+                .gpu
+                .copy(&view(src, r)?, &mut staged)
+                .and_then(|()| staged.copy_to_host(dst))
+                .map_err(gpu_error);
+            self.return_floats(staged);
+            result
+        }
+
+        fn launches(&self) -> u64 {
+            self.launches.load(Ordering::Relaxed)
+        }
+
+        fn fill(
+            &self,
+            dst: &mut GpuBuffer<f32>,
+            offset: usize,
+            len: usize,
+            value: f32,
+        ) -> Result<()> {
+            let r = span("fill destination", offset, len, dst.len())?;
+            self.launched();
+            model_ops::fill(&self.gpu, &mut view_mut(dst, r)?, value).map_err(gpu_error)
+        }
+
+        fn copy(
+            &self,
+            src: &GpuBuffer<f32>,
+            src_offset: usize,
+            dst: &mut GpuBuffer<f32>,
+            dst_offset: usize,
+            len: usize,
+        ) -> Result<()> {
+            let rs = span("copy source", src_offset, len, src.len())?;
+            let rd = span("copy destination", dst_offset, len, dst.len())?;
+            self.launched();
+            self.gpu
+                .copy(&view(src, rs)?, &mut view_mut(dst, rd)?)
+                .map_err(gpu_error)
+        }
+
+        fn gemm(
+            &self,
+            a: &GpuBuffer<f32>,
+            b: &GpuBuffer<f32>,
+            c: &mut GpuBuffer<f32>,
+            g: &Gemm,
+        ) -> Result<()> {
+            let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+            let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+            if g.lda < a_cols || g.ldb < b_cols || g.ldc < g.n {
+                return Err(Error::OutOfBounds {
+                    what: "gemm row stride shorter than the row",
+                    end: a_cols.max(b_cols).max(g.n),
+                    len: g.lda.min(g.ldb).min(g.ldc),
+                });
+            }
+            let ra = span(
+                "gemm A",
+                g.a_offset,
+                strided_extent(a_rows, a_cols, g.lda),
+                a.len(),
+            )?;
+            let rb = span(
+                "gemm B",
+                g.b_offset,
+                strided_extent(b_rows, b_cols, g.ldb),
+                b.len(),
+            )?;
+            let rc = span(
+                "gemm C",
+                g.c_offset,
+                strided_extent(g.m, g.n, g.ldc),
+                c.len(),
+            )?;
+            let transpose = match (g.trans_a, g.trans_b) {
+                (false, false) => Transpose::NN,
+                (false, true) => Transpose::NT,
+                (true, false) => Transpose::TN,
+                (true, true) => {
+                    return Err(Error::InvalidConfig {
+                        field: "gemm",
+                        value: "trans_a and trans_b".into(),
+                        reason: "the GPU GEMM has nn, nt and tn kernels; compute (B·A)ᵀ with one \
+                                 transposed operand instead"
+                            .into(),
+                    })
+                }
+            };
+            self.launched();
+            if g.m == 0 || g.n == 0 {
+                return Ok(());
+            }
+            let beta = if g.accumulate { 1.0 } else { 0.0 };
+            let (a, b) = (view(a, ra)?, view(b, rb)?);
+            let mut c = view_mut(c, rc)?;
+            if self.precision != GemmPrecision::F32
+                && self.gemm_half(transpose, a, b, &mut c, g, beta)?
+            {
+                return Ok(());
+            }
+            gemm::gemm_f32(
+                &self.gpu, transpose, &a, &b, &mut c, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, 1.0, beta,
+            )
+            .map_err(gpu_error)
+        }
+
+        fn gather_rows(
+            &self,
+            table: &GpuBuffer<f32>,
+            table_offset: usize,
+            table_rows: usize,
+            width: usize,
+            ids: &[u32],
+            dst: &mut GpuBuffer<f32>,
+            dst_offset: usize,
+        ) -> Result<()> {
+            let t = span(
+                "gather table",
+                table_offset,
+                table_rows * width,
+                table.len(),
+            )?;
+            let d = span(
+                "gather destination",
+                dst_offset,
+                ids.len() * width,
+                dst.len(),
+            )?;
+            check_ids(ids, table_rows)?;
+            self.launched();
+            if ids.is_empty() {
+                return Ok(());
+            }
+            model_ops::gather_rows(
+                &self.gpu,
+                &view(table, t)?,
+                ids,
+                &mut view_mut(dst, d)?,
+                table_rows,
+                width,
+            )
+            .map_err(gpu_error)
+        }
+
+        fn scatter_add_rows(
+            &self,
+            src: &GpuBuffer<f32>,
+            src_offset: usize,
+            ids: &[u32],
+            width: usize,
+            table: &mut GpuBuffer<f32>,
+            table_offset: usize,
+            table_rows: usize,
+        ) -> Result<()> {
+            let s = span("scatter source", src_offset, ids.len() * width, src.len())?;
+            let t = span(
+                "scatter table",
+                table_offset,
+                table_rows * width,
+                table.len(),
+            )?;
+            check_ids(ids, table_rows)?;
+            self.launched();
+            if ids.is_empty() || width == 0 {
+                return Ok(());
+            }
+            model_ops::scatter_add_rows(
+                &self.gpu,
+                &view(src, s)?,
+                ids,
+                &mut view_mut(table, t)?,
+                table_rows,
+                width,
+            )
+            .map_err(gpu_error)
+        }
+
+        fn column_sums(
+            &self,
+            src: &GpuBuffer<f32>,
+            src_offset: usize,
+            rows: usize,
+            cols: usize,
+            dst: &mut GpuBuffer<f32>,
+            dst_offset: usize,
+            accumulate: bool,
+        ) -> Result<()> {
+            let s = span("column_sums source", src_offset, rows * cols, src.len())?;
+            let d = span("column_sums destination", dst_offset, cols, dst.len())?;
+            self.launched();
+            model_ops::column_sums(
+                &self.gpu,
+                &view(src, s)?,
+                &mut view_mut(dst, d)?,
+                rows,
+                cols,
+                accumulate,
+            )
+            .map_err(gpu_error)
+        }
+
+        fn add_row_bias(
+            &self,
+            bias: &GpuBuffer<f32>,
+            bias_offset: usize,
+            dst: &mut GpuBuffer<f32>,
+            dst_offset: usize,
+            rows: usize,
+            cols: usize,
+        ) -> Result<()> {
+            let b = span("bias", bias_offset, cols, bias.len())?;
+            let d = span("bias destination", dst_offset, rows * cols, dst.len())?;
+            self.launched();
+            model_ops::add_row_bias(
+                &self.gpu,
+                &view(bias, b)?,
+                &mut view_mut(dst, d)?,
+                rows,
+                cols,
+            )
+            .map_err(gpu_error)
+        }
+
+        fn unary(
+            &self,
+            op: Unary,
+            x: &GpuBuffer<f32>,
+            x_offset: usize,
+            dst: &mut GpuBuffer<f32>,
+            dst_offset: usize,
+            len: usize,
+        ) -> Result<()> {
+            let rx = span("unary input", x_offset, len, x.len())?;
+            let rd = span("unary output", dst_offset, len, dst.len())?;
+            self.launched();
+            let (x, mut dst) = (view(x, rx)?, view_mut(dst, rd)?);
+            match op {
+                Unary::Sigmoid => model_ops::unary_sigmoid(&self.gpu, &x, &mut dst),
+                Unary::Tanh => model_ops::unary_tanh(&self.gpu, &x, &mut dst),
+            }
+            .map_err(gpu_error)
+        }
+
+        fn binary(
+            &self,
+            op: Binary,
+            a: &GpuBuffer<f32>,
+            a_offset: usize,
+            b: &GpuBuffer<f32>,
+            b_offset: usize,
+            dst: &mut GpuBuffer<f32>,
+            dst_offset: usize,
+            len: usize,
+        ) -> Result<()> {
+            let ra = span("binary input a", a_offset, len, a.len())?;
+            let rb = span("binary input b", b_offset, len, b.len())?;
+            let rd = span("binary output", dst_offset, len, dst.len())?;
+            self.launched();
+            let (a, b, mut dst) = (view(a, ra)?, view(b, rb)?, view_mut(dst, rd)?);
+            match op {
+                Binary::Add => model_ops::binary_add(&self.gpu, &a, &b, &mut dst),
+                Binary::Mul => model_ops::binary_mul(&self.gpu, &a, &b, &mut dst),
+            }
+            .map_err(gpu_error)
+        }
+
+        fn in_place(
+            &self,
+            op: InPlace,
+            x: &GpuBuffer<f32>,
+            x_offset: usize,
+            dst: &mut GpuBuffer<f32>,
+            dst_offset: usize,
+            len: usize,
+        ) -> Result<()> {
+            let rx = span("in-place input", x_offset, len, x.len())?;
+            let rd = span("in-place output", dst_offset, len, dst.len())?;
+            self.launched();
+            let (x, mut dst) = (view(x, rx)?, view_mut(dst, rd)?);
+            match op {
+                InPlace::Add => model_ops::in_place_add(&self.gpu, &x, &mut dst),
+                InPlace::MulSigmoidGrad => {
+                    model_ops::in_place_mul_sigmoid_grad(&self.gpu, &x, &mut dst)
+                }
+                InPlace::MulTanhGrad => model_ops::in_place_mul_tanh_grad(&self.gpu, &x, &mut dst),
+            }
+            .map_err(gpu_error)
+        }
+
+        fn lstm_forward_step(
+            &self,
+            input_proj: &GpuBuffer<f32>,
+            recurrent: &GpuBuffer<f32>,
+            bias: &GpuBuffer<f32>,
+            bias_offset: usize,
+            cells: &mut GpuBuffer<f32>,
+            hiddens: &mut GpuBuffer<f32>,
+            act: &mut GpuBuffer<f32>,
+            at: &LstmStep,
+        ) -> Result<()> {
+            let (bh, g) = (at.batch * at.hidden, 4 * at.batch * at.hidden);
+            let proj = span("lstm input_proj", 0, at.steps * g, input_proj.len())?;
+            let rec = span("lstm recurrent", 0, g, recurrent.len())?;
+            let b = span("lstm bias", bias_offset, 4 * at.hidden, bias.len())?;
+            let a = span("lstm act", at.step * g, g, act.len())?;
+            let (c_prev, mut c) =
+                two_slots(cells, at.prev_slot, at.out_slot, bh, "lstm cell slots")?;
+            let h = span("lstm hidden slot", at.out_slot * bh, bh, hiddens.len())?;
+            self.launched();
+            lstm::lstm_pointwise_forward_step(
+                &self.gpu,
+                &view(input_proj, proj)?,
+                &view(recurrent, rec)?,
+                &view(bias, b)?,
+                &c_prev,
+                &mut c,
+                &mut view_mut(hiddens, h)?,
+                &mut view_mut(act, a)?,
+                at.step,
+                at.steps,
+                at.batch,
+                at.hidden,
+            )
+            .map_err(gpu_error)
+        }
+
+        fn lstm_backward_step(
+            &self,
+            act: &GpuBuffer<f32>,
+            cells: &GpuBuffer<f32>,
+            dh: &GpuBuffer<f32>,
+            dc: &GpuBuffer<f32>,
+            dgates: &mut GpuBuffer<f32>,
+            dc_prev: &mut GpuBuffer<f32>,
+            at: &LstmStep,
+        ) -> Result<()> {
+            let (bh, g) = (at.batch * at.hidden, 4 * at.batch * at.hidden);
+            let a = span("lstm act", at.step * g, g, act.len())?;
+            let cp = span("lstm c_prev slot", at.prev_slot * bh, bh, cells.len())?;
+            let c = span("lstm c slot", at.out_slot * bh, bh, cells.len())?;
+            let dhr = span("lstm dh", at.step * bh, bh, dh.len())?;
+            let dcr = span("lstm dc", 0, bh, dc.len())?;
+            let dg = span("lstm dgates", at.step * g, g, dgates.len())?;
+            let dcp = span("lstm dc_prev", 0, bh, dc_prev.len())?;
+            self.launched();
+            lstm::lstm_pointwise_backward(
+                &self.gpu,
+                &view(act, a)?,
+                &view(cells, cp)?,
+                &view(cells, c)?,
+                &view(dh, dhr)?,
+                &view(dc, dcr)?,
+                &mut view_mut(dgates, dg)?,
+                &mut view_mut(dc_prev, dcp)?,
+                at.batch,
+                at.hidden,
+            )
+            .map_err(gpu_error)
+        }
+
+        fn softmax_xent_forward(
+            &self,
+            logits: &GpuBuffer<f32>,
+            labels: &[u32],
+            mask: &[f32],
+            loss: &mut GpuBuffer<f32>,
+            lse: &mut GpuBuffer<f32>,
+            rows: usize,
+            vocab: usize,
+        ) -> Result<()> {
+            let l = span("softmax logits", 0, rows * vocab, logits.len())?;
+            let lo = span("softmax loss", 0, rows, loss.len())?;
+            let ls = span("softmax lse", 0, rows, lse.len())?;
+            self.launched();
+            if rows == 0 {
+                return Ok(());
+            }
+            self.with_labels(labels, mask, rows, |labels, mask| {
+                softmax::softmax_xent_forward(
+                    &self.gpu,
+                    &view(logits, l)?,
+                    labels,
+                    mask,
+                    &mut view_mut(loss, lo)?,
+                    &mut view_mut(lse, ls)?,
+                    rows,
+                    vocab,
+                )
+                .map_err(gpu_error)
+            })
+        }
+
+        fn softmax_xent_backward(
+            &self,
+            logits: &mut GpuBuffer<f32>,
+            lse: &GpuBuffer<f32>,
+            labels: &[u32],
+            mask: &[f32],
+            scale: f32,
+            rows: usize,
+            vocab: usize,
+        ) -> Result<()> {
+            let l = span("softmax logits", 0, rows * vocab, logits.len())?;
+            let ls = span("softmax lse", 0, rows, lse.len())?;
+            self.launched();
+            if rows == 0 {
+                return Ok(());
+            }
+            self.with_labels(labels, mask, rows, |labels, mask| {
+                softmax::softmax_xent_backward(
+                    &self.gpu,
+                    &mut view_mut(logits, l)?,
+                    &view(lse, ls)?,
+                    labels,
+                    mask,
+                    scale,
+                    rows,
+                    vocab,
+                )
+                .map_err(gpu_error)
+            })
+        }
+
+        fn sum(&self, src: &GpuBuffer<f32>, offset: usize, len: usize) -> Result<f64> {
+            let r = span("sum source", offset, len, src.len())?;
+            self.launched();
+            if len == 0 {
+                return Ok(0.0);
+            }
+            model_ops::sum(&self.gpu, &view(src, r)?).map_err(gpu_error)
+        }
     }
 }

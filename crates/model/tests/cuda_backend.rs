@@ -1,0 +1,493 @@
+//! The CUDA backend against the CPU backend (needs a CUDA device: built into the GPU bundle
+//! by scripts/build-gpu-bundle, run by scripts/gpu-check).
+//!
+//! Tolerances, stated once:
+//! * bit-exact: fill, copy, gather/scatter of embedding rows, column sums, bias adds,
+//!   element-wise add/mul and the in-place gradient products;
+//! * sigmoid / tanh: 2e-6 absolute (ex2.approx-based, see ptx/model_ops.ptx);
+//! * GEMM: 1e-5 of max|C| (f32 accumulation in another order);
+//! * sum: (2^-24 + n·2^-52)·Σ|x| (ptx/model_ops.ptx);
+//! * whole models (f32): summed loss within 1e-5 relative, every gradient tensor within
+//!   1e-4 of its largest CPU element (at least 1e-6 absolute), launch counts equal;
+//! * 5 SGD steps (lr 0.5): every parameter within 1e-4 absolute of the CPU's;
+//! * bf16 / f16 GEMM operands (mixed precision): loss within 2e-2 relative.
+#![cfg(feature = "cuda")]
+
+mod toy;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use ringtrain_model::backend::cuda::GemmPrecision;
+use ringtrain_model::{
+    Backend, Binary, CpuBackend, CudaBackend, EncoderKind, Gemm, InPlace, LmConfig, LstmImpl,
+    LstmStep, Model, NmtConfig, NmtModel, RnnLm, Unary,
+};
+
+fn gpu() -> CudaBackend {
+    match CudaBackend::new(0) {
+        Ok(b) => b,
+        Err(e) => panic!("these tests need CUDA device 0: {e}"),
+    }
+}
+
+fn gpu_with(precision: GemmPrecision) -> CudaBackend {
+    match CudaBackend::with_precision(0, precision) {
+        Ok(b) => b,
+        Err(e) => panic!("these tests need CUDA device 0: {e}"),
+    }
+}
+
+fn random(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-scale..scale)).collect()
+}
+
+/// A host vector on both backends.
+fn both(
+    cpu: &CpuBackend,
+    gpu: &CudaBackend,
+    host: &[f32],
+) -> (Vec<f32>, ringtrain_cuda::GpuBuffer<f32>) {
+    let mut c = cpu.zeros(host.len()).unwrap();
+    cpu.upload(host, &mut c, 0).unwrap();
+    let mut g = gpu.zeros(host.len()).unwrap();
+    gpu.upload(host, &mut g, 0).unwrap();
+    (c, g)
+}
+
+fn fetch(gpu: &CudaBackend, buf: &ringtrain_cuda::GpuBuffer<f32>) -> Vec<f32> {
+    let mut host = vec![0.0; gpu.len(buf)];
+    gpu.download(buf, 0, &mut host).unwrap();
+    host
+}
+
+fn assert_bits_equal(what: &str, cpu: &[f32], gpu: &[f32]) {
+    assert_eq!(cpu.len(), gpu.len(), "{what}: lengths");
+    for (i, (c, g)) in cpu.iter().zip(gpu).enumerate() {
+        assert!(
+            c.to_bits() == g.to_bits() || (c.is_nan() && g.is_nan()),
+            "{what}: element {i}: cpu {c:e}, gpu {g:e}"
+        );
+    }
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn max_abs(a: &[f32]) -> f32 {
+    a.iter().map(|x| x.abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn element_wise_and_embedding_ops_are_bit_identical() {
+    let (cpu, gpu) = (toy::cpu(1), gpu());
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let (rows, cols) = (37, 45);
+    let x = random(&mut rng, rows * cols + 3, 3.0);
+    let y = random(&mut rng, rows * cols + 3, 3.0);
+    let sig: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(0.0..1.0)).collect();
+    let (xc, xg) = both(&cpu, &gpu, &x);
+    let (yc, yg) = both(&cpu, &gpu, &y);
+    let (sc, sg) = both(&cpu, &gpu, &sig);
+    let n = rows * cols;
+    let mut oc = cpu.zeros(n + 5).unwrap();
+    let mut og = gpu.zeros(n + 5).unwrap();
+
+    cpu.fill(&mut oc, 2, n, -1.25).unwrap();
+    gpu.fill(&mut og, 2, n, -1.25).unwrap();
+    assert_bits_equal("fill", &oc, &fetch(&gpu, &og));
+    cpu.copy(&xc, 3, &mut oc, 1, n).unwrap();
+    gpu.copy(&xg, 3, &mut og, 1, n).unwrap();
+    assert_bits_equal("copy", &oc, &fetch(&gpu, &og));
+    for op in [Binary::Add, Binary::Mul] {
+        cpu.binary(op, &xc, 1, &yc, 2, &mut oc, 3, n).unwrap();
+        gpu.binary(op, &xg, 1, &yg, 2, &mut og, 3, n).unwrap();
+        assert_bits_equal(&format!("{op:?}"), &oc, &fetch(&gpu, &og));
+    }
+    for op in [InPlace::Add, InPlace::MulSigmoidGrad, InPlace::MulTanhGrad] {
+        cpu.in_place(op, &sc, 0, &mut oc, 4, n).unwrap();
+        gpu.in_place(op, &sg, 0, &mut og, 4, n).unwrap();
+        assert_bits_equal(&format!("{op:?}"), &oc, &fetch(&gpu, &og));
+    }
+    cpu.add_row_bias(&xc, 5, &mut oc, 1, rows, cols).unwrap();
+    gpu.add_row_bias(&xg, 5, &mut og, 1, rows, cols).unwrap();
+    assert_bits_equal("add_row_bias", &oc, &fetch(&gpu, &og));
+    for accumulate in [false, true] {
+        cpu.column_sums(&xc, 2, rows, cols, &mut oc, 7, accumulate)
+            .unwrap();
+        gpu.column_sums(&xg, 2, rows, cols, &mut og, 7, accumulate)
+            .unwrap();
+        assert_bits_equal("column_sums", &oc, &fetch(&gpu, &og));
+    }
+    // embeddings: repeated ids, table at an offset
+    let (table_rows, width) = (11, cols);
+    let ids: Vec<u32> = (0..rows).map(|r| [3, 0, 3, 10, 7][r % 5]).collect();
+    cpu.gather_rows(&xc, 1, table_rows, width, &ids, &mut oc, 2)
+        .unwrap();
+    gpu.gather_rows(&xg, 1, table_rows, width, &ids, &mut og, 2)
+        .unwrap();
+    assert_bits_equal("gather_rows", &oc, &fetch(&gpu, &og));
+    let (mut tc, mut tg) = both(&cpu, &gpu, &y);
+    cpu.scatter_add_rows(&xc, 0, &ids, width, &mut tc, 3, table_rows)
+        .unwrap();
+    gpu.scatter_add_rows(&xg, 0, &ids, width, &mut tg, 3, table_rows)
+        .unwrap();
+    assert_bits_equal("scatter_add_rows", &tc, &fetch(&gpu, &tg));
+    // bad ids are errors on both, before any work
+    assert!(gpu
+        .gather_rows(&xg, 0, 3, width, &[0, 3], &mut og, 0)
+        .is_err());
+    assert_eq!(
+        cpu.launches(),
+        gpu.launches(),
+        "one launch per operation on both"
+    );
+}
+
+#[test]
+fn activations_gemm_softmax_and_sum_agree_within_tolerance() {
+    let (cpu, gpu) = (toy::cpu(1), gpu());
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let n = 2000;
+    let x = random(&mut rng, n, 12.0);
+    let (xc, xg) = both(&cpu, &gpu, &x);
+    let mut oc = cpu.zeros(n).unwrap();
+    let mut og = gpu.zeros(n).unwrap();
+    for op in [Unary::Sigmoid, Unary::Tanh] {
+        cpu.unary(op, &xc, 0, &mut oc, 0, n).unwrap();
+        gpu.unary(op, &xg, 0, &mut og, 0, n).unwrap();
+        let err = max_abs_diff(&oc, &fetch(&gpu, &og));
+        assert!(err <= 2e-6, "{op:?}: max abs diff {err:e}");
+    }
+    // sum: the documented bound
+    let total = gpu.sum(&xg, 3, n - 3).unwrap();
+    let exact = cpu.sum(&xc, 3, n - 3).unwrap();
+    let abs: f64 = x[3..].iter().map(|&v| f64::from(v.abs())).sum();
+    let bound = (2f64.powi(-24) + (n as f64) * 2f64.powi(-52)) * abs;
+    assert!(
+        (total - exact).abs() <= bound,
+        "sum {total} vs {exact} (bound {bound:e})"
+    );
+    // GEMMs in all three layouts, with offsets, strides and accumulation
+    let (m, nn, k) = (33, 70, 45);
+    let a = random(&mut rng, 4000, 1.0);
+    let b = random(&mut rng, 4000, 1.0);
+    let (ac, ag) = both(&cpu, &gpu, &a);
+    let (bc, bg) = both(&cpu, &gpu, &b);
+    let mut cc = cpu.zeros(3000).unwrap();
+    let mut cg = gpu.zeros(3000).unwrap();
+    for spec in [
+        Gemm::nn(m, nn, k).at(5, 7, 3),
+        Gemm::nt(m, nn, k).at(1, 0, 0).strides(k + 2, k, nn + 1),
+        Gemm::tn(m, nn, k).at(0, 9, 2).accumulate(true),
+    ] {
+        cpu.gemm(&ac, &bc, &mut cc, &spec).unwrap();
+        gpu.gemm(&ag, &bg, &mut cg, &spec).unwrap();
+        let err = max_abs_diff(&cc, &fetch(&gpu, &cg)) / max_abs(&cc);
+        assert!(err <= 1e-5, "{spec:?}: relative error {err:e}");
+    }
+    // softmax forward and backward
+    let (rows, vocab) = (9, 301);
+    let logits = random(&mut rng, rows * vocab, 6.0);
+    let labels: Vec<u32> = (0..rows as u32).map(|r| (r * 37) % vocab as u32).collect();
+    let mask: Vec<f32> = (0..rows).map(|r| if r == 4 { 0.0 } else { 1.0 }).collect();
+    let (mut lc, mut lg) = both(&cpu, &gpu, &logits);
+    let (mut loss_c, mut lse_c) = (cpu.zeros(rows).unwrap(), cpu.zeros(rows).unwrap());
+    let (mut loss_g, mut lse_g) = (gpu.zeros(rows).unwrap(), gpu.zeros(rows).unwrap());
+    cpu.softmax_xent_forward(&lc, &labels, &mask, &mut loss_c, &mut lse_c, rows, vocab)
+        .unwrap();
+    gpu.softmax_xent_forward(&lg, &labels, &mask, &mut loss_g, &mut lse_g, rows, vocab)
+        .unwrap();
+    assert!(
+        max_abs_diff(&loss_c, &fetch(&gpu, &loss_g)) <= 4e-5,
+        "softmax loss"
+    );
+    assert!(
+        max_abs_diff(&lse_c, &fetch(&gpu, &lse_g)) <= 4e-5,
+        "softmax lse"
+    );
+    cpu.softmax_xent_backward(&mut lc, &lse_c, &labels, &mask, 0.5, rows, vocab)
+        .unwrap();
+    gpu.softmax_xent_backward(&mut lg, &lse_g, &labels, &mask, 0.5, rows, vocab)
+        .unwrap();
+    assert!(
+        max_abs_diff(&lc, &fetch(&gpu, &lg)) <= 4e-6,
+        "softmax gradient"
+    );
+    // one LSTM step forward and backward
+    let (batch, hidden, steps) = (3, 16, 2);
+    let g4 = 4 * batch * hidden;
+    let at = LstmStep {
+        step: 1,
+        steps,
+        batch,
+        hidden,
+        prev_slot: 1,
+        out_slot: 2,
+    };
+    let (proj_c, proj_g) = both(&cpu, &gpu, &random(&mut rng, steps * g4, 2.0));
+    let (rec_c, rec_g) = both(&cpu, &gpu, &random(&mut rng, g4, 2.0));
+    let (bias_c, bias_g) = both(&cpu, &gpu, &random(&mut rng, 4 * hidden + 2, 1.0));
+    let (mut cells_c, mut cells_g) = both(&cpu, &gpu, &random(&mut rng, 3 * batch * hidden, 1.0));
+    let (mut h_c, mut h_g) = both(&cpu, &gpu, &vec![0.0; 3 * batch * hidden]);
+    let (mut act_c, mut act_g) = both(&cpu, &gpu, &vec![0.0; steps * g4]);
+    cpu.lstm_forward_step(
+        &proj_c,
+        &rec_c,
+        &bias_c,
+        2,
+        &mut cells_c,
+        &mut h_c,
+        &mut act_c,
+        &at,
+    )
+    .unwrap();
+    gpu.lstm_forward_step(
+        &proj_g,
+        &rec_g,
+        &bias_g,
+        2,
+        &mut cells_g,
+        &mut h_g,
+        &mut act_g,
+        &at,
+    )
+    .unwrap();
+    for (what, c, g) in [
+        ("c", &cells_c, &cells_g),
+        ("h", &h_c, &h_g),
+        ("act", &act_c, &act_g),
+    ] {
+        let err = max_abs_diff(c, &fetch(&gpu, g));
+        assert!(err <= 4e-6, "lstm forward {what}: {err:e}");
+    }
+    let (dh_c, dh_g) = both(&cpu, &gpu, &random(&mut rng, steps * batch * hidden, 1.0));
+    let (dc_c, dc_g) = both(&cpu, &gpu, &random(&mut rng, batch * hidden, 1.0));
+    let (mut dg_c, mut dg_g) = both(&cpu, &gpu, &vec![0.0; steps * g4]);
+    let (mut dcp_c, mut dcp_g) = both(&cpu, &gpu, &vec![0.0; batch * hidden]);
+    cpu.lstm_backward_step(&act_c, &cells_c, &dh_c, &dc_c, &mut dg_c, &mut dcp_c, &at)
+        .unwrap();
+    gpu.lstm_backward_step(
+        &act_c_on(&gpu, &act_c),
+        &cells_g,
+        &dh_g,
+        &dc_g,
+        &mut dg_g,
+        &mut dcp_g,
+        &at,
+    )
+    .unwrap();
+    assert!(
+        max_abs_diff(&dg_c, &fetch(&gpu, &dg_g)) <= 4e-6,
+        "lstm backward dgates"
+    );
+    assert!(
+        max_abs_diff(&dcp_c, &fetch(&gpu, &dcp_g)) <= 4e-6,
+        "lstm backward dc_prev"
+    );
+}
+
+/// The CPU's activations on the GPU (so the backward step sees identical inputs).
+fn act_c_on(gpu: &CudaBackend, act: &[f32]) -> ringtrain_cuda::GpuBuffer<f32> {
+    let mut g = gpu.zeros(act.len()).unwrap();
+    gpu.upload(act, &mut g, 0).unwrap();
+    g
+}
+
+fn small_nmt(lstm: LstmImpl) -> NmtConfig {
+    NmtConfig {
+        src_vocab: 41,
+        tgt_vocab: 48,
+        emb: 16,
+        hidden: 24,
+        layers: 2,
+        encoder: EncoderKind::Bi,
+        lstm,
+        init_scale: 0.3,
+        forget_bias: 1.0,
+    }
+}
+
+fn small_lm(lstm: LstmImpl) -> LmConfig {
+    LmConfig {
+        vocab: 56,
+        emb: 16,
+        hidden: 24,
+        layers: 2,
+        lstm,
+        init_scale: 0.3,
+        forget_bias: 1.0,
+    }
+}
+
+/// Compares losses, launch counts and every gradient tensor of one pass.
+fn compare_pass(
+    what: &str,
+    cpu_stats: ringtrain_model::StepStats,
+    gpu_stats: ringtrain_model::StepStats,
+    layout: &ringtrain_model::ParamLayout,
+    cpu_grads: &[f32],
+    gpu_grads: &[f32],
+) {
+    let rel = (cpu_stats.loss_sum - gpu_stats.loss_sum).abs() / cpu_stats.loss_sum.abs().max(1e-12);
+    assert!(
+        rel <= 1e-5,
+        "{what}: loss {} vs {} (relative {rel:e})",
+        cpu_stats.loss_sum,
+        gpu_stats.loss_sum
+    );
+    assert_eq!(cpu_stats.tokens, gpu_stats.tokens, "{what}: tokens");
+    assert_eq!(
+        cpu_stats.launches, gpu_stats.launches,
+        "{what}: launches per batch"
+    );
+    for e in layout.entries() {
+        let (c, g) = (&cpu_grads[e.range()], &gpu_grads[e.range()]);
+        let tol = (1e-4 * max_abs(c)).max(1e-6);
+        let err = max_abs_diff(c, g);
+        assert!(
+            err <= tol,
+            "{what}: gradient {} differs by {err:e} (tolerance {tol:e})",
+            e.name
+        );
+    }
+}
+
+#[test]
+fn nmt_loss_and_gradients_match_the_cpu() {
+    for lstm in [LstmImpl::Fused, LstmImpl::Stepwise] {
+        let config = small_nmt(lstm);
+        let data = toy::NmtData::random(&config, 5, 7, 6, 11);
+        let mut on_cpu = NmtModel::new(toy::cpu(1), config.clone(), 3).unwrap();
+        let mut on_gpu = NmtModel::new(gpu(), config, 3).unwrap();
+        let mut ranges = Vec::new();
+        let cs = on_cpu
+            .forward_backward(&data.view(), &mut |_, _| {})
+            .unwrap();
+        let gs = on_gpu
+            .forward_backward(&data.view(), &mut |r, _| ranges.push(r))
+            .unwrap();
+        assert_eq!(ranges.first().map(|r| r.start), Some(0));
+        assert_eq!(
+            ranges.last().map(|r| r.end),
+            Some(on_gpu.layout().total_len())
+        );
+        let gpu_grads = fetch(on_gpu.backend(), on_gpu.grads());
+        compare_pass(
+            &format!("nmt {lstm:?}"),
+            cs,
+            gs,
+            on_cpu.layout(),
+            on_cpu.grads(),
+            &gpu_grads,
+        );
+    }
+}
+
+#[test]
+fn rnnlm_loss_and_gradients_match_the_cpu() {
+    for lstm in [LstmImpl::Fused, LstmImpl::Stepwise] {
+        let config = small_lm(lstm);
+        let data = toy::LmData::random(&config, 6, 9, 12);
+        let mut on_cpu = RnnLm::new(toy::cpu(1), config.clone(), 4).unwrap();
+        let mut on_gpu = RnnLm::new(gpu(), config, 4).unwrap();
+        let cs = on_cpu
+            .forward_backward(&data.view(), &mut |_, _| {})
+            .unwrap();
+        let gs = on_gpu
+            .forward_backward(&data.view(), &mut |_, _| {})
+            .unwrap();
+        let gpu_grads = fetch(on_gpu.backend(), on_gpu.grads());
+        compare_pass(
+            &format!("rnnlm {lstm:?}"),
+            cs,
+            gs,
+            on_cpu.layout(),
+            on_cpu.grads(),
+            &gpu_grads,
+        );
+    }
+}
+
+#[test]
+fn sgd_steps_end_with_the_same_parameters() {
+    let config = small_nmt(LstmImpl::Fused);
+    let mut on_cpu = NmtModel::new(toy::cpu(1), config.clone(), 5).unwrap();
+    let mut on_gpu = NmtModel::new(gpu(), config.clone(), 5).unwrap();
+    let total = on_cpu.layout().total_len();
+    let (mut params, mut grads) = (vec![0.0f32; total], vec![0.0f32; total]);
+    let uploader = gpu();
+    let lr = 0.5 / 30.0;
+    for step in 0..5 {
+        let data = toy::NmtData::random(&config, 5, 7, 6, 100 + step);
+        on_cpu
+            .forward_backward(&data.view(), &mut |_, _| {})
+            .unwrap();
+        let (p, g) = on_cpu.params_and_grads_mut();
+        p.iter_mut().zip(g.iter()).for_each(|(p, g)| *p -= lr * g);
+        on_gpu
+            .forward_backward(&data.view(), &mut |_, _| {})
+            .unwrap();
+        on_gpu
+            .backend()
+            .download(on_gpu.grads(), 0, &mut grads)
+            .unwrap();
+        on_gpu
+            .backend()
+            .download(on_gpu.params(), 0, &mut params)
+            .unwrap();
+        params
+            .iter_mut()
+            .zip(&grads)
+            .for_each(|(p, g)| *p -= lr * g);
+        // a second handle on the same device (same context and stream) writes the
+        // updated parameters back while the model is borrowed mutably
+        uploader.upload(&params, on_gpu.params_mut(), 0).unwrap();
+    }
+    on_gpu
+        .backend()
+        .download(on_gpu.params(), 0, &mut params)
+        .unwrap();
+    let err = max_abs_diff(on_cpu.params(), &params);
+    assert!(
+        err <= 1e-4,
+        "parameters after 5 SGD steps differ by {err:e}"
+    );
+}
+
+#[test]
+fn mixed_precision_gemms_keep_the_loss_close() {
+    for precision in [GemmPrecision::Bf16, GemmPrecision::F16] {
+        let config = small_nmt(LstmImpl::Fused);
+        let data = toy::NmtData::random(&config, 8, 7, 6, 13);
+        let mut f32_model = NmtModel::new(gpu(), config.clone(), 6).unwrap();
+        let mut mixed = NmtModel::new(gpu_with(precision), config, 6).unwrap();
+        let a = f32_model
+            .forward_backward(&data.view(), &mut |_, _| {})
+            .unwrap();
+        let b = mixed
+            .forward_backward(&data.view(), &mut |_, _| {})
+            .unwrap();
+        let rel = (a.loss_sum - b.loss_sum).abs() / a.loss_sum.abs();
+        assert!(
+            rel <= 2e-2,
+            "{precision:?}: loss {} vs f32 {} ({rel:e})",
+            b.loss_sum,
+            a.loss_sum
+        );
+        assert!(b.loss_sum.is_finite());
+        assert_eq!(a.launches, b.launches, "{precision:?}: launch count");
+    }
+}
+
+#[test]
+fn a_missing_device_is_an_error_that_names_it() {
+    let err = CudaBackend::new(4096)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("4096"), "{err}");
+}
