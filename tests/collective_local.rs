@@ -301,14 +301,18 @@ proptest! {
                 state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 order.swap(i, (state >> 33) as usize % (i + 1));
             }
-            let mut handles = Vec::new();
-            for &g in &order {
-                let (d, l) = tensors[g];
-                let mut t = Tensor::zeros(d, l);
-                fill(&mut t, r, g);
-                handles.push(engine.submit(&format!("t{g}"), t)?);
+            // Two steps with the same names: the second announces them by id.
+            let mut out = Vec::new();
+            for _step in 0..2 {
+                let mut handles = Vec::new();
+                for &g in &order {
+                    let (d, l) = tensors[g];
+                    let mut t = Tensor::zeros(d, l);
+                    fill(&mut t, r, g);
+                    handles.push(engine.submit(&format!("t{g}"), t)?);
+                }
+                out = engine.synchronize(handles)?;
             }
-            let out = engine.synchronize(handles)?;
             engine.shutdown()?;
             Ok(order.into_iter().zip(out).collect())
         }).map_err(|e| TestCaseError::fail(e.to_string()))?;

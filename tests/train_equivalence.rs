@@ -115,7 +115,6 @@ fn check_data_parallel(model: ModelKind) {
         batch_size: 3,
         ..config(model, VariableUpdate::Replicated)
     };
-    let ranks = run(&per_rank, 2);
     let single = run(
         &TrainConfig {
             batch_size: 6,
@@ -123,12 +122,21 @@ fn check_data_parallel(model: ModelKind) {
         },
         1,
     );
-    assert_eq!(max_diff(&ranks[0], &ranks[1]), 0.0, "replicas diverged");
-    let d = max_diff(&ranks[0], &single[0]);
-    assert!(
-        d <= 1e-5,
-        "{model}: 2 ranks x 3 vs 1 rank x 6 differ by {d}"
-    );
+    for overlap_backward in [false, true] {
+        let ranks = run(
+            &TrainConfig {
+                overlap_backward,
+                ..per_rank.clone()
+            },
+            2,
+        );
+        assert_eq!(max_diff(&ranks[0], &ranks[1]), 0.0, "replicas diverged");
+        let d = max_diff(&ranks[0], &single[0]);
+        assert!(
+            d <= 1e-5,
+            "{model}: 2 ranks x 3 vs 1 rank x 6 differ by {d} (overlap {overlap_backward})"
+        );
+    }
     // The run must have moved the parameters for the comparison to mean anything.
     let start = build_model(
         &TrainConfig {

@@ -77,6 +77,7 @@ fn parse_bytes(s: &str) -> Result<usize, String> {
 
 /// One line of the table (field names as in nccl-tests).
 #[derive(Debug, Clone, serde::Serialize)]
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub struct AllreduceRow {
     /// Message size in bytes.
     pub bytes: usize,

@@ -139,6 +139,9 @@ pub fn plan(args: &LaunchArgs, machine: Machine, exe: &Path) -> LaunchPlan {
         "OMPI_MCA_btl_vader_single_copy_mechanism".to_string(),
         "none".to_string(),
     ));
+    // The trainer's communication thread waits in MPI beside the compute threads of its
+    // rank: yielding instead of spinning leaves their cores to backward.
+    env.push(("OMPI_MCA_mpi_yield_when_idle".to_string(), "1".to_string()));
     let mut mpi = vec!["-np".to_string(), args.np.to_string()];
     if let Some(h) = &args.hostfile {
         mpi.push("--hostfile".to_string());
@@ -278,6 +281,7 @@ mod tests {
             line.contains("OMPI_MCA_btl_vader_single_copy_mechanism=none"),
             "{line}"
         );
+        assert!(line.contains("OMPI_MCA_mpi_yield_when_idle=1"), "{line}");
         assert!(line.contains("--oversubscribe"), "{line}");
         assert!(line.contains("--bind-to none"), "{line}");
         assert!(line.ends_with("/x/ringtrain train --threads 1"), "{line}");

@@ -16,13 +16,14 @@
 //! [`FusionConfig::stall_error`] later (ranks that never submitted it see the error from
 //! [`FusionEngine::synchronize`] or [`FusionEngine::take_foreign_failure`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, unbounded, Receiver, Sender, TryRecvError};
+use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 
 use crate::communicator::Communicator;
 use crate::dtype::{DType, Element, Tensor};
@@ -127,18 +128,92 @@ enum Command {
     Submit {
         name: String,
         tensor: Tensor,
-        reply: Sender<Result<Tensor>>,
+        ticket: u64,
         at: Instant,
     },
     Shutdown,
+}
+
+/// Where the background thread leaves results for handles: one lock and one wake-up per
+/// fused group rather than a channel per tensor.
+#[derive(Debug, Default)]
+struct Board {
+    next_ticket: AtomicU64,
+    state: Mutex<BoardState>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct BoardState {
+    done: HashMap<u64, Result<Tensor>>,
+    /// Tickets whose handle was dropped unwaited: their results are discarded.
+    abandoned: HashSet<u64>,
+    /// Set when the background thread has ended.
+    closed: Option<String>,
+}
+
+impl Board {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BoardState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn ticket(&self) -> u64 {
+        self.next_ticket.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn post(&self, results: impl IntoIterator<Item = (u64, Result<Tensor>)>) {
+        let mut s = self.lock();
+        for (ticket, r) in results {
+            if !s.abandoned.remove(&ticket) {
+                s.done.insert(ticket, r);
+            }
+        }
+        drop(s);
+        self.cv.notify_all();
+    }
+
+    fn close(&self, reason: String) {
+        self.lock().closed = Some(reason);
+        self.cv.notify_all();
+    }
+
+    fn is_done(&self, ticket: u64) -> bool {
+        self.lock().done.contains_key(&ticket)
+    }
+
+    fn take(&self, ticket: u64, name: &str) -> Result<Tensor> {
+        let mut s = self.lock();
+        loop {
+            if let Some(r) = s.done.remove(&ticket) {
+                return r;
+            }
+            if let Some(reason) = &s.closed {
+                return Err(Error::EngineStopped {
+                    reason: format!(
+                        "tensor `{name}` was not reduced before the background thread ended ({reason})"
+                    ),
+                });
+            }
+            s = self.cv.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn abandon(&self, ticket: u64) {
+        let mut s = self.lock();
+        if s.done.remove(&ticket).is_none() {
+            s.abandoned.insert(ticket);
+        }
+    }
 }
 
 /// A submitted tensor's future result.
 #[derive(Debug)]
 pub struct Handle {
     name: String,
-    rx: Receiver<Result<Tensor>>,
+    ticket: u64,
+    board: Arc<Board>,
     wake: Arc<Wakeup>,
+    waited: bool,
 }
 
 impl Handle {
@@ -151,23 +226,23 @@ impl Handle {
     ///
     /// Waiting ends the engine's current collection window at once: nothing this rank
     /// submits later can join a fusion this caller is already waiting for.
-    pub fn wait(self) -> Result<Tensor> {
-        if self.rx.is_empty() {
-            // The engine may have stopped; the receive below reports that.
+    pub fn wait(mut self) -> Result<Tensor> {
+        if !self.board.is_done(self.ticket) {
             self.wake.flush();
         }
-        self.wait_without_flush()
+        self.take()
     }
 
-    fn wait_without_flush(self) -> Result<Tensor> {
-        match self.rx.recv() {
-            Ok(r) => r,
-            Err(_) => Err(Error::EngineStopped {
-                reason: format!(
-                    "tensor `{}` was still queued when the background thread ended; shutdown() returns the cause",
-                    self.name
-                ),
-            }),
+    fn take(&mut self) -> Result<Tensor> {
+        self.waited = true;
+        self.board.take(self.ticket, &self.name)
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        if !self.waited {
+            self.board.abandon(self.ticket);
         }
     }
 }
@@ -182,6 +257,7 @@ pub struct FusionEngine {
     thread: Option<JoinHandle<Result<Communicator>>>,
     foreign: ForeignFailures,
     wake: Arc<Wakeup>,
+    board: Arc<Board>,
     rank: usize,
     size: usize,
 }
@@ -214,9 +290,11 @@ impl FusionEngine {
         let worker_foreign = Arc::clone(&foreign);
         let wake = Arc::new(Wakeup::default());
         let worker_wake = Arc::clone(&wake);
+        let board = Arc::new(Board::default());
+        let worker_board = Arc::clone(&board);
         let thread = std::thread::Builder::new()
             .name(format!("ringtrain-fusion-{rank}"))
-            .spawn(move || run_engine(comm, config, rx, worker_foreign, worker_wake))
+            .spawn(move || run_engine(comm, config, rx, worker_foreign, worker_wake, worker_board))
             .map_err(|e| Error::EngineStopped {
                 reason: format!("cannot start the background thread: {e}"),
             })?;
@@ -225,6 +303,7 @@ impl FusionEngine {
             thread: Some(thread),
             foreign,
             wake,
+            board,
             rank,
             size,
         })
@@ -243,7 +322,7 @@ impl FusionEngine {
     /// Queues `tensor` for all-reduce under `name`; every rank must submit the same name
     /// with the same dtype and length (in any order).
     pub fn submit(&self, name: &str, tensor: impl Into<Tensor>) -> Result<Handle> {
-        let (reply, rx) = bounded(1);
+        let ticket = self.board.ticket();
         let stopped = || Error::EngineStopped {
             reason: "the background thread has exited; shutdown() returns the cause".into(),
         };
@@ -251,15 +330,17 @@ impl FusionEngine {
         tx.send(Command::Submit {
             name: name.to_owned(),
             tensor: tensor.into(),
-            reply,
+            ticket,
             at: Instant::now(),
         })
         .map_err(|_| stopped())?;
         self.wake.queued();
         Ok(Handle {
             name: name.to_owned(),
-            rx,
+            ticket,
+            board: Arc::clone(&self.board),
             wake: Arc::clone(&self.wake),
+            waited: false,
         })
     }
 
@@ -270,8 +351,8 @@ impl FusionEngine {
         let mut out = Vec::with_capacity(handles.len());
         let mut first_err = None;
         self.wake.flush();
-        for h in handles {
-            match h.wait_without_flush() {
+        for mut h in handles {
+            match h.take() {
                 Ok(t) => out.push(t),
                 Err(e) => {
                     first_err.get_or_insert(e);
@@ -332,7 +413,7 @@ impl Drop for FusionEngine {
 
 struct Pending {
     tensor: Tensor,
-    reply: Sender<Result<Tensor>>,
+    ticket: u64,
     submitted: Instant,
 }
 
@@ -346,6 +427,7 @@ struct Engine {
     table: ReadyTable,
     foreign: ForeignFailures,
     wake: Arc<Wakeup>,
+    board: Arc<Board>,
     buffer: Vec<u64>,
     timeline: Timeline,
 }
@@ -356,6 +438,7 @@ fn run_engine(
     rx: Receiver<Command>,
     foreign: ForeignFailures,
     wake: Arc<Wakeup>,
+    board: Arc<Board>,
 ) -> Result<Communicator> {
     let rank = comm.rank();
     let timeline = Timeline::new(config.timeline.as_deref(), rank, Instant::now());
@@ -368,18 +451,25 @@ fn run_engine(
         table: ReadyTable::new(comm.size()),
         foreign,
         wake,
+        board,
         buffer: Vec::new(),
         timeline,
         config,
     };
     let result = engine.run(&mut comm, &rx);
-    if let Err(e) = &result {
-        for (_, p) in engine.local.drain() {
-            let _ = p.reply.send(Err(Error::EngineStopped {
-                reason: e.to_string(),
-            }));
-        }
-    }
+    let reason = match &result {
+        Ok(()) => "the engine was shut down".to_string(),
+        Err(e) => e.to_string(),
+    };
+    engine.board.post(engine.local.drain().map(|(_, p)| {
+        (
+            p.ticket,
+            Err(Error::EngineStopped {
+                reason: reason.clone(),
+            }),
+        )
+    }));
+    engine.board.close(reason);
     let written = engine.timeline.write();
     result?;
     written?;
@@ -393,27 +483,28 @@ impl Engine {
             Command::Submit {
                 name,
                 tensor,
-                reply,
+                ticket,
                 at,
             } => {
                 if let Some(f) = self.failed.remove(&name) {
-                    let _ = reply.send(Err(f.to_error(&name)));
+                    self.board.post([(ticket, Err(f.to_error(&name)))]);
                 } else if self.local.contains_key(&name) {
-                    let _ = reply.send(Err(Error::DuplicateName {
+                    let err = Error::DuplicateName {
                         name,
                         rank: self.rank,
-                    }));
+                    };
+                    self.board.post([(ticket, Err(err))]);
                 } else {
-                    self.fresh.push(Announcement {
-                        name: name.clone(),
-                        dtype: tensor.dtype(),
-                        len: tensor.len() as u64,
-                    });
+                    self.fresh.push(self.table.announcement(
+                        &name,
+                        tensor.dtype(),
+                        tensor.len() as u64,
+                    ));
                     self.local.insert(
                         name,
                         Pending {
                             tensor,
-                            reply,
+                            ticket,
                             submitted: at,
                         },
                     );
@@ -493,11 +584,16 @@ impl Engine {
             }
             self.reduce_ready(comm, ready, negotiated)?;
             if self.table.all_shut_down() {
-                for (name, p) in self.local.drain() {
-                    let _ = p.reply.send(Err(Error::EngineStopped {
-                        reason: format!("every rank shut down before tensor `{name}` was reduced"),
-                    }));
-                }
+                let failed: Vec<_> = self
+                    .local
+                    .drain()
+                    .map(|(name, p)| {
+                        let reason =
+                            format!("every rank shut down before tensor `{name}` was reduced");
+                        (p.ticket, Err(Error::EngineStopped { reason }))
+                    })
+                    .collect();
+                self.board.post(failed);
                 return Ok(());
             }
         }
@@ -505,7 +601,7 @@ impl Engine {
 
     fn fail(&mut self, name: String, failure: Failure) {
         if let Some(p) = self.local.remove(&name) {
-            let _ = p.reply.send(Err(failure.to_error(&name)));
+            self.board.post([(p.ticket, Err(failure.to_error(&name)))]);
         } else {
             // Not submitted here (yet): report it on the next synchronize, and to a late
             // submitter of the same name.
@@ -566,16 +662,17 @@ impl Engine {
             };
             match result {
                 Ok(()) => {
-                    for (_, p) in group {
-                        let _ = p.reply.send(Ok(p.tensor));
-                    }
+                    self.board
+                        .post(group.into_iter().map(|(_, p)| (p.ticket, Ok(p.tensor))));
                 }
                 Err(e) => {
-                    for (_, p) in group {
-                        let _ = p.reply.send(Err(Error::EngineStopped {
-                            reason: e.to_string(),
-                        }));
-                    }
+                    let reason = e.to_string();
+                    self.board.post(group.into_iter().map(|(_, p)| {
+                        let err = Error::EngineStopped {
+                            reason: reason.clone(),
+                        };
+                        (p.ticket, Err(err))
+                    }));
                     return Err(e);
                 }
             }

@@ -1,10 +1,11 @@
 //! Agreement on which tensors are ready everywhere.
 //!
 //! Every cycle each rank all-gathers one [`CycleMessage`]: the tensors submitted on it since
-//! the last cycle (name, dtype, length), whether it is shutting down, and (rank 0 only, as
-//! coordinator) the tensors whose stall timeout ran out. Every rank feeds the same gathered
-//! messages, in rank order, into its own [`ReadyTable`], so every rank takes the same
-//! decisions in the same order without further messages.
+//! the last cycle (dtype, length, and the name the first time any rank announces it; later
+//! a small id, as Horovod's response cache does), whether it is shutting down, and (rank 0
+//! only, as coordinator) the tensors whose stall timeout ran out. Every rank feeds the same
+//! gathered messages, in rank order, into its own [`ReadyTable`], so every rank assigns the
+//! same ids and takes the same decisions in the same order without further messages.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -14,10 +15,15 @@ use crate::error::{Error, Result};
 
 /// One submitted tensor, as announced to the other ranks.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Announcement {
-    pub name: String,
-    pub dtype: DType,
-    pub len: u64,
+pub(crate) enum Announcement {
+    /// A name no rank has announced before (as far as this rank had seen).
+    New {
+        name: String,
+        dtype: DType,
+        len: u64,
+    },
+    /// A name already in every rank's registry, by id.
+    Known { id: u32, dtype: DType, len: u64 },
 }
 
 /// What one rank says in one cycle.
@@ -25,8 +31,8 @@ pub(crate) struct Announcement {
 pub(crate) struct CycleMessage {
     pub shutting_down: bool,
     pub announcements: Vec<Announcement>,
-    /// Tensors to fail as stalled (only rank 0's list is acted on).
-    pub fail: Vec<String>,
+    /// Ids of tensors to fail as stalled (only rank 0's list is acted on).
+    pub fail: Vec<u32>,
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
@@ -83,17 +89,28 @@ impl Reader<'_> {
 
 impl CycleMessage {
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(16 + self.announcements.len() * 32);
+        let mut out = Vec::with_capacity(16 + self.announcements.len() * 14);
         out.push(u8::from(self.shutting_down));
         out.extend_from_slice(&(self.announcements.len() as u32).to_le_bytes());
         for a in &self.announcements {
-            put_str(&mut out, &a.name);
-            out.push(a.dtype.code());
-            out.extend_from_slice(&a.len.to_le_bytes());
+            match a {
+                Announcement::New { name, dtype, len } => {
+                    out.push(0);
+                    put_str(&mut out, name);
+                    out.push(dtype.code());
+                    out.extend_from_slice(&len.to_le_bytes());
+                }
+                Announcement::Known { id, dtype, len } => {
+                    out.push(1);
+                    out.extend_from_slice(&id.to_le_bytes());
+                    out.push(dtype.code());
+                    out.extend_from_slice(&len.to_le_bytes());
+                }
+            }
         }
         out.extend_from_slice(&(self.fail.len() as u32).to_le_bytes());
         for f in &self.fail {
-            put_str(&mut out, f);
+            out.extend_from_slice(&f.to_le_bytes());
         }
         out
     }
@@ -101,23 +118,37 @@ impl CycleMessage {
     /// Decodes a message; `rank` is the receiving rank (for error messages).
     pub(crate) fn decode(bytes: &[u8], rank: usize) -> Result<CycleMessage> {
         let mut r = Reader { bytes, at: 0, rank };
+        let bad = |what: String| Error::Transport { rank, detail: what };
         let shutting_down = r.u8()? != 0;
         let n = r.u32()? as usize;
         let mut announcements = Vec::with_capacity(n.min(1 << 16));
         for _ in 0..n {
-            let name = r.string()?;
+            let kind = r.u8()?;
+            let (name, id) = match kind {
+                0 => (Some(r.string()?), 0),
+                1 => (None, r.u32()?),
+                other => {
+                    return Err(bad(format!(
+                        "negotiation message has unknown announcement kind {other}"
+                    )))
+                }
+            };
             let code = r.u8()?;
-            let dtype = DType::from_code(code).ok_or_else(|| Error::Transport {
-                rank,
-                detail: format!("negotiation message names unknown dtype code {code}"),
+            let dtype = DType::from_code(code).ok_or_else(|| {
+                bad(format!(
+                    "negotiation message names unknown dtype code {code}"
+                ))
             })?;
             let len = r.u64()?;
-            announcements.push(Announcement { name, dtype, len });
+            announcements.push(match name {
+                Some(name) => Announcement::New { name, dtype, len },
+                None => Announcement::Known { id, dtype, len },
+            });
         }
         let n = r.u32()? as usize;
         let mut fail = Vec::with_capacity(n.min(1 << 16));
         for _ in 0..n {
-            fail.push(r.string()?);
+            fail.push(r.u32()?);
         }
         Ok(CycleMessage {
             shutting_down,
@@ -177,6 +208,7 @@ pub(crate) enum Decision {
 struct Entry {
     seq: u64,
     shapes: Vec<Option<(DType, u64)>>,
+    announced: usize,
     first_seen: Instant,
     warned: bool,
 }
@@ -202,11 +234,17 @@ pub(crate) struct StallWarning {
     pub waited: Duration,
 }
 
-/// Which tensors which ranks have announced; identical on every rank.
+/// The tensor names every rank has seen announced, with ids assigned in the agreed
+/// processing order, and which ranks have announced which pending tensor. Identical on
+/// every rank.
 pub(crate) struct ReadyTable {
     size: usize,
     next_seq: u64,
-    entries: HashMap<String, Entry>,
+    names: Vec<String>,
+    ids: HashMap<String, u32>,
+    /// Pending entries by id.
+    entries: Vec<Option<Entry>>,
+    pending: usize,
     shut_down: Vec<bool>,
 }
 
@@ -215,14 +253,29 @@ impl ReadyTable {
         ReadyTable {
             size,
             next_seq: 0,
-            entries: HashMap::new(),
+            names: Vec::new(),
+            ids: HashMap::new(),
+            entries: Vec::new(),
+            pending: 0,
             shut_down: vec![false; size],
+        }
+    }
+
+    /// How this rank announces a tensor: by id when the name is registered.
+    pub(crate) fn announcement(&self, name: &str, dtype: DType, len: u64) -> Announcement {
+        match self.ids.get(name) {
+            Some(&id) => Announcement::Known { id, dtype, len },
+            None => Announcement::New {
+                name: name.to_owned(),
+                dtype,
+                len,
+            },
         }
     }
 
     /// True when nothing is waiting for other ranks.
     pub(crate) fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.pending == 0
     }
 
     /// True once every rank has asked to shut down.
@@ -230,28 +283,64 @@ impl ReadyTable {
         self.shut_down.iter().all(|&s| s)
     }
 
+    fn register(&mut self, name: &str) -> u32 {
+        if let Some(&id) = self.ids.get(name) {
+            return id;
+        }
+        let id = self.names.len() as u32;
+        self.names.push(name.to_owned());
+        self.ids.insert(name.to_owned(), id);
+        self.entries.push(None);
+        id
+    }
+
+    fn failure_of(&self, e: &Entry, now: Instant) -> Failure {
+        Failure::Stalled {
+            submitted: e.submitted(),
+            missing: e.missing(),
+            waited: now.saturating_duration_since(e.first_seen),
+        }
+    }
+
     /// Feeds one cycle's messages (index = rank) and returns the decisions: failures
     /// first, then the tensors to reduce in the order they were first announced.
     pub(crate) fn apply(&mut self, messages: &[CycleMessage], now: Instant) -> Vec<Decision> {
+        let mut complete: Vec<(u64, u32)> = Vec::new();
         for (rank, msg) in messages.iter().enumerate() {
             for a in &msg.announcements {
-                if let Some(e) = self.entries.get_mut(&a.name) {
-                    e.shapes[rank] = Some((a.dtype, a.len));
-                    continue;
-                }
+                let (id, dtype, len) = match a {
+                    Announcement::New { name, dtype, len } => (self.register(name), *dtype, *len),
+                    Announcement::Known { id, dtype, len } => {
+                        if (*id as usize) >= self.names.len() {
+                            // Cannot happen with identical registries; ignore rather than
+                            // index out of range.
+                            continue;
+                        }
+                        (*id, *dtype, *len)
+                    }
+                };
                 let size = self.size;
-                let next_seq = &mut self.next_seq;
-                let entry = self.entries.entry(a.name.clone()).or_insert_with(|| {
-                    let seq = *next_seq;
-                    *next_seq += 1;
-                    Entry {
-                        seq,
+                let slot = &mut self.entries[id as usize];
+                if slot.is_none() {
+                    *slot = Some(Entry {
+                        seq: self.next_seq,
                         shapes: vec![None; size],
+                        announced: 0,
                         first_seen: now,
                         warned: false,
+                    });
+                    self.next_seq += 1;
+                    self.pending += 1;
+                }
+                if let Some(e) = slot.as_mut() {
+                    if e.shapes[rank].is_none() {
+                        e.announced += 1;
                     }
-                });
-                entry.shapes[rank] = Some((a.dtype, a.len));
+                    e.shapes[rank] = Some((dtype, len));
+                    if e.announced == size {
+                        complete.push((e.seq, id));
+                    }
+                }
             }
             if msg.shutting_down {
                 self.shut_down[rank] = true;
@@ -259,48 +348,44 @@ impl ReadyTable {
         }
         let mut failures = Vec::new();
         if let Some(coordinator) = messages.first() {
-            for name in &coordinator.fail {
-                if let Some(e) = self.entries.remove(name) {
+            for &id in &coordinator.fail {
+                if let Some(e) = self.entries.get_mut(id as usize).and_then(Option::take) {
+                    self.pending -= 1;
                     failures.push(Decision::Fail {
-                        name: name.clone(),
-                        failure: Failure::Stalled {
-                            submitted: e.submitted(),
-                            missing: e.missing(),
-                            waited: now.saturating_duration_since(e.first_seen),
-                        },
+                        name: self.names[id as usize].clone(),
+                        failure: self.failure_of(&e, now),
                     });
                 }
             }
         }
-        let mut done: Vec<(u64, String)> = Vec::new();
-        for (name, e) in &self.entries {
-            let complete = e.shapes.iter().all(Option::is_some);
-            let abandoned = e
-                .shapes
-                .iter()
-                .zip(&self.shut_down)
-                .any(|(s, &down)| s.is_none() && down);
-            if complete || abandoned {
-                done.push((e.seq, name.clone()));
+        if self.shut_down.iter().any(|&d| d) && self.pending > 0 {
+            // Entries waiting for a rank that has shut down will never complete.
+            for id in 0..self.entries.len() {
+                let abandoned = self.entries[id].as_ref().is_some_and(|e| {
+                    e.shapes
+                        .iter()
+                        .zip(&self.shut_down)
+                        .any(|(s, &down)| s.is_none() && down)
+                });
+                if abandoned {
+                    if let Some(e) = self.entries[id].take() {
+                        self.pending -= 1;
+                        failures.push(Decision::Fail {
+                            name: self.names[id].clone(),
+                            failure: self.failure_of(&e, now),
+                        });
+                    }
+                }
             }
         }
-        done.sort();
-        let mut reduce = Vec::new();
-        for (_, name) in done {
-            let Some(e) = self.entries.remove(&name) else {
+        complete.sort_unstable();
+        let mut reduce = Vec::with_capacity(complete.len());
+        for (_, id) in complete {
+            let Some(e) = self.entries[id as usize].take() else {
                 continue;
             };
-            if e.shapes.iter().any(Option::is_none) {
-                failures.push(Decision::Fail {
-                    name,
-                    failure: Failure::Stalled {
-                        submitted: e.submitted(),
-                        missing: e.missing(),
-                        waited: now.saturating_duration_since(e.first_seen),
-                    },
-                });
-                continue;
-            }
+            self.pending -= 1;
+            let name = self.names[id as usize].clone();
             let shapes: Vec<(DType, u64)> = e.shapes.iter().flatten().copied().collect();
             if shapes.iter().all(|s| *s == shapes[0]) {
                 reduce.push(Decision::Reduce {
@@ -328,32 +413,38 @@ impl ReadyTable {
     /// Entries first seen at least `after` ago that have not been warned about yet.
     pub(crate) fn take_warnings(&mut self, now: Instant, after: Duration) -> Vec<StallWarning> {
         let mut out = Vec::new();
-        for (name, e) in self.entries.iter_mut() {
-            let waited = now.saturating_duration_since(e.first_seen);
-            if !e.warned && waited >= after {
-                e.warned = true;
-                out.push(StallWarning {
-                    name: name.clone(),
-                    submitted: e.submitted(),
-                    missing: e.missing(),
-                    waited,
-                });
+        if self.pending == 0 {
+            return out;
+        }
+        for (id, slot) in self.entries.iter_mut().enumerate() {
+            if let Some(e) = slot {
+                let waited = now.saturating_duration_since(e.first_seen);
+                if !e.warned && waited >= after {
+                    e.warned = true;
+                    out.push(StallWarning {
+                        name: self.names[id].clone(),
+                        submitted: e.submitted(),
+                        missing: e.missing(),
+                        waited,
+                    });
+                }
             }
         }
-        out.sort_by(|a, b| a.name.cmp(&b.name));
         out
     }
 
-    /// Entries first seen at least `after` ago (the coordinator's fail list).
-    pub(crate) fn expired(&self, now: Instant, after: Duration) -> Vec<String> {
-        let mut out: Vec<String> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| now.saturating_duration_since(e.first_seen) >= after)
-            .map(|(n, _)| n.clone())
-            .collect();
-        out.sort();
-        out
+    /// Ids of entries first seen at least `after` ago (the coordinator's fail list).
+    pub(crate) fn expired(&self, now: Instant, after: Duration) -> Vec<u32> {
+        if self.pending == 0 {
+            return Vec::new();
+        }
+        (0..self.entries.len() as u32)
+            .filter(|&id| {
+                self.entries[id as usize]
+                    .as_ref()
+                    .is_some_and(|e| now.saturating_duration_since(e.first_seen) >= after)
+            })
+            .collect()
     }
 }
 
@@ -361,8 +452,8 @@ impl ReadyTable {
 mod tests {
     use super::*;
 
-    fn ann(name: &str, dtype: DType, len: u64) -> Announcement {
-        Announcement {
+    fn new(name: &str, dtype: DType, len: u64) -> Announcement {
+        Announcement::New {
             name: name.into(),
             dtype,
             len,
@@ -373,8 +464,15 @@ mod tests {
     fn messages_round_trip() {
         let m = CycleMessage {
             shutting_down: true,
-            announcements: vec![ann("a/b", DType::BF16, 7), ann("", DType::F64, 0)],
-            fail: vec!["x".into()],
+            announcements: vec![
+                new("a/b", DType::BF16, 7),
+                Announcement::Known {
+                    id: 3,
+                    dtype: DType::F64,
+                    len: 0,
+                },
+            ],
+            fail: vec![9],
         };
         assert_eq!(CycleMessage::decode(&m.encode(), 0).unwrap(), m);
         assert!(CycleMessage::decode(&m.encode()[..5], 0).is_err());
@@ -387,7 +485,7 @@ mod tests {
         let d = t.apply(
             &[
                 CycleMessage {
-                    announcements: vec![ann("w", DType::F32, 4), ann("v", DType::F32, 3)],
+                    announcements: vec![new("w", DType::F32, 4), new("v", DType::F32, 3)],
                     ..Default::default()
                 },
                 CycleMessage::default(),
@@ -395,11 +493,12 @@ mod tests {
             now,
         );
         assert!(d.is_empty());
+        // Rank 1 had not seen the names yet when it announced them.
         let d = t.apply(
             &[
                 CycleMessage::default(),
                 CycleMessage {
-                    announcements: vec![ann("v", DType::F32, 3), ann("w", DType::F32, 5)],
+                    announcements: vec![new("v", DType::F32, 3), new("w", DType::F32, 5)],
                     ..Default::default()
                 },
             ],
@@ -420,5 +519,36 @@ mod tests {
             ]
         );
         assert!(t.is_empty());
+        // The next step announces by id.
+        let a = t.announcement("v", DType::F32, 3);
+        assert_eq!(
+            a,
+            Announcement::Known {
+                id: 1,
+                dtype: DType::F32,
+                len: 3
+            }
+        );
+        let d = t.apply(
+            &[
+                CycleMessage {
+                    announcements: vec![a.clone()],
+                    ..Default::default()
+                },
+                CycleMessage {
+                    announcements: vec![a],
+                    ..Default::default()
+                },
+            ],
+            now,
+        );
+        assert_eq!(
+            d,
+            vec![Decision::Reduce {
+                name: "v".into(),
+                dtype: DType::F32,
+                len: 3
+            }]
+        );
     }
 }

@@ -186,7 +186,8 @@ pub struct TrainConfig {
     pub fusion_threshold_bytes: usize,
     /// Fusion cycle time in milliseconds.
     pub cycle_time_ms: f64,
-    /// Start reducing gradient ranges while backward still runs (replicated only).
+    /// Start reducing gradient ranges while backward still runs (replicated only). Off by
+    /// default: on CPU ranks the reduction thread competes with backward for the cores.
     pub overlap_backward: bool,
     /// Parameter-server ranks (0 = every rank owns a shard).
     pub ps_ranks: usize,
@@ -234,7 +235,7 @@ impl Default for TrainConfig {
             agg_small_grads_max_group: 10,
             fusion_threshold_bytes: 64 << 20,
             cycle_time_ms: 1.0,
-            overlap_backward: true,
+            overlap_backward: false,
             ps_ranks: 0,
             device: DeviceKind::Cpu,
             threads: 0,
@@ -379,7 +380,34 @@ impl TrainConfig {
             threads: 0,
             ..self.clone()
         };
-        crc32fast::hash(serde_json::to_string(&shared).unwrap_or_default().as_bytes())
+        crc32fast::hash(
+            serde_json::to_string(&shared)
+                .unwrap_or_default()
+                .as_bytes(),
+        )
+    }
+
+    /// The strategy as the logs and reports name it, e.g. `replicated (overlapped with backward)`.
+    pub fn strategy_label(&self) -> String {
+        match self.variable_update {
+            VariableUpdate::Replicated
+                if self.gradient_repacking > 0 || self.agg_small_grads_max_bytes > 0 =>
+            {
+                "replicated (packed, after backward)".to_string()
+            }
+            VariableUpdate::Replicated if self.overlap_backward => {
+                "replicated (overlapped with backward)".to_string()
+            }
+            VariableUpdate::Replicated => "replicated (after backward)".to_string(),
+            VariableUpdate::ParameterServer if self.ps_ranks == 0 => {
+                "parameter_server (a shard on every rank)".to_string()
+            }
+            VariableUpdate::ParameterServer => format!(
+                "parameter_server ({} dedicated server ranks)",
+                self.ps_ranks
+            ),
+            VariableUpdate::Independent => "independent".to_string(),
+        }
     }
 
     /// Ranks that compute gradients (all but dedicated parameter servers).

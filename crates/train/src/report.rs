@@ -122,7 +122,11 @@ impl RunReport {
         let mut s = String::new();
         s.push_str(&format!(
             "\n{} | {} ranks ({} workers) | {} | {} parameters\n\n",
-            self.model, self.ranks, self.workers, self.config.variable_update, self.parameters
+            self.model,
+            self.ranks,
+            self.workers,
+            self.config.strategy_label(),
+            self.parameters
         ));
         s.push_str(&format!(
             "| ranks | batch size | total time for {} batches (s) | words/s | per-step words/s |\n",

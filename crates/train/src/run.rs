@@ -31,7 +31,9 @@ pub fn run_rank(
     if rank == 0 {
         let source = match local.map(|l| l.source) {
             Some(crate::device::LocalRankSource::Env(var)) => format!("from {var}"),
-            Some(crate::device::LocalRankSource::SharedMemorySplit) => "from the MPI shared-memory split".to_string(),
+            Some(crate::device::LocalRankSource::SharedMemorySplit) => {
+                "from the MPI shared-memory split".to_string()
+            }
             Some(crate::device::LocalRankSource::Default) | None => "single process".to_string(),
         };
         log(&format!(

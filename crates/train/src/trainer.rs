@@ -136,7 +136,7 @@ pub fn train(
             n_params,
             world,
             workers,
-            cfg.variable_update,
+            cfg.strategy_label(),
             split.of(0),
             split.global(),
             cfg.optimizer

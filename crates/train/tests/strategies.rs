@@ -228,10 +228,24 @@ fn initial() -> Vec<f32> {
 fn replicated_overlapped_two_ranks_equal_one_rank_with_double_batch() {
     let cfg = TrainConfig {
         batch_size: 4,
+        overlap_backward: true,
         ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
     };
     let ranks = run(&cfg, 2);
     let reference = single(&cfg, 8);
+    let after_backward = run(
+        &TrainConfig {
+            overlap_backward: false,
+            ..cfg.clone()
+        },
+        2,
+    );
+    assert_close(
+        &after_backward[1],
+        &reference,
+        1e-5,
+        "2x4 reduced after backward vs 1x8",
+    );
     assert_close(&ranks[0], &ranks[1], 0.0, "replicas");
     assert_close(&ranks[0], &reference, 1e-5, "2x4 vs 1x8");
     // With global-norm clipping active the result must still match.
@@ -384,6 +398,19 @@ fn fp16_gradients_track_f32_training() {
         ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
     };
     let ranks = run(&cfg, 2);
+    let overlapped = run(
+        &TrainConfig {
+            overlap_backward: true,
+            ..cfg.clone()
+        },
+        2,
+    );
+    assert_close(
+        &overlapped[0],
+        &ranks[0],
+        1e-6,
+        "fp16 overlapped vs after backward",
+    );
     let reference = single(
         &TrainConfig {
             fp16_gradients: false,
@@ -405,11 +432,16 @@ fn ranks_with_different_flags_fail_on_every_rank_instead_of_hanging() {
         }
         let mut model = TokenRegression::new(VOCAB, 4, 7);
         let mut batches = batches_for(&BatchSplit::per_rank(cfg.batch_size, 1), 0, 1).into_iter();
-        train(&cfg, comm, &mut model, &mut batches, &mut |_| {}).err().map(|e| e.to_string())
+        train(&cfg, comm, &mut model, &mut batches, &mut |_| {})
+            .err()
+            .map(|e| e.to_string())
     })
     .unwrap();
     for err in results {
         let err = err.expect("a mismatch must be an error");
-        assert!(err.contains("differs between ranks") && err.contains("flags"), "{err}");
+        assert!(
+            err.contains("differs between ranks") && err.contains("flags"),
+            "{err}"
+        );
     }
 }

@@ -127,7 +127,11 @@ impl Strategy {
         params: &mut [f32],
     ) -> Result<Self> {
         cfg.validate_for_world(comm.size())?;
-        check_same_everywhere(&mut comm, "the training flags (fingerprint)", f64::from(cfg.fingerprint()))?;
+        check_same_everywhere(
+            &mut comm,
+            "the training flags (fingerprint)",
+            f64::from(cfg.fingerprint()),
+        )?;
         check_same_everywhere(&mut comm, "parameter count", params.len() as f64)?;
         comm.broadcast(params, 0)?;
         Ok(match cfg.variable_update {
