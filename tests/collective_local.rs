@@ -452,3 +452,43 @@ fn mpi_algorithm_on_the_local_transport_fails_on_every_rank() {
         assert!(out.expect_err("no MPI here").to_string().contains("mpi"));
     }
 }
+
+#[test]
+fn submitting_a_name_twice_before_it_completes_is_an_error() {
+    let outs = Communicator::run_local(2, |comm| {
+        let r = comm.rank();
+        let engine = FusionEngine::start(comm, FusionConfig::default()).expect("start");
+        let result = if r == 0 {
+            let first = engine.submit("w", vec![1.0f32; 4]).expect("submit");
+            // "w" cannot complete before rank 1 submits it, 200 ms from now.
+            let second = engine.submit("w", vec![1.0f32; 4]).expect("submit");
+            let dup = second.wait().expect_err("duplicate must fail").to_string();
+            assert!(dup.contains("`w`") && dup.contains("rank 0"), "{dup}");
+            first.wait()
+        } else {
+            std::thread::sleep(Duration::from_millis(200));
+            engine.submit("w", vec![1.0f32; 4]).expect("submit").wait()
+        };
+        engine.shutdown().expect("shutdown");
+        result
+    })
+    .expect("run");
+    for out in outs {
+        assert_eq!(
+            out.expect("reduced").into_vec::<f32>().expect("f32"),
+            vec![2.0; 4]
+        );
+    }
+}
+
+#[test]
+fn unwritable_timeline_path_fails_at_start_naming_the_file() {
+    let comm = Communicator::local(1).expect("local").remove(0);
+    let config = FusionConfig {
+        timeline: Some("/nonexistent-dir/trace.json".into()),
+        ..FusionConfig::default()
+    };
+    let err = FusionEngine::start(comm, config).expect_err("unwritable");
+    let msg = err.to_string();
+    assert!(msg.contains("/nonexistent-dir/trace.rank0.json"), "{msg}");
+}

@@ -38,7 +38,8 @@ shapes and outputs of the entry:
   sum_of_squares       |acc - ref| / ref, ref exact in float64; bound 1e-12.
   model_ops.ptx        (twins of crates/model/src/backend/cpu.rs)
     fill, gather_rows, scatter_add_rows, column_sums, add_row_bias, binary_*,
-    in_place_*:        bit-exact against float32 references that add in the CPU's
+    in_place_*, column_sums_partial / _combine (against float32 chunk sums):
+                       bit-exact against float32 references that add in the CPU's
                        order (rows r = 0, 1, ...); repeated ids, an id outside the
                        table (gather: NaN row; scatter: segment skipped), -0.0 and
                        Inf / NaN inputs included.
@@ -892,6 +893,62 @@ def check_column_sums(mod, entry, opts):
     return results, 0.0
 
 
+# (rows, cols, chunk_rows, grid, block)
+CHUNKED_CASES = [(1, 1, 1, (1, 1, 1), (32, 1, 1)), (7, 5, 3, (1, 2, 1), (64, 1, 1)),
+                 (37, 33, 8, (2, 3, 1), (32, 1, 1)), (64, 40, 64, (1, 1, 1), (32, 1, 1)),
+                 (100, 70, 16, (1, 2, 1), (64, 1, 1))]
+
+
+def _chunk_partials(src, rows, cols, chunk_rows):
+    """float32 partial sums of each chunk of rows, rows added in order from 0."""
+    chunks = -(-rows // chunk_rows)
+    out = np.zeros((chunks, cols), np.float32)
+    for k in range(chunks):
+        acc = np.zeros(cols, np.float32)
+        for r in range(k * chunk_rows, min((k + 1) * chunk_rows, rows)):
+            acc = (acc + src[r * cols:(r + 1) * cols]).astype(np.float32)
+        out[k] = acc
+    return out
+
+
+def check_column_sums_partial(mod, entry, opts):
+    results = []
+    for si, (rows, cols, chunk_rows, grid, block) in enumerate(CHUNKED_CASES):
+        rng = rng_for(entry, si)
+        src = _vec(rng, rows * cols, 2.0)
+        chunks = -(-rows // chunk_rows)
+        L = Launch(mod, entry, opts)
+        L.buf("src", src, "r", offset=4 * (si % 2))
+        L.buf("partials", np.full(chunks * cols, np.nan, np.float32), "w")
+        L.run(grid, block, rows=rows, cols=cols, chunk_rows=chunk_rows)
+        ref = _chunk_partials(src, rows, cols, chunk_rows).ravel()
+        err = f32_mismatch(L.out("partials", np.float32), ref)
+        results.append((f"rows{rows} cols{cols} chunk{chunk_rows} grid{grid[0]}x{grid[1]}", err))
+    return results, 0.0
+
+
+def check_column_sums_combine(mod, entry, opts):
+    results = []
+    for si, (rows, cols, chunk_rows, grid, block) in enumerate(CHUNKED_CASES):
+        for accumulate in (0, 1):
+            rng = rng_for(entry, si)
+            chunks = -(-rows // chunk_rows)
+            partials = _vec(rng, chunks * cols, 5.0)
+            dst = _vec(rng, cols, 3.0)
+            L = Launch(mod, entry, opts)
+            L.buf("partials", partials, "r")
+            L.buf("dst", dst if accumulate else np.full(cols, np.nan, np.float32),
+                  "rw" if accumulate else "w", offset=4 * (si % 2))
+            L.run((grid[0], 1, 1), block, chunks=chunks, cols=cols, accumulate=accumulate)
+            acc = dst.copy() if accumulate else np.zeros(cols, np.float32)
+            for k in range(chunks):  # chunk order
+                acc = (acc + partials[k * cols:(k + 1) * cols]).astype(np.float32)
+            err = f32_mismatch(L.out("dst", np.float32), acc)
+            results.append((f"chunks{chunks} cols{cols} acc{accumulate}", err))
+    return results, 0.0
+
+
+
 def check_add_row_bias(mod, entry, opts):
     results = []
     for si, (rows, cols, grid, block, off) in enumerate(MODEL_MATRIX_CASES):
@@ -1057,6 +1114,8 @@ CHECKS = {
         "gather_rows": check_gather_rows,
         "scatter_add_rows": check_scatter_add_rows,
         "column_sums": check_column_sums,
+        "column_sums_partial": check_column_sums_partial,
+        "column_sums_combine": check_column_sums_combine,
         "add_row_bias": check_add_row_bias,
         "unary_sigmoid": check_model_unary,
         "unary_tanh": check_model_unary,

@@ -71,7 +71,7 @@ pub enum Error {
     #[error("reduction kernel failed: {0}")]
     Kernel(#[from] ringtrain_kernels::Error),
     /// Writing the timeline failed.
-    #[error("cannot write timeline {path}: {source}")]
+    #[error("cannot write timeline {path}: {source}; pass a path in a writable directory")]
     Timeline {
         /// File path.
         path: String,

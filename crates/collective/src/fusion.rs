@@ -2,11 +2,13 @@
 //!
 //! [`FusionEngine::submit`] hands a named tensor to a background thread and returns a
 //! [`Handle`]. Every cycle the background threads of all ranks agree on which tensors
-//! every rank has submitted: each all-gathers the (name, dtype, length) of the tensors
-//! submitted on it since the last cycle, and every rank feeds the same gathered lists, in
-//! rank order, into its own copy of one table, so all ranks take the same decisions in the
-//! same order. Rank 0 acts as coordinator for time-outs only: its list also names the
-//! tensors whose stall timeout ran out.
+//! every rank has submitted: each sends every other rank the dtype and length of the
+//! tensors submitted on it since the last cycle (with the name the first time a name is
+//! seen, later a small id that every rank assigned identically, as Horovod's response cache
+//! does), and every rank feeds the same gathered lists, in rank order, into its own copy of
+//! one table, so all ranks take the same decisions in the same order. Rank 0 acts as
+//! coordinator for time-outs only: its list also names the tensors whose stall timeout ran
+//! out.
 //!
 //! Tensors ready everywhere are copied into a fusion buffer (per dtype, up to
 //! [`FusionConfig::threshold_bytes`]), all-reduced, copied back, and their handles
@@ -16,7 +18,9 @@
 //! [`FusionConfig::stall_error`] later (ranks that never submitted it see the error from
 //! [`FusionEngine::synchronize`] or [`FusionEngine::take_foreign_failure`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::hash_map::Entry;
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -276,6 +280,13 @@ impl FusionEngine {
     /// [`FusionEngine::shutdown`].
     pub fn start(comm: Communicator, config: FusionConfig) -> Result<FusionEngine> {
         config.options.validate()?;
+        if let Some(path) = &config.timeline {
+            let file = crate::timeline::timeline_path_for_rank(path, comm.rank());
+            std::fs::File::create(&file).map_err(|source| Error::Timeline {
+                path: file.display().to_string(),
+                source,
+            })?;
+        }
         if config.threshold_bytes == 0 {
             return Err(Error::invalid(
                 "fusion threshold_bytes",
@@ -444,9 +455,9 @@ fn run_engine(
     let timeline = Timeline::new(config.timeline.as_deref(), rank, Instant::now());
     let mut engine = Engine {
         rank,
-        local: HashMap::new(),
+        local: HashMap::default(),
         fresh: Vec::new(),
-        failed: HashMap::new(),
+        failed: HashMap::default(),
         shutting_down: false,
         table: ReadyTable::new(comm.size()),
         foreign,
@@ -470,9 +481,12 @@ fn run_engine(
         )
     }));
     engine.board.close(reason);
-    let written = engine.timeline.write();
+    if let Err(e) = engine.timeline.write() {
+        // The path was writable at start; report a late failure without losing the
+        // communicator.
+        eprintln!("ringtrain-collective: rank {rank}: WARNING: {e}");
+    }
     result?;
-    written?;
     Ok(comm)
 }
 
@@ -486,28 +500,34 @@ impl Engine {
                 ticket,
                 at,
             } => {
-                if let Some(f) = self.failed.remove(&name) {
-                    self.board.post([(ticket, Err(f.to_error(&name)))]);
-                } else if self.local.contains_key(&name) {
-                    let err = Error::DuplicateName {
-                        name,
-                        rank: self.rank,
-                    };
-                    self.board.post([(ticket, Err(err))]);
+                let failed = if self.failed.is_empty() {
+                    None
                 } else {
-                    self.fresh.push(self.table.announcement(
-                        &name,
-                        tensor.dtype(),
-                        tensor.len() as u64,
-                    ));
-                    self.local.insert(
-                        name,
-                        Pending {
+                    self.failed.remove(&name)
+                };
+                if let Some(f) = failed {
+                    self.board.post([(ticket, Err(f.to_error(&name)))]);
+                    return;
+                }
+                let announcement =
+                    self.table
+                        .announcement(&name, tensor.dtype(), tensor.len() as u64);
+                match self.local.entry(name) {
+                    Entry::Occupied(e) => {
+                        let err = Error::DuplicateName {
+                            name: e.key().clone(),
+                            rank: self.rank,
+                        };
+                        self.board.post([(ticket, Err(err))]);
+                    }
+                    Entry::Vacant(e) => {
+                        self.fresh.push(announcement);
+                        e.insert(Pending {
                             tensor,
                             ticket,
                             submitted: at,
-                        },
-                    );
+                        });
+                    }
                 }
             }
         }

@@ -7,7 +7,7 @@
 //! gathered messages, in rank order, into its own [`ReadyTable`], so every rank assigns the
 //! same ids and takes the same decisions in the same order without further messages.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::time::{Duration, Instant};
 
 use crate::dtype::DType;
@@ -254,7 +254,7 @@ impl ReadyTable {
             size,
             next_seq: 0,
             names: Vec::new(),
-            ids: HashMap::new(),
+            ids: HashMap::default(),
             entries: Vec::new(),
             pending: 0,
             shut_down: vec![false; size],

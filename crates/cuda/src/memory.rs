@@ -150,6 +150,65 @@ impl Gpu {
     }
 }
 
+impl Gpu {
+    /// Copies the device view `src` into `host` (same length), after the work queued so
+    /// far on the stream; returns when the copy is done. Views let a part of a buffer
+    /// (one gradient tensor of a flat buffer) travel without a staging copy.
+    pub fn copy_to_host<T: Element>(&self, src: &impl AsDevSlice<T>, host: &mut [T]) -> Result<()> {
+        let src = src.dev_slice();
+        crate::error::check_len("host", src.len(), host.len())?;
+        self.arg("src", &src)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(host);
+        // SAFETY: the view lies inside a live allocation of this context (views are
+        // bounds-checked) and holds exactly `bytes.len()` bytes; the host slice stays
+        // borrowed until the stream is synchronized below.
+        let result = unsafe {
+            cuda::cuMemcpyDtoHAsync_v2(
+                bytes.as_mut_ptr().cast(),
+                src.device_ptr(),
+                bytes.len(),
+                self.stream().as_inner(),
+            )
+        };
+        check(result, "copying device memory to the host")?;
+        self.synchronize()
+    }
+
+    /// Copies `host` into the device view `dst` (same length), after the work queued so
+    /// far on the stream; returns when the copy is done.
+    pub fn copy_from_host<T: Element>(
+        &self,
+        host: &[T],
+        dst: &mut impl AsDevSliceMut<T>,
+    ) -> Result<()> {
+        let dst = dst.dev_slice_mut();
+        crate::error::check_len("host", dst.len(), host.len())?;
+        self.arg_mut("dst", &dst)?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        let bytes: &[u8] = bytemuck::cast_slice(host);
+        // SAFETY: the view lies inside a live allocation of this context and holds
+        // exactly `bytes.len()` bytes; the host slice stays borrowed until the stream is
+        // synchronized below.
+        let result = unsafe {
+            cuda::cuMemcpyHtoDAsync_v2(
+                dst.device_ptr(),
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                self.stream().as_inner(),
+            )
+        };
+        check(result, "copying host memory to the device")?;
+        self.synchronize()
+    }
+}
+
 impl<T: Element> GpuBuffer<T> {
     /// Number of elements.
     pub fn len(&self) -> usize {

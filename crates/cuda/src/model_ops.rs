@@ -4,8 +4,10 @@
 //! sigmoid/tanh and their gradients, elementwise add/mul, sum).
 //!
 //! All are bit-identical to the CPU backend except `unary_sigmoid` /
-//! `unary_tanh` (ex2.approx, 1e-6 absolute, like `ptx/lstm.ptx`) and [`sum`]
-//! (f64 per block, rounded to f32 per block; see the PTX header for the bound).
+//! `unary_tanh` (ex2.approx, 1e-6 absolute, like `ptx/lstm.ptx`), [`sum`]
+//! (f64 per block, rounded to f32 per block; see the PTX header for the bound)
+//! and `column_sums_chunked` on more than `COLUMN_SUM_CHUNK_ROWS` rows
+//! (deterministic chunked sums, re-associated against the CPU's row order).
 
 use crate::signature::{KernelSignature, Param::*, PtxModule};
 
@@ -31,6 +33,14 @@ pub const KERNELS: &[KernelSignature] = &[
     },
     KernelSignature {
         name: "column_sums",
+        params: &[Ptr, Ptr, U32, U32, U32],
+    },
+    KernelSignature {
+        name: "column_sums_partial",
+        params: &[Ptr, Ptr, U32, U32, U32],
+    },
+    KernelSignature {
+        name: "column_sums_combine",
         params: &[Ptr, Ptr, U32, U32, U32],
     },
     KernelSignature {
@@ -287,6 +297,86 @@ mod launchers {
         ];
         // SAFETY: live, length-checked views on this GPU; dst borrowed mutably.
         unsafe { gpu.launch(&MODULE, "column_sums", config(gpu, cols), &args) }
+    }
+
+    /// Rows per chunk of [`column_sums_chunked`].
+    pub const COLUMN_SUM_CHUNK_ROWS: usize = 256;
+
+    /// Elements of the `partials` scratch [`column_sums_chunked`] needs.
+    pub fn column_sums_scratch_len(rows: usize, cols: usize) -> usize {
+        rows.div_ceil(COLUMN_SUM_CHUNK_ROWS) * cols
+    }
+
+    /// [`column_sums`] for tall matrices (an LSTM bias gradient: batch·steps rows, 4H
+    /// columns): sums of chunks of [`COLUMN_SUM_CHUNK_ROWS`] rows on a 2-D grid into
+    /// `partials` (at least [`column_sums_scratch_len`] elements), then the chunks in
+    /// order. Deterministic; bit-identical to the CPU when `rows` fits one chunk (then it
+    /// launches [`column_sums`]), otherwise the sum is re-associated by chunks.
+    pub fn column_sums_chunked(
+        gpu: &Gpu,
+        src: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+        partials: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        if rows <= COLUMN_SUM_CHUNK_ROWS {
+            return column_sums(gpu, src, dst, rows, cols, accumulate);
+        }
+        let (src, dst, partials) = (
+            src.dev_slice(),
+            dst.dev_slice_mut(),
+            partials.dev_slice_mut(),
+        );
+        check_len("src", product("rows * cols", rows, cols)?, src.len())?;
+        check_len("dst", cols, dst.len())?;
+        let chunks = rows.div_ceil(COLUMN_SUM_CHUNK_ROWS);
+        let needed = product("chunks * cols", chunks, cols)?;
+        if partials.len() < needed {
+            return Err(Error::ShapeMismatch {
+                arg: "partials",
+                expected: needed,
+                actual: partials.len(),
+            });
+        }
+        if cols == 0 {
+            return Ok(());
+        }
+        let grid_x = gpu.grid_for(cols, BLOCK);
+        let grid_y = chunks.min(65_535) as u32;
+        let partial_args = [
+            gpu.arg("src", &src)?,
+            gpu.arg_mut("partials", &partials)?,
+            KernelArg::U32(rows as u32),
+            KernelArg::U32(cols as u32),
+            KernelArg::U32(COLUMN_SUM_CHUNK_ROWS as u32),
+        ];
+        let grid_2d = LaunchConfig {
+            grid: (grid_x, grid_y, 1),
+            block: (BLOCK, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: live, length-checked views on this GPU; partials holds chunks * cols
+        // floats and is borrowed mutably; each (chunk, column) is written by one thread.
+        unsafe { gpu.launch(&MODULE, "column_sums_partial", grid_2d, &partial_args)? };
+        let combine_args = [
+            gpu.arg("partials", &partials.as_slice())?,
+            gpu.arg_mut("dst", &dst)?,
+            KernelArg::U32(chunks as u32),
+            KernelArg::U32(cols as u32),
+            KernelArg::U32(accumulate as u32),
+        ];
+        // SAFETY: as above; the combine runs after the partial sums on the same stream;
+        // dst is borrowed mutably.
+        unsafe {
+            gpu.launch(
+                &MODULE,
+                "column_sums_combine",
+                config(gpu, cols),
+                &combine_args,
+            )
+        }
     }
 
     /// `dst[r, c] += bias[c]`.

@@ -1336,3 +1336,85 @@ fn timer_measures_queued_work_and_copies_round_trip() {
     assert_eq!(src.as_slice().len(), n);
     assert_eq!(src.dev_slice().device(), gpu.ordinal());
 }
+
+#[test]
+fn views_copy_to_and_from_the_host_without_touching_neighbours() {
+    let gpu = gpu();
+    let host: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();
+    let mut buf = poisoned::<f32>(&gpu, host.len());
+    // upload the middle, leaving the ends poisoned
+    gpu.copy_from_host(&host[3..997], &mut buf.slice_mut(3..997).unwrap())
+        .unwrap();
+    let all = buf.to_host().unwrap();
+    assert!(all[..3].iter().chain(&all[997..]).all(|x| x.is_nan()));
+    assert_bits_eq("uploaded view", &all[3..997], &host[3..997], |x: &f32| {
+        x.is_nan()
+    });
+    // download a part (as a gradient range is) into the middle of a host buffer
+    let mut out = [-1.0f32; 20];
+    gpu.copy_to_host(&buf.slice(500..510).unwrap(), &mut out[5..15])
+        .unwrap();
+    assert_bits_eq(
+        "downloaded view",
+        &out[5..15],
+        &host[500..510],
+        |x: &f32| x.is_nan(),
+    );
+    assert!(out[..5].iter().chain(&out[15..]).all(|&x| x == -1.0));
+    // lengths must agree
+    let mut short = [0.0f32; 3];
+    assert!(matches!(
+        gpu.copy_to_host(&buf.slice(0..4).unwrap(), &mut short),
+        Err(Error::ShapeMismatch { .. })
+    ));
+}
+
+#[test]
+fn tall_column_sums_add_fixed_chunks_in_order() {
+    let gpu = gpu();
+    let mut r = rng(91);
+    let chunk = model_ops::COLUMN_SUM_CHUNK_ROWS;
+    for &(rows, cols, accumulate) in &[
+        (chunk + 1, 7, false),
+        (3 * chunk + 17, 300, true),
+        (40, 5, true),
+    ] {
+        let src = uniform(&mut r, rows * cols, -2.0, 2.0);
+        let dst0 = uniform(&mut r, cols, -1.0, 1.0);
+        let d_src = gpu.upload(&src).unwrap();
+        let mut d_dst = gpu.upload(&dst0).unwrap();
+        let mut partials = poisoned::<f32>(&gpu, model_ops::column_sums_scratch_len(rows, cols));
+        model_ops::column_sums_chunked(
+            &gpu,
+            &d_src,
+            &mut d_dst,
+            rows,
+            cols,
+            accumulate,
+            &mut partials,
+        )
+        .unwrap();
+        let got = d_dst.to_host().unwrap();
+        // reference: f32 sums of each chunk in row order, then the chunks in order
+        // (one chunk: the CPU's order exactly)
+        let mut want = if accumulate {
+            dst0.clone()
+        } else {
+            vec![0.0; cols]
+        };
+        if rows <= chunk {
+            for row in src.chunks(cols) {
+                want.iter_mut().zip(row).for_each(|(w, x)| *w += x);
+            }
+        } else {
+            for block in src.chunks(chunk * cols) {
+                let mut part = vec![0.0f32; cols];
+                for row in block.chunks(cols) {
+                    part.iter_mut().zip(row).for_each(|(p, x)| *p += x);
+                }
+                want.iter_mut().zip(&part).for_each(|(w, p)| *w += p);
+            }
+        }
+        assert_bits_eq("column_sums_chunked", &got, &want, |x: &f32| x.is_nan());
+    }
+}

@@ -17,6 +17,8 @@ struct TokenRegression {
     dim: usize,
     params: Vec<f32>,
     grads: Vec<f32>,
+    /// Multiplies every gradient (to provoke f16 overflow).
+    gain: f32,
 }
 
 impl TokenRegression {
@@ -37,6 +39,7 @@ impl TokenRegression {
             vocab,
             dim,
             grads: vec![0.0; params.len()],
+            gain: 1.0,
             params,
         }
     }
@@ -111,7 +114,7 @@ impl TrainableModel for TokenRegression {
             out.target_tokens += f64::from(m);
             for c in 0..v {
                 let p = (logits[c] - max).exp() / z - if c == y { 1.0 } else { 0.0 };
-                let g = (p * f64::from(m)) as f32;
+                let g = (p * f64::from(m) * f64::from(self.gain)) as f32;
                 grads[bias.start + c] += g;
                 for k in 0..d {
                     grads[proj.start + k * v + c] += e[k] * g;
@@ -442,6 +445,46 @@ fn ranks_with_different_flags_fail_on_every_rank_instead_of_hanging() {
         assert!(
             err.contains("differs between ranks") && err.contains("flags"),
             "{err}"
+        );
+    }
+}
+
+#[test]
+fn f16_overflow_skips_the_step_on_every_rank_and_halves_the_loss_scale() {
+    let cfg = TrainConfig {
+        batch_size: 4,
+        fp16_gradients: true,
+        ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
+    };
+    let split = BatchSplit::per_rank(4, 2);
+    let out = Communicator::run_local(2, |comm| {
+        let rank = comm.rank();
+        let mut model = TokenRegression::new(VOCAB, 4, 7);
+        // Gradients of 1e5 times the loss overflow f16 at every scale this short run reaches.
+        model.gain = 1e5;
+        let mut batches = batches_for(&split, rank, 99).into_iter();
+        let report = train(&cfg, comm, &mut model, &mut batches, &mut |_| {})
+            .unwrap()
+            .report;
+        (
+            report.skipped_steps,
+            report.loss_scale,
+            model.params().to_vec(),
+        )
+    })
+    .unwrap();
+    let start = initial();
+    for (skipped, scale, params) in out {
+        assert_eq!(
+            skipped, STEPS as u64,
+            "every step overflowed and was skipped"
+        );
+        assert_eq!(scale, Some(65536.0 / (1u32 << STEPS) as f32));
+        assert_close(
+            &params,
+            &start,
+            0.0,
+            "skipped steps leave the parameters alone",
         );
     }
 }

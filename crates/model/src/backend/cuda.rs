@@ -11,8 +11,10 @@
 //! per-call uploads of ids, labels and masks wait for the stream. Launches are counted as
 //! the CPU backend counts them: one per operation, also when an operation has no work.
 //!
-//! Numerics against the CPU backend: fill, copy, embeddings, column sums, bias adds, the
-//! element-wise and in-place operations are bit-identical; sigmoid / tanh (alone and inside
+//! Numerics against the CPU backend: fill, copy, embeddings, bias adds, the element-wise
+//! and in-place operations are bit-identical, and so are column sums of up to 256 rows
+//! (taller ones add chunks of 256 rows, then the chunks in order: deterministic, within
+//! about (256 + rows/256)·2^-24·Σ|x| of the CPU's sum); sigmoid / tanh (alone and inside
 //! the LSTM kernels) differ by less than 1e-6 absolute; GEMMs accumulate in f32 in another
 //! order (relative differences around 1e-6 of the row norms); the softmax's log-sum-exp
 //! differs by at most 2e-6·max(1, |lse|); [`Backend::sum`] by at most
@@ -104,12 +106,14 @@ mod imp {
     struct Scratch {
         /// u32 buffers (ids, labels, scatter segments) by exact length.
         words: HashMap<usize, Vec<GpuBuffer<u32>>>,
-        /// f32 buffers (masks, staging of partial uploads / downloads) by exact length.
+        /// f32 buffers (masks) by exact length.
         floats: HashMap<usize, Vec<GpuBuffer<f32>>>,
         /// f16 copies of the GEMM operands (A, B), grown as needed.
         f16_ops: [Option<GpuBuffer<f16>>; 2],
         /// bf16 copies of the GEMM operands (A, B), grown as needed.
         bf16_ops: [Option<GpuBuffer<bf16>>; 2],
+        /// Chunk partial sums of tall column sums, grown as needed.
+        column_partials: Option<GpuBuffer<f32>>,
         /// Set by the 16-bit casts on overflow; informational only.
         cast_flag: NonFiniteFlag,
     }
@@ -260,6 +264,7 @@ mod imp {
                 floats: HashMap::new(),
                 f16_ops: [None, None],
                 bf16_ops: [None, None],
+                column_partials: None,
                 cast_flag: NonFiniteFlag::new(&gpu).map_err(gpu_error)?,
             };
             Ok(CudaBackend {
@@ -268,6 +273,14 @@ mod imp {
                 launches: AtomicU64::new(0),
                 scratch: RefCell::new(scratch),
             })
+        }
+
+        /// Number of CUDA devices visible to this process (for picking `local_rank % count`).
+        ///
+        /// # Errors
+        /// A GPU error when the driver cannot be initialised.
+        pub fn device_count() -> Result<usize> {
+            Gpu::device_count().map_err(gpu_error)
         }
 
         /// The GPU index this backend drives.
@@ -434,34 +447,16 @@ mod imp {
 
         fn upload(&self, src: &[f32], dst: &mut GpuBuffer<f32>, offset: usize) -> Result<()> {
             let r = span("upload destination", offset, src.len(), dst.len())?;
-            if r.len() == dst.len() {
-                return dst.copy_from_host(src).map_err(gpu_error);
-            }
-            let staged = self.upload_floats(src)?;
-            let copied = self
-                .gpu
-                .copy(&staged, &mut view_mut(dst, r)?)
-                .map_err(gpu_error);
-            self.return_floats(staged);
-            copied
+            self.gpu
+                .copy_from_host(src, &mut view_mut(dst, r)?)
+                .map_err(gpu_error)
         }
 
         fn download(&self, src: &GpuBuffer<f32>, offset: usize, dst: &mut [f32]) -> Result<()> {
             let r = span("download source", offset, dst.len(), src.len())?;
-            if r.len() == src.len() {
-                return src.copy_to_host(dst).map_err(gpu_error);
-            }
-            let mut staged = {
-                let mut scratch = self.scratch.borrow_mut();
-                take(&self.gpu, &mut scratch.floats, dst.len())?
-            };
-            let result = self
-                .gpu
-                .copy(&view(src, r)?, &mut staged)
-                .and_then(|()| staged.copy_to_host(dst))
-                .map_err(gpu_error);
-            self.return_floats(staged);
-            result
+            self.gpu
+                .copy_to_host(&view(src, r)?, dst)
+                .map_err(gpu_error)
         }
 
         fn launches(&self) -> u64 {
@@ -646,13 +641,20 @@ mod imp {
             let s = span("column_sums source", src_offset, rows * cols, src.len())?;
             let d = span("column_sums destination", dst_offset, cols, dst.len())?;
             self.launched();
-            model_ops::column_sums(
+            let mut scratch = self.scratch.borrow_mut();
+            let mut partials = grown(
+                &self.gpu,
+                &mut scratch.column_partials,
+                model_ops::column_sums_scratch_len(rows, cols).max(1),
+            )?;
+            model_ops::column_sums_chunked(
                 &self.gpu,
                 &view(src, s)?,
                 &mut view_mut(dst, d)?,
                 rows,
                 cols,
                 accumulate,
+                &mut partials,
             )
             .map_err(gpu_error)
         }

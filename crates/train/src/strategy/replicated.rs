@@ -5,8 +5,9 @@
 //!   is handed at once to the collective's [`FusionEngine`], whose background thread
 //!   fuses ready tensors (threshold and cycle time from the config) and reduces them
 //!   while backward goes on;
-//! - packed (`--gradient-repacking N`, `--agg-small-grads-max-bytes B`, or overlap off):
-//!   after backward the whole gradient list goes through the collective's
+//! - after backward (overlap off, the CPU default): the flat gradient buffer is
+//!   all-reduced in place as one tensor, or, with `--gradient-repacking N` /
+//!   `--agg-small-grads-max-bytes B`, the gradient list goes through the collective's
 //!   [`GradientPacker`], exactly as tf_cnn_benchmarks packs and aggregates.
 //!
 //! With f16 gradients the tensors travel and are summed as f16; an overflow on any
@@ -33,9 +34,10 @@ enum Mode {
         pending: Vec<(Range<usize>, Handle)>,
         local_overflow: bool,
     },
+    /// After backward: through the packer, or (no packing options) as one flat buffer.
     Packed {
         comm: Communicator,
-        packer: GradientPacker,
+        packer: Option<GradientPacker>,
     },
 }
 
@@ -62,7 +64,10 @@ impl Replicated {
         } else {
             DType::F32
         };
-        let mode = if packed {
+        let tf_packing = cfg.gradient_repacking > 0 || cfg.agg_small_grads_max_bytes > 0;
+        let mode = if packed && !tf_packing {
+            Mode::Packed { comm, packer: None }
+        } else if packed {
             let grad_specs = specs
                 .iter()
                 .map(|s| GradientSpec {
@@ -79,7 +84,10 @@ impl Replicated {
                     agg_small_grads_max_group: cfg.agg_small_grads_max_group,
                 },
             )?;
-            Mode::Packed { comm, packer }
+            Mode::Packed {
+                comm,
+                packer: Some(packer),
+            }
         } else {
             let config = FusionConfig {
                 threshold_bytes: cfg.fusion_threshold_bytes,
@@ -209,14 +217,22 @@ impl Replicated {
                     let overflow =
                         ringtrain_kernels::par::f32_to_f16_scaled(grads, wire_scale, &mut half)?;
                     local.overflow = f64::from(u8::from(overflow));
-                    {
-                        let mut tensors = split_tensors(&mut half, &self.specs);
-                        packer.all_reduce(comm, &mut tensors, &AllReduceOptions::sum())?;
+                    match packer {
+                        Some(packer) => {
+                            let mut tensors = split_tensors(&mut half, &self.specs);
+                            packer.all_reduce(comm, &mut tensors, &AllReduceOptions::sum())?;
+                        }
+                        None => comm.all_reduce(&mut half, &AllReduceOptions::sum())?,
                     }
                     ringtrain_kernels::par::f16_to_f32_unscaled(&half, 1.0, grads)?;
                 } else {
-                    let mut tensors = split_tensors(grads, &self.specs);
-                    packer.all_reduce(comm, &mut tensors, &AllReduceOptions::sum())?;
+                    match packer {
+                        Some(packer) => {
+                            let mut tensors = split_tensors(grads, &self.specs);
+                            packer.all_reduce(comm, &mut tensors, &AllReduceOptions::sum())?;
+                        }
+                        None => comm.all_reduce(grads, &AllReduceOptions::sum())?,
+                    }
                 }
                 let mut v = local.to_array();
                 comm.all_reduce(&mut v, &AllReduceOptions::sum())?;
