@@ -33,6 +33,8 @@ pub mod checkpoint;
 pub mod config;
 pub mod device;
 pub mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu_adapter;
 pub mod input;
 pub mod model_adapter;
 pub mod optimizer;

@@ -184,7 +184,7 @@ where
 }
 
 /// Batch-major `[batch, len]` to time-major `[len, batch]`, reusing `out`.
-fn transpose_into<T: Copy>(data: &[T], batch: usize, len: usize, out: &mut Vec<T>) {
+pub(crate) fn transpose_into<T: Copy>(data: &[T], batch: usize, len: usize, out: &mut Vec<T>) {
     out.clear();
     out.reserve(batch * len);
     for t in 0..len {
@@ -200,86 +200,141 @@ fn lstm_impl(e: EncoderType) -> LstmImpl {
 }
 
 /// Builds the model `cfg` asks for with the given vocabulary sizes, on the CPU with
-/// `threads` threads, or on GPU `device` for `--device cuda`.
+/// `threads` threads, or for `--device cuda` on GPU `local_rank % device count` (so
+/// several ranks may share one GPU).
 pub fn build_model(
     cfg: &TrainConfig,
     src_vocab: usize,
     tgt_vocab: usize,
-    device: usize,
+    local_rank: usize,
     threads: usize,
 ) -> Result<Box<dyn TrainableModel>> {
-    let backend = match cfg.device {
-        DeviceKind::Cpu => CpuBackend::new(threads.max(1))?,
-        DeviceKind::Cuda => {
-            let gpu = CudaBackend::new(device)?;
-            return Err(Error::invalid(
-                "--device",
-                "cuda",
-                format!(
-                    "GPU {} has no training binding in this version; use --device cpu",
-                    gpu.device()
-                ),
-            ));
-        }
-    };
     let seed = cfg.seed;
-    match cfg.model {
-        ModelKind::Nmt => {
-            if cfg.num_encoder_layers != cfg.num_decoder_layers {
-                return Err(Error::invalid(
-                    "--num-decoder-layers",
-                    cfg.num_decoder_layers,
-                    format!(
-                        "the encoder's final states initialise the decoder, so it needs as many layers as \
-                         --num-encoder-layers ({})",
-                        cfg.num_encoder_layers
-                    ),
-                ));
+    let (nmt, lm, description) = model_configs(cfg, src_vocab, tgt_vocab)?;
+    match cfg.device {
+        DeviceKind::Cpu => {
+            let backend = CpuBackend::new(threads.max(1))?;
+            match cfg.model {
+                ModelKind::Nmt => Ok(Box::new(ModelAdapter::wrap(
+                    NmtModel::new(backend, nmt, seed)?,
+                    description,
+                ))),
+                ModelKind::Rnnlm => Ok(Box::new(ModelAdapter::wrap(
+                    RnnLm::new(backend, lm, seed)?,
+                    description,
+                ))),
             }
-            let config = NmtConfig {
-                src_vocab,
-                tgt_vocab,
-                emb: cfg.num_units,
-                hidden: cfg.num_units,
-                layers: cfg.num_encoder_layers,
-                encoder: match cfg.direction {
-                    Direction::Uni => EncoderKind::Uni,
-                    Direction::Bi => EncoderKind::Bi,
-                },
-                lstm: lstm_impl(cfg.encoder_type),
-                ..NmtConfig::benchmark()
-            };
-            let description = format!(
-                "nmt {} {} {}+{} layers, {} units, vocab {}/{}",
-                cfg.encoder_type,
-                cfg.direction,
-                config.layers,
-                config.layers,
-                config.hidden,
-                src_vocab,
-                tgt_vocab
-            );
-            let model = NmtModel::new(backend, config, seed)?;
-            Ok(Box::new(ModelAdapter::wrap(model, description)))
         }
-        ModelKind::Rnnlm => {
-            let config = LmConfig {
-                vocab: src_vocab,
-                emb: cfg.num_units,
-                hidden: cfg.num_units,
-                layers: cfg.num_encoder_layers,
-                lstm: lstm_impl(cfg.encoder_type),
-                init_scale: 0.1,
-                forget_bias: 1.0,
-            };
-            let description = format!(
-                "rnnlm {} {} layers, {} units, vocab {}",
-                cfg.encoder_type, config.layers, config.hidden, src_vocab
-            );
-            let model = RnnLm::new(backend, config, seed)?;
-            Ok(Box::new(ModelAdapter::wrap(model, description)))
-        }
+        DeviceKind::Cuda => build_on_gpu(cfg.model, nmt, lm, description, local_rank, seed),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn build_on_gpu(
+    model: ModelKind,
+    nmt: NmtConfig,
+    lm: LmConfig,
+    description: String,
+    local_rank: usize,
+    seed: u64,
+) -> Result<Box<dyn TrainableModel>> {
+    use crate::gpu_adapter::GpuModelAdapter;
+    let count = CudaBackend::device_count()?;
+    if count == 0 {
+        return Err(Error::invalid(
+            "--device",
+            "cuda",
+            "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES), or use --device cpu",
+        ));
+    }
+    let backend = CudaBackend::new(local_rank % count)?;
+    let description = format!("{description}, GPU {}", backend.device());
+    match model {
+        ModelKind::Nmt => Ok(Box::new(GpuModelAdapter::wrap(
+            NmtModel::new(backend, nmt, seed)?,
+            description,
+        )?)),
+        ModelKind::Rnnlm => Ok(Box::new(GpuModelAdapter::wrap(
+            RnnLm::new(backend, lm, seed)?,
+            description,
+        )?)),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn build_on_gpu(
+    _model: ModelKind,
+    _nmt: NmtConfig,
+    _lm: LmConfig,
+    _description: String,
+    local_rank: usize,
+    _seed: u64,
+) -> Result<Box<dyn TrainableModel>> {
+    // Without the feature this returns the model crate's "rebuild with --features cuda".
+    let gpu = CudaBackend::new(local_rank)?;
+    Err(Error::invalid(
+        "--device",
+        "cuda",
+        format!("GPU {} needs a build with --features cuda", gpu.device()),
+    ))
+}
+
+/// The NMT and LM configurations (and a description of the one `cfg` selects).
+fn model_configs(
+    cfg: &TrainConfig,
+    src_vocab: usize,
+    tgt_vocab: usize,
+) -> Result<(NmtConfig, LmConfig, String)> {
+    if cfg.model == ModelKind::Nmt && cfg.num_encoder_layers != cfg.num_decoder_layers {
+        return Err(Error::invalid(
+            "--num-decoder-layers",
+            cfg.num_decoder_layers,
+            format!(
+                "the encoder's final states initialise the decoder, so it needs as many layers as \
+                 --num-encoder-layers ({})",
+                cfg.num_encoder_layers
+            ),
+        ));
+    }
+    let nmt = NmtConfig {
+        src_vocab,
+        tgt_vocab,
+        emb: cfg.num_units,
+        hidden: cfg.num_units,
+        layers: cfg.num_encoder_layers,
+        encoder: match cfg.direction {
+            Direction::Uni => EncoderKind::Uni,
+            Direction::Bi => EncoderKind::Bi,
+        },
+        lstm: lstm_impl(cfg.encoder_type),
+        ..NmtConfig::benchmark()
+    };
+    let lm = LmConfig {
+        vocab: src_vocab,
+        emb: cfg.num_units,
+        hidden: cfg.num_units,
+        layers: cfg.num_encoder_layers,
+        lstm: lstm_impl(cfg.encoder_type),
+        init_scale: 0.1,
+        forget_bias: 1.0,
+    };
+    let description = match cfg.model {
+        ModelKind::Nmt => format!(
+            "nmt {} {} {}+{} layers, {} units, vocab {}/{}",
+            cfg.encoder_type,
+            cfg.direction,
+            nmt.layers,
+            nmt.layers,
+            nmt.hidden,
+            src_vocab,
+            tgt_vocab
+        ),
+        ModelKind::Rnnlm => format!(
+            "rnnlm {} {} layers, {} units, vocab {}",
+            cfg.encoder_type, lm.layers, lm.hidden, src_vocab
+        ),
+    };
+    Ok((nmt, lm, description))
 }
 
 #[cfg(test)]
