@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 use ringtrain_train::{
-    DataPaths, DeviceKind, Direction, EncoderType, ModelKind, OptimizerKind, TrainConfig,
-    VariableUpdate,
+    DataPaths, DeviceKind, Direction, EncoderType, GemmPrecisionKind, ModelKind, OptimizerKind,
+    TrainConfig, VariableUpdate,
 };
 
 fn parse<T: std::str::FromStr<Err = ringtrain_train::Error>>(s: &str) -> Result<T, String> {
@@ -174,6 +174,12 @@ pub struct TrainArgs {
     #[arg(long, default_value = "cpu", value_parser = parse::<DeviceKind>)]
     pub device: DeviceKind,
 
+    /// Operand precision of the GPU matrix products: `f32`, or `f16` / `bf16` (mixed
+    /// precision: tensor-core products with f32 accumulation, f32 master weights).
+    /// `--device cuda` only.
+    #[arg(long, alias = "gemm_precision", default_value = "f32", value_parser = parse::<GemmPrecisionKind>)]
+    pub gemm_precision: GemmPrecisionKind,
+
     /// CPU threads per rank (0 = cores divided by the ranks on this node).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -247,6 +253,7 @@ impl TrainArgs {
             },
             ps_ranks: self.ps_ranks,
             device: self.device,
+            gemm_precision: self.gemm_precision,
             threads: self.threads,
             seed: self.seed,
             checkpoint: self.checkpoint.clone(),

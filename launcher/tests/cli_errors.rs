@@ -79,6 +79,18 @@ fn config_conflicts_are_explained() {
         !out.status.success() && err.contains("--checkpoint"),
         "{err}"
     );
+    let out = train(&["--gemm-precision", "bf16"]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("--gemm-precision") && err.contains("--device cuda"),
+        "{err}"
+    );
+    let out = train(&["--gemm-precision", "f8"]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("--gemm-precision") && err.contains("f8"),
+        "{err}"
+    );
     let out = train(&["--data", "/nonexistent/train.en", "--model", "rnnlm"]);
     let err = stderr(&out);
     assert!(

@@ -42,12 +42,10 @@ pub enum Error {
         /// The device index that was requested.
         device: usize,
     },
-    /// Built with `cuda`, but the GPU model backend is not implemented yet.
-    #[error("the CUDA model backend (device {device}) is not available in this version: the `cuda` feature builds the PTX runtime, but LSTM/softmax training on the GPU is not wired up yet; use the CPU backend")]
-    CudaBackendUnavailable {
-        /// The device index that was requested.
-        device: usize,
-    },
+    /// A GPU driver call or kernel launch of the CUDA backend failed.
+    #[cfg(feature = "cuda")]
+    #[error("GPU error: {0}; check that the device exists and has free memory, and that the NVIDIA driver works (nvidia-smi)")]
+    Cuda(#[from] ringtrain_cuda::Error),
     /// The CPU backend could not start its worker threads.
     #[error("cannot start a rayon pool of {threads} threads: {reason}")]
     ThreadPool {

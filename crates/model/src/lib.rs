@@ -2,8 +2,9 @@
 //!
 //! - [`Backend`]: buffers, matrix products ([`Gemm`]) and the ringtrain-kernels
 //!   operations. [`CpuBackend`] runs them with ringtrain-kernels (their rayon twins on more
-//!   than one thread) and the `gemm` crate; [`CudaBackend`] is the GPU entry point (not
-//!   available in this version: it returns a clear error).
+//!   than one thread) and the `gemm` crate; [`CudaBackend`] (feature `cuda`) runs them as the PTX
+//!   kernels of ringtrain-cuda on one GPU; without the feature it returns
+//!   [`Error::NotCompiledWithCuda`].
 //! - LSTM layers in two implementations with the same numbers and different launch
 //!   counts ([`LstmImpl::Fused`], cuDNN-style; [`LstmImpl::Stepwise`], TF `dynamic_rnn`-style).
 //! - [`NmtModel`]: the NMT encoder-decoder (bi or uni encoder, no attention) and [`RnnLm`],
@@ -51,6 +52,8 @@ pub mod nmt;
 pub mod params;
 pub mod rnnlm;
 
+#[cfg(feature = "cuda")]
+pub use backend::GemmPrecision;
 pub use backend::{Backend, Binary, CpuBackend, CudaBackend, Gemm, InPlace, LstmStep, Unary};
 pub use error::{Error, Result};
 pub use lstm::LstmImpl;

@@ -119,6 +119,18 @@ string_enum! {
     }
 }
 
+string_enum! {
+    /// Operand precision of the GPU matrix products (`--gemm-precision`).
+    GemmPrecisionKind, flag = "--gemm-precision" {
+        /// f32 operands, f32 GEMM.
+        F32 => "f32" | "fp32",
+        /// Operands rounded to f16, tensor-core GEMM with f32 accumulation (mixed precision).
+        F16 => "f16" | "fp16",
+        /// Operands rounded to bf16, tensor-core GEMM with f32 accumulation (mixed precision).
+        Bf16 => "bf16",
+    }
+}
+
 /// Files of a real corpus (`--data`); unused with synthetic data.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DataPaths {
@@ -193,6 +205,8 @@ pub struct TrainConfig {
     pub ps_ranks: usize,
     /// Device kind.
     pub device: DeviceKind,
+    /// Operand precision of the GPU matrix products (f32 master weights either way).
+    pub gemm_precision: GemmPrecisionKind,
     /// CPU threads per rank (0 = cores / local ranks).
     pub threads: usize,
     /// Seed for parameters and synthetic data.
@@ -238,6 +252,7 @@ impl Default for TrainConfig {
             overlap_backward: false,
             ps_ranks: 0,
             device: DeviceKind::Cpu,
+            gemm_precision: GemmPrecisionKind::F32,
             threads: 0,
             seed: 1,
             checkpoint: None,
@@ -272,6 +287,13 @@ impl TrainConfig {
             }
         };
         positive("--num-units", self.num_units)?;
+        if self.device == DeviceKind::Cpu && self.gemm_precision != GemmPrecisionKind::F32 {
+            return Err(Error::invalid(
+                "--gemm-precision",
+                self.gemm_precision,
+                "16-bit matrix products are a GPU option: use it with --device cuda (the CPU backend multiplies in f32)",
+            ));
+        }
         positive("--num-encoder-layers", self.num_encoder_layers)?;
         if self.model == ModelKind::Nmt {
             positive("--num-decoder-layers", self.num_decoder_layers)?;

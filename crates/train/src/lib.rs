@@ -48,8 +48,8 @@ pub mod trainer;
 pub use batch_split::BatchSplit;
 pub use checkpoint::{Checkpoint, CHECKPOINT_MAGIC, CHECKPOINT_VERSION};
 pub use config::{
-    DataPaths, DeviceKind, Direction, EncoderType, ModelKind, OptimizerKind, TrainConfig,
-    VariableUpdate,
+    DataPaths, DeviceKind, Direction, EncoderType, GemmPrecisionKind, ModelKind, OptimizerKind,
+    TrainConfig, VariableUpdate,
 };
 pub use device::{local_rank_from_env, LocalRank, LocalRankSource};
 pub use error::{Error, Result};

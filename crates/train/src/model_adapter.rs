@@ -225,20 +225,27 @@ pub fn build_model(
                 ))),
             }
         }
-        DeviceKind::Cuda => build_on_gpu(cfg.model, nmt, lm, description, local_rank, seed),
+        DeviceKind::Cuda => build_on_gpu(cfg, nmt, lm, description, local_rank),
     }
 }
 
 #[cfg(feature = "cuda")]
 fn build_on_gpu(
-    model: ModelKind,
+    cfg: &TrainConfig,
     nmt: NmtConfig,
     lm: LmConfig,
     description: String,
     local_rank: usize,
-    seed: u64,
 ) -> Result<Box<dyn TrainableModel>> {
+    use crate::config::GemmPrecisionKind;
     use crate::gpu_adapter::GpuModelAdapter;
+    use ringtrain_model::GemmPrecision;
+    let (model, seed) = (cfg.model, cfg.seed);
+    let precision = match cfg.gemm_precision {
+        GemmPrecisionKind::F32 => GemmPrecision::F32,
+        GemmPrecisionKind::F16 => GemmPrecision::F16,
+        GemmPrecisionKind::Bf16 => GemmPrecision::Bf16,
+    };
     let count = CudaBackend::device_count()?;
     if count == 0 {
         return Err(Error::invalid(
@@ -247,8 +254,12 @@ fn build_on_gpu(
             "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES), or use --device cpu",
         ));
     }
-    let backend = CudaBackend::new(local_rank % count)?;
-    let description = format!("{description}, GPU {}", backend.device());
+    let backend = CudaBackend::with_precision(local_rank % count, precision)?;
+    let description = format!(
+        "{description}, GPU {} ({} matrix products)",
+        backend.device(),
+        cfg.gemm_precision
+    );
     match model {
         ModelKind::Nmt => Ok(Box::new(GpuModelAdapter::wrap(
             NmtModel::new(backend, nmt, seed)?,
@@ -263,12 +274,11 @@ fn build_on_gpu(
 
 #[cfg(not(feature = "cuda"))]
 fn build_on_gpu(
-    _model: ModelKind,
+    _cfg: &TrainConfig,
     _nmt: NmtConfig,
     _lm: LmConfig,
     _description: String,
     local_rank: usize,
-    _seed: u64,
 ) -> Result<Box<dyn TrainableModel>> {
     // Without the feature this returns the model crate's "rebuild with --features cuda".
     let gpu = CudaBackend::new(local_rank)?;

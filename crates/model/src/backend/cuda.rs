@@ -88,20 +88,6 @@ mod imp {
         Bf16,
     }
 
-    /// GPU errors as the model crate's error. The crate's error enum has no GPU variant
-    /// yet, so a driver or launch failure is reported as a problem with the `device`
-    /// setting, carrying the driver's full message.
-    fn gpu_error(e: ringtrain_cuda::Error) -> Error {
-        Error::InvalidConfig {
-            field: "device",
-            value: "cuda".into(),
-            reason: format!(
-                "the GPU failed: {e}; check that the device exists, is not out of memory, \
-                 and that the NVIDIA driver works (nvidia-smi)"
-            ),
-        }
-    }
-
     /// Scratch device memory reused between calls.
     struct Scratch {
         /// u32 buffers (ids, labels, scatter segments) by exact length.
@@ -126,7 +112,7 @@ mod imp {
     ) -> Result<GpuBuffer<T>> {
         match pool.get_mut(&len).and_then(Vec::pop) {
             Some(buf) => Ok(buf),
-            None => gpu.alloc::<T>(len).map_err(gpu_error),
+            None => gpu.alloc::<T>(len).map_err(Error::from),
         }
     }
 
@@ -187,11 +173,11 @@ mod imp {
     }
 
     fn view<'a>(buf: &'a GpuBuffer<f32>, r: Range<usize>) -> Result<DevSlice<'a, f32>> {
-        buf.slice(r).map_err(gpu_error)
+        buf.slice(r).map_err(Error::from)
     }
 
     fn view_mut<'a>(buf: &'a mut GpuBuffer<f32>, r: Range<usize>) -> Result<DevSliceMut<'a, f32>> {
-        buf.slice_mut(r).map_err(gpu_error)
+        buf.slice_mut(r).map_err(Error::from)
     }
 
     /// Read view of slot `read` and write view of slot `write` of a `[slots, len]` buffer.
@@ -212,11 +198,11 @@ mod imp {
         }
         let lo = read.min(write) * len;
         let whole = buf.as_mut_slice();
-        let (_, rest) = whole.split_at_mut(lo).map_err(gpu_error)?;
+        let (_, rest) = whole.split_at_mut(lo).map_err(Error::from)?;
         let gap = read.max(write) * len - lo;
-        let (first, second) = rest.split_at_mut(gap).map_err(gpu_error)?;
-        let (first, _) = first.split_at_mut(len).map_err(gpu_error)?;
-        let (second, _) = second.split_at_mut(len).map_err(gpu_error)?;
+        let (first, second) = rest.split_at_mut(gap).map_err(Error::from)?;
+        let (first, _) = first.split_at_mut(len).map_err(Error::from)?;
+        let (second, _) = second.split_at_mut(len).map_err(Error::from)?;
         Ok(if read < write {
             (first, second)
         } else {
@@ -238,7 +224,7 @@ mod imp {
         /// # Errors
         /// A GPU error when the device does not exist or cannot be initialised.
         pub fn with_precision(device: usize, precision: GemmPrecision) -> Result<CudaBackend> {
-            let count = Gpu::device_count().map_err(gpu_error)?;
+            let count = Gpu::device_count().map_err(Error::from)?;
             if device >= count {
                 return Err(Error::InvalidConfig {
                     field: "device",
@@ -249,7 +235,7 @@ mod imp {
                     ),
                 });
             }
-            let gpu = Gpu::new(device).map_err(gpu_error)?;
+            let gpu = Gpu::new(device).map_err(Error::from)?;
             for module in [
                 &gemm::MODULE,
                 &lstm::MODULE,
@@ -257,7 +243,7 @@ mod imp {
                 &model_ops::MODULE,
                 &fp16::MODULE,
             ] {
-                gpu.load(module).map_err(gpu_error)?;
+                gpu.load(module).map_err(Error::from)?;
             }
             let scratch = Scratch {
                 words: HashMap::new(),
@@ -265,7 +251,7 @@ mod imp {
                 f16_ops: [None, None],
                 bf16_ops: [None, None],
                 column_partials: None,
-                cast_flag: NonFiniteFlag::new(&gpu).map_err(gpu_error)?,
+                cast_flag: NonFiniteFlag::new(&gpu).map_err(Error::from)?,
             };
             Ok(CudaBackend {
                 gpu,
@@ -280,7 +266,7 @@ mod imp {
         /// # Errors
         /// A GPU error when the driver cannot be initialised.
         pub fn device_count() -> Result<usize> {
-            Gpu::device_count().map_err(gpu_error)
+            Gpu::device_count().map_err(Error::from)
         }
 
         /// The GPU index this backend drives.
@@ -303,7 +289,7 @@ mod imp {
         /// # Errors
         /// A GPU error from an earlier launch or the synchronization itself.
         pub fn synchronize(&self) -> Result<()> {
-            self.gpu.synchronize().map_err(gpu_error)
+            self.gpu.synchronize().map_err(Error::from)
         }
 
         fn launched(&self) {
@@ -314,7 +300,7 @@ mod imp {
         fn upload_words(&self, host: &[u32]) -> Result<GpuBuffer<u32>> {
             let mut scratch = self.scratch.borrow_mut();
             let mut buf = take(&self.gpu, &mut scratch.words, host.len())?;
-            buf.copy_from_host(host).map_err(gpu_error)?;
+            buf.copy_from_host(host).map_err(Error::from)?;
             Ok(buf)
         }
 
@@ -322,7 +308,7 @@ mod imp {
         fn upload_floats(&self, host: &[f32]) -> Result<GpuBuffer<f32>> {
             let mut scratch = self.scratch.borrow_mut();
             let mut buf = take(&self.gpu, &mut scratch.floats, host.len())?;
-            buf.copy_from_host(host).map_err(gpu_error)?;
+            buf.copy_from_host(host).map_err(Error::from)?;
             Ok(buf)
         }
 
@@ -382,26 +368,26 @@ mod imp {
                     let mut ha = grown(&self.gpu, sa, a.len())?;
                     let mut hb = grown(&self.gpu, sb, b.len())?;
                     fp16::f32_to_f16_scaled(&self.gpu, &a, 1.0, &mut ha, flag)
-                        .map_err(gpu_error)?;
+                        .map_err(Error::from)?;
                     fp16::f32_to_f16_scaled(&self.gpu, &b, 1.0, &mut hb, flag)
-                        .map_err(gpu_error)?;
+                        .map_err(Error::from)?;
                     gemm::gemm_f16(
                         &self.gpu, transpose, &ha, &hb, c, m, n, k, lda, ldb, ldc, 1.0, beta,
                     )
-                    .map_err(gpu_error)?;
+                    .map_err(Error::from)?;
                 }
                 GemmPrecision::Bf16 => {
                     let [sa, sb] = &mut scratch.bf16_ops;
                     let mut ha = grown(&self.gpu, sa, a.len())?;
                     let mut hb = grown(&self.gpu, sb, b.len())?;
                     fp16::f32_to_bf16_scaled(&self.gpu, &a, 1.0, &mut ha, flag)
-                        .map_err(gpu_error)?;
+                        .map_err(Error::from)?;
                     fp16::f32_to_bf16_scaled(&self.gpu, &b, 1.0, &mut hb, flag)
-                        .map_err(gpu_error)?;
+                        .map_err(Error::from)?;
                     gemm::gemm_bf16(
                         &self.gpu, transpose, &ha, &hb, c, m, n, k, lda, ldb, ldc, 1.0, beta,
                     )
-                    .map_err(gpu_error)?;
+                    .map_err(Error::from)?;
                 }
                 GemmPrecision::F32 => return Ok(false),
             }
@@ -418,10 +404,13 @@ mod imp {
     ) -> Result<DevSliceMut<'a, T>> {
         if slot.as_ref().is_none_or(|buf| buf.len() < len) {
             *slot = None; // free the old one first
-            *slot = Some(gpu.alloc::<T>(len.next_power_of_two()).map_err(gpu_error)?);
+            *slot = Some(
+                gpu.alloc::<T>(len.next_power_of_two())
+                    .map_err(Error::from)?,
+            );
         }
         match slot {
-            Some(buf) => buf.slice_mut(0..len).map_err(gpu_error),
+            Some(buf) => buf.slice_mut(0..len).map_err(Error::from),
             None => Err(Error::OutOfBounds {
                 what: "GEMM operand scratch",
                 end: len,
@@ -438,7 +427,7 @@ mod imp {
         }
 
         fn zeros(&self, len: usize) -> Result<GpuBuffer<f32>> {
-            self.gpu.zeros(len).map_err(gpu_error)
+            self.gpu.zeros(len).map_err(Error::from)
         }
 
         fn len(&self, buf: &GpuBuffer<f32>) -> usize {
@@ -449,14 +438,14 @@ mod imp {
             let r = span("upload destination", offset, src.len(), dst.len())?;
             self.gpu
                 .copy_from_host(src, &mut view_mut(dst, r)?)
-                .map_err(gpu_error)
+                .map_err(Error::from)
         }
 
         fn download(&self, src: &GpuBuffer<f32>, offset: usize, dst: &mut [f32]) -> Result<()> {
             let r = span("download source", offset, dst.len(), src.len())?;
             self.gpu
                 .copy_to_host(&view(src, r)?, dst)
-                .map_err(gpu_error)
+                .map_err(Error::from)
         }
 
         fn launches(&self) -> u64 {
@@ -472,7 +461,7 @@ mod imp {
         ) -> Result<()> {
             let r = span("fill destination", offset, len, dst.len())?;
             self.launched();
-            model_ops::fill(&self.gpu, &mut view_mut(dst, r)?, value).map_err(gpu_error)
+            model_ops::fill(&self.gpu, &mut view_mut(dst, r)?, value).map_err(Error::from)
         }
 
         fn copy(
@@ -488,7 +477,7 @@ mod imp {
             self.launched();
             self.gpu
                 .copy(&view(src, rs)?, &mut view_mut(dst, rd)?)
-                .map_err(gpu_error)
+                .map_err(Error::from)
         }
 
         fn gemm(
@@ -554,7 +543,7 @@ mod imp {
             gemm::gemm_f32(
                 &self.gpu, transpose, &a, &b, &mut c, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, 1.0, beta,
             )
-            .map_err(gpu_error)
+            .map_err(Error::from)
         }
 
         fn gather_rows(
@@ -592,7 +581,7 @@ mod imp {
                 table_rows,
                 width,
             )
-            .map_err(gpu_error)
+            .map_err(Error::from)
         }
 
         fn scatter_add_rows(
@@ -625,7 +614,7 @@ mod imp {
                 table_rows,
                 width,
             )
-            .map_err(gpu_error)
+            .map_err(Error::from)
         }
 
         fn column_sums(
@@ -656,7 +645,7 @@ mod imp {
                 accumulate,
                 &mut partials,
             )
-            .map_err(gpu_error)
+            .map_err(Error::from)
         }
 
         fn add_row_bias(
@@ -678,7 +667,7 @@ mod imp {
                 rows,
                 cols,
             )
-            .map_err(gpu_error)
+            .map_err(Error::from)
         }
 
         fn unary(
@@ -698,7 +687,7 @@ mod imp {
                 Unary::Sigmoid => model_ops::unary_sigmoid(&self.gpu, &x, &mut dst),
                 Unary::Tanh => model_ops::unary_tanh(&self.gpu, &x, &mut dst),
             }
-            .map_err(gpu_error)
+            .map_err(Error::from)
         }
 
         fn binary(
@@ -721,7 +710,7 @@ mod imp {
                 Binary::Add => model_ops::binary_add(&self.gpu, &a, &b, &mut dst),
                 Binary::Mul => model_ops::binary_mul(&self.gpu, &a, &b, &mut dst),
             }
-            .map_err(gpu_error)
+            .map_err(Error::from)
         }
 
         fn in_place(
@@ -744,7 +733,7 @@ mod imp {
                 }
                 InPlace::MulTanhGrad => model_ops::in_place_mul_tanh_grad(&self.gpu, &x, &mut dst),
             }
-            .map_err(gpu_error)
+            .map_err(Error::from)
         }
 
         fn lstm_forward_step(
@@ -781,7 +770,7 @@ mod imp {
                 at.batch,
                 at.hidden,
             )
-            .map_err(gpu_error)
+            .map_err(Error::from)
         }
 
         fn lstm_backward_step(
@@ -815,7 +804,7 @@ mod imp {
                 at.batch,
                 at.hidden,
             )
-            .map_err(gpu_error)
+            .map_err(Error::from)
         }
 
         fn softmax_xent_forward(
@@ -846,7 +835,7 @@ mod imp {
                     rows,
                     vocab,
                 )
-                .map_err(gpu_error)
+                .map_err(Error::from)
             })
         }
 
@@ -877,7 +866,7 @@ mod imp {
                     rows,
                     vocab,
                 )
-                .map_err(gpu_error)
+                .map_err(Error::from)
             })
         }
 
@@ -887,7 +876,7 @@ mod imp {
             if len == 0 {
                 return Ok(0.0);
             }
-            model_ops::sum(&self.gpu, &view(src, r)?).map_err(gpu_error)
+            model_ops::sum(&self.gpu, &view(src, r)?).map_err(Error::from)
         }
     }
 }

@@ -16,6 +16,8 @@ pub mod cuda;
 
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
+#[cfg(feature = "cuda")]
+pub use cuda::GemmPrecision;
 
 use crate::error::Result;
 
