@@ -155,3 +155,35 @@ pub(crate) fn checked_elements(arg: &'static str, a: usize, b: usize) -> Result<
         }),
     }
 }
+
+#[cfg(feature = "cuda")]
+/// The largest element count or index span the kernels address (they index with signed
+/// 32-bit arithmetic).
+const KERNEL_INDEX_LIMIT: usize = i32::MAX as usize;
+
+#[cfg(feature = "cuda")]
+/// `n` as the kernels' `u32` element count, or an error naming `arg` when it is above
+/// `i32::MAX`.
+pub(crate) fn kernel_count(arg: &'static str, n: usize) -> Result<u32> {
+    if n > KERNEL_INDEX_LIMIT {
+        return Err(Error::TooLarge {
+            arg,
+            value: n,
+            limit: KERNEL_INDEX_LIMIT,
+        });
+    }
+    Ok(n as u32)
+}
+
+#[cfg(feature = "cuda")]
+/// `a * b` when it is at most `i32::MAX`, or an error naming `arg`.
+pub(crate) fn kernel_product(arg: &'static str, a: usize, b: usize) -> Result<usize> {
+    match a.checked_mul(b) {
+        Some(v) if v <= KERNEL_INDEX_LIMIT => Ok(v),
+        other => Err(Error::TooLarge {
+            arg,
+            value: other.unwrap_or(usize::MAX),
+            limit: KERNEL_INDEX_LIMIT,
+        }),
+    }
+}

@@ -61,26 +61,13 @@ mod launchers {
     use half::{bf16, f16};
 
     use super::MODULE;
-    use crate::error::{check_len, Error, Result};
+    use crate::error::{check_len, kernel_count, Result};
     use crate::memory::{AsDevSlice, AsDevSliceMut, Element, NonFiniteFlag};
     use crate::runtime::{Gpu, KernelArg, LaunchConfig};
 
-    const BLOCK: u32 = 256;
-
-    fn count(n: usize) -> Result<u32> {
-        if n > i32::MAX as usize {
-            return Err(Error::TooLarge {
-                arg: "n (elements)",
-                value: n,
-                limit: i32::MAX as usize,
-            });
-        }
-        Ok(n as u32)
-    }
-
     /// One thread per 8-element vector.
     fn config(gpu: &Gpu, n: usize) -> LaunchConfig {
-        LaunchConfig::linear(gpu.grid_for(n.div_ceil(8), BLOCK), BLOCK)
+        gpu.grid_stride(n.div_ceil(8))
     }
 
     fn to_half<H: Element>(
@@ -93,7 +80,7 @@ mod launchers {
     ) -> Result<()> {
         let (src, dst) = (src.dev_slice(), dst.dev_slice_mut());
         check_len("dst", src.len(), dst.len())?;
-        let n = count(src.len())?;
+        let n = kernel_count("n (elements)", src.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -119,7 +106,7 @@ mod launchers {
     ) -> Result<()> {
         let (src, dst) = (src.dev_slice(), dst.dev_slice_mut());
         check_len("dst", src.len(), dst.len())?;
-        let n = count(src.len())?;
+        let n = kernel_count("n (elements)", src.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -142,7 +129,7 @@ mod launchers {
     ) -> Result<()> {
         let (acc, src) = (acc.dev_slice_mut(), src.dev_slice());
         check_len("src", acc.len(), src.len())?;
-        let n = count(acc.len())?;
+        let n = kernel_count("n (elements)", acc.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -223,7 +210,7 @@ mod launchers {
         flag: &mut NonFiniteFlag,
     ) -> Result<()> {
         let x = x.dev_slice();
-        let n = count(x.len())?;
+        let n = kernel_count("n (elements)", x.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -238,7 +225,7 @@ mod launchers {
             gpu.launch(
                 &MODULE,
                 "has_non_finite_f32",
-                LaunchConfig::linear(gpu.grid_for(x.len().div_ceil(4), BLOCK), BLOCK),
+                gpu.grid_stride(x.len().div_ceil(4)),
                 &args,
             )
         }

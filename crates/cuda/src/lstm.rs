@@ -40,27 +40,26 @@ pub use launchers::*;
 #[cfg(feature = "cuda")]
 mod launchers {
     use super::MODULE;
-    use crate::error::{check_len, checked_elements, Error, Result};
+    use crate::error::{check_len, checked_elements, kernel_count, Error, Result};
     use crate::memory::{AsDevSlice, AsDevSliceMut};
-    use crate::runtime::{Gpu, KernelArg, LaunchConfig};
-
-    const BLOCK: u32 = 256;
+    use crate::runtime::{Gpu, KernelArg};
 
     /// Checks `batch` and `hidden` and returns (cells = batch*H, gates = batch*4H).
     fn dims(batch: usize, hidden: usize) -> Result<(usize, usize)> {
         let gates = checked_elements("batch * 4 * hidden", batch, hidden.saturating_mul(4))?;
-        if gates > i32::MAX as usize {
-            return Err(Error::TooLarge {
-                arg: "batch * 4 * hidden",
-                value: gates,
-                limit: i32::MAX as usize,
-            });
-        }
+        kernel_count("batch * 4 * hidden", gates)?;
         Ok((batch * hidden, gates))
     }
 
-    fn config(gpu: &Gpu, cells: usize) -> LaunchConfig {
-        LaunchConfig::linear(gpu.grid_for(cells, BLOCK), BLOCK)
+    /// Length checks of the cell inputs and outputs both forward kernels share;
+    /// `lens` holds the lengths of `[bias, c_prev, c, h, act]`.
+    fn check_cell_io(hidden: usize, cells: usize, gate_len: usize, lens: [usize; 5]) -> Result<()> {
+        let [bias, c_prev, c, h, act] = lens;
+        check_len("bias", 4 * hidden, bias)?;
+        check_len("c_prev", cells, c_prev)?;
+        check_len("c", cells, c)?;
+        check_len("h", cells, h)?;
+        check_len("act", gate_len, act)
     }
 
     /// GPU twin of `ringtrain_kernels::lstm_pointwise_forward`: gates (`[batch, 4H]`,
@@ -81,11 +80,8 @@ mod launchers {
         let (gates, bias, c_prev) = (gates.dev_slice(), bias.dev_slice(), c_prev.dev_slice());
         let (c, h, act) = (c.dev_slice_mut(), h.dev_slice_mut(), act.dev_slice_mut());
         check_len("gates", gate_len, gates.len())?;
-        check_len("bias", 4 * hidden, bias.len())?;
-        check_len("c_prev", cells, c_prev.len())?;
-        check_len("c", cells, c.len())?;
-        check_len("h", cells, h.len())?;
-        check_len("act", gate_len, act.len())?;
+        let io_lens = [bias.len(), c_prev.len(), c.len(), h.len(), act.len()];
+        check_cell_io(hidden, cells, gate_len, io_lens)?;
         if cells == 0 {
             return Ok(());
         }
@@ -101,7 +97,14 @@ mod launchers {
         ];
         // SAFETY: every pointer comes from a live, length-checked view on this
         // GPU; the outputs are distinct mutable borrows, so nothing aliases.
-        unsafe { gpu.launch(&MODULE, "lstm_pointwise_forward", config(gpu, cells), &args) }
+        unsafe {
+            gpu.launch(
+                &MODULE,
+                "lstm_pointwise_forward",
+                gpu.grid_stride(cells),
+                &args,
+            )
+        }
     }
 
     /// GPU twin of `ringtrain_kernels::lstm_pointwise_forward_step`: pre-activations
@@ -139,11 +142,8 @@ mod launchers {
         let (c, h, act) = (c.dev_slice_mut(), h.dev_slice_mut(), act.dev_slice_mut());
         check_len("input_proj", proj_len, input_proj.len())?;
         check_len("recurrent", gate_len, recurrent.len())?;
-        check_len("bias", 4 * hidden, bias.len())?;
-        check_len("c_prev", cells, c_prev.len())?;
-        check_len("c", cells, c.len())?;
-        check_len("h", cells, h.len())?;
-        check_len("act", gate_len, act.len())?;
+        let io_lens = [bias.len(), c_prev.len(), c.len(), h.len(), act.len()];
+        check_cell_io(hidden, cells, gate_len, io_lens)?;
         if cells == 0 {
             return Ok(());
         }
@@ -168,7 +168,7 @@ mod launchers {
             gpu.launch(
                 &MODULE,
                 "lstm_pointwise_forward_step",
-                config(gpu, cells),
+                gpu.grid_stride(cells),
                 &args,
             )
         }
@@ -220,7 +220,7 @@ mod launchers {
             gpu.launch(
                 &MODULE,
                 "lstm_pointwise_backward",
-                config(gpu, cells),
+                gpu.grid_stride(cells),
                 &args,
             )
         }

@@ -95,38 +95,9 @@ pub use launchers::*;
 #[cfg(feature = "cuda")]
 mod launchers {
     use super::MODULE;
-    use crate::error::{check_len, Error, Result};
+    use crate::error::{check_len, kernel_count, kernel_product, Error, Result};
     use crate::memory::{AsDevSlice, AsDevSliceMut};
-    use crate::runtime::{Gpu, KernelArg, LaunchConfig};
-
-    const BLOCK: u32 = 256;
-
-    fn count(arg: &'static str, n: usize) -> Result<u32> {
-        if n > i32::MAX as usize {
-            return Err(Error::TooLarge {
-                arg,
-                value: n,
-                limit: i32::MAX as usize,
-            });
-        }
-        Ok(n as u32)
-    }
-
-    fn product(arg: &'static str, a: usize, b: usize) -> Result<usize> {
-        let limit = i32::MAX as usize;
-        match a.checked_mul(b) {
-            Some(v) if v <= limit => Ok(v),
-            other => Err(Error::TooLarge {
-                arg,
-                value: other.unwrap_or(usize::MAX),
-                limit,
-            }),
-        }
-    }
-
-    fn config(gpu: &Gpu, work: usize) -> LaunchConfig {
-        LaunchConfig::linear(gpu.grid_for(work, BLOCK), BLOCK)
-    }
+    use crate::runtime::{Gpu, KernelArg, LaunchConfig, GRID_STRIDE_BLOCK as BLOCK};
 
     fn check_ids(ids: &[u32], table_rows: usize) -> Result<()> {
         if let Some((row, id)) = ids
@@ -146,7 +117,7 @@ mod launchers {
     /// `dst[i] = value`.
     pub fn fill(gpu: &Gpu, dst: &mut impl AsDevSliceMut<f32>, value: f32) -> Result<()> {
         let dst = dst.dev_slice_mut();
-        let n = count("dst", dst.len())?;
+        let n = kernel_count("dst", dst.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -156,7 +127,7 @@ mod launchers {
             KernelArg::U32(n),
         ];
         // SAFETY: a live view of n elements on this GPU, borrowed mutably.
-        unsafe { gpu.launch(&MODULE, "fill", config(gpu, dst.len()), &args) }
+        unsafe { gpu.launch(&MODULE, "fill", gpu.grid_stride(dst.len()), &args) }
     }
 
     /// Embedding lookup: `dst[r, :] = table[ids[r], :]` (`table` is
@@ -174,10 +145,10 @@ mod launchers {
         let rows = ids.len();
         check_len(
             "table",
-            product("table_rows * width", table_rows, width)?,
+            kernel_product("table_rows * width", table_rows, width)?,
             table.len(),
         )?;
-        let n = product("rows * width", rows, width)?;
+        let n = kernel_product("rows * width", rows, width)?;
         check_len("dst", n, dst.len())?;
         check_ids(ids, table_rows)?;
         if n == 0 {
@@ -196,7 +167,7 @@ mod launchers {
         // SAFETY: live, length-checked views on this GPU; every id is below
         // table_rows (checked above); dst is borrowed mutably. `ids_dev` lives
         // until the end of this function; freeing it waits for the kernel.
-        unsafe { gpu.launch(&MODULE, "gather_rows", config(gpu, n), &args) }
+        unsafe { gpu.launch(&MODULE, "gather_rows", gpu.grid_stride(n), &args) }
     }
 
     /// Embedding gradient: `table[ids[r], :] += src[r, :]` for r = 0, 1, ... in
@@ -213,10 +184,14 @@ mod launchers {
     ) -> Result<()> {
         let (src, table) = (src.dev_slice(), table.dev_slice_mut());
         let rows = ids.len();
-        check_len("src", product("rows * width", rows, width)?, src.len())?;
+        check_len(
+            "src",
+            kernel_product("rows * width", rows, width)?,
+            src.len(),
+        )?;
         check_len(
             "table",
-            product("table_rows * width", table_rows, width)?,
+            kernel_product("table_rows * width", table_rows, width)?,
             table.len(),
         )?;
         check_ids(ids, table_rows)?;
@@ -247,7 +222,7 @@ mod launchers {
         }
         seg_start.push(rows as u32);
         let segments = seg_id.len();
-        let work = product("segments * width", segments, width)?;
+        let work = kernel_product("segments * width", segments, width)?;
         let (order, seg_start, seg_id) = (
             gpu.upload(&order)?,
             gpu.upload(&seg_start)?,
@@ -269,7 +244,7 @@ mod launchers {
         // below table_rows; table is borrowed mutably and each (segment,
         // column) element is written by one thread. The index buffers live
         // until the end of this function; freeing them waits for the kernel.
-        unsafe { gpu.launch(&MODULE, "scatter_add_rows", config(gpu, work), &args) }
+        unsafe { gpu.launch(&MODULE, "scatter_add_rows", gpu.grid_stride(work), &args) }
     }
 
     /// `dst[c] = (accumulate ? dst[c] : 0) + sum over rows of src[r, c]`, rows in order.
@@ -282,9 +257,9 @@ mod launchers {
         accumulate: bool,
     ) -> Result<()> {
         let (src, dst) = (src.dev_slice(), dst.dev_slice_mut());
-        check_len("src", product("rows * cols", rows, cols)?, src.len())?;
+        check_len("src", kernel_product("rows * cols", rows, cols)?, src.len())?;
         check_len("dst", cols, dst.len())?;
-        let rows32 = count("rows", rows)?;
+        let rows32 = kernel_count("rows", rows)?;
         if cols == 0 {
             return Ok(());
         }
@@ -296,7 +271,7 @@ mod launchers {
             KernelArg::U32(accumulate as u32),
         ];
         // SAFETY: live, length-checked views on this GPU; dst borrowed mutably.
-        unsafe { gpu.launch(&MODULE, "column_sums", config(gpu, cols), &args) }
+        unsafe { gpu.launch(&MODULE, "column_sums", gpu.grid_stride(cols), &args) }
     }
 
     /// Rows per chunk of [`column_sums_chunked`].
@@ -329,10 +304,10 @@ mod launchers {
             dst.dev_slice_mut(),
             partials.dev_slice_mut(),
         );
-        check_len("src", product("rows * cols", rows, cols)?, src.len())?;
+        check_len("src", kernel_product("rows * cols", rows, cols)?, src.len())?;
         check_len("dst", cols, dst.len())?;
         let chunks = rows.div_ceil(COLUMN_SUM_CHUNK_ROWS);
-        let needed = product("chunks * cols", chunks, cols)?;
+        let needed = kernel_product("chunks * cols", chunks, cols)?;
         if partials.len() < needed {
             return Err(Error::ShapeMismatch {
                 arg: "partials",
@@ -373,7 +348,7 @@ mod launchers {
             gpu.launch(
                 &MODULE,
                 "column_sums_combine",
-                config(gpu, cols),
+                gpu.grid_stride(cols),
                 &combine_args,
             )
         }
@@ -389,7 +364,7 @@ mod launchers {
     ) -> Result<()> {
         let (bias, dst) = (bias.dev_slice(), dst.dev_slice_mut());
         check_len("bias", cols, bias.len())?;
-        let n = product("rows * cols", rows, cols)?;
+        let n = kernel_product("rows * cols", rows, cols)?;
         check_len("dst", n, dst.len())?;
         if n == 0 {
             return Ok(());
@@ -401,7 +376,7 @@ mod launchers {
             KernelArg::U32(cols as u32),
         ];
         // SAFETY: live, length-checked views on this GPU; dst borrowed mutably.
-        unsafe { gpu.launch(&MODULE, "add_row_bias", config(gpu, n), &args) }
+        unsafe { gpu.launch(&MODULE, "add_row_bias", gpu.grid_stride(n), &args) }
     }
 
     fn unary(
@@ -412,7 +387,7 @@ mod launchers {
     ) -> Result<()> {
         let (x, dst) = (x.dev_slice(), dst.dev_slice_mut());
         check_len("dst", x.len(), dst.len())?;
-        let n = count("x", x.len())?;
+        let n = kernel_count("x", x.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -422,7 +397,7 @@ mod launchers {
             KernelArg::U32(n),
         ];
         // SAFETY: live views of n elements on this GPU; dst borrowed mutably.
-        unsafe { gpu.launch(&MODULE, kernel, config(gpu, x.len()), &args) }
+        unsafe { gpu.launch(&MODULE, kernel, gpu.grid_stride(x.len()), &args) }
     }
 
     /// `dst = sigmoid(x)`.
@@ -480,7 +455,7 @@ mod launchers {
         let (a, b, dst) = (a.dev_slice(), b.dev_slice(), dst.dev_slice_mut());
         check_len("b", a.len(), b.len())?;
         check_len("dst", a.len(), dst.len())?;
-        let n = count("a", a.len())?;
+        let n = kernel_count("a", a.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -491,7 +466,7 @@ mod launchers {
             KernelArg::U32(n),
         ];
         // SAFETY: live views of n elements on this GPU; dst borrowed mutably.
-        unsafe { gpu.launch(&MODULE, kernel, config(gpu, a.len()), &args) }
+        unsafe { gpu.launch(&MODULE, kernel, gpu.grid_stride(a.len()), &args) }
     }
 
     /// `dst = a + b`.
@@ -518,7 +493,7 @@ mod launchers {
     /// f64 on the host. Waits for the stream (it returns a host value).
     pub fn sum(gpu: &Gpu, x: &impl AsDevSlice<f32>) -> Result<f64> {
         let x = x.dev_slice();
-        let n = count("x", x.len())?;
+        let n = kernel_count("x", x.len())?;
         if n == 0 {
             return Ok(0.0);
         }

@@ -60,26 +60,9 @@ pub use launchers::*;
 #[cfg(feature = "cuda")]
 mod launchers {
     use super::MODULE;
-    use crate::error::{check_len, Error, Result};
+    use crate::error::{check_len, kernel_count, Error, Result};
     use crate::memory::{AsDevSlice, AsDevSliceMut, DevSliceMut, GpuBuffer};
-    use crate::runtime::{Gpu, KernelArg, LaunchConfig};
-
-    const BLOCK: u32 = 256;
-
-    fn count(n: usize) -> Result<u32> {
-        if n > i32::MAX as usize {
-            return Err(Error::TooLarge {
-                arg: "n (elements)",
-                value: n,
-                limit: i32::MAX as usize,
-            });
-        }
-        Ok(n as u32)
-    }
-
-    fn config(gpu: &Gpu, n: usize) -> LaunchConfig {
-        LaunchConfig::linear(gpu.grid_for(n, BLOCK), BLOCK)
-    }
+    use crate::runtime::{Gpu, KernelArg, LaunchConfig, GRID_STRIDE_BLOCK as BLOCK};
 
     /// `p -= lr * (g + weight_decay * p)`.
     pub fn sgd_step(
@@ -91,7 +74,7 @@ mod launchers {
     ) -> Result<()> {
         let (params, grads) = (params.dev_slice_mut(), grads.dev_slice());
         check_len("grads", params.len(), grads.len())?;
-        let n = count(params.len())?;
+        let n = kernel_count("n (elements)", params.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -104,7 +87,7 @@ mod launchers {
         ];
         // SAFETY: live, length-checked views on this GPU; params is the only
         // written buffer and is borrowed mutably.
-        unsafe { gpu.launch(&MODULE, "sgd_step", config(gpu, params.len()), &args) }
+        unsafe { gpu.launch(&MODULE, "sgd_step", gpu.grid_stride(params.len()), &args) }
     }
 
     /// PyTorch SGD with momentum (see `ringtrain_kernels::sgd_momentum_step`).
@@ -131,7 +114,7 @@ mod launchers {
         let momentum_buf = momentum_buf.dev_slice_mut();
         check_len("grads", params.len(), grads.len())?;
         check_len("momentum_buf", params.len(), momentum_buf.len())?;
-        let n = count(params.len())?;
+        let n = kernel_count("n (elements)", params.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -153,7 +136,7 @@ mod launchers {
             gpu.launch(
                 &MODULE,
                 "sgd_momentum_step",
-                config(gpu, params.len()),
+                gpu.grid_stride(params.len()),
                 &args,
             )
         }
@@ -191,7 +174,7 @@ mod launchers {
         check_len("grads", params.len(), grads.len())?;
         check_len("m", params.len(), m.len())?;
         check_len("v", params.len(), v.len())?;
-        let n = count(params.len())?;
+        let n = kernel_count("n (elements)", params.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -210,7 +193,7 @@ mod launchers {
         ];
         // SAFETY: live, length-checked views on this GPU; the three written
         // buffers are distinct mutable borrows.
-        unsafe { gpu.launch(&MODULE, kernel, config(gpu, params.len()), &args) }
+        unsafe { gpu.launch(&MODULE, kernel, gpu.grid_stride(params.len()), &args) }
     }
 
     /// PyTorch Adam with L2 weight decay; `step` counts from 1.
@@ -252,7 +235,7 @@ mod launchers {
     /// `buf[i] *= factor`.
     pub fn scale_f32(gpu: &Gpu, buf: &mut impl AsDevSliceMut<f32>, factor: f32) -> Result<()> {
         let buf = buf.dev_slice_mut();
-        let n = count(buf.len())?;
+        let n = kernel_count("n (elements)", buf.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -262,7 +245,7 @@ mod launchers {
             KernelArg::U32(n),
         ];
         // SAFETY: a live view of n elements on this GPU, borrowed mutably.
-        unsafe { gpu.launch(&MODULE, "scale_f32", config(gpu, buf.len()), &args) }
+        unsafe { gpu.launch(&MODULE, "scale_f32", gpu.grid_stride(buf.len()), &args) }
     }
 
     fn check_accumulator(acc: &GpuBuffer<f64>) -> Result<()> {
@@ -278,7 +261,7 @@ mod launchers {
     ) -> Result<()> {
         check_accumulator(acc)?;
         let x = x.dev_slice();
-        let n = count(x.len())?;
+        let n = kernel_count("n (elements)", x.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -309,7 +292,7 @@ mod launchers {
     ) -> Result<()> {
         check_accumulator(norm_sq)?;
         let buf = buf.dev_slice_mut();
-        let n = count(buf.len())?;
+        let n = kernel_count("n (elements)", buf.len())?;
         if n == 0 {
             return Ok(());
         }
@@ -326,7 +309,7 @@ mod launchers {
             gpu.launch(
                 &MODULE,
                 "scale_by_clip_factor",
-                config(gpu, buf.len()),
+                gpu.grid_stride(buf.len()),
                 &args,
             )
         }

@@ -66,6 +66,9 @@ impl LaunchConfig {
     }
 }
 
+/// Threads per block of the element-wise, grid-stride kernels.
+pub(crate) const GRID_STRIDE_BLOCK: u32 = 256;
+
 /// One kernel argument, matching a [`Param`] kind.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum KernelArg {
@@ -281,6 +284,12 @@ impl Gpu {
         let blocks = work.div_ceil(block as usize).max(1);
         let cap = self.inner.multiprocessors as usize * 32;
         blocks.min(cap) as u32
+    }
+
+    /// A 1-D grid-stride launch over `work` items with [`GRID_STRIDE_BLOCK`] threads per
+    /// block and [`Gpu::grid_for`] blocks.
+    pub(crate) fn grid_stride(&self, work: usize) -> LaunchConfig {
+        LaunchConfig::linear(self.grid_for(work, GRID_STRIDE_BLOCK), GRID_STRIDE_BLOCK)
     }
 
     /// Number of modules loaded into this context so far.

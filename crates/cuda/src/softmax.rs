@@ -56,7 +56,7 @@ pub use launchers::*;
 #[cfg(feature = "cuda")]
 mod launchers {
     use super::{MODULE, WARP_ROW_MAX_VOCAB};
-    use crate::error::{check_len, Error, Result};
+    use crate::error::{check_len, kernel_count, Error, Result};
     use crate::memory::{AsDevSlice, AsDevSliceMut};
     use crate::runtime::{Gpu, KernelArg, LaunchConfig};
 
@@ -71,18 +71,14 @@ mod launchers {
                 reason: "a softmax needs at least one class",
             });
         }
-        let limit = i32::MAX as usize;
-        for (arg, value) in [("rows", rows), ("vocab", vocab)] {
-            if value > limit {
-                return Err(Error::TooLarge { arg, value, limit });
-            }
-        }
+        let rows32 = kernel_count("rows", rows)?;
+        let vocab32 = kernel_count("vocab", vocab)?;
         let total = rows.checked_mul(vocab).ok_or(Error::TooLarge {
             arg: "rows * vocab",
             value: usize::MAX,
             limit: usize::MAX,
         })?;
-        Ok((rows as u32, vocab as u32, total))
+        Ok((rows32, vocab32, total))
     }
 
     /// Picks the kernel variant and its launch shape.

@@ -33,6 +33,27 @@ pub(crate) fn lstm_sizes(batch: usize, hidden: usize) -> Result<(usize, usize)> 
     Ok((state, gates))
 }
 
+/// Length checks of the cell inputs and outputs both forward kernels share.
+#[inline]
+#[allow(clippy::too_many_arguments)]
+fn check_cell_io(
+    bias: &[f32],
+    c_prev: &[f32],
+    c: &[f32],
+    h: &[f32],
+    act: &[f32],
+    hidden: usize,
+    state: usize,
+    gate_len: usize,
+) -> Result<()> {
+    check_len("bias", bias.len(), 4 * hidden)?;
+    check_len("c_prev", c_prev.len(), state)?;
+    check_len("c", c.len(), state)?;
+    check_len("h", h.len(), state)?;
+    check_len("act", act.len(), gate_len)?;
+    Ok(())
+}
+
 /// Length checks of [`lstm_pointwise_forward`]; returns `(batch * H, batch * 4H)`.
 #[inline]
 #[allow(clippy::too_many_arguments)]
@@ -48,11 +69,7 @@ pub(crate) fn check_forward(
 ) -> Result<(usize, usize)> {
     let (state, gate_len) = lstm_sizes(batch, hidden)?;
     check_len("gates", gates.len(), gate_len)?;
-    check_len("bias", bias.len(), 4 * hidden)?;
-    check_len("c_prev", c_prev.len(), state)?;
-    check_len("c", c.len(), state)?;
-    check_len("h", h.len(), state)?;
-    check_len("act", act.len(), gate_len)?;
+    check_cell_io(bias, c_prev, c, h, act, hidden, state, gate_len)?;
     Ok((state, gate_len))
 }
 
@@ -83,11 +100,7 @@ pub(crate) fn check_forward_step<'a>(
     }
     check_len("input_proj", input_proj.len(), proj_len)?;
     check_len("recurrent", recurrent.len(), gate_len)?;
-    check_len("bias", bias.len(), 4 * hidden)?;
-    check_len("c_prev", c_prev.len(), state)?;
-    check_len("c", c.len(), state)?;
-    check_len("h", h.len(), state)?;
-    check_len("act", act.len(), gate_len)?;
+    check_cell_io(bias, c_prev, c, h, act, hidden, state, gate_len)?;
     Ok(&input_proj[step * gate_len..(step + 1) * gate_len])
 }
 

@@ -12,7 +12,7 @@ use crate::vector_math::sqrt;
 /// `Err(InvalidArgument)` naming `arg` unless `value` is finite and `>= 0` (PyTorch's
 /// optimizers reject negative or NaN learning rates, momenta, epsilons and decays too).
 #[inline]
-pub(crate) fn check_non_negative(arg: &'static str, value: f32) -> Result<()> {
+fn check_non_negative(arg: &'static str, value: f32) -> Result<()> {
     if value.is_finite() && value >= 0.0 {
         Ok(())
     } else {
@@ -29,11 +29,17 @@ pub(crate) fn check_non_negative(arg: &'static str, value: f32) -> Result<()> {
 /// `ShapeMismatch` naming `grads` when its length differs from `params`;
 /// `InvalidArgument` naming `lr` or `weight_decay` when it is negative or not finite.
 pub fn sgd_step(params: &mut [f32], grads: &[f32], lr: f32, weight_decay: f32) -> Result<()> {
-    check_len("grads", grads.len(), params.len())?;
-    check_non_negative("lr", lr)?;
-    check_non_negative("weight_decay", weight_decay)?;
+    check_sgd(params, grads, lr, weight_decay)?;
     sgd_block(params, grads, lr, weight_decay);
     Ok(())
+}
+
+/// Argument checks of [`sgd_step`] and its parallel twin.
+#[inline]
+pub(crate) fn check_sgd(params: &[f32], grads: &[f32], lr: f32, weight_decay: f32) -> Result<()> {
+    check_len("grads", grads.len(), params.len())?;
+    check_non_negative("lr", lr)?;
+    check_non_negative("weight_decay", weight_decay)
 }
 
 #[inline]
@@ -65,7 +71,23 @@ pub(crate) struct MomentumStep {
 }
 
 impl MomentumStep {
-    pub(crate) fn new(
+    /// Argument checks of [`sgd_momentum_step`] and its parallel twin; `hyper` is
+    /// `[lr, momentum, dampening, weight_decay]`.
+    pub(crate) fn checked(
+        params: &[f32],
+        grads: &[f32],
+        momentum_buf: &[f32],
+        hyper: [f32; 4],
+        nesterov: bool,
+        first_step: bool,
+    ) -> Result<Self> {
+        check_len("grads", grads.len(), params.len())?;
+        check_len("momentum_buf", momentum_buf.len(), params.len())?;
+        let [lr, momentum, dampening, weight_decay] = hyper;
+        Self::new(lr, momentum, dampening, weight_decay, nesterov, first_step)
+    }
+
+    fn new(
         lr: f32,
         momentum: f32,
         dampening: f32,
@@ -152,9 +174,8 @@ pub fn sgd_momentum_step(
     nesterov: bool,
     first_step: bool,
 ) -> Result<()> {
-    check_len("grads", grads.len(), params.len())?;
-    check_len("momentum_buf", momentum_buf.len(), params.len())?;
-    let step = MomentumStep::new(lr, momentum, dampening, weight_decay, nesterov, first_step)?;
+    let hyper = [lr, momentum, dampening, weight_decay];
+    let step = MomentumStep::checked(params, grads, momentum_buf, hyper, nesterov, first_step)?;
     step.apply(params, grads, momentum_buf);
     Ok(())
 }
@@ -179,7 +200,7 @@ pub(crate) struct AdamStep {
 
 impl AdamStep {
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
+    fn new(
         lr: f32,
         beta1: f32,
         beta2: f32,
@@ -267,12 +288,23 @@ impl AdamStep {
     }
 }
 
-/// Length checks shared by Adam and AdamW.
+/// Argument checks shared by Adam and AdamW and their parallel twins; `hyper` is
+/// `[lr, beta1, beta2, eps, weight_decay]`. Returns the step's coefficients.
 #[inline]
-pub(crate) fn check_adam(params: &[f32], grads: &[f32], m: &[f32], v: &[f32]) -> Result<()> {
+pub(crate) fn check_adam(
+    params: &[f32],
+    grads: &[f32],
+    m: &[f32],
+    v: &[f32],
+    hyper: [f32; 5],
+    step: u32,
+    decoupled: bool,
+) -> Result<AdamStep> {
     check_len("grads", grads.len(), params.len())?;
     check_len("m", m.len(), params.len())?;
-    check_len("v", v.len(), params.len())
+    check_len("v", v.len(), params.len())?;
+    let [lr, beta1, beta2, eps, weight_decay] = hyper;
+    AdamStep::new(lr, beta1, beta2, eps, weight_decay, step, decoupled)
 }
 
 /// PyTorch Adam (L2 weight decay added to the gradient); `step` is 1-based:
@@ -296,8 +328,8 @@ pub fn adam_step(
     weight_decay: f32,
     step: u32,
 ) -> Result<()> {
-    check_adam(params, grads, m, v)?;
-    let s = AdamStep::new(lr, beta1, beta2, eps, weight_decay, step, false)?;
+    let hyper = [lr, beta1, beta2, eps, weight_decay];
+    let s = check_adam(params, grads, m, v, hyper, step, false)?;
     s.apply(params, grads, m, v);
     Ok(())
 }
@@ -320,8 +352,8 @@ pub fn adamw_step(
     weight_decay: f32,
     step: u32,
 ) -> Result<()> {
-    check_adam(params, grads, m, v)?;
-    let s = AdamStep::new(lr, beta1, beta2, eps, weight_decay, step, true)?;
+    let hyper = [lr, beta1, beta2, eps, weight_decay];
+    let s = check_adam(params, grads, m, v, hyper, step, true)?;
     s.apply(params, grads, m, v);
     Ok(())
 }

@@ -7,10 +7,12 @@
 //! rayon chooses, so the results equal the serial ones bit for bit whatever the thread
 //! count.
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::error::{check_len, Result};
+use crate::precision::HalfFloat;
 use crate::{lstm, optim, precision, reduce, softmax};
 
 /// Elements per parallel task in the element-wise kernels.
@@ -127,16 +129,16 @@ pub fn softmax_xent_forward(
     rows: usize,
     vocab: usize,
 ) -> Result<()> {
-    softmax::check_forward(logits, labels, mask, loss, lse, rows, vocab)?;
-    logits
-        .par_chunks_exact(vocab)
-        .zip(labels.par_iter())
-        .zip(mask.par_iter())
-        .zip(loss.par_iter_mut().zip(lse.par_iter_mut()))
-        .for_each(|(((row, &label), &weight), (loss, lse))| {
-            (*loss, *lse) = softmax::forward_row(row, label, weight);
-        });
-    Ok(())
+    softmax_forward_rows(
+        logits,
+        labels,
+        mask,
+        loss,
+        lse,
+        rows,
+        vocab,
+        softmax::forward_row,
+    )
 }
 
 /// Parallel [`crate::softmax_xent_forward_online`] (over rows).
@@ -152,6 +154,31 @@ pub fn softmax_xent_forward_online(
     rows: usize,
     vocab: usize,
 ) -> Result<()> {
+    softmax_forward_rows(
+        logits,
+        labels,
+        mask,
+        loss,
+        lse,
+        rows,
+        vocab,
+        softmax::forward_row_online,
+    )
+}
+
+/// Validates a softmax forward call, then writes `(loss, lse)` of every row with `row_fn`
+/// in parallel.
+#[allow(clippy::too_many_arguments)]
+fn softmax_forward_rows(
+    logits: &[f32],
+    labels: &[u32],
+    mask: &[f32],
+    loss: &mut [f32],
+    lse: &mut [f32],
+    rows: usize,
+    vocab: usize,
+    row_fn: impl Fn(&[f32], u32, f32) -> (f32, f32) + Sync,
+) -> Result<()> {
     softmax::check_forward(logits, labels, mask, loss, lse, rows, vocab)?;
     logits
         .par_chunks_exact(vocab)
@@ -159,7 +186,7 @@ pub fn softmax_xent_forward_online(
         .zip(mask.par_iter())
         .zip(loss.par_iter_mut().zip(lse.par_iter_mut()))
         .for_each(|(((row, &label), &weight), (loss, lse))| {
-            (*loss, *lse) = softmax::forward_row_online(row, label, weight);
+            (*loss, *lse) = row_fn(row, label, weight);
         });
     Ok(())
 }
@@ -189,17 +216,37 @@ pub fn softmax_xent_backward(
     Ok(())
 }
 
+/// Parallel cast of f32 to a 16-bit float (fixed blocks; the flag is an OR over blocks).
+fn f32_to_half_scaled<H: HalfFloat>(src: &[f32], scale: f32, dst: &mut [H]) -> Result<bool>
+where
+    [H]: HalfFloatSliceExt,
+{
+    check_len("dst", dst.len(), src.len())?;
+    Ok(src
+        .par_chunks(PAR_BLOCK)
+        .zip(dst.par_chunks_mut(PAR_BLOCK))
+        .map(|(s, d)| precision::f32_to_half_scaled_block(s, scale, d))
+        .reduce(|| false, |a, b| a | b))
+}
+
+/// Parallel widening of a 16-bit float to f32 (fixed blocks).
+fn half_to_f32_unscaled<H: HalfFloat>(src: &[H], inv_scale: f32, dst: &mut [f32]) -> Result<()>
+where
+    [H]: HalfFloatSliceExt,
+{
+    check_len("dst", dst.len(), src.len())?;
+    src.par_chunks(PAR_BLOCK)
+        .zip(dst.par_chunks_mut(PAR_BLOCK))
+        .for_each(|(s, d)| precision::half_to_f32_unscaled_block(s, inv_scale, d));
+    Ok(())
+}
+
 /// Parallel [`crate::f32_to_f16_scaled`] (fixed blocks; the flag is an OR over blocks).
 ///
 /// # Errors
 /// As the serial kernel.
 pub fn f32_to_f16_scaled(src: &[f32], scale: f32, dst: &mut [f16]) -> Result<bool> {
-    check_len("dst", dst.len(), src.len())?;
-    Ok(src
-        .par_chunks(PAR_BLOCK)
-        .zip(dst.par_chunks_mut(PAR_BLOCK))
-        .map(|(s, d)| precision::f32_to_f16_scaled_block(s, scale, d))
-        .reduce(|| false, |a, b| a | b))
+    f32_to_half_scaled(src, scale, dst)
 }
 
 /// Parallel [`crate::f32_to_bf16_scaled`] (fixed blocks; the flag is an OR over blocks).
@@ -207,12 +254,7 @@ pub fn f32_to_f16_scaled(src: &[f32], scale: f32, dst: &mut [f16]) -> Result<boo
 /// # Errors
 /// As the serial kernel.
 pub fn f32_to_bf16_scaled(src: &[f32], scale: f32, dst: &mut [bf16]) -> Result<bool> {
-    check_len("dst", dst.len(), src.len())?;
-    Ok(src
-        .par_chunks(PAR_BLOCK)
-        .zip(dst.par_chunks_mut(PAR_BLOCK))
-        .map(|(s, d)| precision::f32_to_bf16_scaled_block(s, scale, d))
-        .reduce(|| false, |a, b| a | b))
+    f32_to_half_scaled(src, scale, dst)
 }
 
 /// Parallel [`crate::f16_to_f32_unscaled`] (fixed blocks).
@@ -220,11 +262,7 @@ pub fn f32_to_bf16_scaled(src: &[f32], scale: f32, dst: &mut [bf16]) -> Result<b
 /// # Errors
 /// As the serial kernel.
 pub fn f16_to_f32_unscaled(src: &[f16], inv_scale: f32, dst: &mut [f32]) -> Result<()> {
-    check_len("dst", dst.len(), src.len())?;
-    src.par_chunks(PAR_BLOCK)
-        .zip(dst.par_chunks_mut(PAR_BLOCK))
-        .for_each(|(s, d)| precision::f16_to_f32_unscaled_block(s, inv_scale, d));
-    Ok(())
+    half_to_f32_unscaled(src, inv_scale, dst)
 }
 
 /// Parallel [`crate::bf16_to_f32_unscaled`] (fixed blocks).
@@ -232,11 +270,7 @@ pub fn f16_to_f32_unscaled(src: &[f16], inv_scale: f32, dst: &mut [f32]) -> Resu
 /// # Errors
 /// As the serial kernel.
 pub fn bf16_to_f32_unscaled(src: &[bf16], inv_scale: f32, dst: &mut [f32]) -> Result<()> {
-    check_len("dst", dst.len(), src.len())?;
-    src.par_chunks(PAR_BLOCK)
-        .zip(dst.par_chunks_mut(PAR_BLOCK))
-        .for_each(|(s, d)| precision::bf16_to_f32_unscaled_block(s, inv_scale, d));
-    Ok(())
+    half_to_f32_unscaled(src, inv_scale, dst)
 }
 
 /// Parallel [`crate::sum_into_f32`] (fixed blocks).
@@ -262,9 +296,7 @@ pub fn scale_f32(buf: &mut [f32], factor: f32) {
 /// # Errors
 /// As the serial kernel.
 pub fn sgd_step(params: &mut [f32], grads: &[f32], lr: f32, weight_decay: f32) -> Result<()> {
-    check_len("grads", grads.len(), params.len())?;
-    optim::check_non_negative("lr", lr)?;
-    optim::check_non_negative("weight_decay", weight_decay)?;
+    optim::check_sgd(params, grads, lr, weight_decay)?;
     params
         .par_chunks_mut(PAR_BLOCK)
         .zip(grads.par_chunks(PAR_BLOCK))
@@ -288,10 +320,9 @@ pub fn sgd_momentum_step(
     nesterov: bool,
     first_step: bool,
 ) -> Result<()> {
-    check_len("grads", grads.len(), params.len())?;
-    check_len("momentum_buf", momentum_buf.len(), params.len())?;
+    let hyper = [lr, momentum, dampening, weight_decay];
     let step =
-        optim::MomentumStep::new(lr, momentum, dampening, weight_decay, nesterov, first_step)?;
+        optim::MomentumStep::checked(params, grads, momentum_buf, hyper, nesterov, first_step)?;
     params
         .par_chunks_mut(PAR_BLOCK)
         .zip(grads.par_chunks(PAR_BLOCK))
@@ -317,8 +348,8 @@ pub fn adam_step(
     weight_decay: f32,
     step: u32,
 ) -> Result<()> {
-    optim::check_adam(params, grads, m, v)?;
-    let s = optim::AdamStep::new(lr, beta1, beta2, eps, weight_decay, step, false)?;
+    let hyper = [lr, beta1, beta2, eps, weight_decay];
+    let s = optim::check_adam(params, grads, m, v, hyper, step, false)?;
     adam_par(&s, params, grads, m, v);
     Ok(())
 }
@@ -340,8 +371,8 @@ pub fn adamw_step(
     weight_decay: f32,
     step: u32,
 ) -> Result<()> {
-    optim::check_adam(params, grads, m, v)?;
-    let s = optim::AdamStep::new(lr, beta1, beta2, eps, weight_decay, step, true)?;
+    let hyper = [lr, beta1, beta2, eps, weight_decay];
+    let s = optim::check_adam(params, grads, m, v, hyper, step, true)?;
     adam_par(&s, params, grads, m, v);
     Ok(())
 }

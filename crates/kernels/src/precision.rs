@@ -12,16 +12,42 @@ use crate::error::{check_len, Result};
 /// Elements converted per stack buffer.
 const CAST_BLOCK: usize = 256;
 
-/// Exponent bits of an f16; all set means Inf or NaN.
-const F16_EXP_MASK: u16 = 0x7c00;
-/// Exponent bits of a bf16; all set means Inf or NaN.
-const BF16_EXP_MASK: u16 = 0x7f80;
 /// Exponent bits of an f32; all set means Inf or NaN.
 const F32_EXP_MASK: u32 = 0x7f80_0000;
 
+/// A 16-bit float format the casts handle (f16 or bf16).
+pub(crate) trait HalfFloat: Copy + Send + Sync
+where
+    [Self]: HalfFloatSliceExt,
+{
+    /// Exponent bits; all set means Inf or NaN.
+    const EXP_MASK: u16;
+    /// The raw bit pattern.
+    fn bits(self) -> u16;
+}
+
+impl HalfFloat for f16 {
+    const EXP_MASK: u16 = 0x7c00;
+    #[inline(always)]
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+}
+
+impl HalfFloat for bf16 {
+    const EXP_MASK: u16 = 0x7f80;
+    #[inline(always)]
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+}
+
 /// Converts a block and reports whether any output is non-finite.
 #[inline]
-pub(crate) fn f32_to_f16_scaled_block(src: &[f32], scale: f32, dst: &mut [f16]) -> bool {
+pub(crate) fn f32_to_half_scaled_block<H: HalfFloat>(src: &[f32], scale: f32, dst: &mut [H]) -> bool
+where
+    [H]: HalfFloatSliceExt,
+{
     let mut scaled = [0.0f32; CAST_BLOCK];
     let mut non_finite = false;
     for (s, d) in src.chunks(CAST_BLOCK).zip(dst.chunks_mut(CAST_BLOCK)) {
@@ -31,40 +57,18 @@ pub(crate) fn f32_to_f16_scaled_block(src: &[f32], scale: f32, dst: &mut [f16]) 
         }
         d.convert_from_f32_slice(buf);
         non_finite |= d.iter().fold(false, |acc, h| {
-            acc | (h.to_bits() & F16_EXP_MASK == F16_EXP_MASK)
+            acc | (h.bits() & H::EXP_MASK == H::EXP_MASK)
         });
     }
     non_finite
 }
 
-/// Converts a block and reports whether any output is non-finite.
+/// Widens a block and multiplies it by `inv_scale`.
 #[inline]
-pub(crate) fn f32_to_bf16_scaled_block(src: &[f32], scale: f32, dst: &mut [bf16]) -> bool {
-    let mut scaled = [0.0f32; CAST_BLOCK];
-    let mut non_finite = false;
-    for (s, d) in src.chunks(CAST_BLOCK).zip(dst.chunks_mut(CAST_BLOCK)) {
-        let buf = &mut scaled[..s.len()];
-        for (b, &x) in buf.iter_mut().zip(s) {
-            *b = x * scale;
-        }
-        d.convert_from_f32_slice(buf);
-        non_finite |= d.iter().fold(false, |acc, h| {
-            acc | (h.to_bits() & BF16_EXP_MASK == BF16_EXP_MASK)
-        });
-    }
-    non_finite
-}
-
-#[inline]
-pub(crate) fn f16_to_f32_unscaled_block(src: &[f16], inv_scale: f32, dst: &mut [f32]) {
-    src.convert_to_f32_slice(dst);
-    for x in dst.iter_mut() {
-        *x *= inv_scale;
-    }
-}
-
-#[inline]
-pub(crate) fn bf16_to_f32_unscaled_block(src: &[bf16], inv_scale: f32, dst: &mut [f32]) {
+pub(crate) fn half_to_f32_unscaled_block<H: HalfFloat>(src: &[H], inv_scale: f32, dst: &mut [f32])
+where
+    [H]: HalfFloatSliceExt,
+{
     src.convert_to_f32_slice(dst);
     for x in dst.iter_mut() {
         *x *= inv_scale;
@@ -80,7 +84,7 @@ pub(crate) fn bf16_to_f32_unscaled_block(src: &[bf16], inv_scale: f32, dst: &mut
 /// `ShapeMismatch` naming `dst` when `dst.len() != src.len()`.
 pub fn f32_to_f16_scaled(src: &[f32], scale: f32, dst: &mut [f16]) -> Result<bool> {
     check_len("dst", dst.len(), src.len())?;
-    Ok(f32_to_f16_scaled_block(src, scale, dst))
+    Ok(f32_to_half_scaled_block(src, scale, dst))
 }
 
 /// `dst[i] = bf16(src[i] * scale)`, rounded to nearest even; returns `Ok(true)` when any
@@ -90,7 +94,7 @@ pub fn f32_to_f16_scaled(src: &[f32], scale: f32, dst: &mut [f16]) -> Result<boo
 /// `ShapeMismatch` naming `dst` when `dst.len() != src.len()`.
 pub fn f32_to_bf16_scaled(src: &[f32], scale: f32, dst: &mut [bf16]) -> Result<bool> {
     check_len("dst", dst.len(), src.len())?;
-    Ok(f32_to_bf16_scaled_block(src, scale, dst))
+    Ok(f32_to_half_scaled_block(src, scale, dst))
 }
 
 /// `dst[i] = f32(src[i]) * inv_scale` (the widening is exact).
@@ -99,7 +103,7 @@ pub fn f32_to_bf16_scaled(src: &[f32], scale: f32, dst: &mut [bf16]) -> Result<b
 /// `ShapeMismatch` naming `dst` when `dst.len() != src.len()`.
 pub fn f16_to_f32_unscaled(src: &[f16], inv_scale: f32, dst: &mut [f32]) -> Result<()> {
     check_len("dst", dst.len(), src.len())?;
-    f16_to_f32_unscaled_block(src, inv_scale, dst);
+    half_to_f32_unscaled_block(src, inv_scale, dst);
     Ok(())
 }
 
@@ -109,7 +113,7 @@ pub fn f16_to_f32_unscaled(src: &[f16], inv_scale: f32, dst: &mut [f32]) -> Resu
 /// `ShapeMismatch` naming `dst` when `dst.len() != src.len()`.
 pub fn bf16_to_f32_unscaled(src: &[bf16], inv_scale: f32, dst: &mut [f32]) -> Result<()> {
     check_len("dst", dst.len(), src.len())?;
-    bf16_to_f32_unscaled_block(src, inv_scale, dst);
+    half_to_f32_unscaled_block(src, inv_scale, dst);
     Ok(())
 }
 

@@ -61,11 +61,11 @@ fn widened_combine<H: HalfFloatSliceExt + ?Sized>(
     acc.convert_from_f32_slice(a);
 }
 
-/// `acc[i] = f16(f32(acc[i]) + f32(src[i]))`, rounded to nearest even.
-///
-/// # Errors
-/// `ShapeMismatch` naming `src` when `src.len() != acc.len()`.
-pub fn sum_into_f16(acc: &mut [f16], src: &[f16]) -> Result<()> {
+/// `acc[i] = H(f32(acc[i]) + f32(src[i]))` for a 16-bit float `H`.
+fn sum_into_half<H>(acc: &mut [H], src: &[H]) -> Result<()>
+where
+    [H]: HalfFloatSliceExt,
+{
     check_len("src", src.len(), acc.len())?;
     for (a, s) in acc.chunks_mut(WIDEN_BLOCK).zip(src.chunks(WIDEN_BLOCK)) {
         let len = a.len();
@@ -74,17 +74,20 @@ pub fn sum_into_f16(acc: &mut [f16], src: &[f16]) -> Result<()> {
     Ok(())
 }
 
+/// `acc[i] = f16(f32(acc[i]) + f32(src[i]))`, rounded to nearest even.
+///
+/// # Errors
+/// `ShapeMismatch` naming `src` when `src.len() != acc.len()`.
+pub fn sum_into_f16(acc: &mut [f16], src: &[f16]) -> Result<()> {
+    sum_into_half(acc, src)
+}
+
 /// `acc[i] = bf16(f32(acc[i]) + f32(src[i]))`, rounded to nearest even.
 ///
 /// # Errors
 /// `ShapeMismatch` naming `src` when `src.len() != acc.len()`.
 pub fn sum_into_bf16(acc: &mut [bf16], src: &[bf16]) -> Result<()> {
-    check_len("src", src.len(), acc.len())?;
-    for (a, s) in acc.chunks_mut(WIDEN_BLOCK).zip(src.chunks(WIDEN_BLOCK)) {
-        let len = a.len();
-        widened_combine(a, s, len, |x, y| x + y);
-    }
-    Ok(())
+    sum_into_half(acc, src)
 }
 
 /// `buf[i] *= factor`.
@@ -101,8 +104,11 @@ pub fn scale_f64(buf: &mut [f64], factor: f64) {
     }
 }
 
-/// `buf[i] = f16(f32(buf[i]) * factor)`, rounded to nearest even.
-pub fn scale_f16(buf: &mut [f16], factor: f32) {
+/// `buf[i] = H(f32(buf[i]) * factor)` for a 16-bit float `H`.
+fn scale_half<H>(buf: &mut [H], factor: f32)
+where
+    [H]: HalfFloatSliceExt,
+{
     let mut wide = [0.0f32; WIDEN_BLOCK];
     for block in buf.chunks_mut(WIDEN_BLOCK) {
         let w = &mut wide[..block.len()];
@@ -112,15 +118,14 @@ pub fn scale_f16(buf: &mut [f16], factor: f32) {
     }
 }
 
+/// `buf[i] = f16(f32(buf[i]) * factor)`, rounded to nearest even.
+pub fn scale_f16(buf: &mut [f16], factor: f32) {
+    scale_half(buf, factor);
+}
+
 /// `buf[i] = bf16(f32(buf[i]) * factor)`, rounded to nearest even.
 pub fn scale_bf16(buf: &mut [bf16], factor: f32) {
-    let mut wide = [0.0f32; WIDEN_BLOCK];
-    for block in buf.chunks_mut(WIDEN_BLOCK) {
-        let w = &mut wide[..block.len()];
-        block.convert_to_f32_slice(w);
-        scale_f32(w, factor);
-        block.convert_from_f32_slice(w);
-    }
+    scale_half(buf, factor);
 }
 
 /// NaN-propagating minimum: NaN if either operand is NaN (the first NaN wins).
@@ -181,12 +186,16 @@ pub trait ReduceElement: Copy + Send + Sync + PartialEq + core::fmt::Debug + 'st
     ///
     /// # Errors
     /// `ShapeMismatch` naming `src` when the lengths differ.
-    fn min_into(acc: &mut [Self], src: &[Self]) -> Result<()>;
+    fn min_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
+        select_into(acc, src, nan_min_f64)
+    }
     /// `acc[i] = max(acc[i], src[i])`; NaN if either is NaN.
     ///
     /// # Errors
     /// `ShapeMismatch` naming `src` when the lengths differ.
-    fn max_into(acc: &mut [Self], src: &[Self]) -> Result<()>;
+    fn max_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
+        select_into(acc, src, nan_max_f64)
+    }
     /// `buf[i] *= factor` (f16/bf16/f32 with `factor` rounded to f32, computed in f32).
     fn scale(buf: &mut [Self], factor: f64);
     /// Nearest value of this type (round to nearest even).
@@ -200,12 +209,6 @@ impl ReduceElement for f32 {
     const BYTES: usize = 4;
     fn sum_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
         sum_into_f32(acc, src)
-    }
-    fn min_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
-        select_into(acc, src, nan_min_f64)
-    }
-    fn max_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
-        select_into(acc, src, nan_max_f64)
     }
     fn scale(buf: &mut [Self], factor: f64) {
         scale_f32(buf, factor as f32);
@@ -224,12 +227,6 @@ impl ReduceElement for f64 {
     fn sum_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
         sum_into_f64(acc, src)
     }
-    fn min_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
-        select_into(acc, src, nan_min_f64)
-    }
-    fn max_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
-        select_into(acc, src, nan_max_f64)
-    }
     fn scale(buf: &mut [Self], factor: f64) {
         scale_f64(buf, factor);
     }
@@ -247,12 +244,6 @@ impl ReduceElement for f16 {
     fn sum_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
         sum_into_f16(acc, src)
     }
-    fn min_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
-        select_into(acc, src, nan_min_f64)
-    }
-    fn max_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
-        select_into(acc, src, nan_max_f64)
-    }
     fn scale(buf: &mut [Self], factor: f64) {
         scale_f16(buf, factor as f32);
     }
@@ -269,12 +260,6 @@ impl ReduceElement for bf16 {
     const BYTES: usize = 2;
     fn sum_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
         sum_into_bf16(acc, src)
-    }
-    fn min_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
-        select_into(acc, src, nan_min_f64)
-    }
-    fn max_into(acc: &mut [Self], src: &[Self]) -> Result<()> {
-        select_into(acc, src, nan_max_f64)
     }
     fn scale(buf: &mut [Self], factor: f64) {
         scale_bf16(buf, factor as f32);

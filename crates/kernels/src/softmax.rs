@@ -185,6 +185,31 @@ pub(crate) fn backward_row(row: &mut [f32], lse: f32, label: u32, weight: f32, s
     row[label] = (exp(at_label - lse) - 1.0) * k;
 }
 
+/// Validates a forward call, then writes `(loss, lse)` of every row with `row_fn`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn forward_rows(
+    logits: &[f32],
+    labels: &[u32],
+    mask: &[f32],
+    loss: &mut [f32],
+    lse: &mut [f32],
+    rows: usize,
+    vocab: usize,
+    row_fn: impl Fn(&[f32], u32, f32) -> (f32, f32),
+) -> Result<()> {
+    check_forward(logits, labels, mask, loss, lse, rows, vocab)?;
+    let it = logits
+        .chunks_exact(vocab)
+        .zip(labels)
+        .zip(mask)
+        .zip(loss.iter_mut().zip(lse.iter_mut()));
+    for (((row, &label), &weight), (loss, lse)) in it {
+        (*loss, *lse) = row_fn(row, label, weight);
+    }
+    Ok(())
+}
+
 /// Softmax cross-entropy forward, two passes per row (max, then sum of exponentials).
 ///
 /// Writes `lse[r] = log(sum_v exp(logits[r, v]))` for every row and
@@ -204,16 +229,7 @@ pub fn softmax_xent_forward(
     rows: usize,
     vocab: usize,
 ) -> Result<()> {
-    check_forward(logits, labels, mask, loss, lse, rows, vocab)?;
-    let it = logits
-        .chunks_exact(vocab)
-        .zip(labels)
-        .zip(mask)
-        .zip(loss.iter_mut().zip(lse.iter_mut()));
-    for (((row, &label), &weight), (loss, lse)) in it {
-        (*loss, *lse) = forward_row(row, label, weight);
-    }
-    Ok(())
+    forward_rows(logits, labels, mask, loss, lse, rows, vocab, forward_row)
 }
 
 /// Same contract as [`softmax_xent_forward`], computed in a single pass over each row with
@@ -233,16 +249,16 @@ pub fn softmax_xent_forward_online(
     rows: usize,
     vocab: usize,
 ) -> Result<()> {
-    check_forward(logits, labels, mask, loss, lse, rows, vocab)?;
-    let it = logits
-        .chunks_exact(vocab)
-        .zip(labels)
-        .zip(mask)
-        .zip(loss.iter_mut().zip(lse.iter_mut()));
-    for (((row, &label), &weight), (loss, lse)) in it {
-        (*loss, *lse) = forward_row_online(row, label, weight);
-    }
-    Ok(())
+    forward_rows(
+        logits,
+        labels,
+        mask,
+        loss,
+        lse,
+        rows,
+        vocab,
+        forward_row_online,
+    )
 }
 
 /// Softmax cross-entropy backward, in place over the logits:

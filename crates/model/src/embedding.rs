@@ -8,6 +8,23 @@ use crate::error::Result;
 use crate::lstm::GradTarget;
 use crate::params::{ParamInit, ParamLayout};
 
+/// Registers a `[rows, cols]` tensor drawn uniformly from `[-init_scale, init_scale)`;
+/// returns its elements in the flat buffers.
+fn register_uniform(
+    layout: &mut ParamLayout,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    init_scale: f32,
+) -> Result<Range<usize>> {
+    let start = layout.push(
+        name,
+        &[rows, cols],
+        ParamInit::Uniform { scale: init_scale },
+    )?;
+    Ok(start..start + rows * cols)
+}
+
 /// An embedding table `[vocab, width]` in the flat buffers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Embedding {
@@ -39,13 +56,8 @@ impl Embedding {
         width: usize,
         init_scale: f32,
     ) -> Result<Self> {
-        let start = layout.push(
-            name,
-            &[vocab, width],
-            ParamInit::Uniform { scale: init_scale },
-        )?;
         Ok(Embedding {
-            table: start..start + vocab * width,
+            table: register_uniform(layout, name, vocab, width, init_scale)?,
             vocab,
             width,
         })
@@ -128,13 +140,8 @@ impl Projection {
         vocab: usize,
         init_scale: f32,
     ) -> Result<Self> {
-        let start = layout.push(
-            name,
-            &[hidden, vocab],
-            ParamInit::Uniform { scale: init_scale },
-        )?;
         Ok(Projection {
-            kernel: start..start + hidden * vocab,
+            kernel: register_uniform(layout, name, hidden, vocab, init_scale)?,
             hidden,
             vocab,
         })

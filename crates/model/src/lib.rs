@@ -47,6 +47,7 @@ pub mod backend;
 mod embedding;
 mod error;
 pub mod lstm;
+mod lstm_lm;
 mod model;
 pub mod nmt;
 pub mod params;

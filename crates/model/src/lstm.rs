@@ -532,60 +532,24 @@ impl LstmLayer {
             be.in_place(InPlace::MulTanhGrad, &w.tanh_c, blk, &mut w.tmp, 0, bh)?;
             be.in_place(InPlace::Add, &w.tmp, 0, &mut w.dc, 0, bh)?;
             // dz_i = dc * g * i(1-i); dz_g = dc * i * (1-g^2); dz_f = dc * c_prev * f(1-f).
-            be.binary(
-                Binary::Mul,
-                &w.dc,
-                0,
-                &w.act,
-                gg + blk,
-                &mut w.gates,
-                gi + blk,
-                bh,
-            )?;
-            be.in_place(
-                InPlace::MulSigmoidGrad,
-                &w.act,
-                gi + blk,
-                &mut w.gates,
-                gi + blk,
-                bh,
-            )?;
-            be.binary(
-                Binary::Mul,
-                &w.dc,
-                0,
-                &w.act,
-                gi + blk,
-                &mut w.gates,
-                gg + blk,
-                bh,
-            )?;
-            be.in_place(
-                InPlace::MulTanhGrad,
-                &w.act,
-                gg + blk,
-                &mut w.gates,
-                gg + blk,
-                bh,
-            )?;
-            be.binary(
-                Binary::Mul,
-                &w.dc,
-                0,
-                &w.cells,
-                prev,
-                &mut w.gates,
-                gf + blk,
-                bh,
-            )?;
-            be.in_place(
-                InPlace::MulSigmoidGrad,
-                &w.act,
-                gf + blk,
-                &mut w.gates,
-                gf + blk,
-                bh,
-            )?;
+            for (gate, factor, factor_offset, activation_grad) in [
+                (gi, &w.act, gg + blk, InPlace::MulSigmoidGrad),
+                (gg, &w.act, gi + blk, InPlace::MulTanhGrad),
+                (gf, &w.cells, prev, InPlace::MulSigmoidGrad),
+            ] {
+                let dz = gate + blk;
+                be.binary(
+                    Binary::Mul,
+                    &w.dc,
+                    0,
+                    factor,
+                    factor_offset,
+                    &mut w.gates,
+                    dz,
+                    bh,
+                )?;
+                be.in_place(activation_grad, &w.act, dz, &mut w.gates, dz, bh)?;
+            }
             // dc_prev = dc * f.
             be.binary(
                 Binary::Mul,

@@ -150,3 +150,108 @@ pub(crate) fn check_positive(field: &'static str, value: usize) -> Result<()> {
         Ok(())
     }
 }
+
+/// Checks that every `(field, value)` size of a model config is at least 1.
+pub(crate) fn check_sizes(sizes: &[(&'static str, usize)]) -> Result<()> {
+    match sizes.iter().find(|(_, value)| *value == 0) {
+        Some(&(field, value)) => Err(crate::error::config_error(
+            field,
+            value,
+            "must be at least 1",
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Checks the initialisation fields of a model config: `init_scale` finite and >= 0
+/// (else an error with `init_scale_reason`), `forget_bias` finite.
+pub(crate) fn check_init(init_scale: f32, forget_bias: f32, init_scale_reason: &str) -> Result<()> {
+    if !(init_scale.is_finite() && init_scale >= 0.0) {
+        return Err(crate::error::config_error(
+            "init_scale",
+            init_scale,
+            init_scale_reason,
+        ));
+    }
+    if !forget_bias.is_finite() {
+        return Err(crate::error::config_error(
+            "forget_bias",
+            forget_bias,
+            "must be finite (usually 1.0)",
+        ));
+    }
+    Ok(())
+}
+
+/// Implements `Debug` and [`Model`] for a model struct `$model<B>` with the fields
+/// `backend`, `config`, `layout`, `params` and `grads`, and the methods
+/// `forward(&mut self, &$batch) -> Result<(f64, f64)>` (loss sum, tokens) and
+/// `backward(&mut self, &$batch, on_ready) -> Result<()>` (after `forward`).
+macro_rules! impl_model {
+    ($model:ident, $batch:ident) => {
+        impl<B: Backend> std::fmt::Debug for $model<B> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($model))
+                    .field("backend", &self.backend.name())
+                    .field("config", &self.config)
+                    .field("params", &self.layout.total_len())
+                    .finish()
+            }
+        }
+
+        impl<B: Backend> $crate::model::Model for $model<B> {
+            type Backend = B;
+            type Batch<'a> = $batch<'a>;
+
+            fn layout(&self) -> &ParamLayout {
+                &self.layout
+            }
+            fn backend(&self) -> &B {
+                &self.backend
+            }
+            fn params(&self) -> &B::Buffer {
+                &self.params
+            }
+            fn params_mut(&mut self) -> &mut B::Buffer {
+                &mut self.params
+            }
+            fn grads(&self) -> &B::Buffer {
+                &self.grads
+            }
+            fn grads_mut(&mut self) -> &mut B::Buffer {
+                &mut self.grads
+            }
+            fn params_and_grads_mut(&mut self) -> (&mut B::Buffer, &mut B::Buffer) {
+                (&mut self.params, &mut self.grads)
+            }
+            fn init_params(&mut self, seed: u64) -> Result<()> {
+                let values = self.layout.initial_values(seed)?;
+                self.backend.upload(&values, &mut self.params, 0)
+            }
+            fn forward_loss(&mut self, batch: &$batch<'_>) -> Result<StepStats> {
+                let start = self.backend.launches();
+                let (loss_sum, tokens) = self.forward(batch)?;
+                Ok(StepStats {
+                    loss_sum,
+                    tokens,
+                    launches: self.backend.launches() - start,
+                })
+            }
+            fn forward_backward(
+                &mut self,
+                batch: &$batch<'_>,
+                on_grads_ready: &mut GradsReady<'_, B::Buffer>,
+            ) -> Result<StepStats> {
+                let start = self.backend.launches();
+                let (loss_sum, tokens) = self.forward(batch)?;
+                self.backward(batch, on_grads_ready)?;
+                Ok(StepStats {
+                    loss_sum,
+                    tokens,
+                    launches: self.backend.launches() - start,
+                })
+            }
+        }
+    };
+}
+pub(crate) use impl_model;

@@ -13,11 +13,13 @@
 //! Encoder outputs are not otherwise used. Source padding is processed like any token.
 
 use crate::backend::Backend;
-use crate::embedding::{Embedding, EmbeddingWork, Projection, ProjectionWork};
+use crate::embedding::{Embedding, EmbeddingWork};
 use crate::error::{config_error, Result};
 use crate::lstm::{GradTarget, InitState, LstmImpl, LstmLayer, LstmWork};
+use crate::lstm_lm::{LstmLm, LstmLmShape, LstmLmWork};
 use crate::model::{
-    check_ids, check_labels, check_len, check_positive, GradsReady, Model, StepStats,
+    check_ids, check_init, check_labels, check_len, check_positive, check_sizes, impl_model,
+    GradsReady, Model, StepStats,
 };
 use crate::params::ParamLayout;
 
@@ -88,17 +90,13 @@ impl NmtConfig {
     /// # Errors
     /// `InvalidConfig` naming the first bad field.
     pub fn validate(&self) -> Result<()> {
-        for (field, value) in [
+        check_sizes(&[
             ("src_vocab", self.src_vocab),
             ("tgt_vocab", self.tgt_vocab),
             ("emb", self.emb),
             ("hidden", self.hidden),
             ("layers", self.layers),
-        ] {
-            if value == 0 {
-                return Err(config_error(field, value, "must be at least 1"));
-            }
-        }
+        ])?;
         if self.encoder == EncoderKind::Bi && self.layers % 2 != 0 {
             return Err(config_error(
                 "layers",
@@ -106,21 +104,11 @@ impl NmtConfig {
                 "a bi encoder needs an even layer count (layers/2 per direction): use an even number or encoder uni",
             ));
         }
-        if !(self.init_scale.is_finite() && self.init_scale >= 0.0) {
-            return Err(config_error(
-                "init_scale",
-                self.init_scale,
-                "must be finite and >= 0 (TF NMT uses 0.1)",
-            ));
-        }
-        if !self.forget_bias.is_finite() {
-            return Err(config_error(
-                "forget_bias",
-                self.forget_bias,
-                "must be finite (usually 1.0)",
-            ));
-        }
-        Ok(())
+        check_init(
+            self.init_scale,
+            self.forget_bias,
+            "must be finite and >= 0 (TF NMT uses 0.1)",
+        )
     }
 }
 
@@ -148,10 +136,8 @@ struct NmtWork<Buf> {
     tgt_len: usize,
     batch: usize,
     src_emb: EmbeddingWork<Buf>,
-    tgt_emb: EmbeddingWork<Buf>,
     encoder: Vec<LstmWork<Buf>>,
-    decoder: Vec<LstmWork<Buf>>,
-    head: ProjectionWork<Buf>,
+    decoder: LstmLmWork<Buf>,
 }
 
 /// The NMT encoder-decoder on backend `B` (see the module docs).
@@ -161,23 +147,12 @@ pub struct NmtModel<B: Backend> {
     layout: ParamLayout,
     params: B::Buffer,
     grads: B::Buffer,
-    proj: Projection,
-    decoder: Vec<LstmLayer>,
-    tgt_emb: Embedding,
+    /// Target embedding, decoder layers and output projection.
+    decoder: LstmLm,
     /// Uni: layer l at index l. Bi: depth d, direction r (0 fw, 1 bw) at `2d + r`.
     encoder: Vec<LstmLayer>,
     src_emb: Embedding,
     work: Option<NmtWork<B::Buffer>>,
-}
-
-impl<B: Backend> std::fmt::Debug for NmtModel<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NmtModel")
-            .field("backend", &self.backend.name())
-            .field("config", &self.config)
-            .field("params", &self.layout.total_len())
-            .finish()
-    }
 }
 
 impl<B: Backend> NmtModel<B> {
@@ -189,35 +164,15 @@ impl<B: Backend> NmtModel<B> {
         config.validate()?;
         let c = &config;
         let mut layout = ParamLayout::new();
-        let proj = Projection::register(
-            &mut layout,
-            "proj/kernel",
-            c.hidden,
-            c.tgt_vocab,
-            c.init_scale,
-        )?;
-        let mut decoder = Vec::with_capacity(c.layers);
-        for l in (0..c.layers).rev() {
-            let input = if l == 0 { c.emb } else { c.hidden };
-            let name = format!("decoder/layer_{l}");
-            decoder.push(LstmLayer::register(
-                &mut layout,
-                &name,
-                input,
-                c.hidden,
-                false,
-                c.init_scale,
-                c.forget_bias,
-            )?);
-        }
-        decoder.reverse();
-        let tgt_emb = Embedding::register(
-            &mut layout,
-            "embedding/tgt",
-            c.tgt_vocab,
-            c.emb,
-            c.init_scale,
-        )?;
+        let shape = LstmLmShape {
+            vocab: c.tgt_vocab,
+            emb: c.emb,
+            hidden: c.hidden,
+            layers: c.layers,
+            init_scale: c.init_scale,
+            forget_bias: c.forget_bias,
+        };
+        let decoder = LstmLm::register(&mut layout, "decoder", "embedding/tgt", &shape)?;
         let (depth, stride) = Self::encoder_shape(c);
         let mut encoder = Vec::with_capacity(c.layers);
         for d in (0..depth).rev() {
@@ -259,9 +214,7 @@ impl<B: Backend> NmtModel<B> {
             layout,
             params,
             grads,
-            proj,
             decoder,
-            tgt_emb,
             encoder,
             src_emb,
             work: None,
@@ -311,20 +264,16 @@ impl<B: Backend> NmtModel<B> {
         }
         self.work = None;
         let be = &self.backend;
-        let (h, e, v) = (self.config.hidden, self.config.emb, self.config.tgt_vocab);
+        let (h, e) = (self.config.hidden, self.config.emb);
         let work = NmtWork {
             src_len,
             tgt_len,
             batch,
             src_emb: EmbeddingWork::new(be, src_len * batch, e)?,
-            tgt_emb: EmbeddingWork::new(be, tgt_len * batch, e)?,
             encoder: (0..self.encoder.len())
                 .map(|_| LstmWork::new(be, h, src_len, batch))
                 .collect::<Result<_>>()?,
-            decoder: (0..self.decoder.len())
-                .map(|_| LstmWork::new(be, h, tgt_len, batch))
-                .collect::<Result<_>>()?,
-            head: ProjectionWork::new(be, tgt_len * batch, v)?,
+            decoder: self.decoder.work(be, tgt_len, batch)?,
         };
         self.work = Some(work);
         Ok(())
@@ -342,7 +291,7 @@ impl<B: Backend> NmtModel<B> {
         let (batch, ts, tt) = (b.batch, b.src_len, b.tgt_len);
         let (depth, stride) = Self::encoder_shape(&self.config);
         debug_assert!(w.encoder.iter().all(|lw| lw.fits(ts, batch)));
-        debug_assert!(w.decoder.iter().all(|lw| lw.fits(tt, batch)));
+        debug_assert!(w.decoder.layers.iter().all(|lw| lw.fits(tt, batch)));
         self.src_emb
             .forward(be, &self.params, b.src, &mut w.src_emb)?;
         for d in 0..depth {
@@ -371,49 +320,26 @@ impl<B: Backend> NmtModel<B> {
                 )?;
             }
         }
-        self.tgt_emb
-            .forward(be, &self.params, b.tgt_in, &mut w.tgt_emb)?;
-        for l in 0..self.decoder.len() {
-            let layer = &self.decoder[l];
-            let enc = &self.encoder[l];
-            let final_offset = enc.final_offset(ts, batch);
-            let init = InitState {
-                h: &w.encoder[l].hiddens,
-                h_offset: final_offset,
-                c: &w.encoder[l].cells,
-                c_offset: final_offset,
-            };
-            let (below, rest) = w.decoder.split_at_mut(l);
-            let (x, x_offset) = if l == 0 {
-                (&w.tgt_emb.out, 0)
-            } else {
-                (
-                    &below[l - 1].hiddens,
-                    self.decoder[l - 1].output_offset(batch),
-                )
-            };
-            layer.forward(
-                be,
-                imp,
-                &self.params,
-                x,
-                x_offset,
-                Some(init),
-                &mut rest[0],
-                tt,
-                batch,
-            )?;
-        }
-        let top = self.decoder.len() - 1;
-        let loss = self.proj.forward(
+        let (encoder, encoder_work) = (&self.encoder, &w.encoder);
+        let loss = self.decoder.forward_loss(
             be,
+            imp,
             &self.params,
-            &w.decoder[top].hiddens,
-            self.decoder[top].output_offset(batch),
-            tt * batch,
+            b.tgt_in,
             b.tgt_out,
             b.tgt_mask,
-            &mut w.head,
+            tt,
+            batch,
+            &mut w.decoder,
+            |l| {
+                let final_offset = encoder[l].final_offset(ts, batch);
+                Some(InitState {
+                    h: &encoder_work[l].hiddens,
+                    h_offset: final_offset,
+                    c: &encoder_work[l].cells,
+                    c_offset: final_offset,
+                })
+            },
         )?;
         let tokens = b.tgt_mask.iter().map(|&m| f64::from(m)).sum();
         Ok((loss, tokens))
@@ -432,77 +358,27 @@ impl<B: Backend> NmtModel<B> {
         let (batch, ts, tt) = (b.batch, b.src_len, b.tgt_len);
         let bh = batch * self.config.hidden;
         let (depth, stride) = Self::encoder_shape(&self.config);
-        let top = self.decoder.len() - 1;
-        {
-            let top_work = &mut w.decoder[top];
-            self.proj.backward(
-                be,
-                &self.params,
-                &mut self.grads,
-                &top_work.hiddens,
-                self.decoder[top].output_offset(batch),
-                tt * batch,
-                b.tgt_out,
-                b.tgt_mask,
-                &mut w.head,
-                GradTarget {
-                    buf: &mut top_work.dh,
-                    offset: 0,
-                    accumulate: false,
-                },
-                on_ready,
-            )?;
-        }
-        for l in (0..self.decoder.len()).rev() {
-            let (below, rest) = w.decoder.split_at_mut(l);
-            let lw = &mut rest[0];
-            be.fill(&mut lw.dc, 0, bh, 0.0)?;
-            let (x, x_offset, dx) = if l == 0 {
-                (
-                    &w.tgt_emb.out,
-                    0,
-                    GradTarget {
-                        buf: &mut w.tgt_emb.dx,
-                        offset: 0,
-                        accumulate: false,
-                    },
-                )
-            } else {
-                let lower = &mut below[l - 1];
-                (
-                    &lower.hiddens,
-                    self.decoder[l - 1].output_offset(batch),
-                    GradTarget {
-                        buf: &mut lower.dh,
-                        offset: 0,
-                        accumulate: false,
-                    },
-                )
-            };
-            self.decoder[l].backward(
-                be,
-                imp,
-                &self.params,
-                &mut self.grads,
-                x,
-                x_offset,
-                lw,
-                tt,
-                batch,
-                true,
-                Some(dx),
-                on_ready,
-            )?;
-        }
-        self.tgt_emb
-            .backward(be, &mut self.grads, b.tgt_in, &w.tgt_emb, on_ready)?;
+        self.decoder.backward(
+            be,
+            imp,
+            &self.params,
+            &mut self.grads,
+            b.tgt_in,
+            b.tgt_out,
+            b.tgt_mask,
+            tt,
+            batch,
+            true,
+            &mut w.decoder,
+            on_ready,
+        )?;
         for d in (0..depth).rev() {
             for r in 0..stride {
                 let i = d * stride + r;
                 let layer = &self.encoder[i];
                 let (below, rest) = w.encoder.split_at_mut(i);
                 let lw = &mut rest[0];
-                let dec = &w.decoder[i];
+                let dec = &w.decoder.layers[i];
                 let final_dh = layer.final_dh_offset(ts, batch);
                 if d + 1 == depth {
                     be.fill(&mut lw.dh, 0, ts * bh, 0.0)?;
@@ -561,56 +437,4 @@ impl<B: Backend> NmtModel<B> {
     }
 }
 
-impl<B: Backend> Model for NmtModel<B> {
-    type Backend = B;
-    type Batch<'a> = NmtBatch<'a>;
-
-    fn layout(&self) -> &ParamLayout {
-        &self.layout
-    }
-    fn backend(&self) -> &B {
-        &self.backend
-    }
-    fn params(&self) -> &B::Buffer {
-        &self.params
-    }
-    fn params_mut(&mut self) -> &mut B::Buffer {
-        &mut self.params
-    }
-    fn grads(&self) -> &B::Buffer {
-        &self.grads
-    }
-    fn grads_mut(&mut self) -> &mut B::Buffer {
-        &mut self.grads
-    }
-    fn params_and_grads_mut(&mut self) -> (&mut B::Buffer, &mut B::Buffer) {
-        (&mut self.params, &mut self.grads)
-    }
-    fn init_params(&mut self, seed: u64) -> Result<()> {
-        let values = self.layout.initial_values(seed)?;
-        self.backend.upload(&values, &mut self.params, 0)
-    }
-    fn forward_loss(&mut self, batch: &NmtBatch<'_>) -> Result<StepStats> {
-        let start = self.backend.launches();
-        let (loss_sum, tokens) = self.forward(batch)?;
-        Ok(StepStats {
-            loss_sum,
-            tokens,
-            launches: self.backend.launches() - start,
-        })
-    }
-    fn forward_backward(
-        &mut self,
-        batch: &NmtBatch<'_>,
-        on_grads_ready: &mut GradsReady<'_, B::Buffer>,
-    ) -> Result<StepStats> {
-        let start = self.backend.launches();
-        let (loss_sum, tokens) = self.forward(batch)?;
-        self.backward(batch, on_grads_ready)?;
-        Ok(StepStats {
-            loss_sum,
-            tokens,
-            launches: self.backend.launches() - start,
-        })
-    }
-}
+impl_model!(NmtModel, NmtBatch);

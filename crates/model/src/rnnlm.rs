@@ -2,11 +2,12 @@
 //! `hidden -> vocab` without bias, and the summed masked softmax cross-entropy.
 
 use crate::backend::Backend;
-use crate::embedding::{Embedding, EmbeddingWork, Projection, ProjectionWork};
-use crate::error::{config_error, Result};
-use crate::lstm::{GradTarget, LstmImpl, LstmLayer, LstmWork};
+use crate::error::Result;
+use crate::lstm::LstmImpl;
+use crate::lstm_lm::{LstmLm, LstmLmShape, LstmLmWork};
 use crate::model::{
-    check_ids, check_labels, check_len, check_positive, GradsReady, Model, StepStats,
+    check_ids, check_init, check_labels, check_len, check_positive, check_sizes, impl_model,
+    GradsReady, Model, StepStats,
 };
 use crate::params::ParamLayout;
 
@@ -49,31 +50,17 @@ impl LmConfig {
     /// # Errors
     /// `InvalidConfig` naming the first bad field.
     pub fn validate(&self) -> Result<()> {
-        for (field, value) in [
+        check_sizes(&[
             ("vocab", self.vocab),
             ("emb", self.emb),
             ("hidden", self.hidden),
             ("layers", self.layers),
-        ] {
-            if value == 0 {
-                return Err(config_error(field, value, "must be at least 1"));
-            }
-        }
-        if !(self.init_scale.is_finite() && self.init_scale >= 0.0) {
-            return Err(config_error(
-                "init_scale",
-                self.init_scale,
-                "must be finite and >= 0 (usually 0.1)",
-            ));
-        }
-        if !self.forget_bias.is_finite() {
-            return Err(config_error(
-                "forget_bias",
-                self.forget_bias,
-                "must be finite (usually 1.0)",
-            ));
-        }
-        Ok(())
+        ])?;
+        check_init(
+            self.init_scale,
+            self.forget_bias,
+            "must be finite and >= 0 (usually 0.1)",
+        )
     }
 }
 
@@ -95,9 +82,7 @@ pub struct LmBatch<'a> {
 struct LmWork<Buf> {
     len: usize,
     batch: usize,
-    emb: EmbeddingWork<Buf>,
-    layers: Vec<LstmWork<Buf>>,
-    head: ProjectionWork<Buf>,
+    net: LstmLmWork<Buf>,
 }
 
 /// The RNN language model on backend `B`. Parameter order (backward order):
@@ -108,20 +93,8 @@ pub struct RnnLm<B: Backend> {
     layout: ParamLayout,
     params: B::Buffer,
     grads: B::Buffer,
-    proj: Projection,
-    layers: Vec<LstmLayer>,
-    emb: Embedding,
+    net: LstmLm,
     work: Option<LmWork<B::Buffer>>,
-}
-
-impl<B: Backend> std::fmt::Debug for RnnLm<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RnnLm")
-            .field("backend", &self.backend.name())
-            .field("config", &self.config)
-            .field("params", &self.layout.total_len())
-            .finish()
-    }
 }
 
 impl<B: Backend> RnnLm<B> {
@@ -133,24 +106,15 @@ impl<B: Backend> RnnLm<B> {
         config.validate()?;
         let c = &config;
         let mut layout = ParamLayout::new();
-        let proj =
-            Projection::register(&mut layout, "proj/kernel", c.hidden, c.vocab, c.init_scale)?;
-        let mut layers = Vec::with_capacity(c.layers);
-        for l in (0..c.layers).rev() {
-            let input = if l == 0 { c.emb } else { c.hidden };
-            let name = format!("lm/layer_{l}");
-            layers.push(LstmLayer::register(
-                &mut layout,
-                &name,
-                input,
-                c.hidden,
-                false,
-                c.init_scale,
-                c.forget_bias,
-            )?);
-        }
-        layers.reverse();
-        let emb = Embedding::register(&mut layout, "embedding/lm", c.vocab, c.emb, c.init_scale)?;
+        let shape = LstmLmShape {
+            vocab: c.vocab,
+            emb: c.emb,
+            hidden: c.hidden,
+            layers: c.layers,
+            init_scale: c.init_scale,
+            forget_bias: c.forget_bias,
+        };
+        let net = LstmLm::register(&mut layout, "lm", "embedding/lm", &shape)?;
         let params = backend.zeros(layout.total_len())?;
         let grads = backend.zeros(layout.total_len())?;
         let mut model = RnnLm {
@@ -159,9 +123,7 @@ impl<B: Backend> RnnLm<B> {
             layout,
             params,
             grads,
-            proj,
-            layers,
-            emb,
+            net,
             work: None,
         };
         model.init_params(seed)?;
@@ -194,16 +156,10 @@ impl<B: Backend> RnnLm<B> {
             batch = batch.max(w.batch);
         }
         self.work = None;
-        let be = &self.backend;
-        let c = &self.config;
         let work = LmWork {
             len,
             batch,
-            emb: EmbeddingWork::new(be, len * batch, c.emb)?,
-            layers: (0..self.layers.len())
-                .map(|_| LstmWork::new(be, c.hidden, len, batch))
-                .collect::<Result<_>>()?,
-            head: ProjectionWork::new(be, len * batch, c.vocab)?,
+            net: self.net.work(&self.backend, len, batch)?,
         };
         self.work = Some(work);
         Ok(())
@@ -215,41 +171,17 @@ impl<B: Backend> RnnLm<B> {
         let Some(w) = self.work.as_mut() else {
             return Ok((0.0, 0.0));
         };
-        let be = &self.backend;
-        let imp = self.config.lstm;
-        self.emb.forward(be, &self.params, b.inputs, &mut w.emb)?;
-        for l in 0..self.layers.len() {
-            let (below, rest) = w.layers.split_at_mut(l);
-            let (x, x_offset) = if l == 0 {
-                (&w.emb.out, 0)
-            } else {
-                (
-                    &below[l - 1].hiddens,
-                    self.layers[l - 1].output_offset(b.batch),
-                )
-            };
-            self.layers[l].forward(
-                be,
-                imp,
-                &self.params,
-                x,
-                x_offset,
-                None,
-                &mut rest[0],
-                b.len,
-                b.batch,
-            )?;
-        }
-        let top = self.layers.len() - 1;
-        let loss = self.proj.forward(
-            be,
+        let loss = self.net.forward_loss(
+            &self.backend,
+            self.config.lstm,
             &self.params,
-            &w.layers[top].hiddens,
-            self.layers[top].output_offset(b.batch),
-            b.len * b.batch,
+            b.inputs,
             b.targets,
             b.mask,
-            &mut w.head,
+            b.len,
+            b.batch,
+            &mut w.net,
+            |_| None,
         )?;
         let tokens = b.mask.iter().map(|&m| f64::from(m)).sum();
         Ok((loss, tokens))
@@ -263,126 +195,21 @@ impl<B: Backend> RnnLm<B> {
         let Some(w) = self.work.as_mut() else {
             return Ok(());
         };
-        let be = &self.backend;
-        let imp = self.config.lstm;
-        let bh = b.batch * self.config.hidden;
-        let top = self.layers.len() - 1;
-        {
-            let top_work = &mut w.layers[top];
-            self.proj.backward(
-                be,
-                &self.params,
-                &mut self.grads,
-                &top_work.hiddens,
-                self.layers[top].output_offset(b.batch),
-                b.len * b.batch,
-                b.targets,
-                b.mask,
-                &mut w.head,
-                GradTarget {
-                    buf: &mut top_work.dh,
-                    offset: 0,
-                    accumulate: false,
-                },
-                on_ready,
-            )?;
-        }
-        for l in (0..self.layers.len()).rev() {
-            let (below, rest) = w.layers.split_at_mut(l);
-            let lw = &mut rest[0];
-            be.fill(&mut lw.dc, 0, bh, 0.0)?;
-            let (x, x_offset, dx) = if l == 0 {
-                (
-                    &w.emb.out,
-                    0,
-                    GradTarget {
-                        buf: &mut w.emb.dx,
-                        offset: 0,
-                        accumulate: false,
-                    },
-                )
-            } else {
-                let lower = &mut below[l - 1];
-                (
-                    &lower.hiddens,
-                    self.layers[l - 1].output_offset(b.batch),
-                    GradTarget {
-                        buf: &mut lower.dh,
-                        offset: 0,
-                        accumulate: false,
-                    },
-                )
-            };
-            self.layers[l].backward(
-                be,
-                imp,
-                &self.params,
-                &mut self.grads,
-                x,
-                x_offset,
-                lw,
-                b.len,
-                b.batch,
-                false,
-                Some(dx),
-                on_ready,
-            )?;
-        }
-        self.emb
-            .backward(be, &mut self.grads, b.inputs, &w.emb, on_ready)
+        self.net.backward(
+            &self.backend,
+            self.config.lstm,
+            &self.params,
+            &mut self.grads,
+            b.inputs,
+            b.targets,
+            b.mask,
+            b.len,
+            b.batch,
+            false,
+            &mut w.net,
+            on_ready,
+        )
     }
 }
 
-impl<B: Backend> Model for RnnLm<B> {
-    type Backend = B;
-    type Batch<'a> = LmBatch<'a>;
-
-    fn layout(&self) -> &ParamLayout {
-        &self.layout
-    }
-    fn backend(&self) -> &B {
-        &self.backend
-    }
-    fn params(&self) -> &B::Buffer {
-        &self.params
-    }
-    fn params_mut(&mut self) -> &mut B::Buffer {
-        &mut self.params
-    }
-    fn grads(&self) -> &B::Buffer {
-        &self.grads
-    }
-    fn grads_mut(&mut self) -> &mut B::Buffer {
-        &mut self.grads
-    }
-    fn params_and_grads_mut(&mut self) -> (&mut B::Buffer, &mut B::Buffer) {
-        (&mut self.params, &mut self.grads)
-    }
-    fn init_params(&mut self, seed: u64) -> Result<()> {
-        let values = self.layout.initial_values(seed)?;
-        self.backend.upload(&values, &mut self.params, 0)
-    }
-    fn forward_loss(&mut self, batch: &LmBatch<'_>) -> Result<StepStats> {
-        let start = self.backend.launches();
-        let (loss_sum, tokens) = self.forward(batch)?;
-        Ok(StepStats {
-            loss_sum,
-            tokens,
-            launches: self.backend.launches() - start,
-        })
-    }
-    fn forward_backward(
-        &mut self,
-        batch: &LmBatch<'_>,
-        on_grads_ready: &mut GradsReady<'_, B::Buffer>,
-    ) -> Result<StepStats> {
-        let start = self.backend.launches();
-        let (loss_sum, tokens) = self.forward(batch)?;
-        self.backward(batch, on_grads_ready)?;
-        Ok(StepStats {
-            loss_sum,
-            tokens,
-            launches: self.backend.launches() - start,
-        })
-    }
-}
+impl_model!(RnnLm, LmBatch);

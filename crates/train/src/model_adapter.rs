@@ -1,11 +1,13 @@
-//! Binds the model crate's NMT and RNNLM models (CPU backend) to [`TrainableModel`].
+//! Binds the model crate's NMT and RNNLM models (CPU backend) to [`TrainableModel`], and
+//! holds what this adapter shares with the GPU one: [`TrainsOnBatch`], which turns a data
+//! [`Batch`] into the model's time-major batch, and the timed pass.
 
 use std::ops::Range;
 use std::time::Instant;
 
 use ringtrain_model::{
-    Backend, CpuBackend, CudaBackend, EncoderKind, LmConfig, LstmImpl, Model, NmtConfig, NmtModel,
-    RnnLm,
+    Backend, CpuBackend, CudaBackend, EncoderKind, GradsReady, LmConfig, LstmImpl, Model,
+    NmtConfig, NmtModel, ParamLayout, RnnLm, StepStats,
 };
 
 use crate::config::{DeviceKind, Direction, EncoderType, ModelKind, TrainConfig};
@@ -17,31 +19,16 @@ pub struct ModelAdapter<M> {
     model: M,
     specs: Vec<ParamSpec>,
     description: String,
-    src: Vec<u32>,
-    tgt_in: Vec<u32>,
-    tgt_out: Vec<u32>,
-    mask: Vec<f32>,
+    staged: TimeMajorBatch,
 }
 
 impl<M: Model> ModelAdapter<M> {
     fn wrap(model: M, description: String) -> Self {
-        let specs = model
-            .layout()
-            .entries()
-            .iter()
-            .map(|e| ParamSpec {
-                name: e.name.clone(),
-                range: e.offset..e.offset + e.len,
-            })
-            .collect();
         ModelAdapter {
+            specs: param_specs(model.layout()),
             model,
-            specs,
             description,
-            src: Vec::new(),
-            tgt_in: Vec::new(),
-            tgt_out: Vec::new(),
-            mask: Vec::new(),
+            staged: TimeMajorBatch::default(),
         }
     }
 
@@ -51,21 +38,136 @@ impl<M: Model> ModelAdapter<M> {
     }
 }
 
-/// Runs one pass, forwarding ready ranges as slices and timing forward (until the first
+/// One [`ParamSpec`] per tensor of `layout`, in buffer order.
+pub(crate) fn param_specs(layout: &ParamLayout) -> Vec<ParamSpec> {
+    layout
+        .entries()
+        .iter()
+        .map(|e| ParamSpec {
+            name: e.name.clone(),
+            range: e.offset..e.offset + e.len,
+        })
+        .collect()
+}
+
+/// A data batch copied to the time-major layout the models read (token (t, b) at
+/// `t * batch + b`), in host buffers reused from pass to pass.
+#[derive(Debug, Default)]
+pub struct TimeMajorBatch {
+    batch: usize,
+    src_len: usize,
+    tgt_len: usize,
+    /// NMT source ids; LM input ids.
+    src: Vec<u32>,
+    /// NMT decoder input ids (unused by the LM).
+    tgt_in: Vec<u32>,
+    /// NMT decoder output ids; LM next-token ids.
+    tgt_out: Vec<u32>,
+    /// Target weights.
+    mask: Vec<f32>,
+}
+
+/// A model of the model crate that trains on one kind of [`Batch`].
+pub trait TrainsOnBatch: Model {
+    /// Copies `batch` into `staged` in the layout of the model's batches.
+    ///
+    /// # Errors
+    /// `InvalidConfig` naming `--model` when `batch` is for the other model.
+    fn stage(batch: &Batch, staged: &mut TimeMajorBatch) -> Result<()>;
+
+    /// [`Model::forward_backward`] on the batch last staged into `staged`.
+    ///
+    /// # Errors
+    /// The model's errors.
+    fn forward_backward_staged(
+        &mut self,
+        staged: &TimeMajorBatch,
+        on_grads_ready: &mut GradsReady<'_, <Self::Backend as Backend>::Buffer>,
+    ) -> ringtrain_model::Result<StepStats>;
+}
+
+impl<B: Backend> TrainsOnBatch for NmtModel<B> {
+    fn stage(batch: &Batch, staged: &mut TimeMajorBatch) -> Result<()> {
+        let Batch::Nmt(b) = batch else {
+            return Err(wrong_batch("nmt"));
+        };
+        staged.batch = b.batch_size;
+        staged.src_len = b.src_len;
+        staged.tgt_len = b.tgt_len;
+        transpose_into(&b.source, b.batch_size, b.src_len, &mut staged.src);
+        transpose_into(&b.target_input, b.batch_size, b.tgt_len, &mut staged.tgt_in);
+        transpose_into(
+            &b.target_output,
+            b.batch_size,
+            b.tgt_len,
+            &mut staged.tgt_out,
+        );
+        transpose_into(&b.target_mask, b.batch_size, b.tgt_len, &mut staged.mask);
+        Ok(())
+    }
+
+    fn forward_backward_staged(
+        &mut self,
+        staged: &TimeMajorBatch,
+        on_grads_ready: &mut GradsReady<'_, B::Buffer>,
+    ) -> ringtrain_model::Result<StepStats> {
+        let view = ringtrain_model::NmtBatch {
+            batch: staged.batch,
+            src_len: staged.src_len,
+            tgt_len: staged.tgt_len,
+            src: &staged.src,
+            tgt_in: &staged.tgt_in,
+            tgt_out: &staged.tgt_out,
+            tgt_mask: &staged.mask,
+        };
+        self.forward_backward(&view, on_grads_ready)
+    }
+}
+
+impl<B: Backend> TrainsOnBatch for RnnLm<B> {
+    fn stage(batch: &Batch, staged: &mut TimeMajorBatch) -> Result<()> {
+        let Batch::Lm(b) = batch else {
+            return Err(wrong_batch("rnnlm"));
+        };
+        staged.batch = b.batch_size;
+        staged.src_len = b.steps;
+        staged.tgt_len = b.steps;
+        transpose_into(&b.inputs, b.batch_size, b.steps, &mut staged.src);
+        transpose_into(&b.targets, b.batch_size, b.steps, &mut staged.tgt_out);
+        transpose_into(&b.mask, b.batch_size, b.steps, &mut staged.mask);
+        Ok(())
+    }
+
+    fn forward_backward_staged(
+        &mut self,
+        staged: &TimeMajorBatch,
+        on_grads_ready: &mut GradsReady<'_, B::Buffer>,
+    ) -> ringtrain_model::Result<StepStats> {
+        let view = ringtrain_model::LmBatch {
+            batch: staged.batch,
+            len: staged.src_len,
+            inputs: &staged.src,
+            targets: &staged.tgt_out,
+            mask: &staged.mask,
+        };
+        self.forward_backward(&view, on_grads_ready)
+    }
+}
+
+/// Runs one pass, handing each final gradient range to `on_range` (the first error stops
+/// the forwarding and is returned after the pass), and times forward (until the first
 /// gradient range is final) and backward (the rest).
-fn timed_pass(
-    run: impl FnOnce(
-        &mut dyn FnMut(Range<usize>, &Vec<f32>),
-    ) -> ringtrain_model::Result<ringtrain_model::StepStats>,
-    on_ready: &mut ReadyCallback<'_>,
+pub(crate) fn timed_pass<Buf>(
+    run: impl FnOnce(&mut dyn FnMut(Range<usize>, &Buf)) -> ringtrain_model::Result<StepStats>,
+    mut on_range: impl FnMut(Range<usize>, &Buf) -> Result<()>,
 ) -> Result<PassOutput> {
     let start = Instant::now();
     let mut first_ready: Option<Instant> = None;
     let mut failure: Option<Error> = None;
-    let stats = run(&mut |range: Range<usize>, grads: &Vec<f32>| {
+    let stats = run(&mut |range: Range<usize>, grads: &Buf| {
         first_ready.get_or_insert_with(Instant::now);
         if failure.is_none() {
-            if let Err(e) = on_ready(range.clone(), &grads[range]) {
+            if let Err(e) = on_range(range, grads) {
                 failure = Some(e);
             }
         }
@@ -92,10 +194,10 @@ fn wrong_batch(model: &str) -> Error {
     )
 }
 
-impl<B> TrainableModel for ModelAdapter<NmtModel<B>>
+impl<M> TrainableModel for ModelAdapter<M>
 where
-    B: Backend<Buffer = Vec<f32>> + Send,
-    NmtModel<B>: Send,
+    M: TrainsOnBatch + Send,
+    M::Backend: Backend<Buffer = Vec<f32>>,
 {
     fn param_specs(&self) -> Vec<ParamSpec> {
         self.specs.clone()
@@ -115,68 +217,12 @@ where
         batch: &Batch,
         on_ready: &mut ReadyCallback<'_>,
     ) -> Result<PassOutput> {
-        let Batch::Nmt(b) = batch else {
-            return Err(wrong_batch("nmt"));
-        };
-        transpose_into(&b.source, b.batch_size, b.src_len, &mut self.src);
-        transpose_into(&b.target_input, b.batch_size, b.tgt_len, &mut self.tgt_in);
-        transpose_into(&b.target_output, b.batch_size, b.tgt_len, &mut self.tgt_out);
-        transpose_into(&b.target_mask, b.batch_size, b.tgt_len, &mut self.mask);
-        let view = ringtrain_model::NmtBatch {
-            batch: b.batch_size,
-            src_len: b.src_len,
-            tgt_len: b.tgt_len,
-            src: &self.src,
-            tgt_in: &self.tgt_in,
-            tgt_out: &self.tgt_out,
-            tgt_mask: &self.mask,
-        };
-        let model = &mut self.model;
-        timed_pass(|cb| model.forward_backward(&view, cb), on_ready)
-    }
-    fn describe(&self) -> String {
-        self.description.clone()
-    }
-}
-
-impl<B> TrainableModel for ModelAdapter<RnnLm<B>>
-where
-    B: Backend<Buffer = Vec<f32>> + Send,
-    RnnLm<B>: Send,
-{
-    fn param_specs(&self) -> Vec<ParamSpec> {
-        self.specs.clone()
-    }
-    fn params(&self) -> &[f32] {
-        self.model.params()
-    }
-    fn params_mut(&mut self) -> &mut [f32] {
-        self.model.params_mut()
-    }
-    fn params_and_grads_mut(&mut self) -> (&mut [f32], &mut [f32]) {
-        let (p, g) = self.model.params_and_grads_mut();
-        (p, g)
-    }
-    fn forward_backward(
-        &mut self,
-        batch: &Batch,
-        on_ready: &mut ReadyCallback<'_>,
-    ) -> Result<PassOutput> {
-        let Batch::Lm(b) = batch else {
-            return Err(wrong_batch("rnnlm"));
-        };
-        transpose_into(&b.inputs, b.batch_size, b.steps, &mut self.src);
-        transpose_into(&b.targets, b.batch_size, b.steps, &mut self.tgt_out);
-        transpose_into(&b.mask, b.batch_size, b.steps, &mut self.mask);
-        let view = ringtrain_model::LmBatch {
-            batch: b.batch_size,
-            len: b.steps,
-            inputs: &self.src,
-            targets: &self.tgt_out,
-            mask: &self.mask,
-        };
-        let model = &mut self.model;
-        timed_pass(|cb| model.forward_backward(&view, cb), on_ready)
+        M::stage(batch, &mut self.staged)?;
+        let (model, staged) = (&mut self.model, &self.staged);
+        timed_pass(
+            |cb| model.forward_backward_staged(staged, cb),
+            |range, grads: &Vec<f32>| on_ready(range.clone(), &grads[range]),
+        )
     }
     fn describe(&self) -> String {
         self.description.clone()

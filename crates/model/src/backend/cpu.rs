@@ -1,13 +1,17 @@
 //! The CPU backend: ringtrain-kernels for the LSTM and softmax kernels (their `par` twins
 //! on more than one thread), the `gemm` crate for matrix products, buffers in `Vec<f32>`.
 
-use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::ThreadPool;
 use ringtrain_kernels as kernels;
 
-use super::{Backend, Binary, Gemm, InPlace, LstmStep, Unary};
+use super::{
+    check_add_row_bias, check_binary, check_column_sums, check_gather_rows, check_gemm,
+    check_in_place, check_lstm_backward_step, check_lstm_forward_step, check_scatter_add_rows,
+    check_softmax_xent_backward, check_softmax_xent_forward, check_two_slots, check_unary, span,
+    Backend, Binary, Gemm, InPlace, LstmStep, Unary,
+};
 use crate::error::{Error, Result};
 
 /// CPU backend. With one thread every operation runs serially on the caller's thread; with
@@ -25,27 +29,6 @@ impl std::fmt::Debug for CpuBackend {
             .field("threads", &self.threads)
             .field("launches", &self.launches())
             .finish()
-    }
-}
-
-/// `offset..offset + len` if it fits in `buf_len`, else `OutOfBounds` naming `what`.
-fn span(what: &'static str, offset: usize, len: usize, buf_len: usize) -> Result<Range<usize>> {
-    match offset.checked_add(len) {
-        Some(end) if end <= buf_len => Ok(offset..end),
-        _ => Err(Error::OutOfBounds {
-            what,
-            end: offset.saturating_add(len),
-            len: buf_len,
-        }),
-    }
-}
-
-/// Elements a strided `[rows, cols]` matrix view with row stride `ld` spans.
-fn strided_extent(rows: usize, cols: usize, ld: usize) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        (rows - 1) * ld + cols
     }
 }
 
@@ -155,33 +138,7 @@ impl Backend for CpuBackend {
     }
 
     fn gemm(&self, a: &Vec<f32>, b: &Vec<f32>, c: &mut Vec<f32>, g: &Gemm) -> Result<()> {
-        let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
-        let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
-        if g.lda < a_cols || g.ldb < b_cols || g.ldc < g.n {
-            return Err(Error::OutOfBounds {
-                what: "gemm row stride shorter than the row",
-                end: a_cols.max(b_cols).max(g.n),
-                len: g.lda.min(g.ldb).min(g.ldc),
-            });
-        }
-        span(
-            "gemm A",
-            g.a_offset,
-            strided_extent(a_rows, a_cols, g.lda),
-            a.len(),
-        )?;
-        span(
-            "gemm B",
-            g.b_offset,
-            strided_extent(b_rows, b_cols, g.ldb),
-            b.len(),
-        )?;
-        span(
-            "gemm C",
-            g.c_offset,
-            strided_extent(g.m, g.n, g.ldc),
-            c.len(),
-        )?;
+        check_gemm(g, a.len(), b.len(), c.len())?;
         self.launched();
         if g.m == 0 || g.n == 0 {
             return Ok(());
@@ -259,19 +216,15 @@ impl Backend for CpuBackend {
         dst: &mut Vec<f32>,
         dst_offset: usize,
     ) -> Result<()> {
-        let t = span(
-            "gather table",
-            table_offset,
-            table_rows * width,
+        let [t, d] = check_gather_rows(
             table.len(),
-        )?;
-        let d = span(
-            "gather destination",
-            dst_offset,
-            ids.len() * width,
+            table_offset,
+            table_rows,
+            width,
+            ids,
             dst.len(),
+            dst_offset,
         )?;
-        check_ids(ids, table_rows)?;
         self.launched();
         let table = &table[t];
         for (row, &id) in dst[d].chunks_exact_mut(width.max(1)).zip(ids) {
@@ -291,14 +244,15 @@ impl Backend for CpuBackend {
         table_offset: usize,
         table_rows: usize,
     ) -> Result<()> {
-        let s = span("scatter source", src_offset, ids.len() * width, src.len())?;
-        let t = span(
-            "scatter table",
-            table_offset,
-            table_rows * width,
+        let [s, t] = check_scatter_add_rows(
+            src.len(),
+            src_offset,
+            ids,
+            width,
             table.len(),
+            table_offset,
+            table_rows,
         )?;
-        check_ids(ids, table_rows)?;
         self.launched();
         let table = &mut table[t];
         for (row, &id) in src[s].chunks_exact(width.max(1)).zip(ids) {
@@ -320,8 +274,7 @@ impl Backend for CpuBackend {
         dst_offset: usize,
         accumulate: bool,
     ) -> Result<()> {
-        let s = span("column_sums source", src_offset, rows * cols, src.len())?;
-        let d = span("column_sums destination", dst_offset, cols, dst.len())?;
+        let [s, d] = check_column_sums(src.len(), src_offset, rows, cols, dst.len(), dst_offset)?;
         self.launched();
         let dst = &mut dst[d];
         if !accumulate {
@@ -344,8 +297,8 @@ impl Backend for CpuBackend {
         rows: usize,
         cols: usize,
     ) -> Result<()> {
-        let b = span("bias", bias_offset, cols, bias.len())?;
-        let d = span("bias destination", dst_offset, rows * cols, dst.len())?;
+        let [b, d] =
+            check_add_row_bias(bias.len(), bias_offset, dst.len(), dst_offset, rows, cols)?;
         self.launched();
         let bias = &bias[b];
         for row in dst[d].chunks_exact_mut(cols.max(1)) {
@@ -365,8 +318,7 @@ impl Backend for CpuBackend {
         dst_offset: usize,
         len: usize,
     ) -> Result<()> {
-        let rx = span("unary input", x_offset, len, x.len())?;
-        let rd = span("unary output", dst_offset, len, dst.len())?;
+        let [rx, rd] = check_unary(x.len(), x_offset, dst.len(), dst_offset, len)?;
         self.launched();
         let pairs = dst[rd].iter_mut().zip(&x[rx]);
         match op {
@@ -387,9 +339,15 @@ impl Backend for CpuBackend {
         dst_offset: usize,
         len: usize,
     ) -> Result<()> {
-        let ra = span("binary input a", a_offset, len, a.len())?;
-        let rb = span("binary input b", b_offset, len, b.len())?;
-        let rd = span("binary output", dst_offset, len, dst.len())?;
+        let [ra, rb, rd] = check_binary(
+            a.len(),
+            a_offset,
+            b.len(),
+            b_offset,
+            dst.len(),
+            dst_offset,
+            len,
+        )?;
         self.launched();
         let triples = dst[rd].iter_mut().zip(a[ra].iter().zip(&b[rb]));
         match op {
@@ -408,8 +366,7 @@ impl Backend for CpuBackend {
         dst_offset: usize,
         len: usize,
     ) -> Result<()> {
-        let rx = span("in-place input", x_offset, len, x.len())?;
-        let rd = span("in-place output", dst_offset, len, dst.len())?;
+        let [rx, rd] = check_in_place(x.len(), x_offset, dst.len(), dst_offset, len)?;
         self.launched();
         let pairs = dst[rd].iter_mut().zip(&x[rx]);
         match op {
@@ -431,17 +388,26 @@ impl Backend for CpuBackend {
         act: &mut Vec<f32>,
         at: &LstmStep,
     ) -> Result<()> {
-        let (bh, g) = (at.batch * at.hidden, 4 * at.batch * at.hidden);
-        let proj = span("lstm input_proj", 0, at.steps * g, input_proj.len())?;
-        let rec = span("lstm recurrent", 0, g, recurrent.len())?;
-        let b = span("lstm bias", bias_offset, 4 * at.hidden, bias.len())?;
-        let a = span("lstm act", at.step * g, g, act.len())?;
+        let spans = check_lstm_forward_step(
+            at,
+            input_proj.len(),
+            recurrent.len(),
+            bias.len(),
+            bias_offset,
+            cells.len(),
+            hiddens.len(),
+            act.len(),
+        )?;
+        let bh = at.batch * at.hidden;
         let (c_prev, c) = two_slots(cells, at.prev_slot, at.out_slot, bh, "lstm cell slots")?;
-        let h = span("lstm hidden slot", at.out_slot * bh, bh, hiddens.len())?;
         self.launched();
-        let h = &mut hiddens[h];
-        let act = &mut act[a];
-        let (proj, rec, bias) = (&input_proj[proj], &recurrent[rec], &bias[b]);
+        let h = &mut hiddens[spans.hidden];
+        let act = &mut act[spans.act];
+        let (proj, rec, bias) = (
+            &input_proj[spans.input_proj],
+            &recurrent[spans.recurrent],
+            &bias[spans.bias],
+        );
         let (step, steps, batch, hidden) = (at.step, at.steps, at.batch, at.hidden);
         self.run(move |parallel| {
             if parallel {
@@ -467,17 +433,24 @@ impl Backend for CpuBackend {
         dc_prev: &mut Vec<f32>,
         at: &LstmStep,
     ) -> Result<()> {
-        let (bh, g) = (at.batch * at.hidden, 4 * at.batch * at.hidden);
-        let a = span("lstm act", at.step * g, g, act.len())?;
-        let cp = span("lstm c_prev slot", at.prev_slot * bh, bh, cells.len())?;
-        let c = span("lstm c slot", at.out_slot * bh, bh, cells.len())?;
-        let dhr = span("lstm dh", at.step * bh, bh, dh.len())?;
-        let dcr = span("lstm dc", 0, bh, dc.len())?;
-        let dg = span("lstm dgates", at.step * g, g, dgates.len())?;
-        let dcp = span("lstm dc_prev", 0, bh, dc_prev.len())?;
+        let s = check_lstm_backward_step(
+            at,
+            act.len(),
+            cells.len(),
+            dh.len(),
+            dc.len(),
+            dgates.len(),
+            dc_prev.len(),
+        )?;
         self.launched();
-        let (act, c_prev, c, dh, dc) = (&act[a], &cells[cp], &cells[c], &dh[dhr], &dc[dcr]);
-        let (dgates, dc_prev) = (&mut dgates[dg], &mut dc_prev[dcp]);
+        let (act, c_prev, c, dh, dc) = (
+            &act[s.act],
+            &cells[s.c_prev],
+            &cells[s.c],
+            &dh[s.dh],
+            &dc[s.dc],
+        );
+        let (dgates, dc_prev) = (&mut dgates[s.dgates], &mut dc_prev[s.dc_prev]);
         let (batch, hidden) = (at.batch, at.hidden);
         self.run(move |parallel| {
             if parallel {
@@ -503,9 +476,8 @@ impl Backend for CpuBackend {
         rows: usize,
         vocab: usize,
     ) -> Result<()> {
-        let l = span("softmax logits", 0, rows * vocab, logits.len())?;
-        let lo = span("softmax loss", 0, rows, loss.len())?;
-        let ls = span("softmax lse", 0, rows, lse.len())?;
+        let [l, lo, ls] =
+            check_softmax_xent_forward(rows, vocab, logits.len(), loss.len(), lse.len())?;
         self.launched();
         let (logits, loss, lse) = (&logits[l], &mut loss[lo], &mut lse[ls]);
         self.run(move |parallel| {
@@ -528,8 +500,7 @@ impl Backend for CpuBackend {
         rows: usize,
         vocab: usize,
     ) -> Result<()> {
-        let l = span("softmax logits", 0, rows * vocab, logits.len())?;
-        let ls = span("softmax lse", 0, rows, lse.len())?;
+        let [l, ls] = check_softmax_xent_backward(rows, vocab, logits.len(), lse.len())?;
         self.launched();
         let (logits, lse) = (&mut logits[l], &lse[ls]);
         self.run(move |parallel| {
@@ -549,18 +520,6 @@ impl Backend for CpuBackend {
     }
 }
 
-/// Every id below `rows`, else `OutOfBounds` naming the first bad one.
-fn check_ids(ids: &[u32], rows: usize) -> Result<()> {
-    match ids.iter().find(|&&id| id as usize >= rows) {
-        Some(&id) => Err(Error::OutOfBounds {
-            what: "embedding row id",
-            end: id as usize + 1,
-            len: rows,
-        }),
-        None => Ok(()),
-    }
-}
-
 /// Slot `read` (shared) and slot `write` (exclusive) of `[slots, len]` `buf`.
 fn two_slots<'a>(
     buf: &'a mut [f32],
@@ -569,14 +528,7 @@ fn two_slots<'a>(
     len: usize,
     what: &'static str,
 ) -> Result<(&'a [f32], &'a mut [f32])> {
-    let end = read.max(write).saturating_add(1).saturating_mul(len);
-    if read == write || end > buf.len() {
-        return Err(Error::OutOfBounds {
-            what,
-            end,
-            len: buf.len(),
-        });
-    }
+    check_two_slots(buf.len(), read, write, len, what)?;
     if read < write {
         let (lo, hi) = buf.split_at_mut(write * len);
         Ok((&lo[read * len..(read + 1) * len], &mut hi[..len]))

@@ -73,7 +73,12 @@ mod imp {
         Transpose,
     };
 
-    use crate::backend::{Backend, Binary, Gemm, InPlace, LstmStep, Unary};
+    use crate::backend::{
+        check_add_row_bias, check_binary, check_column_sums, check_gather_rows, check_gemm,
+        check_in_place, check_lstm_backward_step, check_lstm_forward_step, check_scatter_add_rows,
+        check_softmax_xent_backward, check_softmax_xent_forward, check_two_slots, check_unary,
+        span, Backend, Binary, Gemm, InPlace, LstmStep, Unary,
+    };
     use crate::error::{Error, Result};
 
     /// Element type of the GEMM operands.
@@ -139,39 +144,6 @@ mod imp {
         }
     }
 
-    /// `offset..offset + len` if it fits in `buf_len`, else `OutOfBounds` naming `what`.
-    fn span(what: &'static str, offset: usize, len: usize, buf_len: usize) -> Result<Range<usize>> {
-        match offset.checked_add(len) {
-            Some(end) if end <= buf_len => Ok(offset..end),
-            _ => Err(Error::OutOfBounds {
-                what,
-                end: offset.saturating_add(len),
-                len: buf_len,
-            }),
-        }
-    }
-
-    /// Elements a strided `[rows, cols]` matrix view with row stride `ld` spans.
-    fn strided_extent(rows: usize, cols: usize, ld: usize) -> usize {
-        if rows == 0 || cols == 0 {
-            0
-        } else {
-            (rows - 1) * ld + cols
-        }
-    }
-
-    /// Every id below `rows`, else `OutOfBounds` naming the first bad one (as the CPU).
-    fn check_ids(ids: &[u32], rows: usize) -> Result<()> {
-        match ids.iter().find(|&&id| id as usize >= rows) {
-            Some(&id) => Err(Error::OutOfBounds {
-                what: "embedding row id",
-                end: id as usize + 1,
-                len: rows,
-            }),
-            None => Ok(()),
-        }
-    }
-
     fn view<'a>(buf: &'a GpuBuffer<f32>, r: Range<usize>) -> Result<DevSlice<'a, f32>> {
         buf.slice(r).map_err(Error::from)
     }
@@ -188,14 +160,7 @@ mod imp {
         len: usize,
         what: &'static str,
     ) -> Result<(DevSliceMut<'a, f32>, DevSliceMut<'a, f32>)> {
-        let end = read.max(write).saturating_add(1).saturating_mul(len);
-        if read == write || end > buf.len() {
-            return Err(Error::OutOfBounds {
-                what,
-                end,
-                len: buf.len(),
-            });
-        }
+        check_two_slots(buf.len(), read, write, len, what)?;
         let lo = read.min(write) * len;
         let whole = buf.as_mut_slice();
         let (_, rest) = whole.split_at_mut(lo).map_err(Error::from)?;
@@ -487,33 +452,7 @@ mod imp {
             c: &mut GpuBuffer<f32>,
             g: &Gemm,
         ) -> Result<()> {
-            let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
-            let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
-            if g.lda < a_cols || g.ldb < b_cols || g.ldc < g.n {
-                return Err(Error::OutOfBounds {
-                    what: "gemm row stride shorter than the row",
-                    end: a_cols.max(b_cols).max(g.n),
-                    len: g.lda.min(g.ldb).min(g.ldc),
-                });
-            }
-            let ra = span(
-                "gemm A",
-                g.a_offset,
-                strided_extent(a_rows, a_cols, g.lda),
-                a.len(),
-            )?;
-            let rb = span(
-                "gemm B",
-                g.b_offset,
-                strided_extent(b_rows, b_cols, g.ldb),
-                b.len(),
-            )?;
-            let rc = span(
-                "gemm C",
-                g.c_offset,
-                strided_extent(g.m, g.n, g.ldc),
-                c.len(),
-            )?;
+            let [ra, rb, rc] = check_gemm(g, a.len(), b.len(), c.len())?;
             let transpose = match (g.trans_a, g.trans_b) {
                 (false, false) => Transpose::NN,
                 (false, true) => Transpose::NT,
@@ -556,19 +495,15 @@ mod imp {
             dst: &mut GpuBuffer<f32>,
             dst_offset: usize,
         ) -> Result<()> {
-            let t = span(
-                "gather table",
-                table_offset,
-                table_rows * width,
+            let [t, d] = check_gather_rows(
                 table.len(),
-            )?;
-            let d = span(
-                "gather destination",
-                dst_offset,
-                ids.len() * width,
+                table_offset,
+                table_rows,
+                width,
+                ids,
                 dst.len(),
+                dst_offset,
             )?;
-            check_ids(ids, table_rows)?;
             self.launched();
             if ids.is_empty() {
                 return Ok(());
@@ -594,14 +529,15 @@ mod imp {
             table_offset: usize,
             table_rows: usize,
         ) -> Result<()> {
-            let s = span("scatter source", src_offset, ids.len() * width, src.len())?;
-            let t = span(
-                "scatter table",
-                table_offset,
-                table_rows * width,
+            let [s, t] = check_scatter_add_rows(
+                src.len(),
+                src_offset,
+                ids,
+                width,
                 table.len(),
+                table_offset,
+                table_rows,
             )?;
-            check_ids(ids, table_rows)?;
             self.launched();
             if ids.is_empty() || width == 0 {
                 return Ok(());
@@ -627,8 +563,8 @@ mod imp {
             dst_offset: usize,
             accumulate: bool,
         ) -> Result<()> {
-            let s = span("column_sums source", src_offset, rows * cols, src.len())?;
-            let d = span("column_sums destination", dst_offset, cols, dst.len())?;
+            let [s, d] =
+                check_column_sums(src.len(), src_offset, rows, cols, dst.len(), dst_offset)?;
             self.launched();
             let mut scratch = self.scratch.borrow_mut();
             let mut partials = grown(
@@ -657,8 +593,8 @@ mod imp {
             rows: usize,
             cols: usize,
         ) -> Result<()> {
-            let b = span("bias", bias_offset, cols, bias.len())?;
-            let d = span("bias destination", dst_offset, rows * cols, dst.len())?;
+            let [b, d] =
+                check_add_row_bias(bias.len(), bias_offset, dst.len(), dst_offset, rows, cols)?;
             self.launched();
             model_ops::add_row_bias(
                 &self.gpu,
@@ -679,8 +615,7 @@ mod imp {
             dst_offset: usize,
             len: usize,
         ) -> Result<()> {
-            let rx = span("unary input", x_offset, len, x.len())?;
-            let rd = span("unary output", dst_offset, len, dst.len())?;
+            let [rx, rd] = check_unary(x.len(), x_offset, dst.len(), dst_offset, len)?;
             self.launched();
             let (x, mut dst) = (view(x, rx)?, view_mut(dst, rd)?);
             match op {
@@ -701,9 +636,15 @@ mod imp {
             dst_offset: usize,
             len: usize,
         ) -> Result<()> {
-            let ra = span("binary input a", a_offset, len, a.len())?;
-            let rb = span("binary input b", b_offset, len, b.len())?;
-            let rd = span("binary output", dst_offset, len, dst.len())?;
+            let [ra, rb, rd] = check_binary(
+                a.len(),
+                a_offset,
+                b.len(),
+                b_offset,
+                dst.len(),
+                dst_offset,
+                len,
+            )?;
             self.launched();
             let (a, b, mut dst) = (view(a, ra)?, view(b, rb)?, view_mut(dst, rd)?);
             match op {
@@ -722,8 +663,7 @@ mod imp {
             dst_offset: usize,
             len: usize,
         ) -> Result<()> {
-            let rx = span("in-place input", x_offset, len, x.len())?;
-            let rd = span("in-place output", dst_offset, len, dst.len())?;
+            let [rx, rd] = check_in_place(x.len(), x_offset, dst.len(), dst_offset, len)?;
             self.launched();
             let (x, mut dst) = (view(x, rx)?, view_mut(dst, rd)?);
             match op {
@@ -747,24 +687,29 @@ mod imp {
             act: &mut GpuBuffer<f32>,
             at: &LstmStep,
         ) -> Result<()> {
-            let (bh, g) = (at.batch * at.hidden, 4 * at.batch * at.hidden);
-            let proj = span("lstm input_proj", 0, at.steps * g, input_proj.len())?;
-            let rec = span("lstm recurrent", 0, g, recurrent.len())?;
-            let b = span("lstm bias", bias_offset, 4 * at.hidden, bias.len())?;
-            let a = span("lstm act", at.step * g, g, act.len())?;
+            let spans = check_lstm_forward_step(
+                at,
+                input_proj.len(),
+                recurrent.len(),
+                bias.len(),
+                bias_offset,
+                cells.len(),
+                hiddens.len(),
+                act.len(),
+            )?;
+            let bh = at.batch * at.hidden;
             let (c_prev, mut c) =
                 two_slots(cells, at.prev_slot, at.out_slot, bh, "lstm cell slots")?;
-            let h = span("lstm hidden slot", at.out_slot * bh, bh, hiddens.len())?;
             self.launched();
             lstm::lstm_pointwise_forward_step(
                 &self.gpu,
-                &view(input_proj, proj)?,
-                &view(recurrent, rec)?,
-                &view(bias, b)?,
+                &view(input_proj, spans.input_proj)?,
+                &view(recurrent, spans.recurrent)?,
+                &view(bias, spans.bias)?,
                 &c_prev,
                 &mut c,
-                &mut view_mut(hiddens, h)?,
-                &mut view_mut(act, a)?,
+                &mut view_mut(hiddens, spans.hidden)?,
+                &mut view_mut(act, spans.act)?,
                 at.step,
                 at.steps,
                 at.batch,
@@ -783,24 +728,25 @@ mod imp {
             dc_prev: &mut GpuBuffer<f32>,
             at: &LstmStep,
         ) -> Result<()> {
-            let (bh, g) = (at.batch * at.hidden, 4 * at.batch * at.hidden);
-            let a = span("lstm act", at.step * g, g, act.len())?;
-            let cp = span("lstm c_prev slot", at.prev_slot * bh, bh, cells.len())?;
-            let c = span("lstm c slot", at.out_slot * bh, bh, cells.len())?;
-            let dhr = span("lstm dh", at.step * bh, bh, dh.len())?;
-            let dcr = span("lstm dc", 0, bh, dc.len())?;
-            let dg = span("lstm dgates", at.step * g, g, dgates.len())?;
-            let dcp = span("lstm dc_prev", 0, bh, dc_prev.len())?;
+            let s = check_lstm_backward_step(
+                at,
+                act.len(),
+                cells.len(),
+                dh.len(),
+                dc.len(),
+                dgates.len(),
+                dc_prev.len(),
+            )?;
             self.launched();
             lstm::lstm_pointwise_backward(
                 &self.gpu,
-                &view(act, a)?,
-                &view(cells, cp)?,
-                &view(cells, c)?,
-                &view(dh, dhr)?,
-                &view(dc, dcr)?,
-                &mut view_mut(dgates, dg)?,
-                &mut view_mut(dc_prev, dcp)?,
+                &view(act, s.act)?,
+                &view(cells, s.c_prev)?,
+                &view(cells, s.c)?,
+                &view(dh, s.dh)?,
+                &view(dc, s.dc)?,
+                &mut view_mut(dgates, s.dgates)?,
+                &mut view_mut(dc_prev, s.dc_prev)?,
                 at.batch,
                 at.hidden,
             )
@@ -817,9 +763,8 @@ mod imp {
             rows: usize,
             vocab: usize,
         ) -> Result<()> {
-            let l = span("softmax logits", 0, rows * vocab, logits.len())?;
-            let lo = span("softmax loss", 0, rows, loss.len())?;
-            let ls = span("softmax lse", 0, rows, lse.len())?;
+            let [l, lo, ls] =
+                check_softmax_xent_forward(rows, vocab, logits.len(), loss.len(), lse.len())?;
             self.launched();
             if rows == 0 {
                 return Ok(());
@@ -849,8 +794,7 @@ mod imp {
             rows: usize,
             vocab: usize,
         ) -> Result<()> {
-            let l = span("softmax logits", 0, rows * vocab, logits.len())?;
-            let ls = span("softmax lse", 0, rows, lse.len())?;
+            let [l, ls] = check_softmax_xent_backward(rows, vocab, logits.len(), lse.len())?;
             self.launched();
             if rows == 0 {
                 return Ok(());

@@ -19,7 +19,9 @@ pub use cuda::CudaBackend;
 #[cfg(feature = "cuda")]
 pub use cuda::GemmPrecision;
 
-use crate::error::Result;
+use std::ops::Range;
+
+use crate::error::{Error, Result};
 
 /// One matrix product `C = op(A)·op(B)` (or `C += op(A)·op(B)` when `accumulate`).
 ///
@@ -351,4 +353,296 @@ pub trait Backend: Send {
     ) -> Result<()>;
     /// Sum of `src[offset..offset + len]`, accumulated in f64.
     fn sum(&self, src: &Self::Buffer, offset: usize, len: usize) -> Result<f64>;
+}
+
+// Operand checks shared by the backends: each returns the element ranges an operation
+// reads and writes, or `OutOfBounds` naming the first operand that does not fit, so that
+// every backend rejects the same calls with the same error.
+
+/// `offset..offset + len` if it fits in `buf_len`, else `OutOfBounds` naming `what`.
+fn span(what: &'static str, offset: usize, len: usize, buf_len: usize) -> Result<Range<usize>> {
+    match offset.checked_add(len) {
+        Some(end) if end <= buf_len => Ok(offset..end),
+        _ => Err(Error::OutOfBounds {
+            what,
+            end: offset.saturating_add(len),
+            len: buf_len,
+        }),
+    }
+}
+
+/// Elements a strided `[rows, cols]` matrix view with row stride `ld` spans.
+fn strided_extent(rows: usize, cols: usize, ld: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * ld + cols
+    }
+}
+
+/// Every id below `rows`, else `OutOfBounds` naming the first bad one.
+fn check_ids(ids: &[u32], rows: usize) -> Result<()> {
+    match ids.iter().find(|&&id| id as usize >= rows) {
+        Some(&id) => Err(Error::OutOfBounds {
+            what: "embedding row id",
+            end: id as usize + 1,
+            len: rows,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Slots `read` and `write` of a `[slots, len]` buffer of `buf_len` elements are distinct
+/// and inside it, else `OutOfBounds` naming `what`.
+fn check_two_slots(
+    buf_len: usize,
+    read: usize,
+    write: usize,
+    len: usize,
+    what: &'static str,
+) -> Result<()> {
+    let end = read.max(write).saturating_add(1).saturating_mul(len);
+    if read == write || end > buf_len {
+        return Err(Error::OutOfBounds {
+            what,
+            end,
+            len: buf_len,
+        });
+    }
+    Ok(())
+}
+
+/// Ranges of `A`, `B` and `C` that the product `g` addresses in buffers of `a_len`,
+/// `b_len` and `c_len` elements.
+fn check_gemm(g: &Gemm, a_len: usize, b_len: usize, c_len: usize) -> Result<[Range<usize>; 3]> {
+    let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+    let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+    if g.lda < a_cols || g.ldb < b_cols || g.ldc < g.n {
+        return Err(Error::OutOfBounds {
+            what: "gemm row stride shorter than the row",
+            end: a_cols.max(b_cols).max(g.n),
+            len: g.lda.min(g.ldb).min(g.ldc),
+        });
+    }
+    let a = span(
+        "gemm A",
+        g.a_offset,
+        strided_extent(a_rows, a_cols, g.lda),
+        a_len,
+    )?;
+    let b = span(
+        "gemm B",
+        g.b_offset,
+        strided_extent(b_rows, b_cols, g.ldb),
+        b_len,
+    )?;
+    let c = span("gemm C", g.c_offset, strided_extent(g.m, g.n, g.ldc), c_len)?;
+    Ok([a, b, c])
+}
+
+/// Ranges `[table, dst]` of [`Backend::gather_rows`], after checking every id.
+#[allow(clippy::too_many_arguments)]
+fn check_gather_rows(
+    table_len: usize,
+    table_offset: usize,
+    table_rows: usize,
+    width: usize,
+    ids: &[u32],
+    dst_len: usize,
+    dst_offset: usize,
+) -> Result<[Range<usize>; 2]> {
+    let table = span("gather table", table_offset, table_rows * width, table_len)?;
+    let dst = span("gather destination", dst_offset, ids.len() * width, dst_len)?;
+    check_ids(ids, table_rows)?;
+    Ok([table, dst])
+}
+
+/// Ranges `[src, table]` of [`Backend::scatter_add_rows`], after checking every id.
+#[allow(clippy::too_many_arguments)]
+fn check_scatter_add_rows(
+    src_len: usize,
+    src_offset: usize,
+    ids: &[u32],
+    width: usize,
+    table_len: usize,
+    table_offset: usize,
+    table_rows: usize,
+) -> Result<[Range<usize>; 2]> {
+    let src = span("scatter source", src_offset, ids.len() * width, src_len)?;
+    let table = span("scatter table", table_offset, table_rows * width, table_len)?;
+    check_ids(ids, table_rows)?;
+    Ok([src, table])
+}
+
+/// Ranges `[src, dst]` of [`Backend::column_sums`].
+fn check_column_sums(
+    src_len: usize,
+    src_offset: usize,
+    rows: usize,
+    cols: usize,
+    dst_len: usize,
+    dst_offset: usize,
+) -> Result<[Range<usize>; 2]> {
+    Ok([
+        span("column_sums source", src_offset, rows * cols, src_len)?,
+        span("column_sums destination", dst_offset, cols, dst_len)?,
+    ])
+}
+
+/// Ranges `[bias, dst]` of [`Backend::add_row_bias`].
+fn check_add_row_bias(
+    bias_len: usize,
+    bias_offset: usize,
+    dst_len: usize,
+    dst_offset: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<[Range<usize>; 2]> {
+    Ok([
+        span("bias", bias_offset, cols, bias_len)?,
+        span("bias destination", dst_offset, rows * cols, dst_len)?,
+    ])
+}
+
+/// Ranges `[x, dst]` of [`Backend::unary`].
+fn check_unary(
+    x_len: usize,
+    x_offset: usize,
+    dst_len: usize,
+    dst_offset: usize,
+    len: usize,
+) -> Result<[Range<usize>; 2]> {
+    Ok([
+        span("unary input", x_offset, len, x_len)?,
+        span("unary output", dst_offset, len, dst_len)?,
+    ])
+}
+
+/// Ranges `[a, b, dst]` of [`Backend::binary`].
+fn check_binary(
+    a_len: usize,
+    a_offset: usize,
+    b_len: usize,
+    b_offset: usize,
+    dst_len: usize,
+    dst_offset: usize,
+    len: usize,
+) -> Result<[Range<usize>; 3]> {
+    Ok([
+        span("binary input a", a_offset, len, a_len)?,
+        span("binary input b", b_offset, len, b_len)?,
+        span("binary output", dst_offset, len, dst_len)?,
+    ])
+}
+
+/// Ranges `[x, dst]` of [`Backend::in_place`].
+fn check_in_place(
+    x_len: usize,
+    x_offset: usize,
+    dst_len: usize,
+    dst_offset: usize,
+    len: usize,
+) -> Result<[Range<usize>; 2]> {
+    Ok([
+        span("in-place input", x_offset, len, x_len)?,
+        span("in-place output", dst_offset, len, dst_len)?,
+    ])
+}
+
+/// What [`Backend::lstm_forward_step`] addresses besides the two cell slots.
+struct LstmForwardSpans {
+    input_proj: Range<usize>,
+    recurrent: Range<usize>,
+    bias: Range<usize>,
+    act: Range<usize>,
+    hidden: Range<usize>,
+}
+
+/// Ranges of [`Backend::lstm_forward_step`], after checking the cell slots of `cells_len`.
+#[allow(clippy::too_many_arguments)]
+fn check_lstm_forward_step(
+    at: &LstmStep,
+    input_proj_len: usize,
+    recurrent_len: usize,
+    bias_len: usize,
+    bias_offset: usize,
+    cells_len: usize,
+    hiddens_len: usize,
+    act_len: usize,
+) -> Result<LstmForwardSpans> {
+    let (bh, g) = (at.batch * at.hidden, 4 * at.batch * at.hidden);
+    let input_proj = span("lstm input_proj", 0, at.steps * g, input_proj_len)?;
+    let recurrent = span("lstm recurrent", 0, g, recurrent_len)?;
+    let bias = span("lstm bias", bias_offset, 4 * at.hidden, bias_len)?;
+    let act = span("lstm act", at.step * g, g, act_len)?;
+    check_two_slots(cells_len, at.prev_slot, at.out_slot, bh, "lstm cell slots")?;
+    let hidden = span("lstm hidden slot", at.out_slot * bh, bh, hiddens_len)?;
+    Ok(LstmForwardSpans {
+        input_proj,
+        recurrent,
+        bias,
+        act,
+        hidden,
+    })
+}
+
+/// What [`Backend::lstm_backward_step`] addresses.
+struct LstmBackwardSpans {
+    act: Range<usize>,
+    c_prev: Range<usize>,
+    c: Range<usize>,
+    dh: Range<usize>,
+    dc: Range<usize>,
+    dgates: Range<usize>,
+    dc_prev: Range<usize>,
+}
+
+/// Ranges of [`Backend::lstm_backward_step`] in buffers of the given lengths.
+fn check_lstm_backward_step(
+    at: &LstmStep,
+    act_len: usize,
+    cells_len: usize,
+    dh_len: usize,
+    dc_len: usize,
+    dgates_len: usize,
+    dc_prev_len: usize,
+) -> Result<LstmBackwardSpans> {
+    let (bh, g) = (at.batch * at.hidden, 4 * at.batch * at.hidden);
+    Ok(LstmBackwardSpans {
+        act: span("lstm act", at.step * g, g, act_len)?,
+        c_prev: span("lstm c_prev slot", at.prev_slot * bh, bh, cells_len)?,
+        c: span("lstm c slot", at.out_slot * bh, bh, cells_len)?,
+        dh: span("lstm dh", at.step * bh, bh, dh_len)?,
+        dc: span("lstm dc", 0, bh, dc_len)?,
+        dgates: span("lstm dgates", at.step * g, g, dgates_len)?,
+        dc_prev: span("lstm dc_prev", 0, bh, dc_prev_len)?,
+    })
+}
+
+/// Ranges `[logits, loss, lse]` of [`Backend::softmax_xent_forward`].
+fn check_softmax_xent_forward(
+    rows: usize,
+    vocab: usize,
+    logits_len: usize,
+    loss_len: usize,
+    lse_len: usize,
+) -> Result<[Range<usize>; 3]> {
+    Ok([
+        span("softmax logits", 0, rows * vocab, logits_len)?,
+        span("softmax loss", 0, rows, loss_len)?,
+        span("softmax lse", 0, rows, lse_len)?,
+    ])
+}
+
+/// Ranges `[logits, lse]` of [`Backend::softmax_xent_backward`].
+fn check_softmax_xent_backward(
+    rows: usize,
+    vocab: usize,
+    logits_len: usize,
+    lse_len: usize,
+) -> Result<[Range<usize>; 2]> {
+    Ok([
+        span("softmax logits", 0, rows * vocab, logits_len)?,
+        span("softmax lse", 0, rows, lse_len)?,
+    ])
 }

@@ -1,0 +1,225 @@
+//! An LSTM language-model network: token embedding, stacked unidirectional LSTM layers
+//! and the output projection with the summed masked softmax cross-entropy. The RNNLM is
+//! one; the NMT decoder is one whose layers start from the encoder's final states.
+
+use std::ops::Range;
+
+use crate::backend::Backend;
+use crate::embedding::{Embedding, EmbeddingWork, Projection, ProjectionWork};
+use crate::error::Result;
+use crate::lstm::{GradTarget, InitState, LstmImpl, LstmLayer, LstmWork};
+use crate::params::ParamLayout;
+
+/// Where the network's tensors live in the flat buffers.
+pub(crate) struct LstmLm {
+    pub(crate) proj: Projection,
+    /// Bottom layer first.
+    pub(crate) layers: Vec<LstmLayer>,
+    pub(crate) emb: Embedding,
+}
+
+/// Workspaces of an [`LstmLm`] for a (steps, batch) capacity.
+pub(crate) struct LstmLmWork<Buf> {
+    pub(crate) emb: EmbeddingWork<Buf>,
+    /// Bottom layer first.
+    pub(crate) layers: Vec<LstmWork<Buf>>,
+    pub(crate) head: ProjectionWork<Buf>,
+}
+
+/// Sizes of an [`LstmLm`].
+pub(crate) struct LstmLmShape {
+    /// Embedding rows and projection width.
+    pub(crate) vocab: usize,
+    /// Embedding width.
+    pub(crate) emb: usize,
+    /// LSTM hidden units.
+    pub(crate) hidden: usize,
+    /// LSTM layers.
+    pub(crate) layers: usize,
+    /// Half-width of the uniform initialisation.
+    pub(crate) init_scale: f32,
+    /// Initial value of the LSTM forget-gate bias.
+    pub(crate) forget_bias: f32,
+}
+
+impl LstmLm {
+    /// Registers the tensors in backward order: `proj/kernel`, `{prefix}/layer_{L-1}/...`
+    /// down to `{prefix}/layer_0/...`, then the embedding `embedding`.
+    pub(crate) fn register(
+        layout: &mut ParamLayout,
+        prefix: &str,
+        embedding: &str,
+        s: &LstmLmShape,
+    ) -> Result<Self> {
+        let proj = Projection::register(layout, "proj/kernel", s.hidden, s.vocab, s.init_scale)?;
+        let mut layers = Vec::with_capacity(s.layers);
+        for l in (0..s.layers).rev() {
+            let input = if l == 0 { s.emb } else { s.hidden };
+            layers.push(LstmLayer::register(
+                layout,
+                &format!("{prefix}/layer_{l}"),
+                input,
+                s.hidden,
+                false,
+                s.init_scale,
+                s.forget_bias,
+            )?);
+        }
+        layers.reverse();
+        let emb = Embedding::register(layout, embedding, s.vocab, s.emb, s.init_scale)?;
+        Ok(LstmLm { proj, layers, emb })
+    }
+
+    /// Workspaces for `steps` x `batch`.
+    pub(crate) fn work<B: Backend>(
+        &self,
+        be: &B,
+        steps: usize,
+        batch: usize,
+    ) -> Result<LstmLmWork<B::Buffer>> {
+        Ok(LstmLmWork {
+            emb: EmbeddingWork::new(be, steps * batch, self.emb.width)?,
+            layers: self
+                .layers
+                .iter()
+                .map(|layer| LstmWork::new(be, layer.hidden, steps, batch))
+                .collect::<Result<_>>()?,
+            head: ProjectionWork::new(be, steps * batch, self.proj.vocab)?,
+        })
+    }
+
+    /// Forward over `steps` x `batch` tokens (time-major): embeds `inputs`, runs the layers
+    /// bottom up (layer `l` starting from `init(l)`, zeros when `None`) and returns the
+    /// summed loss of the projection's logits against `labels` weighted by `mask`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_loss<'a, B: Backend>(
+        &self,
+        be: &B,
+        imp: LstmImpl,
+        params: &B::Buffer,
+        inputs: &[u32],
+        labels: &[u32],
+        mask: &[f32],
+        steps: usize,
+        batch: usize,
+        w: &mut LstmLmWork<B::Buffer>,
+        init: impl Fn(usize) -> Option<InitState<'a, B::Buffer>>,
+    ) -> Result<f64>
+    where
+        B::Buffer: 'a,
+    {
+        self.emb.forward(be, params, inputs, &mut w.emb)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let (below, rest) = w.layers.split_at_mut(l);
+            let (x, x_offset) = if l == 0 {
+                (&w.emb.out, 0)
+            } else {
+                (
+                    &below[l - 1].hiddens,
+                    self.layers[l - 1].output_offset(batch),
+                )
+            };
+            layer.forward(
+                be,
+                imp,
+                params,
+                x,
+                x_offset,
+                init(l),
+                &mut rest[0],
+                steps,
+                batch,
+            )?;
+        }
+        let top = self.layers.len() - 1;
+        self.proj.forward(
+            be,
+            params,
+            &w.layers[top].hiddens,
+            self.layers[top].output_offset(batch),
+            steps * batch,
+            labels,
+            mask,
+            &mut w.head,
+        )
+    }
+
+    /// Gradients of the summed loss of the last [`Self::forward_loss`] over the same
+    /// batch: the projection, the layers top down (none gets a gradient w.r.t. its final
+    /// cell state; each keeps its `dh0` in its work when `need_dh0`, and leaves the
+    /// gradient w.r.t. its initial cell state in `dc`), then the embedding. `on_ready` is
+    /// called once per tensor, in buffer order.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn backward<B: Backend>(
+        &self,
+        be: &B,
+        imp: LstmImpl,
+        params: &B::Buffer,
+        grads: &mut B::Buffer,
+        inputs: &[u32],
+        labels: &[u32],
+        mask: &[f32],
+        steps: usize,
+        batch: usize,
+        need_dh0: bool,
+        w: &mut LstmLmWork<B::Buffer>,
+        on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
+    ) -> Result<()> {
+        let top = self.layers.len() - 1;
+        {
+            let top_work = &mut w.layers[top];
+            self.proj.backward(
+                be,
+                params,
+                grads,
+                &top_work.hiddens,
+                self.layers[top].output_offset(batch),
+                steps * batch,
+                labels,
+                mask,
+                &mut w.head,
+                GradTarget {
+                    buf: &mut top_work.dh,
+                    offset: 0,
+                    accumulate: false,
+                },
+                on_ready,
+            )?;
+        }
+        for (l, layer) in self.layers.iter().enumerate().rev() {
+            let (below, rest) = w.layers.split_at_mut(l);
+            let lw = &mut rest[0];
+            be.fill(&mut lw.dc, 0, batch * layer.hidden, 0.0)?;
+            let (x, x_offset, dx) = if l == 0 {
+                (&w.emb.out, 0, &mut w.emb.dx)
+            } else {
+                let lower = &mut below[l - 1];
+                (
+                    &lower.hiddens,
+                    self.layers[l - 1].output_offset(batch),
+                    &mut lower.dh,
+                )
+            };
+            let dx = GradTarget {
+                buf: dx,
+                offset: 0,
+                accumulate: false,
+            };
+            layer.backward(
+                be,
+                imp,
+                params,
+                grads,
+                x,
+                x_offset,
+                lw,
+                steps,
+                batch,
+                need_dh0,
+                Some(dx),
+                on_ready,
+            )?;
+        }
+        self.emb.backward(be, grads, inputs, &w.emb, on_ready)
+    }
+}
