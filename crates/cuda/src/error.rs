@@ -80,7 +80,7 @@ pub enum Error {
     /// The PTX text could not be parsed for its entry list.
     #[error("cannot parse PTX `{file}` at line {line}: {reason}")]
     PtxParse {
-        /// File name (or "<text>").
+        /// File name (or `"<text>"`).
         file: String,
         /// 1-based line.
         line: usize,

@@ -2,12 +2,12 @@
 //! stream of the backend's device.
 //!
 //! Without the `cuda` feature the crate has no GPU runtime and [`CudaBackend::new`] returns
-//! [`Error::NotCompiledWithCuda`].
+//! [`Error::NotCompiledWithCuda`](crate::Error::NotCompiledWithCuda).
 //!
 //! With it, [`CudaBackend`] drives one GPU through ringtrain-cuda: `Buffer` is a
-//! [`ringtrain_cuda::GpuBuffer<f32>`], operands are views at element offsets, and each
+//! `ringtrain_cuda::GpuBuffer<f32>`, operands are views at element offsets, and each
 //! operation queues one kernel (the PTX kernels of `ptx/`: `gemm`, `lstm`, `softmax`,
-//! `model_ops`) on the device's stream. Only [`Backend::download`], [`Backend::sum`] and the
+//! `model_ops`) on the device's stream. Only [`Backend::download`](crate::Backend::download), [`Backend::sum`](crate::Backend::sum) and the
 //! per-call uploads of ids, labels and masks wait for the stream. Launches are counted as
 //! the CPU backend counts them: one per operation, also when an operation has no work.
 //!
@@ -17,10 +17,10 @@
 //! about (256 + rows/256)·2^-24·Σ|x| of the CPU's sum); sigmoid / tanh (alone and inside
 //! the LSTM kernels) differ by less than 1e-6 absolute; GEMMs accumulate in f32 in another
 //! order (relative differences around 1e-6 of the row norms); the softmax's log-sum-exp
-//! differs by at most 2e-6·max(1, |lse|); [`Backend::sum`] by at most
+//! differs by at most 2e-6·max(1, |lse|); [`Backend::sum`](crate::Backend::sum) by at most
 //! (2^-24 + n·2^-52)·Σ|x| (see `ptx/model_ops.ptx`).
 //!
-//! [`GemmPrecision::F16`] / [`GemmPrecision::Bf16`] (mixed precision) copy both GEMM
+//! `GemmPrecision::F16` / `GemmPrecision::Bf16` (mixed precision) copy both GEMM
 //! operands to 16-bit scratch buffers and multiply them on tensor cores with f32
 //! accumulation; parameters, gradients and activations stay f32 (f32 master weights).
 //! Products whose row strides are not multiples of 8 fall back to the f32 GEMM.
