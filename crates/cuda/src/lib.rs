@@ -97,6 +97,8 @@ pub mod softmax;
 #[cfg(feature = "cuda")]
 mod memory;
 #[cfg(feature = "cuda")]
+mod pinned;
+#[cfg(feature = "cuda")]
 mod runtime;
 #[cfg(feature = "cuda")]
 mod timing;
@@ -111,6 +113,8 @@ pub use signature::{
 pub use memory::{
     AsDevSlice, AsDevSliceMut, DevSlice, DevSliceMut, Element, GpuBuffer, NonFiniteFlag,
 };
+#[cfg(feature = "cuda")]
+pub use pinned::PinnedBuffer;
 #[cfg(feature = "cuda")]
 pub use runtime::{Gpu, KernelArg, LaunchConfig};
 #[cfg(feature = "cuda")]

@@ -79,11 +79,12 @@ impl<T: Element> std::fmt::Debug for GpuBuffer<T> {
 impl<T: Element> Drop for GpuBuffer<T> {
     fn drop(&mut self) {
         if self.ptr != 0 && self.gpu.bind().is_ok() {
-            // Work queued on the stream may still read or write this memory (a launcher's
-            // uploaded ids, a scratch buffer): wait for it before the memory goes back.
-            let _ = self.gpu.synchronize();
+            // Work queued on the streams may still read or write this memory (a launcher's
+            // uploaded ids, a scratch buffer, a download to pinned memory): wait for it
+            // before the memory goes back.
+            let _ = self.gpu.synchronize_all();
             // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once, after
-            // the stream (the only one work is queued on) has drained.
+            // both streams (the only ones work is queued on) have drained.
             unsafe {
                 let _ = cuda::cuMemFree_v2(self.ptr);
             }

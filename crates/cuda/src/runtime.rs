@@ -123,6 +123,7 @@ struct GpuInner {
     // Field order is drop order: modules and stream go before the context.
     modules: Mutex<HashMap<&'static str, Arc<LoadedModule>>>,
     stream: Stream,
+    copy_stream: Stream,
     context: Context,
 }
 
@@ -136,7 +137,7 @@ impl Drop for GpuInner {
     }
 }
 
-/// One GPU: its primary context, one stream, and the loaded PTX modules.
+/// One GPU: its primary context, a compute stream, a copy stream, and the loaded PTX modules.
 ///
 /// * **Context**: the driver's per-device state (memory, loaded code). A `Gpu`
 ///   holds the device's primary context and makes it current on whichever thread
@@ -144,6 +145,10 @@ impl Drop for GpuInner {
 /// * **Stream**: an in-order queue of device work. Every launch and copy made
 ///   through this `Gpu` is queued on its one stream, so they run in call order;
 ///   the host waits only in [`Gpu::synchronize`] and the copies back to the host.
+/// * **Copy stream**: a second queue, for copies into pinned host memory
+///   ([`PinnedBuffer::download_async`](crate::PinnedBuffer::download_async)) that run
+///   while later kernels compute; each is ordered after the compute stream's work by
+///   an event.
 /// * **Module**: a PTX file loaded into the context (the driver compiles it for
 ///   the device at load time). Each `ptx/*.ptx` file is loaded once per context,
 ///   on its first launch, and cached.
@@ -225,6 +230,8 @@ impl Gpu {
         // A blocking stream: it also orders against the legacy default stream.
         let stream =
             Stream::new(StreamFlags::DEFAULT, None).map_err(driver("creating the stream"))?;
+        let copy_stream =
+            Stream::new(StreamFlags::DEFAULT, None).map_err(driver("creating the copy stream"))?;
         let gpu = Gpu {
             inner: Arc::new(GpuInner {
                 ordinal,
@@ -232,6 +239,7 @@ impl Gpu {
                 multiprocessors: sms.max(1) as u32,
                 modules: Mutex::new(HashMap::new()),
                 stream,
+                copy_stream,
                 context,
             }),
         };
@@ -269,13 +277,26 @@ impl Gpu {
         &self.inner.stream
     }
 
-    /// Waits until all work queued on this GPU's stream has finished.
+    pub(crate) fn copy_stream(&self) -> &Stream {
+        &self.inner.copy_stream
+    }
+
+    /// Waits until all work queued on this GPU's compute stream has finished.
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
         self.inner
             .stream
             .synchronize()
             .map_err(driver("waiting for the stream"))
+    }
+
+    /// Waits until all work queued on both of this GPU's streams has finished.
+    pub fn synchronize_all(&self) -> Result<()> {
+        self.synchronize()?;
+        self.inner
+            .copy_stream
+            .synchronize()
+            .map_err(driver("waiting for the copy stream"))
     }
 
     /// Grid size for a grid-stride loop over `work` items with `block` threads:
@@ -419,6 +440,11 @@ impl Gpu {
     ) -> Result<KernelArg> {
         self.check_device(name, slice.device())?;
         Ok(KernelArg::Ptr(slice.device_ptr()))
+    }
+
+    /// Checks that memory on device `device` may be used with this GPU.
+    pub(crate) fn check_slice_device(&self, name: &'static str, device: usize) -> Result<()> {
+        self.check_device(name, device)
     }
 
     fn check_device(&self, name: &'static str, device: usize) -> Result<()> {

@@ -1370,6 +1370,67 @@ fn views_copy_to_and_from_the_host_without_touching_neighbours() {
 }
 
 #[test]
+fn pinned_downloads_see_earlier_kernels_and_uploads_reach_later_ones() {
+    let gpu = gpu();
+    let n = 100_003;
+    let host: Vec<f32> = (0..n).map(|i| (i % 977) as f32 - 400.0).collect();
+    let mut dev = gpu.upload(&host).unwrap();
+    // A kernel queued before the download: the download must see its result.
+    optim::scale_f32(&gpu, &mut dev, 2.0).unwrap();
+    let mut pinned = gpu.pinned::<f32>(n).unwrap();
+    assert_eq!(pinned.settled().map(<[f32]>::len), Some(n));
+    let cut = 40_000;
+    pinned
+        .download_async(cut..n, &dev.slice(cut..n).unwrap())
+        .unwrap();
+    pinned
+        .download_async(0..cut, &dev.slice(0..cut).unwrap())
+        .unwrap();
+    assert_eq!(pinned.copies_in_flight(), 2);
+    assert!(
+        pinned.settled().is_none(),
+        "no whole-buffer view while copies run"
+    );
+    while !pinned.is_ready(0..cut).unwrap() {
+        std::thread::yield_now();
+    }
+    let doubled: Vec<f32> = host.iter().map(|x| x * 2.0).collect();
+    assert_bits_eq(
+        "first range",
+        pinned.wait(0..cut).unwrap(),
+        &doubled[..cut],
+        f32_is_nan,
+    );
+    assert_bits_eq(
+        "second range",
+        pinned.wait(cut..n).unwrap(),
+        &doubled[cut..],
+        f32_is_nan,
+    );
+    assert_eq!(pinned.copies_in_flight(), 0);
+
+    // Host edits, an upload on the compute stream, then a kernel that reads the upload.
+    pinned.as_mut_slice().unwrap()[..cut].fill(1.5);
+    let mut dst = poisoned::<f32>(&gpu, cut);
+    pinned.upload_async(0..cut, &mut dst).unwrap();
+    optim::scale_f32(&gpu, &mut dst, 4.0).unwrap();
+    assert!(dst.to_host().unwrap().iter().all(|&x| x == 6.0));
+    pinned.wait_all().unwrap();
+    assert!(pinned.settled().is_some());
+
+    // Bad ranges and lengths are errors, not copies.
+    assert!(matches!(
+        pinned.download_async(n - 1..n + 1, &dev.slice(0..2).unwrap()),
+        Err(Error::InvalidArgument { arg: "range", .. })
+    ));
+    assert!(matches!(
+        pinned.download_async(0..3, &dev.slice(0..4).unwrap()),
+        Err(Error::ShapeMismatch { arg: "src", .. })
+    ));
+    assert_eq!(pinned.copies_in_flight(), 0);
+}
+
+#[test]
 fn tall_column_sums_add_fixed_chunks_in_order() {
     let gpu = gpu();
     let mut r = rng(91);

@@ -230,7 +230,10 @@ macro_rules! impl_model {
             }
             fn forward_loss(&mut self, batch: &$batch<'_>) -> Result<StepStats> {
                 let start = self.backend.launches();
-                let (loss_sum, tokens) = self.forward(batch)?;
+                self.backend.begin_pass(&self.params);
+                let result = self.forward(batch);
+                self.backend.end_pass();
+                let (loss_sum, tokens) = result?;
                 Ok(StepStats {
                     loss_sum,
                     tokens,
@@ -243,8 +246,13 @@ macro_rules! impl_model {
                 on_grads_ready: &mut GradsReady<'_, B::Buffer>,
             ) -> Result<StepStats> {
                 let start = self.backend.launches();
-                let (loss_sum, tokens) = self.forward(batch)?;
-                self.backward(batch, on_grads_ready)?;
+                // The parameters stay unchanged until end_pass (backward writes gradients).
+                self.backend.begin_pass(&self.params);
+                let result = self
+                    .forward(batch)
+                    .and_then(|loss| self.backward(batch, on_grads_ready).map(|()| loss));
+                self.backend.end_pass();
+                let (loss_sum, tokens) = result?;
                 Ok(StepStats {
                     loss_sum,
                     tokens,

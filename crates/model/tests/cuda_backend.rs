@@ -504,6 +504,44 @@ fn mixed_precision_gemms_keep_the_loss_close() {
 }
 
 #[test]
+fn mixed_precision_recasts_the_weights_when_they_change_between_passes() {
+    // 16-bit copies of the weights are made once per pass: a pass after new weights were
+    // uploaded must use the new ones, exactly as a model created with them does.
+    for precision in [GemmPrecision::Bf16, GemmPrecision::F16] {
+        let config = small_nmt(LstmImpl::Stepwise);
+        let data = toy::NmtData::random(&config, 8, 7, 6, 21);
+        let mut model = NmtModel::new(gpu_with(precision), config.clone(), 6).unwrap();
+        let before = model
+            .forward_backward(&data.view(), &mut |_, _| {})
+            .unwrap();
+        model.init_params(9).unwrap();
+        let after = model
+            .forward_backward(&data.view(), &mut |_, _| {})
+            .unwrap();
+        let mut fresh = NmtModel::new(gpu_with(precision), config, 9).unwrap();
+        let want = fresh
+            .forward_backward(&data.view(), &mut |_, _| {})
+            .unwrap();
+        assert_ne!(
+            before.loss_sum, after.loss_sum,
+            "{precision:?}: new weights, same loss"
+        );
+        assert_eq!(
+            after.loss_sum.to_bits(),
+            want.loss_sum.to_bits(),
+            "{precision:?}: stale 16-bit weights after the update ({} vs {})",
+            after.loss_sum,
+            want.loss_sum
+        );
+        assert_bits_equal(
+            &format!("{precision:?} gradients after the update"),
+            &fetch(fresh.backend(), fresh.grads()),
+            &fetch(model.backend(), model.grads()),
+        );
+    }
+}
+
+#[test]
 fn a_missing_device_is_an_error_that_names_it() {
     let err = CudaBackend::new(4096)
         .err()

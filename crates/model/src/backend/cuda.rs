@@ -62,6 +62,7 @@ mod stand_in {
 #[cfg(feature = "cuda")]
 mod imp {
     use std::cell::RefCell;
+    use std::collections::hash_map::Entry;
     use std::collections::HashMap;
     use std::ops::Range;
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -99,14 +100,194 @@ mod imp {
         words: HashMap<usize, Vec<GpuBuffer<u32>>>,
         /// f32 buffers (masks) by exact length.
         floats: HashMap<usize, Vec<GpuBuffer<f32>>>,
-        /// f16 copies of the GEMM operands (A, B), grown as needed.
-        f16_ops: [Option<GpuBuffer<f16>>; 2],
-        /// bf16 copies of the GEMM operands (A, B), grown as needed.
-        bf16_ops: [Option<GpuBuffer<bf16>>; 2],
+        /// 16-bit GEMM operands in f16.
+        f16: HalfOperands<f16>,
+        /// 16-bit GEMM operands in bf16.
+        bf16: HalfOperands<bf16>,
+        /// The parameter buffer of the pass in progress (see [`Backend::begin_pass`]).
+        pass: Option<PassParams>,
+        /// Passes begun so far; tags the cached parameter casts.
+        passes: u64,
         /// Chunk partial sums of tall column sums, grown as needed.
         column_partials: Option<GpuBuffer<f32>>,
         /// Set by the 16-bit casts on overflow; informational only.
         cast_flag: NonFiniteFlag,
+    }
+
+    /// Device address range of the parameters of the pass in progress.
+    #[derive(Clone, Copy)]
+    struct PassParams {
+        start: u64,
+        end: u64,
+        id: u64,
+    }
+
+    /// The 16-bit copies of GEMM operands in one element type.
+    ///
+    /// Activations are cast into two scratch buffers (A, B) on every product. Parameter
+    /// tensors are constant during a pass, so each (address, length) of the parameter buffer
+    /// is cast once per pass into a buffer of its own, kept (with the pass id it was cast
+    /// in) for the next pass to recast in place.
+    struct HalfOperands<T: Element> {
+        scratch: [Option<GpuBuffer<T>>; 2],
+        params: HashMap<(u64, usize), (u64, GpuBuffer<T>)>,
+    }
+
+    impl<T: Element> HalfOperands<T> {
+        fn new() -> Self {
+            HalfOperands {
+                scratch: [None, None],
+                params: HashMap::new(),
+            }
+        }
+    }
+
+    /// A 16-bit element type of the tensor-core GEMM: its cast and its product.
+    trait HalfGemm: Element {
+        fn cast(
+            gpu: &Gpu,
+            src: &DevSlice<'_, f32>,
+            dst: &mut DevSliceMut<'_, Self>,
+            flag: &mut NonFiniteFlag,
+        ) -> ringtrain_cuda::Result<()>;
+        #[allow(clippy::too_many_arguments)]
+        fn gemm(
+            gpu: &Gpu,
+            transpose: Transpose,
+            a: &DevSlice<'_, Self>,
+            b: &DevSlice<'_, Self>,
+            c: &mut DevSliceMut<'_, f32>,
+            g: &Gemm,
+            beta: f32,
+        ) -> ringtrain_cuda::Result<()>;
+    }
+
+    impl HalfGemm for f16 {
+        fn cast(
+            gpu: &Gpu,
+            src: &DevSlice<'_, f32>,
+            dst: &mut DevSliceMut<'_, f16>,
+            flag: &mut NonFiniteFlag,
+        ) -> ringtrain_cuda::Result<()> {
+            fp16::f32_to_f16_scaled(gpu, src, 1.0, dst, flag)
+        }
+        fn gemm(
+            gpu: &Gpu,
+            transpose: Transpose,
+            a: &DevSlice<'_, f16>,
+            b: &DevSlice<'_, f16>,
+            c: &mut DevSliceMut<'_, f32>,
+            g: &Gemm,
+            beta: f32,
+        ) -> ringtrain_cuda::Result<()> {
+            gemm::gemm_f16(
+                gpu, transpose, a, b, c, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, 1.0, beta,
+            )
+        }
+    }
+
+    impl HalfGemm for bf16 {
+        fn cast(
+            gpu: &Gpu,
+            src: &DevSlice<'_, f32>,
+            dst: &mut DevSliceMut<'_, bf16>,
+            flag: &mut NonFiniteFlag,
+        ) -> ringtrain_cuda::Result<()> {
+            fp16::f32_to_bf16_scaled(gpu, src, 1.0, dst, flag)
+        }
+        fn gemm(
+            gpu: &Gpu,
+            transpose: Transpose,
+            a: &DevSlice<'_, bf16>,
+            b: &DevSlice<'_, bf16>,
+            c: &mut DevSliceMut<'_, f32>,
+            g: &Gemm,
+            beta: f32,
+        ) -> ringtrain_cuda::Result<()> {
+            gemm::gemm_bf16(
+                gpu, transpose, a, b, c, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, 1.0, beta,
+            )
+        }
+    }
+
+    /// Where the 16-bit copy of one operand lives.
+    #[derive(Clone, Copy)]
+    enum HalfSource {
+        /// Scratch slot 0 (A) or 1 (B), first `len` elements.
+        Scratch(usize, usize),
+        /// The cached cast of the parameter tensor at this (address, length).
+        Param(u64, usize),
+    }
+
+    /// Casts `src` (operand `slot`: 0 = A, 1 = B) to 16 bits, unless it is a parameter
+    /// tensor already cast in this pass; says where the copy is.
+    fn half_operand<T: HalfGemm>(
+        gpu: &Gpu,
+        ops: &mut HalfOperands<T>,
+        pass: Option<PassParams>,
+        slot: usize,
+        src: DevSlice<'_, f32>,
+        flag: &mut NonFiniteFlag,
+    ) -> Result<HalfSource> {
+        let (start, len) = (src.device_ptr(), src.len());
+        let end = start + (len * std::mem::size_of::<f32>()) as u64;
+        if let Some(pass) = pass.filter(|p| p.start <= start && end <= p.end) {
+            let (cast_in, buf) = match ops.params.entry((start, len)) {
+                Entry::Occupied(found) => found.into_mut(),
+                Entry::Vacant(slot) => slot.insert((0, gpu.alloc::<T>(len).map_err(Error::from)?)),
+            };
+            if *cast_in != pass.id {
+                T::cast(gpu, &src, &mut buf.as_mut_slice(), flag).map_err(Error::from)?;
+                *cast_in = pass.id;
+            }
+            return Ok(HalfSource::Param(start, len));
+        }
+        let mut dst = grown(gpu, &mut ops.scratch[slot], len)?;
+        T::cast(gpu, &src, &mut dst, flag).map_err(Error::from)?;
+        Ok(HalfSource::Scratch(slot, len))
+    }
+
+    /// The device view of a 16-bit operand placed by [`half_operand`].
+    fn half_view<T: Element>(ops: &HalfOperands<T>, at: HalfSource) -> Result<DevSlice<'_, T>> {
+        let missing = |len| Error::OutOfBounds {
+            what: "16-bit GEMM operand",
+            end: len,
+            len: 0,
+        };
+        match at {
+            HalfSource::Scratch(slot, len) => ops.scratch[slot]
+                .as_ref()
+                .ok_or(missing(len))?
+                .slice(0..len)
+                .map_err(Error::from),
+            HalfSource::Param(start, len) => Ok(ops
+                .params
+                .get(&(start, len))
+                .ok_or(missing(len))?
+                .1
+                .as_slice()),
+        }
+    }
+
+    /// The 16-bit product: operands cast (or taken from this pass's parameter casts), then
+    /// the tensor-core GEMM.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_half_in<T: HalfGemm>(
+        gpu: &Gpu,
+        ops: &mut HalfOperands<T>,
+        pass: Option<PassParams>,
+        flag: &mut NonFiniteFlag,
+        transpose: Transpose,
+        a: DevSlice<'_, f32>,
+        b: DevSlice<'_, f32>,
+        c: &mut DevSliceMut<'_, f32>,
+        g: &Gemm,
+        beta: f32,
+    ) -> Result<()> {
+        let at_a = half_operand(gpu, ops, pass, 0, a, flag)?;
+        let at_b = half_operand(gpu, ops, pass, 1, b, flag)?;
+        let (ha, hb) = (half_view(ops, at_a)?, half_view(ops, at_b)?);
+        T::gemm(gpu, transpose, &ha, &hb, c, g, beta).map_err(Error::from)
     }
 
     /// Takes a cached buffer of exactly `len` elements from `pool`, or allocates one.
@@ -213,8 +394,10 @@ mod imp {
             let scratch = Scratch {
                 words: HashMap::new(),
                 floats: HashMap::new(),
-                f16_ops: [None, None],
-                bf16_ops: [None, None],
+                f16: HalfOperands::new(),
+                bf16: HalfOperands::new(),
+                pass: None,
+                passes: 0,
                 column_partials: None,
                 cast_flag: NonFiniteFlag::new(&gpu).map_err(Error::from)?,
             };
@@ -308,8 +491,8 @@ mod imp {
             result
         }
 
-        /// The 16-bit GEMM: both operand spans cast into scratch, then the tensor-core
-        /// product. Returns `false` (nothing queued) when the strides do not allow it.
+        /// The 16-bit GEMM (see [`HalfOperands`]). Returns `false` (nothing queued) when
+        /// the strides do not allow it.
         #[allow(clippy::too_many_arguments)]
         fn gemm_half(
             &self,
@@ -325,35 +508,32 @@ mod imp {
             }
             let mut scratch = self.scratch.borrow_mut();
             let scratch = &mut *scratch;
-            let flag = &mut scratch.cast_flag;
-            let (m, n, k, lda, ldb, ldc) = (g.m, g.n, g.k, g.lda, g.ldb, g.ldc);
+            let (pass, flag) = (scratch.pass, &mut scratch.cast_flag);
             match self.precision {
-                GemmPrecision::F16 => {
-                    let [sa, sb] = &mut scratch.f16_ops;
-                    let mut ha = grown(&self.gpu, sa, a.len())?;
-                    let mut hb = grown(&self.gpu, sb, b.len())?;
-                    fp16::f32_to_f16_scaled(&self.gpu, &a, 1.0, &mut ha, flag)
-                        .map_err(Error::from)?;
-                    fp16::f32_to_f16_scaled(&self.gpu, &b, 1.0, &mut hb, flag)
-                        .map_err(Error::from)?;
-                    gemm::gemm_f16(
-                        &self.gpu, transpose, &ha, &hb, c, m, n, k, lda, ldb, ldc, 1.0, beta,
-                    )
-                    .map_err(Error::from)?;
-                }
-                GemmPrecision::Bf16 => {
-                    let [sa, sb] = &mut scratch.bf16_ops;
-                    let mut ha = grown(&self.gpu, sa, a.len())?;
-                    let mut hb = grown(&self.gpu, sb, b.len())?;
-                    fp16::f32_to_bf16_scaled(&self.gpu, &a, 1.0, &mut ha, flag)
-                        .map_err(Error::from)?;
-                    fp16::f32_to_bf16_scaled(&self.gpu, &b, 1.0, &mut hb, flag)
-                        .map_err(Error::from)?;
-                    gemm::gemm_bf16(
-                        &self.gpu, transpose, &ha, &hb, c, m, n, k, lda, ldb, ldc, 1.0, beta,
-                    )
-                    .map_err(Error::from)?;
-                }
+                GemmPrecision::F16 => gemm_half_in(
+                    &self.gpu,
+                    &mut scratch.f16,
+                    pass,
+                    flag,
+                    transpose,
+                    a,
+                    b,
+                    c,
+                    g,
+                    beta,
+                )?,
+                GemmPrecision::Bf16 => gemm_half_in(
+                    &self.gpu,
+                    &mut scratch.bf16,
+                    pass,
+                    flag,
+                    transpose,
+                    a,
+                    b,
+                    c,
+                    g,
+                    beta,
+                )?,
                 GemmPrecision::F32 => return Ok(false),
             }
             Ok(true)
@@ -415,6 +595,21 @@ mod imp {
 
         fn launches(&self) -> u64 {
             self.launches.load(Ordering::Relaxed)
+        }
+
+        fn begin_pass(&self, params: &GpuBuffer<f32>) {
+            let mut scratch = self.scratch.borrow_mut();
+            scratch.passes += 1;
+            let start = params.device_ptr();
+            scratch.pass = Some(PassParams {
+                start,
+                end: start + (params.len() * std::mem::size_of::<f32>()) as u64,
+                id: scratch.passes,
+            });
+        }
+
+        fn end_pass(&self) {
+            self.scratch.borrow_mut().pass = None;
         }
 
         fn fill(

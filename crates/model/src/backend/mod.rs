@@ -194,6 +194,14 @@ pub trait Backend: Send {
     fn download(&self, src: &Self::Buffer, offset: usize, dst: &mut [f32]) -> Result<()>;
     /// Operations issued since the backend was created.
     fn launches(&self) -> u64;
+    /// Called by the models when a pass (forward, or forward and backward) starts, with
+    /// their parameter buffer, which then stays unchanged until [`Backend::end_pass`]: a
+    /// backend may keep values derived from the parameters for that long (the CUDA backend
+    /// casts each weight tensor to 16 bits once per pass in mixed precision). Default:
+    /// nothing.
+    fn begin_pass(&self, _params: &Self::Buffer) {}
+    /// Ends the pass [`Backend::begin_pass`] started; derived values are stale from now on.
+    fn end_pass(&self) {}
 
     /// `dst[offset..offset + len] = value`.
     fn fill(&self, dst: &mut Self::Buffer, offset: usize, len: usize, value: f32) -> Result<()>;
