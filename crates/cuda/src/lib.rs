@@ -18,7 +18,10 @@
 //! * **Entry / kernel**: a `.entry` function in a PTX file, launched on a grid of
 //!   thread blocks with a list of parameters.
 //!
-//! [`Gpu`] bundles one device's context, a stream and the module cache.
+//! [`Gpu`] bundles one device's context, a compute stream, a copy stream and the
+//! module cache. [`PinnedBuffer`] is page-locked host memory whose copies to and from
+//! the device run asynchronously (downloads on the copy stream, overlapping later
+//! kernels) and are tracked per element range, so host code only sees finished data.
 //! [`GpuBuffer`] owns device memory; kernels take borrowed views
 //! ([`DevSlice`], [`DevSliceMut`]) so outputs cannot alias inputs. One Rust
 //! module per PTX file ([`lstm`], [`softmax`], [`fp16`], [`optim`], [`gemm`],

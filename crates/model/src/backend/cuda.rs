@@ -20,10 +20,13 @@
 //! differs by at most 2e-6·max(1, |lse|); [`Backend::sum`](crate::Backend::sum) by at most
 //! (2^-24 + n·2^-52)·Σ|x| (see `ptx/model_ops.ptx`).
 //!
-//! `GemmPrecision::F16` / `GemmPrecision::Bf16` (mixed precision) copy both GEMM
-//! operands to 16-bit scratch buffers and multiply them on tensor cores with f32
-//! accumulation; parameters, gradients and activations stay f32 (f32 master weights).
-//! Products whose row strides are not multiples of 8 fall back to the f32 GEMM.
+//! `GemmPrecision::F16` / `GemmPrecision::Bf16` (mixed precision) multiply 16-bit copies of
+//! the GEMM operands on tensor cores with f32 accumulation; parameters, gradients and
+//! activations stay f32 (f32 master weights). Activations are cast into scratch buffers on
+//! every product; weight tensors (operands inside the parameter buffer the model announces
+//! with [`Backend::begin_pass`](crate::Backend::begin_pass)) are cast once per pass and
+//! reused by every time step and by backward. Products whose row strides are not multiples
+//! of 8 fall back to the f32 GEMM.
 
 #[cfg(feature = "cuda")]
 pub use imp::{CudaBackend, GemmPrecision};
