@@ -508,7 +508,7 @@ fn mixed_precision_recasts_the_weights_when_they_change_between_passes() {
     // 16-bit copies of the weights are made once per pass: a pass after new weights were
     // uploaded must use the new ones, exactly as a model created with them does.
     for precision in [GemmPrecision::Bf16, GemmPrecision::F16] {
-        let config = small_nmt(LstmImpl::Stepwise);
+        let config = small_nmt(LstmImpl::Fused);
         let data = toy::NmtData::random(&config, 8, 7, 6, 21);
         let mut model = NmtModel::new(gpu_with(precision), config.clone(), 6).unwrap();
         let before = model
