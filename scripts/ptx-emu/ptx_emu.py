@@ -49,7 +49,11 @@ Memory and race checks
   write race; identical values, e.g. every thread setting a flag to 1, are
   allowed), and so is a thread reading bytes written by another thread of the
   same block without a barrier in between, and so is any overlap between bytes
-  read through ``ld.global.nc`` and bytes stored in the same launch.  Reads of data written by another
+  read through ``ld.global.nc`` and bytes stored in the same launch.
+  ``GlobalMemory.map(base, view, name)`` adds a buffer at a chosen address
+  whose bytes are a caller-owned uint8 view (the emulated CUDA driver in
+  scripts/emu-cuda maps its device memory file this way); the same exact-size
+  checks apply.  Reads of data written by another
   block are not checked (blocks run sequentially here).  Atomics (``atom``,
   ``red``) are applied one thread after another in thread order.
 * Shared memory: per byte, the last writer and the reader(s) are tracked with the
@@ -84,6 +88,10 @@ Arithmetic
   2^-22, ``rcp.approx`` / ``sqrt.approx`` relative 2^-23, ``rsqrt.approx``
   relative 2^-22.9, ``div.approx`` / ``div.full`` relative 2^-22,
   ``tanh.approx`` relative 2^-10.987, ``sin/cos.approx`` absolute 2^-20.9.
+  ``approx="hash"`` moves them by the same bounds, but by an amount that is a
+  fixed function of the exact result and ``approx_seed``, so equal inputs give
+  equal outputs in every launch, as on a real device (``"random"`` draws a new
+  error per evaluation, so two identical computations may differ).
 * ``min`` / ``max`` on floats return the non-NaN operand (``.NaN`` propagates).
 * ``mma.sync.m16n8k16`` (f16 / bf16 inputs, f32 accumulate) is computed in
   float64 and rounded once; ``ldmatrix`` (.x1/.x2/.x4, .trans) follows the ISA's
@@ -430,13 +438,17 @@ class Module:
         return Entry(name, params, insts, labels, shared, reg_types, directives)
 
     def launch(self, entry, grid, block, mem, args, dynamic_shared=0, seed=0, approx="random",
-               max_steps=20_000_000, coverage=None):
+               max_steps=20_000_000, coverage=None, approx_seed=None):
         """Runs one launch of ``entry`` over ``grid`` x ``block`` on ``mem``.
 
         ``args`` maps parameter names to values: buffer addresses (ints), ints for
         .u32/.s32/.u64 and Python floats for .f32/.f64 parameters.  ``coverage``,
         when a set, receives the indices of the instructions executed.
+        ``approx``: "random", "hash" or "exact" (see Arithmetic in the module
+        docs); ``approx_seed`` keys the "hash" errors (default: ``seed``).
         """
+        if approx not in ("random", "hash", "exact"):
+            raise EmuError(f"approx={approx!r}: use 'random', 'hash' or 'exact'")
         if entry not in self.entries:
             raise EmuError(f"{self.path}: no entry {entry}")
         ent = self.entries[entry]
@@ -474,6 +486,7 @@ class Module:
         for bi in order:
             b = _Block(self, ent, params, mem, blocks[bi], grid, block, dynamic_shared, rng, approx,
                        max_steps, int(bi))
+            b.approx_seed = seed if approx_seed is None else approx_seed
             b.run()
             if coverage is not None:
                 coverage |= b.executed
@@ -484,22 +497,58 @@ class Module:
 # ---------------------------------------------------------------------------
 
 class _Buffer:
+    """One global-memory buffer.  ``data`` is a uint8 array: a private copy
+    (``GlobalMemory.alloc``) or a view of memory owned elsewhere
+    (``GlobalMemory.map``).  The per-byte race-tracking arrays of the current
+    launch are created on first use and dropped by ``reset``, so buffers that a
+    launch does not touch cost nothing."""
+
+    _TRACK = ("writer", "w_blk", "w_ep", "written", "nc_read")
+
     def __init__(self, name, base, data, access):
         self.name, self.base, self.data, self.access = name, base, data, access
         self.end = base + len(data)
-        self.writer = np.full(len(data), -1, np.int64)  # global thread id of the last store
-        self.w_blk = np.full(len(data), -1, np.int64)
-        self.w_ep = np.full(len(data), -1, np.int64)
-        self.written = np.zeros(len(data), bool)  # stored to in this launch (any thread)
-        self.nc_read = np.zeros(len(data), bool)  # read through ld.global.nc in this launch
+        self.tracked = False
+
+    def _track(self):
+        n = len(self.data)
+        self.__dict__["writer"] = np.full(n, -1, np.int64)  # global thread id of the last store
+        self.__dict__["w_blk"] = np.full(n, -1, np.int64)
+        self.__dict__["w_ep"] = np.full(n, -1, np.int64)
+        self.__dict__["written"] = np.zeros(n, bool)  # stored to in this launch (any thread)
+        self.__dict__["nc_read"] = np.zeros(n, bool)  # read through ld.global.nc in this launch
+        self.tracked = True
+
+    def __getattr__(self, attr):  # only called for attributes not set yet
+        if attr in _Buffer._TRACK:
+            self._track()
+            return self.__dict__[attr]
+        raise AttributeError(attr)
+
+    def reset(self):
+        """Forgets the race-tracking state (start of a launch)."""
+        if self.tracked:
+            for attr in _Buffer._TRACK:
+                del self.__dict__[attr]
+            self.tracked = False
 
 
 class GlobalMemory:
     """Device global memory: named, exact-size buffers separated by unmapped gaps."""
 
     def __init__(self):
-        self.bufs = []
+        self.bufs = []  # sorted by base address
         self.next = 1 << 32
+        self._bounds = None  # cached (bases, ends) arrays of ``bufs``
+
+    def _insert(self, buf):
+        for b in self.bufs:
+            if buf.base < b.end + 1 and b.base < buf.end + 1:
+                raise EmuError(f"buffer {buf.name} [{buf.base:#x}, {buf.end:#x}) overlaps or "
+                               f"touches {b.name} [{b.base:#x}, {b.end:#x})")
+        bases = [b.base for b in self.bufs]
+        self.bufs.insert(int(np.searchsorted(np.array(bases, np.int64), buf.base)), buf)
+        self._bounds = None
 
     def alloc(self, array, name, access="rw", offset=0):
         """Copies ``array`` into a new buffer and returns its address.
@@ -510,9 +559,29 @@ class GlobalMemory:
         data = np.frombuffer(np.ascontiguousarray(array).tobytes(), np.uint8).copy()
         base = self.next + offset
         buf = _Buffer(name, base, data, access)
-        self.bufs.append(buf)
-        self.next = (base + len(data) + 4096 + 255) // 256 * 256
+        self._insert(buf)
+        self.next = max(self.next, (base + len(data) + 4096 + 255) // 256 * 256)
         return base
+
+    def map(self, base, view, name, access="rw"):
+        """Adds a buffer at address ``base`` whose bytes are ``view`` itself (a
+        contiguous uint8 numpy array, e.g. a slice of a shared memory mapping):
+        kernel stores go straight to ``view``.  The buffer is exact-size like
+        ``alloc``'s; it must not overlap or touch another buffer."""
+        view = np.asarray(view)
+        if view.dtype != np.uint8 or view.ndim != 1 or not view.flags.c_contiguous:
+            raise EmuError(f"map({name}): the view must be a contiguous 1-D uint8 array")
+        self._insert(_Buffer(name, int(base), view, access))
+        return int(base)
+
+    def unmap(self, base):
+        """Removes the buffer that starts at ``base`` (added by ``map`` or ``alloc``)."""
+        for i, b in enumerate(self.bufs):
+            if b.base == base:
+                del self.bufs[i]
+                self._bounds = None
+                return
+        raise KeyError(f"no buffer at {base:#x}")
 
     def buffer(self, name):
         for b in self.bufs:
@@ -529,15 +598,15 @@ class GlobalMemory:
 
     def begin_launch(self):
         for b in self.bufs:
-            b.writer[:] = -1
-            b.w_blk[:] = -1
-            b.w_ep[:] = -1
-            b.written[:] = False
-            b.nc_read[:] = False
+            b.reset()
 
     def _locate(self, addrs, n):
-        bases = np.array([b.base for b in self.bufs], np.int64)
-        ends = np.array([b.end for b in self.bufs], np.int64)
+        if not self.bufs:
+            raise EmuError(f"global access of {n} bytes at {int(addrs[0]):#x}: no buffers exist")
+        if self._bounds is None:
+            self._bounds = (np.array([b.base for b in self.bufs], np.int64),
+                            np.array([b.end for b in self.bufs], np.int64))
+        bases, ends = self._bounds
         idx = np.searchsorted(bases, addrs, side="right") - 1
         ok = (idx >= 0) & (addrs + n <= ends[np.maximum(idx, 0)])
         if not ok.all():
@@ -564,15 +633,18 @@ class GlobalMemory:
             off = (addrs[sel] - b.base)[:, None] + np.arange(n)
             th = np.repeat(threads[sel], n)
             flat = off.ravel()
-            w = b.writer[flat]
-            bad = (w >= 0) & (w != th) & (b.w_blk[flat] == blk) & (b.w_ep[flat] == ep)
+            if b.tracked:
+                w = b.writer[flat]
+                bad = (w >= 0) & (w != th) & (b.w_blk[flat] == blk) & (b.w_ep[flat] == ep)
+            else:  # nothing stored to this buffer yet in this launch
+                bad = np.zeros(0, bool)
             if bad.any():
                 k = np.nonzero(bad)[0][0]
                 raise EmuError(f"global read-after-write race on {b.name} byte {flat[k]}: thread "
                                f"{th[k]} reads what thread {w[k]} of the same block wrote "
                                f"without a barrier in between")
             if nc:
-                if b.written[flat].any():
+                if b.tracked and b.written[flat].any():
                     raise EmuError(f"ld.global.nc of {b.name} bytes written earlier in this launch "
                                    f"(the non-coherent path needs data read-only for the launch)")
                 b.nc_read[flat] = True
@@ -929,14 +1001,30 @@ class _Block:
 
     def approx_round(self, exact, kind, dtype=np.float32):
         """float64 exact values -> dtype, moved within the documented error of ``kind``."""
-        if self.approx == "random" and kind in _APPROX_ERR:
+        if self.approx in ("random", "hash") and kind in _APPROX_ERR:
             rel, ab = _APPROX_ERR[kind]
-            u = self.rng.uniform(-1.0, 1.0, exact.shape)
+            if self.approx == "random":
+                u = self.rng.uniform(-1.0, 1.0, exact.shape)
+            else:
+                u = _hash_uniform(exact, kind, self.approx_seed)
             with np.errstate(invalid="ignore", over="ignore"):
                 moved = exact + u * (rel * np.abs(exact) + ab)
             exact = np.where(np.isfinite(exact), moved, exact)
         with np.errstate(over="ignore", invalid="ignore"):
             return exact.astype(dtype)
+
+
+def _hash_uniform(exact, kind, seed):
+    """Values in [-1, 1) that are a fixed function of (the bits of ``exact``, ``kind``,
+    ``seed``): splitmix64 of the float64 bits, so equal inputs get equal errors."""
+    tag = int.from_bytes(kind.encode()[:8].ljust(8, b"\0"), "little")
+    key = np.uint64((tag ^ (int(seed) * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF)
+    x = np.ascontiguousarray(exact, np.float64).view(np.uint64) ^ key
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) * (2.0 / (1 << 53)) - 1.0
 
 
 def _h_mov(b, inst, mask):
