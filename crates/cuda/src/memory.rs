@@ -41,7 +41,7 @@ fn byte_len<T: Element>(len: usize) -> Result<usize> {
         })
 }
 
-fn check_range(arg: &'static str, range: &Range<usize>, len: usize) -> Result<()> {
+pub(crate) fn check_range(arg: &'static str, range: &Range<usize>, len: usize) -> Result<()> {
     if range.start <= range.end && range.end <= len {
         Ok(())
     } else {

@@ -141,15 +141,7 @@ impl<T: Element> PinnedBuffer<T> {
     }
 
     fn check_range(&self, arg: &'static str, range: &Range<usize>) -> Result<()> {
-        if range.start <= range.end && range.end <= self.len {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument {
-                arg,
-                value: format!("{}..{}", range.start, range.end),
-                reason: "the range is outside the pinned buffer (or reversed); it must lie within 0..len",
-            })
-        }
+        crate::memory::check_range(arg, range, self.len)
     }
 
     /// Waits for (and forgets) every in-flight copy overlapping `range`.

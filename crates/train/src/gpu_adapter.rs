@@ -27,7 +27,7 @@ use ringtrain_cuda::PinnedBuffer;
 use ringtrain_model::{Backend, CudaBackend, Model};
 
 use crate::error::{Error, Result};
-use crate::model_adapter::{param_specs, TimeMajorBatch, TrainsOnBatch};
+use crate::model_adapter::{param_specs, pass_output, TimeMajorBatch, TrainsOnBatch};
 use crate::trainable::{Batch, ParamSpec, PassOutput, ReadyCallback, TrainableModel};
 
 /// A model on the CUDA backend with pinned host mirrors of its parameters and gradients.
@@ -118,15 +118,7 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuModelAdapter<M> {
             return Err(e);
         }
         deliver(grads_host, &mut pending, on_ready, true)?;
-        let end = Instant::now();
-        let split = first_ready.unwrap_or(end);
-        Ok(PassOutput {
-            loss_sum: stats.loss_sum,
-            target_tokens: stats.tokens,
-            forward_seconds: split.duration_since(start).as_secs_f64(),
-            backward_seconds: end.duration_since(split).as_secs_f64(),
-            launches: stats.launches,
-        })
+        Ok(pass_output(&stats, start, first_ready))
     }
 }
 

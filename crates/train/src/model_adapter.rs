@@ -175,15 +175,25 @@ pub(crate) fn timed_pass<Buf>(
     if let Some(e) = failure {
         return Err(e);
     }
+    Ok(pass_output(&stats, start, first_ready))
+}
+
+/// A pass's output from the model's stats: forward runs from `start` until the first
+/// gradient range was final (`first_ready`), backward from then until now.
+pub(crate) fn pass_output(
+    stats: &StepStats,
+    start: Instant,
+    first_ready: Option<Instant>,
+) -> PassOutput {
     let end = Instant::now();
     let split = first_ready.unwrap_or(end);
-    Ok(PassOutput {
+    PassOutput {
         loss_sum: stats.loss_sum,
         target_tokens: stats.tokens,
         forward_seconds: split.duration_since(start).as_secs_f64(),
         backward_seconds: end.duration_since(split).as_secs_f64(),
         launches: stats.launches,
-    })
+    }
 }
 
 fn wrong_batch(model: &str) -> Error {

@@ -165,53 +165,35 @@ mod imp {
         ) -> ringtrain_cuda::Result<()>;
     }
 
-    impl HalfGemm for f16 {
-        fn cast(
-            gpu: &Gpu,
-            src: &DevSlice<'_, f32>,
-            dst: &mut DevSliceMut<'_, f16>,
-            flag: &mut NonFiniteFlag,
-        ) -> ringtrain_cuda::Result<()> {
-            fp16::f32_to_f16_scaled(gpu, src, 1.0, dst, flag)
-        }
-        fn gemm(
-            gpu: &Gpu,
-            transpose: Transpose,
-            a: &DevSlice<'_, f16>,
-            b: &DevSlice<'_, f16>,
-            c: &mut DevSliceMut<'_, f32>,
-            g: &Gemm,
-            beta: f32,
-        ) -> ringtrain_cuda::Result<()> {
-            gemm::gemm_f16(
-                gpu, transpose, a, b, c, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, 1.0, beta,
-            )
-        }
+    macro_rules! half_gemm {
+        ($t:ty, $cast:path, $gemm:path) => {
+            impl HalfGemm for $t {
+                fn cast(
+                    gpu: &Gpu,
+                    src: &DevSlice<'_, f32>,
+                    dst: &mut DevSliceMut<'_, $t>,
+                    flag: &mut NonFiniteFlag,
+                ) -> ringtrain_cuda::Result<()> {
+                    $cast(gpu, src, 1.0, dst, flag)
+                }
+                fn gemm(
+                    gpu: &Gpu,
+                    transpose: Transpose,
+                    a: &DevSlice<'_, $t>,
+                    b: &DevSlice<'_, $t>,
+                    c: &mut DevSliceMut<'_, f32>,
+                    g: &Gemm,
+                    beta: f32,
+                ) -> ringtrain_cuda::Result<()> {
+                    $gemm(
+                        gpu, transpose, a, b, c, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, 1.0, beta,
+                    )
+                }
+            }
+        };
     }
-
-    impl HalfGemm for bf16 {
-        fn cast(
-            gpu: &Gpu,
-            src: &DevSlice<'_, f32>,
-            dst: &mut DevSliceMut<'_, bf16>,
-            flag: &mut NonFiniteFlag,
-        ) -> ringtrain_cuda::Result<()> {
-            fp16::f32_to_bf16_scaled(gpu, src, 1.0, dst, flag)
-        }
-        fn gemm(
-            gpu: &Gpu,
-            transpose: Transpose,
-            a: &DevSlice<'_, bf16>,
-            b: &DevSlice<'_, bf16>,
-            c: &mut DevSliceMut<'_, f32>,
-            g: &Gemm,
-            beta: f32,
-        ) -> ringtrain_cuda::Result<()> {
-            gemm::gemm_bf16(
-                gpu, transpose, a, b, c, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, 1.0, beta,
-            )
-        }
-    }
+    half_gemm!(f16, fp16::f32_to_f16_scaled, gemm::gemm_f16);
+    half_gemm!(bf16, fp16::f32_to_bf16_scaled, gemm::gemm_bf16);
 
     /// Where the 16-bit copy of one operand lives.
     #[derive(Clone, Copy)]
