@@ -332,6 +332,42 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+
+    /// Duplicates (taken in the same order on every rank, possibly of duplicates) carry
+    /// their own messages: a control all-reduce on a duplicate while the fusion engine
+    /// reduces on the original, from another thread, gets exact results on both.
+    #[test]
+    fn duplicates_carry_their_own_messages_beside_the_fusion_engine(
+        size in 1usize..6,
+        nested in any::<bool>(),
+        len in 1usize..300,
+    ) {
+        let outs = Communicator::run_local(size, |comm| {
+            let r = comm.rank();
+            let node = comm.node_rank()?;
+            assert_eq!((node.rank, node.size), (r, size));
+            let first = comm.duplicate()?;
+            let mut control = if nested { first.duplicate()? } else { first };
+            let engine = FusionEngine::start(comm, FusionConfig::default())?;
+            let handle = engine.submit("g", vec![(r + 1) as f32; len])?;
+            let mut v = [r as f64, -(r as f64), 1.0];
+            control.all_reduce(&mut v, &AllReduceOptions::with_op(ReduceOp::Max))?;
+            let reduced = handle.wait()?.into_vec::<f32>()?;
+            engine.shutdown()?;
+            Ok::<_, Error>((v, reduced))
+        })
+        .expect("run");
+        let sum = (size * (size + 1) / 2) as f32;
+        for out in outs {
+            let (v, reduced) = out.expect("rank");
+            prop_assert_eq!(v, [(size - 1) as f64, 0.0, 1.0]);
+            prop_assert!(reduced.iter().all(|&x| x == sum));
+        }
+    }
+}
+
 #[test]
 fn fusion_mismatch_is_an_error_on_every_rank() {
     let outs = Communicator::run_local(3, |comm| {

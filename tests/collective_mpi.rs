@@ -215,6 +215,14 @@ fn mpi_worker_collectives() {
         }
     }
 
+    // Every rank of this mpirun runs on this machine: one node.
+    let node = comm.node_rank().expect("node rank");
+    assert_eq!((node.rank, node.size), (r, n), "node rank");
+
+    // A duplicate for control messages, used on this thread while the fusion engine's
+    // thread reduces on the original: messages must not mix (MPI_THREAD_MULTIPLE).
+    let mut control = comm.duplicate().expect("duplicate");
+
     // Tensor fusion, with ranks submitting in different orders.
     let engine = FusionEngine::start(
         comm,
@@ -236,6 +244,14 @@ fn mpi_worker_collectives() {
             engine.submit(&format!("grad{k}"), v).expect("submit")
         })
         .collect();
+    for round in 0..20 {
+        let mut v = [input(r, round), -input(r, round)];
+        control
+            .all_reduce(&mut v, &AllReduceOptions::with_op(ReduceOp::Max))
+            .expect("control all-reduce beside the engine");
+        assert_eq!(v[0], exact(ReduceOp::Max, n, round));
+        assert_eq!(-v[1], exact(ReduceOp::Min, n, round));
+    }
     let out = engine.synchronize(handles).expect("synchronize");
     for (&k, t) in order.iter().zip(out) {
         let v = t.into_vec::<f32>().expect("f32");

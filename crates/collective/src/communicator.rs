@@ -7,7 +7,7 @@ use half::{bf16, f16};
 use crate::dtype::{DType, Element, TensorMut};
 use crate::error::{Error, Result};
 use crate::options::{Algorithm, AllReduceOptions, ReduceOp, WireCompression};
-use crate::transport::{LocalTransport, Transport};
+use crate::transport::{LocalTransport, NodeRank, Transport};
 
 /// Default ring pipeline segment: small enough that a received segment is still in cache
 /// when it is reduced, large enough that per-message costs vanish.
@@ -122,10 +122,14 @@ fn bytes_of_mut<T: bytemuck::Pod>(s: &mut [T]) -> &mut [u8] {
 impl Communicator {
     /// Wraps a transport.
     pub fn new(transport: impl Transport + 'static) -> Self {
+        Self::boxed(Box::new(transport))
+    }
+
+    fn boxed(transport: Box<dyn Transport>) -> Self {
         let rank = transport.rank();
         let size = transport.size();
         Communicator {
-            transport: Box::new(transport),
+            transport,
             rank,
             size,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
@@ -176,6 +180,24 @@ impl Communicator {
             }
             Ok(out)
         })
+    }
+
+    /// A communicator over the same ranks whose messages never mix with this one's
+    /// (`MPI_Comm_dup`), with the same settings. The two may be used from different
+    /// threads at once: a trainer reduces gradients on one (inside a [`crate::FusionEngine`])
+    /// and exchanges control messages (agreements, summaries) on the other. Collective:
+    /// every rank calls it, in the same order.
+    pub fn duplicate(&self) -> Result<Communicator> {
+        let mut dup = Communicator::boxed(self.transport.duplicate()?);
+        dup.segment_bytes = self.segment_bytes;
+        dup.auto_threshold_bytes = self.auto_threshold_bytes;
+        Ok(dup)
+    }
+
+    /// This rank's index among the ranks on its node and their number (one rank per GPU:
+    /// the node rank picks the device). Collective: every rank calls it.
+    pub fn node_rank(&self) -> Result<NodeRank> {
+        self.transport.node_rank()
     }
 
     /// This process's rank.

@@ -36,6 +36,12 @@ use crate::negotiation::{Announcement, CycleMessage, Decision, Failure, ReadyTab
 use crate::options::AllReduceOptions;
 use crate::timeline::Timeline;
 
+/// Default [`FusionConfig::threshold_bytes`]: the largest fusion buffer.
+pub const DEFAULT_THRESHOLD_BYTES: usize = 64 * 1024 * 1024;
+
+/// Default [`FusionConfig::cycle_time`].
+pub const DEFAULT_CYCLE_TIME: Duration = Duration::from_millis(1);
+
 /// Settings of a [`FusionEngine`].
 #[derive(Clone, Debug)]
 pub struct FusionConfig {
@@ -56,8 +62,8 @@ pub struct FusionConfig {
 impl Default for FusionConfig {
     fn default() -> Self {
         FusionConfig {
-            threshold_bytes: 64 * 1024 * 1024,
-            cycle_time: Duration::from_millis(1),
+            threshold_bytes: DEFAULT_THRESHOLD_BYTES,
+            cycle_time: DEFAULT_CYCLE_TIME,
             stall_warning: Duration::from_secs(60),
             stall_error: Duration::from_secs(60),
             options: AllReduceOptions::default(),

@@ -12,6 +12,10 @@
 //!   process per rank under `mpirun`. It also offers `MPI_Allreduce` itself as
 //!   [`Algorithm::Mpi`], the baseline the benchmarks compare with.
 //!
+//! [`Communicator::duplicate`] gives a second communicator over the same ranks
+//! (`MPI_Comm_dup`) for control messages beside the data path, and
+//! [`Communicator::node_rank`] says which ranks share a node (the device a rank uses).
+//!
 //! Terms: a *rank* is one participant (a thread here, a process under MPI). *All-reduce*
 //! leaves every rank with the element-wise reduction of all ranks' buffers; every rank
 //! ends with identical bits, whatever the algorithm. f16 and bf16 are reduced through f32
@@ -110,4 +114,4 @@ pub use mpi_transport::MpiTransport;
 pub use options::{Algorithm, AllReduceOptions, ReduceOp, WireCompression};
 pub use packing::{GradientPacker, GradientSpec, PackingConfig, ReductionUnit, UnitPiece};
 pub use timeline::timeline_path_for_rank;
-pub use transport::{LocalTransport, Transport};
+pub use transport::{LocalTransport, NodeRank, Transport};

@@ -1,4 +1,7 @@
-//! [`MpiTransport`]: rsmpi point-to-point over `MPI_COMM_WORLD` (feature `mpi`).
+//! [`MpiTransport`]: rsmpi point-to-point over `MPI_COMM_WORLD` or a duplicate of it
+//! (feature `mpi`).
+
+use std::sync::Arc;
 
 use half::{bf16, f16};
 use mpi::collective::{CommunicatorCollectives as _, SystemOperation};
@@ -10,16 +13,27 @@ use mpi::Threading;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::options::ReduceOp;
-use crate::transport::{segment_count, segment_range, Transport};
+use crate::transport::{segment_count, segment_range, NodeRank, Transport};
 
-/// The MPI world as a [`Transport`].
+/// An MPI communicator handle that may move to another thread.
+struct Comm(SimpleCommunicator);
+
+// SAFETY: an MPI communicator handle is an opaque reference into the MPI library, valid
+// on every thread of the process. MPI is initialised with `MPI_THREAD_MULTIPLE`
+// (`MpiTransport::init` refuses less), which allows any thread to call MPI on it.
+unsafe impl Send for Comm {}
+
+/// The MPI world, or a duplicate of it, as a [`Transport`].
 ///
-/// Owns the MPI environment: MPI is initialised by [`MpiTransport::init`] (once per
-/// process, asking for `MPI_THREAD_SERIALIZED` so that the fusion engine's background
-/// thread may make the calls) and finalised when this value is dropped. Started without
-/// mpirun, the world has one rank.
+/// MPI is initialised by [`MpiTransport::init`] (once per process) and finalised when the
+/// world transport and all its duplicates have been dropped. It asks for
+/// `MPI_THREAD_MULTIPLE`: the fusion engine's background thread reduces on one
+/// communicator while the trainer's control messages use a duplicate
+/// ([`Transport::duplicate`]). Started without mpirun, the world has one rank.
 pub struct MpiTransport {
-    universe: Universe,
+    // Declared before `universe` so that the communicator is freed before MPI_Finalize.
+    comm: Comm,
+    universe: Arc<Universe>,
     rank: usize,
     size: usize,
 }
@@ -39,31 +53,38 @@ const MAX_MESSAGE_BYTES: usize = i32::MAX as usize;
 impl MpiTransport {
     /// Initialises MPI and wraps `MPI_COMM_WORLD`.
     pub fn init() -> Result<MpiTransport> {
-        let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
+        let (universe, provided) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| Error::Transport {
                 rank: 0,
                 detail: "MPI is already initialised in this process: create the MPI transport once and share the Communicator".into(),
             })?;
-        if provided < Threading::Serialized {
+        if provided < Threading::Multiple {
             return Err(Error::Transport {
                 rank: 0,
                 detail: format!(
-                    "the MPI library grants thread level {provided:?}, ringtrain needs Serialized: use an MPI built with thread support (Open MPI does by default)"
+                    "the MPI library grants thread level {provided:?}, ringtrain needs Multiple \
+                     (the fusion thread and the control messages use MPI at once): use an MPI \
+                     built with thread support (Open MPI 3 and later are by default; check \
+                     `ompi_info | grep -i thread`)"
                 ),
             });
         }
-        let world = universe.world();
-        let rank = world.rank() as usize;
-        let size = world.size() as usize;
-        Ok(MpiTransport {
+        Ok(Self::over(universe.world(), Arc::new(universe)))
+    }
+
+    fn over(comm: SimpleCommunicator, universe: Arc<Universe>) -> MpiTransport {
+        let rank = usize::try_from(comm.rank()).unwrap_or(0);
+        let size = usize::try_from(comm.size()).unwrap_or(1);
+        MpiTransport {
+            comm: Comm(comm),
             universe,
             rank,
             size,
-        })
+        }
     }
 
-    fn world(&self) -> SimpleCommunicator {
-        self.universe.world()
+    fn world(&self) -> &SimpleCommunicator {
+        &self.comm.0
     }
 
     fn check(&self, peer: usize, bytes: usize) -> Result<()> {
@@ -126,6 +147,21 @@ impl Transport for MpiTransport {
         self.check(peer, buf.len())?;
         let status = self.world().process_at_rank(peer as i32).receive_into(buf);
         self.check_status(status, peer, buf.len())
+    }
+
+    fn duplicate(&self) -> Result<Box<dyn Transport>> {
+        Ok(Box::new(Self::over(
+            self.world().duplicate(),
+            Arc::clone(&self.universe),
+        )))
+    }
+
+    fn node_rank(&self) -> Result<NodeRank> {
+        let shared = self.world().split_shared(self.world().rank());
+        Ok(NodeRank {
+            rank: usize::try_from(shared.rank()).unwrap_or(0),
+            size: usize::try_from(shared.size()).unwrap_or(1).max(1),
+        })
     }
 
     fn recv_vec(&self, peer: usize) -> Result<Vec<u8>> {

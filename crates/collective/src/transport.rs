@@ -1,7 +1,10 @@
 //! The byte-moving layer the collectives are written against, and the in-process
 //! [`LocalTransport`].
 
+use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 
@@ -30,6 +33,16 @@ pub trait Transport: Send {
 
     /// Receives one message of any length from `peer`.
     fn recv_vec(&self, peer: usize) -> Result<Vec<u8>>;
+
+    /// A second transport over the same ranks whose messages never match this one's
+    /// (`MPI_Comm_dup`), so control messages cannot be confused with data in flight here,
+    /// and the two may be used from different threads at once. Collective: every rank calls
+    /// it, and the k-th call on each rank returns endpoints of the same new group.
+    fn duplicate(&self) -> Result<Box<dyn Transport>>;
+
+    /// This rank's place among the ranks that share its node (its memory), as
+    /// `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)` finds them. Collective.
+    fn node_rank(&self) -> Result<NodeRank>;
 
     /// Sends `data` to every other rank and returns every rank's data, own included, in
     /// rank order: one message step, however many ranks (lengths may differ per rank).
@@ -112,6 +125,15 @@ pub(crate) fn segment_range(len: usize, segment: usize, k: usize) -> Range<usize
     start..end
 }
 
+/// A rank's index among the ranks on its node, and how many share the node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRank {
+    /// Index of this rank among the ranks on its node, `0..size`.
+    pub rank: usize,
+    /// Ranks on this node.
+    pub size: usize,
+}
+
 /// N ranks as threads of one process: each ordered pair of ranks has its own FIFO channel.
 ///
 /// Sends never block (the channels are unbounded), so any send/recv order that is correct
@@ -125,6 +147,21 @@ pub struct LocalTransport {
     to_peer: Vec<Sender<Vec<u8>>>,
     /// `from_peer[p]` carries messages from rank `p` to this rank.
     from_peer: Vec<Receiver<Vec<u8>>>,
+    /// This group's id in `groups`.
+    group: usize,
+    /// Duplicates made of this endpoint so far.
+    duplicates: AtomicUsize,
+    /// Shared by every endpoint descended from one [`LocalTransport::create`].
+    groups: Arc<Mutex<LocalGroups>>,
+}
+
+/// The endpoints of duplicated groups not yet taken by their ranks.
+#[derive(Debug, Default)]
+struct LocalGroups {
+    /// Groups created so far (the next group's id).
+    created: usize,
+    /// `(parent group, k)` -> the endpoints of the k-th duplicate of that group, by rank.
+    pending: HashMap<(usize, usize), Vec<Option<LocalTransport>>>,
 }
 
 impl LocalTransport {
@@ -137,6 +174,15 @@ impl LocalTransport {
                 "ask for at least one rank",
             ));
         }
+        let groups = Arc::new(Mutex::new(LocalGroups {
+            created: 1,
+            pending: HashMap::new(),
+        }));
+        Ok(Self::connect(n, 0, &groups))
+    }
+
+    /// The `n` endpoints of group `group`.
+    fn connect(n: usize, group: usize, groups: &Arc<Mutex<LocalGroups>>) -> Vec<LocalTransport> {
         // channels[src][dst]
         let mut senders: Vec<Vec<Option<Sender<Vec<u8>>>>> = Vec::with_capacity(n);
         let mut receivers: Vec<Vec<Option<Receiver<Vec<u8>>>>> =
@@ -157,9 +203,12 @@ impl LocalTransport {
                 size: n,
                 to_peer: row.into_iter().flatten().collect(),
                 from_peer: from.into_iter().flatten().collect(),
+                group,
+                duplicates: AtomicUsize::new(0),
+                groups: Arc::clone(groups),
             });
         }
-        Ok(out)
+        out
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
@@ -224,6 +273,45 @@ impl Transport for LocalTransport {
         self.from_peer[peer].recv().map_err(|_| Error::Transport {
             rank: self.rank,
             detail: format!("rank {peer} has gone away before sending the expected message"),
+        })
+    }
+
+    /// The first rank to ask for the k-th duplicate of this group creates every rank's
+    /// endpoint; each rank takes its own. No message is exchanged.
+    fn duplicate(&self) -> Result<Box<dyn Transport>> {
+        let k = self.duplicates.fetch_add(1, Ordering::Relaxed);
+        let mut groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
+        let groups = &mut *groups;
+        let endpoints = match groups.pending.entry((self.group, k)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let id = groups.created;
+                groups.created += 1;
+                e.insert(
+                    Self::connect(self.size, id, &self.groups)
+                        .into_iter()
+                        .map(Some)
+                        .collect(),
+                )
+            }
+        };
+        let mine = endpoints[self.rank]
+            .take()
+            .ok_or_else(|| Error::Transport {
+                rank: self.rank,
+                detail: format!("duplicate {k} of this group was already taken by this rank"),
+            })?;
+        if endpoints.iter().all(Option::is_none) {
+            groups.pending.remove(&(self.group, k));
+        }
+        Ok(Box::new(mine))
+    }
+
+    /// Every local rank is a thread of this process, so all share one node.
+    fn node_rank(&self) -> Result<NodeRank> {
+        Ok(NodeRank {
+            rank: self.rank,
+            size: self.size,
         })
     }
 }
