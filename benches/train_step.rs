@@ -13,7 +13,7 @@
 use std::process::Command;
 
 use ringtrain::collective::Communicator;
-use ringtrain::train::{Direction, EncoderType, ModelKind, TrainConfig};
+use ringtrain::train::{EncoderKind, LstmImpl, ModelKind, TrainConfig};
 
 const TARGET_RATIO: f64 = 1.5;
 
@@ -79,25 +79,25 @@ fn torch_words_per_sec(warmup: usize, timed: usize) -> Result<f64, String> {
 }
 
 fn ringtrain_report(warmup: usize, timed: usize) -> Result<ringtrain::train::RunReport, String> {
-    let cfg = TrainConfig {
-        model: ModelKind::Nmt,
-        encoder_type: EncoderType::Fused,
-        direction: Direction::Bi,
-        num_encoder_layers: 2,
-        num_decoder_layers: 2,
-        num_units: 256,
-        vocab_size: 8000,
-        batch_size: 64,
-        src_max_len: 30,
-        warmup_batches: warmup,
-        timed_batches: timed,
-        display_every: 0,
-        threads: 2,
-        max_gradient_norm: 5.0,
-        ..TrainConfig::default()
-    };
+    let mut cfg = TrainConfig::default();
+    cfg.model.model = ModelKind::Nmt;
+    cfg.model.encoder_type = LstmImpl::Fused;
+    cfg.model.direction = EncoderKind::Bi;
+    cfg.model.num_encoder_layers = 2;
+    cfg.model.num_decoder_layers = 2;
+    cfg.model.num_units = 256;
+    cfg.data.vocab_size = 8000;
+    cfg.data.batch_size = 64;
+    cfg.data.src_max_len = 30;
+    cfg.run.warmup_batches = warmup;
+    cfg.run.timed_batches = timed;
+    cfg.run.threads = 2;
+    cfg.run.max_gradient_norm = 5.0;
+    cfg.output.display_every = 0;
+    let cfg = cfg.validate(1).map_err(|e| e.to_string())?;
     let results = Communicator::run_local(1, |comm| {
-        ringtrain::train::run_rank(&cfg, comm, None, &mut |_| {}).map(|o| o.report)
+        let local = ringtrain::train::local_rank(&comm)?;
+        ringtrain::train::run_rank(&cfg, comm, local, &mut |_| {}).map(|o| o.report)
     })
     .map_err(|e| e.to_string())?;
     results

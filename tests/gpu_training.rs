@@ -9,10 +9,8 @@
 
 mod training_runs;
 
-use ringtrain::train::{
-    build_model, DeviceKind, EncoderType, ModelKind, TrainConfig, VariableUpdate,
-};
-use training_runs::{config, max_diff, run, VOCAB};
+use ringtrain::train::{DeviceKind, LstmImpl, ModelKind, OverlapMode, TrainConfig, VariableUpdate};
+use training_runs::{config, initial_model, max_diff, run, with};
 
 /// CPU and GPU differ in GEMM summation order and in the approximate exponentials of the
 /// activations (about 1e-6 relative per operation); four SGD steps of this small model keep
@@ -20,13 +18,7 @@ use training_runs::{config, max_diff, run, VOCAB};
 const BACKEND_TOLERANCE: f32 = 1e-4;
 
 fn on(device: DeviceKind, cfg: &TrainConfig) -> Vec<Vec<f32>> {
-    run(
-        &TrainConfig {
-            device,
-            ..cfg.clone()
-        },
-        2,
-    )
+    run(&with(cfg, |c| c.run.device = device), 2)
 }
 
 fn check(cfg: TrainConfig, what: &str) {
@@ -43,19 +35,9 @@ fn check(cfg: TrainConfig, what: &str) {
         "{what}: GPU and CPU parameters differ by {d:e} after training"
     );
     // Rank 0's initial parameters (the run broadcasts them): training must have moved them.
-    let start = build_model(
-        &TrainConfig {
-            seed: 100,
-            ..cfg.clone()
-        },
-        VOCAB,
-        VOCAB,
-        0,
-        1,
-    )
-    .expect("the CPU model builds");
+    let start = initial_model(&cfg, 100);
     assert!(
-        max_diff(start.params(), &gpu[0]) > 1e-3,
+        max_diff(start.params().expect("settled"), &gpu[0]) > 1e-3,
         "{what}: training did not change the parameters"
     );
 }
@@ -64,42 +46,39 @@ fn check(cfg: TrainConfig, what: &str) {
 fn nmt_trains_to_the_cpu_parameters_with_and_without_overlap() {
     // The gradient path is the same for both LSTM implementations (the stepwise one is
     // compared with the CPU in the model crate's cuda_backend test): fused only here.
-    for overlap_backward in [false, true] {
-        let cfg = TrainConfig {
-            batch_size: 3,
-            overlap_backward,
-            encoder_type: EncoderType::Fused,
-            ..config(ModelKind::Nmt, VariableUpdate::Replicated)
-        };
+    for overlap_backward in [OverlapMode::Off, OverlapMode::On] {
+        let cfg = with(&config(ModelKind::Nmt, VariableUpdate::Replicated), |c| {
+            c.data.batch_size = 3;
+            c.exchange.overlap_backward = overlap_backward;
+            c.model.encoder_type = LstmImpl::Fused;
+        });
         check(cfg, &format!("nmt overlap={overlap_backward}"));
     }
 }
 
 #[test]
 fn rnnlm_trains_to_the_cpu_parameters() {
-    let cfg = TrainConfig {
-        batch_size: 3,
-        overlap_backward: true,
-        ..config(ModelKind::Rnnlm, VariableUpdate::Replicated)
-    };
+    let cfg = with(&config(ModelKind::Rnnlm, VariableUpdate::Replicated), |c| {
+        c.data.batch_size = 3;
+        c.exchange.overlap_backward = OverlapMode::On;
+    });
     check(cfg, "rnnlm");
 }
 
 #[test]
 fn fp16_gradients_on_the_wire_train_like_the_cpu() {
-    let cfg = TrainConfig {
-        batch_size: 3,
-        fp16_gradients: true,
-        ..config(ModelKind::Nmt, VariableUpdate::Replicated)
-    };
+    let cfg = with(&config(ModelKind::Nmt, VariableUpdate::Replicated), |c| {
+        c.data.batch_size = 3;
+        c.exchange.fp16_gradients = true;
+    });
     check(cfg, "nmt fp16 gradients");
 }
 
 #[test]
 fn parameter_server_on_the_gpu_trains_like_the_cpu() {
-    let cfg = TrainConfig {
-        batch_size: 2,
-        ..config(ModelKind::Nmt, VariableUpdate::ParameterServer)
-    };
+    let cfg = with(
+        &config(ModelKind::Nmt, VariableUpdate::ParameterServer),
+        |c| c.data.batch_size = 2,
+    );
     check(cfg, "nmt parameter_server");
 }

@@ -11,20 +11,19 @@ use ringtrain::train::{build_model, train, Batch, Checkpoint, OptimizerState, Tr
 const VOCAB: usize = 30;
 
 fn config(steps: usize, checkpoint: &Path, resume: bool) -> TrainConfig {
-    TrainConfig {
-        num_units: 8,
-        vocab_size: VOCAB,
-        src_max_len: 5,
-        batch_size: 3,
-        warmup_batches: 0,
-        timed_batches: steps,
-        display_every: 0,
-        threads: 1,
-        learning_rate: Some(0.01),
-        checkpoint: Some(checkpoint.to_path_buf()),
-        resume,
-        ..TrainConfig::default()
-    }
+    let mut cfg = TrainConfig::default();
+    cfg.model.num_units = 8;
+    cfg.data.vocab_size = VOCAB;
+    cfg.data.src_max_len = 5;
+    cfg.data.batch_size = 3;
+    cfg.run.warmup_batches = 0;
+    cfg.run.timed_batches = steps;
+    cfg.run.threads = 1;
+    cfg.run.learning_rate = Some(0.01);
+    cfg.output.display_every = 0;
+    cfg.output.checkpoint = Some(checkpoint.to_path_buf());
+    cfg.output.resume = resume;
+    cfg
 }
 
 /// Batches `from..to` of one fixed synthetic stream, split over `ranks` ranks.
@@ -48,7 +47,7 @@ fn batches(
     (0..to)
         .map(|_| g.next_batch())
         .skip(from)
-        .map(|b| Ok(Batch::Nmt(b).slice_rows(rank * 3..rank * 3 + 3)))
+        .map(|b| Ok(Batch::Nmt(b).columns(rank * 3..rank * 3 + 3)))
         .collect()
 }
 
@@ -60,10 +59,11 @@ fn run(
 ) -> Vec<ringtrain::train::Result<Vec<f32>>> {
     Communicator::run_local(ranks, |comm| {
         let rank = comm.rank();
-        let mut model = build_model(cfg, VOCAB, VOCAB, 0, 1)?;
+        let cfg = cfg.validate(ranks)?;
+        let mut model = build_model(&cfg, VOCAB, VOCAB, 0, 1)?;
         let mut data = batches(from, to, rank, ranks).into_iter();
-        train(cfg, comm, model.as_mut(), &mut data, &mut |_| {})?;
-        Ok(model.params().to_vec())
+        train(&cfg, comm, model.as_mut(), &mut data, &mut |_| {})?;
+        Ok(model.params()?.to_vec())
     })
     .unwrap()
 }
@@ -133,10 +133,8 @@ fn corrupt_or_mismatched_checkpoint_is_a_clear_error_on_every_rank() {
     // A good checkpoint of another model shape names the differing flag.
     let other = dir.path().join("other.ckpt");
     run(&config(1, &other, false), 0, 1, 1).remove(0).unwrap();
-    let wider = TrainConfig {
-        num_units: 10,
-        ..config(1, &other, true)
-    };
+    let mut wider = config(1, &other, true);
+    wider.model.num_units = 10;
     let err = run(&wider, 0, 1, 1).remove(0).unwrap_err().to_string();
     assert!(
         err.contains("--num-units") && err.contains("10") && err.contains('8'),

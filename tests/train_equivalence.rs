@@ -5,27 +5,19 @@
 
 mod training_runs;
 
-use ringtrain::train::{build_model, ModelKind, TrainConfig, VariableUpdate};
-use training_runs::{config, max_diff, run, VOCAB};
+use ringtrain::train::{ModelKind, OverlapMode, VariableUpdate};
+use training_runs::{config, initial_model, max_diff, run, with};
 
 fn check_data_parallel(model: ModelKind) {
-    let per_rank = TrainConfig {
-        batch_size: 3,
-        ..config(model, VariableUpdate::Replicated)
-    };
-    let single = run(
-        &TrainConfig {
-            batch_size: 6,
-            ..per_rank.clone()
-        },
-        1,
-    );
-    for overlap_backward in [false, true] {
+    let per_rank = with(&config(model, VariableUpdate::Replicated), |c| {
+        c.data.batch_size = 3
+    });
+    let single = run(&with(&per_rank, |c| c.data.batch_size = 6), 1);
+    for overlap_backward in [OverlapMode::Off, OverlapMode::On] {
         let ranks = run(
-            &TrainConfig {
-                overlap_backward,
-                ..per_rank.clone()
-            },
+            &with(&per_rank, |c| {
+                c.exchange.overlap_backward = overlap_backward
+            }),
             2,
         );
         assert_eq!(max_diff(&ranks[0], &ranks[1]), 0.0, "replicas diverged");
@@ -36,19 +28,9 @@ fn check_data_parallel(model: ModelKind) {
         );
     }
     // The run must have moved the parameters for the comparison to mean anything.
-    let start = build_model(
-        &TrainConfig {
-            seed: 100,
-            ..per_rank.clone()
-        },
-        VOCAB,
-        VOCAB,
-        0,
-        1,
-    )
-    .unwrap();
+    let start = initial_model(&per_rank, 100);
     assert!(
-        max_diff(start.params(), &single[0]) > 1e-3,
+        max_diff(start.params().expect("settled"), &single[0]) > 1e-3,
         "{model}: training did not change the parameters"
     );
 }
@@ -65,10 +47,9 @@ fn rnnlm_two_ranks_equal_one_rank_with_the_whole_batch() {
 
 #[test]
 fn nmt_uneven_total_batch_over_three_ranks_equals_one_rank() {
-    let cfg = TrainConfig {
-        total_batch_size: Some(7),
-        ..config(ModelKind::Nmt, VariableUpdate::Replicated)
-    };
+    let cfg = with(&config(ModelKind::Nmt, VariableUpdate::Replicated), |c| {
+        c.data.total_batch_size = Some(7)
+    });
     let ranks = run(&cfg, 3); // 3, 2, 2
     let single = run(&cfg, 1);
     let d = max_diff(&ranks[2], &single[0]);
@@ -81,16 +62,14 @@ fn nmt_uneven_total_batch_over_three_ranks_equals_one_rank() {
 #[test]
 fn parameter_server_gives_the_parameters_replicated_gives() {
     for model in [ModelKind::Nmt, ModelKind::Rnnlm] {
-        let repl = TrainConfig {
-            batch_size: 2,
-            ..config(model, VariableUpdate::Replicated)
-        };
+        let repl = with(&config(model, VariableUpdate::Replicated), |c| {
+            c.data.batch_size = 2
+        });
         let a = run(&repl, 2);
         let b = run(
-            &TrainConfig {
-                variable_update: VariableUpdate::ParameterServer,
-                ..repl.clone()
-            },
+            &with(&repl, |c| {
+                c.exchange.variable_update = VariableUpdate::ParameterServer
+            }),
             2,
         );
         let d = max_diff(&a[0], &b[1]);

@@ -13,7 +13,6 @@ mod bench_allreduce;
 mod error;
 mod launch;
 mod sweep;
-mod train_args;
 mod train_cmd;
 
 use error::LauncherError;
@@ -29,7 +28,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Train one rank (start several with mpirun or `ringtrain launch`).
-    Train(train_args::TrainArgs),
+    Train(ringtrain_train::TrainConfig),
     /// Run mpirun with the right variables and binding: `ringtrain launch --np 2 -- train ...`.
     Launch(launch::LaunchArgs),
     /// Run the same training at several rank counts and print the speedup table.

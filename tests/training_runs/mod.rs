@@ -4,7 +4,7 @@
 use ringtrain::collective::Communicator;
 use ringtrain::data::{SyntheticLm, SyntheticLmConfig, SyntheticNmt, SyntheticNmtConfig};
 use ringtrain::train::{
-    build_model, train, Batch, BatchSplit, EncoderType, ModelKind, OptimizerKind, TrainConfig,
+    build_model, train, Batch, LstmImpl, ModelKind, OptimizerKind, TrainConfig, ValidatedConfig,
     VariableUpdate,
 };
 
@@ -12,41 +12,44 @@ pub const VOCAB: usize = 40;
 pub const STEPS: usize = 4;
 
 pub fn config(model: ModelKind, update: VariableUpdate) -> TrainConfig {
-    TrainConfig {
-        model,
-        variable_update: update,
-        encoder_type: EncoderType::Fused,
-        num_encoder_layers: 2,
-        num_decoder_layers: 2,
-        num_units: 12,
-        vocab_size: VOCAB,
-        src_max_len: 6,
-        optimizer: OptimizerKind::Sgd,
-        learning_rate: Some(0.5),
-        max_gradient_norm: 0.0,
-        warmup_batches: 1,
-        timed_batches: STEPS - 1,
-        display_every: 0,
-        threads: 1,
-        ..TrainConfig::default()
-    }
+    let mut cfg = TrainConfig::default();
+    cfg.model.model = model;
+    cfg.model.encoder_type = LstmImpl::Fused;
+    cfg.model.num_encoder_layers = 2;
+    cfg.model.num_decoder_layers = 2;
+    cfg.model.num_units = 12;
+    cfg.exchange.variable_update = update;
+    cfg.data.vocab_size = VOCAB;
+    cfg.data.src_max_len = 6;
+    cfg.run.optimizer = OptimizerKind::Sgd;
+    cfg.run.learning_rate = Some(0.5);
+    cfg.run.max_gradient_norm = 0.0;
+    cfg.run.warmup_batches = 1;
+    cfg.run.timed_batches = STEPS - 1;
+    cfg.run.threads = 1;
+    cfg.output.display_every = 0;
+    cfg
 }
 
-/// Global batches sliced into worker `w`'s rows.
-pub fn batches(
-    cfg: &TrainConfig,
-    split: &BatchSplit,
-    w: usize,
-) -> Vec<ringtrain::data::Result<Batch>> {
-    let global = split.global();
+/// `cfg` with `change` applied.
+pub fn with(cfg: &TrainConfig, change: impl FnOnce(&mut TrainConfig)) -> TrainConfig {
+    let mut cfg = cfg.clone();
+    change(&mut cfg);
+    cfg
+}
+
+/// Global batches cut into worker `w`'s examples.
+pub fn batches(cfg: &ValidatedConfig, w: usize) -> Vec<ringtrain::data::Result<Batch>> {
+    let global = cfg.global_batch_size();
+    let src_max_len = cfg.config().data.src_max_len;
     let mut out = Vec::new();
-    match cfg.model {
+    match cfg.config().model.model {
         ModelKind::Nmt => {
             let mut g = SyntheticNmt::new(
                 SyntheticNmtConfig {
                     src_vocab_size: VOCAB,
                     tgt_vocab_size: VOCAB,
-                    seq_len: cfg.src_max_len,
+                    seq_len: src_max_len,
                     batch_size: global,
                     seed: 5,
                 },
@@ -61,7 +64,7 @@ pub fn batches(
             let mut g = SyntheticLm::new(
                 SyntheticLmConfig {
                     vocab_size: VOCAB,
-                    steps: cfg.src_max_len,
+                    steps: src_max_len,
                     batch_size: global,
                     seed: 5,
                 },
@@ -73,35 +76,41 @@ pub fn batches(
             }
         }
     }
-    let start = split.offset(w);
+    let mine = cfg
+        .batch()
+        .local_range(w, cfg.workers())
+        .expect("worker of the run");
     out.into_iter()
-        .map(|b| Ok(b.slice_rows(start..start + split.of(w))))
+        .map(|b| Ok(b.columns(mine.clone())))
         .collect()
 }
 
 /// Final parameters of every rank.
 pub fn run(cfg: &TrainConfig, ranks: usize) -> Vec<Vec<f32>> {
-    let workers = cfg.worker_count(ranks);
-    let split = BatchSplit::from_config(cfg, workers);
+    let run = cfg.validate(ranks).expect("a valid test config");
     Communicator::run_local(ranks, |comm| {
         let rank = comm.rank();
         // Different initial values per rank: rank 0's broadcast must make them equal.
-        let init = TrainConfig {
-            seed: 100 + rank as u64,
-            ..cfg.clone()
-        };
-        let mut model = build_model(&init, VOCAB, VOCAB, 0, 1).unwrap();
-        let mut data = if rank < workers {
-            batches(cfg, &split, rank)
+        let mut model = initial_model(cfg, 100 + rank as u64);
+        let mut data = if run.is_worker(rank) {
+            batches(&run, rank)
         } else {
             Vec::new()
         }
         .into_iter();
-        let out = train(cfg, comm, model.as_mut(), &mut data, &mut |_| {}).unwrap();
+        let out = train(&run, comm, model.as_mut(), &mut data, &mut |_| {}).unwrap();
         assert_eq!(out.report.steps as usize, STEPS);
-        model.params().to_vec()
+        model.params().expect("settled parameters").to_vec()
     })
     .unwrap()
+}
+
+/// The model `cfg` builds with parameters drawn from `seed`, on one rank.
+pub fn initial_model(cfg: &TrainConfig, seed: u64) -> Box<dyn ringtrain::train::TrainableModel> {
+    let cfg = with(cfg, |c| c.run.seed = seed)
+        .validate(1)
+        .expect("a valid test config");
+    build_model(&cfg, VOCAB, VOCAB, 0, 1).expect("the model builds")
 }
 
 pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {

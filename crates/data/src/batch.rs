@@ -1,8 +1,9 @@
 //! The batches the trainer consumes.
 //!
-//! Every 2-D array is a flat `Vec` in **batch-major, row-major** order: element
-//! `(b, t)` of a `[batch, len]` array is at `b * len + t`. Use
-//! [`to_time_major`] when a model wants `[len, batch]`.
+//! Every 2-D array is a flat `Vec` in **time-major** order, the layout the models read:
+//! token `t` of example `b` of a `[len, batch]` array is at `t * batch + b`. Examples
+//! are the batch's *columns*; [`NmtBatch::columns`] and [`LmBatch::columns`] cut a
+//! batch into the examples one rank takes.
 //!
 //! # Word counts
 //!
@@ -17,6 +18,8 @@
 //! For synthetic data every position is real, so a batch of `b` sequences of length `L`
 //! counts `2 * b * L` words.
 
+use std::ops::Range;
+
 use crate::vocab::{BOS_ID, EOS_ID};
 
 /// A batch for the encoder-decoder translation model.
@@ -24,19 +27,19 @@ use crate::vocab::{BOS_ID, EOS_ID};
 pub struct NmtBatch {
     /// Sentences in this batch.
     pub batch_size: usize,
-    /// Padded source length (columns of [`NmtBatch::source`]).
+    /// Padded source length (steps of [`NmtBatch::source`]).
     pub src_len: usize,
     /// Padded decoder length (columns of the `target_*` arrays).
     pub tgt_len: usize,
-    /// Source ids `[batch, src_len]`; padding is [`EOS_ID`].
+    /// Source ids `[src_len, batch]`; padding is [`EOS_ID`].
     pub source: Vec<u32>,
     /// Real source tokens per sentence.
     pub source_lengths: Vec<usize>,
-    /// Decoder inputs `[batch, tgt_len]`: `<s>` then the target; padding is [`EOS_ID`].
+    /// Decoder inputs `[tgt_len, batch]`: `<s>` then the target; padding is [`EOS_ID`].
     pub target_input: Vec<u32>,
-    /// Decoder labels `[batch, tgt_len]`: the target then `</s>`; padding is [`EOS_ID`].
+    /// Decoder labels `[tgt_len, batch]`: the target then `</s>`; padding is [`EOS_ID`].
     pub target_output: Vec<u32>,
-    /// `[batch, tgt_len]`: 1.0 at real decoder positions, 0.0 at padding.
+    /// `[tgt_len, batch]`: 1.0 at real decoder positions, 0.0 at padding.
     pub target_mask: Vec<f32>,
     /// Real decoder positions per sentence (target tokens + 1).
     pub target_lengths: Vec<usize>,
@@ -69,13 +72,18 @@ impl NmtBatch {
         let mut target_lengths = Vec::with_capacity(batch_size);
         for (b, (src, tgt)) in pairs.iter().enumerate() {
             let (src, tgt) = (src.as_ref(), tgt.as_ref());
-            source[b * src_len..b * src_len + src.len()].copy_from_slice(src);
-            let row = b * tgt_len;
-            target_input[row] = BOS_ID;
-            target_input[row + 1..row + 1 + tgt.len()].copy_from_slice(tgt);
-            target_output[row..row + tgt.len()].copy_from_slice(tgt);
-            target_output[row + tgt.len()] = EOS_ID;
-            target_mask[row..row + tgt.len() + 1].fill(1.0);
+            for (t, &id) in src.iter().enumerate() {
+                source[t * batch_size + b] = id;
+            }
+            target_input[b] = BOS_ID;
+            for (t, &id) in tgt.iter().enumerate() {
+                target_input[(t + 1) * batch_size + b] = id;
+                target_output[t * batch_size + b] = id;
+            }
+            target_output[tgt.len() * batch_size + b] = EOS_ID;
+            for t in 0..=tgt.len() {
+                target_mask[t * batch_size + b] = 1.0;
+            }
             source_lengths.push(src.len());
             target_lengths.push(tgt.len() + 1);
         }
@@ -107,24 +115,21 @@ impl NmtBatch {
         self.source_words() + self.target_words()
     }
 
-    /// The source ids as `[src_len, batch]`.
-    pub fn source_time_major(&self) -> Vec<u32> {
-        to_time_major(&self.source, self.batch_size, self.src_len)
-    }
-
-    /// The target input ids as `[tgt_len, batch]`.
-    pub fn target_input_time_major(&self) -> Vec<u32> {
-        to_time_major(&self.target_input, self.batch_size, self.tgt_len)
-    }
-
-    /// The target output ids as `[tgt_len, batch]`.
-    pub fn target_output_time_major(&self) -> Vec<u32> {
-        to_time_major(&self.target_output, self.batch_size, self.tgt_len)
-    }
-
-    /// The mask as `[tgt_len, batch]`.
-    pub fn target_mask_time_major(&self) -> Vec<f32> {
-        to_time_major(&self.target_mask, self.batch_size, self.tgt_len)
+    /// Examples `examples` of this batch as a batch of their own (the columns one rank
+    /// takes of a global batch). Examples past the end are dropped.
+    pub fn columns(&self, examples: Range<usize>) -> NmtBatch {
+        let examples = clamp(examples, self.batch_size);
+        NmtBatch {
+            batch_size: examples.len(),
+            src_len: self.src_len,
+            tgt_len: self.tgt_len,
+            source: cut_columns(&self.source, self.batch_size, &examples),
+            source_lengths: self.source_lengths[examples.clone()].to_vec(),
+            target_input: cut_columns(&self.target_input, self.batch_size, &examples),
+            target_output: cut_columns(&self.target_output, self.batch_size, &examples),
+            target_mask: cut_columns(&self.target_mask, self.batch_size, &examples),
+            target_lengths: self.target_lengths[examples].to_vec(),
+        }
     }
 }
 
@@ -135,11 +140,11 @@ pub struct LmBatch {
     pub batch_size: usize,
     /// Time steps per row.
     pub steps: usize,
-    /// Input ids `[batch, steps]`; padding is 0.
+    /// Input ids `[steps, batch]`; padding is 0.
     pub inputs: Vec<u32>,
-    /// Target ids `[batch, steps]` (each input's next token); padding is 0.
+    /// Target ids `[steps, batch]` (each input's next token); padding is 0.
     pub targets: Vec<u32>,
-    /// `[batch, steps]`: 1.0 at real positions, 0.0 at padding (only in the last window
+    /// `[steps, batch]`: 1.0 at real positions, 0.0 at padding (only in the last window
     /// of an epoch).
     pub mask: Vec<f32>,
     /// True for the first window of an epoch: reset the carried recurrent state.
@@ -152,33 +157,31 @@ impl LmBatch {
         self.mask.iter().filter(|&&m| m != 0.0).count()
     }
 
-    /// The inputs as `[steps, batch]`.
-    pub fn inputs_time_major(&self) -> Vec<u32> {
-        to_time_major(&self.inputs, self.batch_size, self.steps)
-    }
-
-    /// The targets as `[steps, batch]`.
-    pub fn targets_time_major(&self) -> Vec<u32> {
-        to_time_major(&self.targets, self.batch_size, self.steps)
-    }
-
-    /// The mask as `[steps, batch]`.
-    pub fn mask_time_major(&self) -> Vec<f32> {
-        to_time_major(&self.mask, self.batch_size, self.steps)
+    /// Examples `examples` of this batch as a batch of their own (see
+    /// [`NmtBatch::columns`]).
+    pub fn columns(&self, examples: Range<usize>) -> LmBatch {
+        let examples = clamp(examples, self.batch_size);
+        LmBatch {
+            batch_size: examples.len(),
+            steps: self.steps,
+            inputs: cut_columns(&self.inputs, self.batch_size, &examples),
+            targets: cut_columns(&self.targets, self.batch_size, &examples),
+            mask: cut_columns(&self.mask, self.batch_size, &examples),
+            first_in_epoch: self.first_in_epoch,
+        }
     }
 }
 
-/// Transposes a batch-major `[batch, len]` array into time-major `[len, batch]`.
-/// Entries missing from a `data` shorter than `batch * len` come out as `T::default()`;
-/// extra entries are ignored.
-pub fn to_time_major<T: Copy + Default>(data: &[T], batch: usize, len: usize) -> Vec<T> {
-    let mut out = vec![T::default(); batch * len];
-    for (b, row) in data.chunks(len.max(1)).take(batch).enumerate() {
-        for (t, &value) in row.iter().enumerate() {
-            out[t * batch + b] = value;
-        }
-    }
-    out
+/// `range` cut to `0..len`.
+fn clamp(range: Range<usize>, len: usize) -> Range<usize> {
+    range.start.min(len)..range.end.min(len)
+}
+
+/// Columns `examples` of a time-major array with `batch` columns.
+fn cut_columns<T: Copy>(data: &[T], batch: usize, examples: &Range<usize>) -> Vec<T> {
+    data.chunks(batch.max(1))
+        .flat_map(|step| step[examples.clone()].iter().copied())
+        .collect()
 }
 
 #[cfg(test)]
@@ -189,23 +192,28 @@ mod tests {
     fn from_pairs_pads_and_counts() {
         let batch = NmtBatch::from_pairs(&[(vec![5, 6, 7], vec![8]), (vec![9], vec![10, 11, 12])]);
         assert_eq!((batch.batch_size, batch.src_len, batch.tgt_len), (2, 3, 4));
-        assert_eq!(batch.source, [5, 6, 7, 9, EOS_ID, EOS_ID]);
+        // Time-major: step t of both sentences, then step t + 1.
+        assert_eq!(batch.source, [5, 9, 6, EOS_ID, 7, EOS_ID]);
         assert_eq!(
             batch.target_input,
-            [BOS_ID, 8, EOS_ID, EOS_ID, BOS_ID, 10, 11, 12]
+            [BOS_ID, BOS_ID, 8, 10, EOS_ID, 11, EOS_ID, 12]
         );
         assert_eq!(
             batch.target_output,
-            [8, EOS_ID, EOS_ID, EOS_ID, 10, 11, 12, EOS_ID]
+            [8, 10, EOS_ID, 11, EOS_ID, 12, EOS_ID, EOS_ID]
         );
-        assert_eq!(batch.target_mask, [1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]);
+        assert_eq!(batch.target_mask, [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]);
         assert_eq!(batch.source_lengths, [3, 1]);
         assert_eq!(batch.target_lengths, [2, 4]);
         assert_eq!(batch.words(), 4 + 6);
-        assert_eq!(batch.source_time_major(), [5, 9, 6, EOS_ID, 7, EOS_ID]);
+        let second = batch.columns(1..2);
+        assert_eq!(second.batch_size, 1);
+        assert_eq!(second.source, [9, EOS_ID, EOS_ID]);
+        assert_eq!(second.target_input, [BOS_ID, 10, 11, 12]);
+        assert_eq!(second.target_output, [10, 11, 12, EOS_ID]);
         assert_eq!(
-            batch.target_mask_time_major(),
-            [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+            (second.source_lengths, second.target_lengths),
+            (vec![1], vec![4])
         );
     }
 
@@ -214,12 +222,16 @@ mod tests {
         let batch = LmBatch {
             batch_size: 2,
             steps: 2,
-            inputs: vec![1, 2, 3, 0],
-            targets: vec![2, 3, 4, 0],
+            inputs: vec![1, 3, 2, 0],
+            targets: vec![2, 4, 3, 0],
             mask: vec![1.0, 1.0, 1.0, 0.0],
             first_in_epoch: true,
         };
         assert_eq!(batch.words(), 3);
-        assert_eq!(batch.inputs_time_major(), [1, 3, 2, 0]);
+        let second = batch.columns(1..5);
+        assert_eq!(
+            (second.batch_size, second.inputs, second.mask),
+            (1, vec![3, 0], vec![1.0, 0.0])
+        );
     }
 }

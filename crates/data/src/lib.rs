@@ -11,8 +11,8 @@
 //! * [`LmCorpus`] + [`LmBatcher`]: one token stream cut into columns, rank by rank.
 //! * [`Prefetcher`]: any of the above on a background thread with a bounded queue.
 //!
-//! Batches ([`NmtBatch`], [`LmBatch`]) are batch-major `[batch, len]` arrays of `u32` ids with
-//! a 1.0/0.0 mask; [`NmtBatch::words`] counts source + target words for the throughput meter
+//! Batches ([`NmtBatch`], [`LmBatch`]) are time-major `[len, batch]` arrays of `u32` ids with
+//! a 1.0/0.0 mask, the layout the models read; [`NmtBatch::words`] counts source + target words for the throughput meter
 //! (see [`batch`] for the exact rule). [`BatchSizing`] gives a rank's batch size for a fixed
 //! per-rank batch or a fixed total split over ranks.
 //!
@@ -52,7 +52,7 @@ mod sharding;
 mod synthetic;
 pub mod vocab;
 
-pub use batch::{to_time_major, LmBatch, NmtBatch};
+pub use batch::{LmBatch, NmtBatch};
 pub use bucketing::bucket_of;
 pub use bundled::BundledCorpus;
 pub use error::{Error, Result};

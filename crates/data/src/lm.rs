@@ -217,7 +217,7 @@ impl LmBatcher {
                 if pos >= predictable {
                     break;
                 }
-                let cell = row * steps + t;
+                let cell = t * rows + row;
                 inputs[cell] = tokens[base + pos];
                 targets[cell] = tokens[base + pos + 1];
                 mask[cell] = 1.0;

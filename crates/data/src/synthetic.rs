@@ -29,7 +29,7 @@ pub struct SyntheticNmtConfig {
 
 /// Endless synthetic translation batches.
 ///
-/// Source, target input and target output are each `[batch, seq_len]` uniform ids drawn
+/// Source, target input and target output are each `[seq_len, batch]` uniform ids drawn
 /// independently; the mask is all 1.0, so [`NmtBatch::words`] is `2 * batch * seq_len`.
 ///
 /// ```
@@ -72,9 +72,9 @@ impl SyntheticNmt {
             ..
         } = self.cfg;
         let cells = batch_size * seq_len;
-        let source = uniform_ids(&mut self.rng, cells, src_vocab_size);
-        let target_input = uniform_ids(&mut self.rng, cells, tgt_vocab_size);
-        let target_output = uniform_ids(&mut self.rng, cells, tgt_vocab_size);
+        let source = uniform_ids(&mut self.rng, batch_size, seq_len, src_vocab_size);
+        let target_input = uniform_ids(&mut self.rng, batch_size, seq_len, tgt_vocab_size);
+        let target_output = uniform_ids(&mut self.rng, batch_size, seq_len, tgt_vocab_size);
         NmtBatch {
             batch_size,
             src_len: seq_len,
@@ -110,7 +110,7 @@ pub struct SyntheticLmConfig {
     pub seed: u64,
 }
 
-/// Endless synthetic language-model batches: inputs and targets `[batch, steps]` uniform
+/// Endless synthetic language-model batches: inputs and targets `[steps, batch]` uniform
 /// ids drawn independently, mask all 1.0, [`LmBatch::words`] = `batch * steps`. Only the
 /// first batch is marked `first_in_epoch`.
 #[derive(Clone, Debug)]
@@ -135,16 +135,21 @@ impl SyntheticLm {
 
     /// The next batch.
     pub fn next_batch(&mut self) -> LmBatch {
-        let cells = self.cfg.batch_size * self.cfg.steps;
-        let inputs = uniform_ids(&mut self.rng, cells, self.cfg.vocab_size);
-        let targets = uniform_ids(&mut self.rng, cells, self.cfg.vocab_size);
+        let SyntheticLmConfig {
+            vocab_size,
+            steps,
+            batch_size,
+            ..
+        } = self.cfg;
+        let inputs = uniform_ids(&mut self.rng, batch_size, steps, vocab_size);
+        let targets = uniform_ids(&mut self.rng, batch_size, steps, vocab_size);
         self.produced += 1;
         LmBatch {
-            batch_size: self.cfg.batch_size,
-            steps: self.cfg.steps,
+            batch_size,
+            steps,
             inputs,
             targets,
-            mask: vec![1.0; cells],
+            mask: vec![1.0; batch_size * steps],
             first_in_epoch: self.produced == 1,
         }
     }
@@ -162,10 +167,18 @@ fn rank_rng(seed: u64, rank: usize) -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(seed.wrapping_add(rank as u64))
 }
 
-fn uniform_ids(rng: &mut ChaCha8Rng, count: usize, vocab_size: usize) -> Vec<u32> {
+/// A time-major `[len, batch]` array of uniform ids below `vocab_size`, drawn example
+/// by example (so the ids of an example do not depend on the batch layout).
+fn uniform_ids(rng: &mut ChaCha8Rng, batch: usize, len: usize, vocab_size: usize) -> Vec<u32> {
     // `vocab_size` was checked to fit in u32 by the constructors.
     let upper = vocab_size as u32;
-    (0..count).map(|_| rng.gen_range(0..upper)).collect()
+    let mut ids = vec![0; batch * len];
+    for b in 0..batch {
+        for t in 0..len {
+            ids[t * batch + b] = rng.gen_range(0..upper);
+        }
+    }
+    ids
 }
 
 fn check_positive(name: &'static str, value: usize) -> Result<()> {

@@ -139,8 +139,9 @@ proptest! {
                 prop_assert_eq!(buckets.len(), 1);
                 // The batch holds exactly the planned pairs (ids encode the index).
                 for (row, &i) in indices.iter().enumerate() {
-                    prop_assert_eq!(batch_data.source[row * batch_data.src_len], 10 + i as u32);
-                    prop_assert_eq!(batch_data.target_input[row * batch_data.tgt_len], BOS_ID);
+                    // Time-major: step 0 of example `row`.
+                    prop_assert_eq!(batch_data.source[row], 10 + i as u32);
+                    prop_assert_eq!(batch_data.target_input[row], BOS_ID);
                 }
                 for &i in indices {
                     prop_assert!(seen.insert(i), "pair {} used twice", i);
@@ -210,8 +211,9 @@ fn nmt_batch_marks_eos_in_target_output() {
     .expect("valid");
     let batch = batcher.epoch(0).next().expect("a batch");
     assert_eq!(batch.tgt_len, 3);
-    for row in 0..3 {
-        assert_eq!(batch.target_output[row * 3 + 2], EOS_ID);
+    // Time-major: the last step (2) of each of the 3 examples.
+    for example in 0..3 {
+        assert_eq!(batch.target_output[2 * 3 + example], EOS_ID);
     }
 }
 

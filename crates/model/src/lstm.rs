@@ -33,6 +33,22 @@ pub enum LstmImpl {
     Stepwise,
 }
 
+impl LstmImpl {
+    /// The name [`std::str::FromStr`] reads back.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LstmImpl::Fused => "fused",
+            LstmImpl::Stepwise => "stepwise",
+        }
+    }
+}
+
+impl std::fmt::Display for LstmImpl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 impl std::str::FromStr for LstmImpl {
     type Err = crate::Error;
     fn from_str(s: &str) -> Result<Self> {

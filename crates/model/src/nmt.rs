@@ -34,6 +34,22 @@ pub enum EncoderKind {
     Uni,
 }
 
+impl EncoderKind {
+    /// The name [`std::str::FromStr`] reads back.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EncoderKind::Bi => "bi",
+            EncoderKind::Uni => "uni",
+        }
+    }
+}
+
+impl std::fmt::Display for EncoderKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 impl std::str::FromStr for EncoderKind {
     type Err = crate::Error;
     fn from_str(s: &str) -> Result<Self> {

@@ -26,7 +26,7 @@ use crate::optimizer::{LossScaler, OptimizerState};
 /// First bytes of every checkpoint.
 pub const CHECKPOINT_MAGIC: [u8; 8] = *b"RTCKPT\r\n";
 /// Format version this build writes and reads.
-pub const CHECKPOINT_VERSION: u32 = 1;
+pub const CHECKPOINT_VERSION: u32 = 2;
 
 /// Everything needed to continue a run.
 #[derive(Debug, Clone, PartialEq)]
@@ -67,7 +67,7 @@ impl Checkpoint {
             OptimizerState::Sgd => None,
             OptimizerState::Adam { m, v, step } => {
                 if m.len() != self.params.len() || v.len() != self.params.len() {
-                    return Err(Error::RankMismatch(format!(
+                    return Err(Error::Internal(format!(
                         "Adam state ({} / {}) does not match {} parameters",
                         m.len(),
                         v.len(),
@@ -217,38 +217,38 @@ impl Checkpoint {
         param_count: usize,
         path: &Path,
     ) -> Result<()> {
-        let a = &self.config;
+        let (now, then) = (&config.model, &self.config.model);
         let fields: [(&str, String, String); 8] = [
-            ("--model", config.model.to_string(), a.model.to_string()),
+            ("--model", now.model.to_string(), then.model.to_string()),
             (
                 "--encoder-type",
-                config.encoder_type.to_string(),
-                a.encoder_type.to_string(),
+                now.encoder_type.to_string(),
+                then.encoder_type.to_string(),
             ),
             (
                 "--direction",
-                config.direction.to_string(),
-                a.direction.to_string(),
+                now.direction.to_string(),
+                then.direction.to_string(),
             ),
             (
                 "--num-encoder-layers",
-                config.num_encoder_layers.to_string(),
-                a.num_encoder_layers.to_string(),
+                now.num_encoder_layers.to_string(),
+                then.num_encoder_layers.to_string(),
             ),
             (
                 "--num-decoder-layers",
-                config.num_decoder_layers.to_string(),
-                a.num_decoder_layers.to_string(),
+                now.num_decoder_layers.to_string(),
+                then.num_decoder_layers.to_string(),
             ),
             (
                 "--num-units",
-                config.num_units.to_string(),
-                a.num_units.to_string(),
+                now.num_units.to_string(),
+                then.num_units.to_string(),
             ),
             (
                 "--optimizer",
-                config.optimizer.to_string(),
-                a.optimizer.to_string(),
+                config.run.optimizer.to_string(),
+                self.config.run.optimizer.to_string(),
             ),
             (
                 "parameter count",
@@ -285,11 +285,10 @@ mod tests {
     use super::*;
 
     fn sample() -> Checkpoint {
+        let mut config = TrainConfig::default();
+        config.run.seed = 9;
         Checkpoint {
-            config: TrainConfig {
-                seed: 9,
-                ..TrainConfig::default()
-            },
+            config,
             step: 12,
             params: vec![1.5, -2.0, 3.25],
             optimizer: OptimizerState::Adam {
@@ -326,11 +325,8 @@ mod tests {
     #[test]
     fn mismatch_names_the_field() {
         let ck = sample();
-        let cfg = TrainConfig {
-            num_units: 99,
-            seed: 9,
-            ..TrainConfig::default()
-        };
+        let mut cfg = ck.config.clone();
+        cfg.model.num_units = 99;
         let err = ck
             .check_compatible(&cfg, 3, Path::new("x.ckpt"))
             .unwrap_err()

@@ -2,8 +2,12 @@
 //!
 //! The local rank comes from the launcher's environment: Open MPI
 //! (`OMPI_COMM_WORLD_LOCAL_RANK`), MPICH/Hydra (`MPI_LOCALRANKID`), Slurm (`SLURM_LOCALID`);
-//! when none is set, the caller may fall back to splitting the MPI shared-memory
-//! communicator.
+//! when none is set, from the ranks that share this node ([`Communicator::node_rank`],
+//! the MPI shared-memory split).
+
+use ringtrain_collective::Communicator;
+
+use crate::error::Result;
 
 /// Environment variables that carry the local rank, in the order they are tried.
 pub const LOCAL_RANK_VARS: [&str; 3] = [
@@ -25,7 +29,7 @@ pub enum LocalRankSource {
     Env(&'static str),
     /// Split of the MPI shared-memory communicator.
     SharedMemorySplit,
-    /// Nothing was found; a single process.
+    /// A single process.
     Default,
 }
 
@@ -61,6 +65,31 @@ pub fn local_rank_from(lookup: impl Fn(&str) -> Option<String>) -> Option<LocalR
 /// Reads the local rank from the process environment.
 pub fn local_rank_from_env() -> Option<LocalRank> {
     local_rank_from(|k| std::env::var(k).ok())
+}
+
+/// This rank's local rank: a single process is rank 0 of 1; else the launcher's
+/// environment, else the ranks sharing the node (collective then: every rank of a job
+/// started by one launcher takes the same branch).
+///
+/// # Errors
+/// The transport's, when the node split fails.
+pub fn local_rank(comm: &Communicator) -> Result<LocalRank> {
+    if comm.size() == 1 {
+        return Ok(LocalRank {
+            rank: 0,
+            size: 1,
+            source: LocalRankSource::Default,
+        });
+    }
+    if let Some(local) = local_rank_from_env() {
+        return Ok(local);
+    }
+    let node = comm.node_rank()?;
+    Ok(LocalRank {
+        rank: node.rank,
+        size: node.size,
+        source: LocalRankSource::SharedMemorySplit,
+    })
 }
 
 /// CPU threads a rank should use: `requested` when non-zero, else the machine's cores

@@ -5,11 +5,11 @@ use std::path::PathBuf;
 /// Everything that can go wrong while configuring, running or checkpointing training.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A configuration value (usually a command-line flag) is not acceptable.
-    #[error("invalid value `{value}` for {flag}: {reason}")]
-    InvalidConfig {
+    /// A value (usually a command-line flag) is not acceptable.
+    #[error("invalid value `{value}` for {name}: {reason}")]
+    InvalidValue {
         /// The flag or field, e.g. `--batch-size`.
-        flag: &'static str,
+        name: &'static str,
         /// The offending value as the user wrote it.
         value: String,
         /// What is wrong and what to do instead.
@@ -51,9 +51,28 @@ pub enum Error {
         /// The value stored in the checkpoint.
         found: String,
     },
-    /// Ranks disagree about something they must share (sizes, counts, a decision).
+    /// Ranks hold different values of something they must share (flags, sizes).
     #[error("ranks disagree: {0}")]
     RankMismatch(String),
+    /// Other ranks failed a step this rank passed; their own errors say why.
+    #[error("{ranks} rank(s) failed {what}; see their error messages")]
+    OtherRanksFailed {
+        /// How many ranks failed.
+        ranks: usize,
+        /// What they were doing ("to load the checkpoint").
+        what: String,
+    },
+    /// A rank's input pipeline ended although training needs an endless stream.
+    #[error("rank {rank}'s input ended at step {step}; the input pipeline must not run dry")]
+    InputEnded {
+        /// The rank.
+        rank: usize,
+        /// The step that found no batch.
+        step: usize,
+    },
+    /// An invariant of ringtrain itself does not hold: a bug, not a usage error.
+    #[error("internal error: {0}; this is a bug in ringtrain, please report it")]
+    Internal(String),
     /// Serialising or parsing JSON (config, report) failed.
     #[error("{action} failed: {source}")]
     Json {
@@ -81,12 +100,20 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
-    /// Shorthand for [`Error::InvalidConfig`].
-    pub fn invalid(flag: &'static str, value: impl ToString, reason: impl Into<String>) -> Self {
-        Error::InvalidConfig {
-            flag,
+    /// Shorthand for [`Error::InvalidValue`].
+    pub fn invalid(name: &'static str, value: impl ToString, reason: impl Into<String>) -> Self {
+        Error::InvalidValue {
+            name,
             value: value.to_string(),
             reason: reason.into(),
+        }
+    }
+
+    /// What is wrong, without the value's name (for parsers whose caller names it).
+    pub fn reason(&self) -> String {
+        match self {
+            Error::InvalidValue { reason, .. } => reason.clone(),
+            other => other.to_string(),
         }
     }
 }

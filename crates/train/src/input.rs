@@ -4,13 +4,12 @@
 use std::sync::Arc;
 
 use ringtrain_data::{
-    BatchSizing, LengthLimits, LmBatcher, LmCorpus, NmtBatcher, NmtBatcherConfig, OverLimit,
-    ParallelCorpus, Prefetcher, SyntheticLm, SyntheticLmConfig, SyntheticNmt, SyntheticNmtConfig,
-    Vocab,
+    LengthLimits, LmBatcher, LmCorpus, NmtBatcher, NmtBatcherConfig, OverLimit, ParallelCorpus,
+    Prefetcher, SyntheticLm, SyntheticLmConfig, SyntheticNmt, SyntheticNmtConfig, Vocab,
 };
 
-use crate::config::{ModelKind, TrainConfig};
-use crate::error::{Error, Result};
+use crate::config::{DataSource, ValidatedConfig};
+use crate::error::Result;
 use crate::trainable::Batch;
 
 /// Batches queued ahead of the training loop.
@@ -26,38 +25,30 @@ pub struct InputPipeline {
     pub tgt_vocab_size: usize,
 }
 
-fn sizing(cfg: &TrainConfig) -> BatchSizing {
-    match cfg.total_batch_size {
-        Some(t) => BatchSizing::Total(t),
-        None => BatchSizing::PerRank(cfg.batch_size),
-    }
-}
-
-fn required<'a>(
-    path: &'a Option<std::path::PathBuf>,
-    what: &'static str,
-) -> Result<&'a std::path::Path> {
-    path.as_deref().ok_or_else(|| {
-        Error::invalid(
-            "--data",
-            "(incomplete)",
-            format!("the {what} file is missing: give --data SRC,TGT,SRC_VOCAB,TGT_VOCAB (NMT) or --data TEXT[,VOCAB] (RNNLM)"),
-        )
-    })
-}
-
 impl InputPipeline {
-    /// Builds worker `worker`'s pipeline out of `workers`.
-    pub fn new(cfg: &TrainConfig, worker: usize, workers: usize) -> Result<Self> {
-        let local = sizing(cfg).local_batch_size(worker, workers)?;
-        let seed = cfg.seed.wrapping_mul(0x9E37_79B9).wrapping_add(17);
-        match (cfg.model, cfg.use_synthetic_data) {
-            (ModelKind::Nmt, true) => {
+    /// Builds worker `worker`'s pipeline.
+    ///
+    /// # Errors
+    /// The data crate's: unreadable or malformed corpora and vocabularies, a corpus too
+    /// small for the batch.
+    pub fn new(cfg: &ValidatedConfig, worker: usize) -> Result<Self> {
+        let (data, workers) = (&cfg.config().data, cfg.workers());
+        let sizing = cfg.batch();
+        let local = sizing.local_batch_size(worker, workers)?;
+        let seed = cfg
+            .config()
+            .run
+            .seed
+            .wrapping_mul(0x9E37_79B9)
+            .wrapping_add(17);
+        let nmt = cfg.config().model.model == crate::config::ModelKind::Nmt;
+        match cfg.data_source() {
+            DataSource::Synthetic if nmt => {
                 let mut gen = SyntheticNmt::new(
                     SyntheticNmtConfig {
-                        src_vocab_size: cfg.vocab_size,
-                        tgt_vocab_size: cfg.vocab_size,
-                        seq_len: cfg.src_max_len,
+                        src_vocab_size: data.vocab_size,
+                        tgt_vocab_size: data.vocab_size,
+                        seq_len: data.src_max_len,
                         batch_size: local,
                         seed,
                     },
@@ -66,15 +57,15 @@ impl InputPipeline {
                 let source = std::iter::from_fn(move || Some(Ok(Batch::Nmt(gen.next_batch()))));
                 Ok(InputPipeline {
                     batches: Prefetcher::spawn(source, PREFETCH_DEPTH)?,
-                    src_vocab_size: cfg.vocab_size,
-                    tgt_vocab_size: cfg.vocab_size,
+                    src_vocab_size: data.vocab_size,
+                    tgt_vocab_size: data.vocab_size,
                 })
             }
-            (ModelKind::Rnnlm, true) => {
+            DataSource::Synthetic => {
                 let mut gen = SyntheticLm::new(
                     SyntheticLmConfig {
-                        vocab_size: cfg.vocab_size,
-                        steps: cfg.src_max_len,
+                        vocab_size: data.vocab_size,
+                        steps: data.src_max_len,
                         batch_size: local,
                         seed,
                     },
@@ -83,29 +74,33 @@ impl InputPipeline {
                 let source = std::iter::from_fn(move || Some(Ok(Batch::Lm(gen.next_batch()))));
                 Ok(InputPipeline {
                     batches: Prefetcher::spawn(source, PREFETCH_DEPTH)?,
-                    src_vocab_size: cfg.vocab_size,
-                    tgt_vocab_size: cfg.vocab_size,
+                    src_vocab_size: data.vocab_size,
+                    tgt_vocab_size: data.vocab_size,
                 })
             }
-            (ModelKind::Nmt, false) => {
-                let d = &cfg.data;
-                let src_vocab = Vocab::nmt_from_file(required(&d.vocab_src, "source vocabulary")?)?;
-                let tgt_vocab = Vocab::nmt_from_file(required(&d.vocab_tgt, "target vocabulary")?)?;
+            DataSource::Translation {
+                source,
+                target,
+                source_vocab,
+                target_vocab,
+            } => {
+                let src_vocab = Vocab::nmt_from_file(source_vocab)?;
+                let tgt_vocab = Vocab::nmt_from_file(target_vocab)?;
                 let corpus = ParallelCorpus::load(
-                    required(&d.train_src, "source text")?,
-                    required(&d.train_tgt, "target text")?,
+                    source,
+                    target,
                     &src_vocab,
                     &tgt_vocab,
                     &LengthLimits {
-                        src_max_len: Some(cfg.src_max_len),
-                        tgt_max_len: Some(cfg.src_max_len),
+                        src_max_len: Some(data.src_max_len),
+                        tgt_max_len: Some(data.src_max_len),
                         over_limit: OverLimit::Truncate,
                     },
                 )?;
                 let batcher = NmtBatcher::new(
                     Arc::new(corpus),
                     NmtBatcherConfig {
-                        batch: sizing(cfg),
+                        batch: sizing,
                         num_buckets: 5,
                         bucket_width: 10,
                         shuffle: true,
@@ -122,23 +117,16 @@ impl InputPipeline {
                     tgt_vocab_size: tgt_vocab.len(),
                 })
             }
-            (ModelKind::Rnnlm, false) => {
-                let d = &cfg.data;
-                let text = required(&d.train_src, "training text")?;
-                let (corpus, vocab) = match &d.vocab_src {
+            DataSource::Text { text, vocab } => {
+                let (corpus, vocab) = match vocab {
                     Some(v) => {
                         let vocab = Vocab::lm_from_file(v)?;
                         (LmCorpus::load(text, &vocab)?, vocab)
                     }
                     None => LmCorpus::load_building_vocab(text)?,
                 };
-                let batcher = LmBatcher::new(
-                    Arc::new(corpus),
-                    sizing(cfg),
-                    cfg.src_max_len,
-                    worker,
-                    workers,
-                )?;
+                let batcher =
+                    LmBatcher::new(Arc::new(corpus), sizing, data.src_max_len, worker, workers)?;
                 let source = batcher.stream().map(|b| Ok(Batch::Lm(b)));
                 Ok(InputPipeline {
                     batches: Prefetcher::spawn(source, PREFETCH_DEPTH)?,

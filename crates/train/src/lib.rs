@@ -1,20 +1,29 @@
 //! ringtrain-train: the training loop that joins models, data and collectives.
 //!
-//! One call to [`train`] runs one rank: rank 0 broadcasts the initial parameters, then
-//! every step reads a batch, runs forward and backward, exchanges gradients with the
-//! chosen [`VariableUpdate`] strategy (`replicated` all-reduce overlapped with backward,
-//! sharded `parameter_server`, or `independent`), clips to the global norm and applies
-//! Adam or SGD. The [`ThroughputMeter`] follows the seeds' rule (warm-up batches excluded,
-//! words = source + target over all ranks, jitter = 1.4826 × MAD), and the run ends in a
+//! A run starts from a [`TrainConfig`] (five groups of options; with feature `cli` they
+//! are also `ringtrain train`'s flags), validated once into a [`ValidatedConfig`] for the
+//! number of ranks. [`run_rank`] then builds one rank: the input pipeline
+//! ([`InputPipeline`]), the model on its device ([`build_model`], a [`TrainableModel`]),
+//! and calls [`train`]: rank 0 broadcasts the initial parameters, then every step reads a
+//! batch, runs forward and backward, exchanges gradients with the chosen
+//! [`VariableUpdate`] strategy (`replicated` all-reduce overlapped with backward, sharded
+//! `parameter_server`, or `independent`), clips to the global norm and applies Adam or
+//! SGD. Agreements between ranks and the final summaries travel on a control plane of
+//! their own ([`control::Control`], a duplicate communicator), never beside the gradients.
+//! The [`ThroughputMeter`] follows the seeds' rule (warm-up batches excluded, words =
+//! source + target over all ranks, jitter = 1.4826 × MAD), and the run ends in a
 //! [`RunReport`] that rank 0 prints and writes as JSON. [`Checkpoint`]s are written
 //! atomically with a magic number, version, config and crc32.
 //!
 //! ```
 //! use std::time::Duration;
-//! use ringtrain_train::{BatchSplit, StepBreakdown, ThroughputMeter};
+//! use ringtrain_train::{StepBreakdown, ThroughputMeter, TrainConfig};
 //!
 //! // A total batch of 10 over 3 ranks: 4, 3, 3.
-//! assert_eq!(BatchSplit::total(10, 3).shares(), &[4, 3, 3]);
+//! let mut cfg = TrainConfig::default();
+//! cfg.data.total_batch_size = Some(10);
+//! let run = cfg.validate(3)?;
+//! assert_eq!((0..3).map(|r| run.local_batch_size(r)).collect::<Vec<_>>(), [4, 3, 3]);
 //!
 //! // One warm-up step (not counted), then two timed steps of 1000 words each.
 //! let mut meter = ThroughputMeter::new(1);
@@ -25,18 +34,16 @@
 //! let s = meter.summary();
 //! assert_eq!(s.timed_batches, 2);
 //! assert!((s.words_per_sec - 2000.0).abs() < 1e-9);
+//! # Ok::<(), ringtrain_train::Error>(())
 //! ```
 #![warn(missing_docs)]
 
-pub mod batch_split;
 pub mod checkpoint;
 pub mod config;
+pub mod control;
 pub mod device;
 pub mod error;
-#[cfg(feature = "cuda")]
-pub mod gpu_adapter;
 pub mod input;
-pub mod model_adapter;
 pub mod optimizer;
 pub mod report;
 pub mod run;
@@ -45,20 +52,20 @@ pub mod throughput;
 pub mod trainable;
 pub mod trainer;
 
-pub use batch_split::BatchSplit;
 pub use checkpoint::{Checkpoint, CHECKPOINT_MAGIC, CHECKPOINT_VERSION};
 pub use config::{
-    DataPaths, DeviceKind, Direction, EncoderType, GemmPrecisionKind, ModelKind, OptimizerKind,
-    TrainConfig, VariableUpdate,
+    DataOptions, DataSource, DeviceKind, ExchangeOptions, GemmPrecisionKind, ModelKind,
+    ModelOptions, OptimizerKind, OutputOptions, OverlapMode, RunOptions, TrainConfig,
+    ValidatedConfig, VariableUpdate,
 };
-pub use device::{local_rank_from_env, LocalRank, LocalRankSource};
+pub use device::{local_rank, local_rank_from_env, LocalRank, LocalRankSource};
 pub use error::{Error, Result};
 pub use input::InputPipeline;
-pub use model_adapter::{build_model, ModelAdapter};
 pub use optimizer::{LossScaler, Optimizer, OptimizerState};
 pub use report::{RankFigures, RunReport};
+pub use ringtrain_model::{EncoderKind, LstmImpl};
 pub use run::run_rank;
-pub use strategy::{greedy_placement, StepOutcome, StepStats, Strategy};
+pub use strategy::{greedy_placement, StepContext, StepOutcome, StepStats, Strategy, Wire};
 pub use throughput::{RateStats, StepBreakdown, ThroughputMeter, ThroughputSummary};
-pub use trainable::{Batch, ParamSpec, PassOutput, TrainableModel};
+pub use trainable::{build_model, Batch, ParamSpec, PassOutput, TrainableModel};
 pub use trainer::{train, TrainOutcome};

@@ -85,7 +85,7 @@ impl Optimizer {
             (OptimizerState::Sgd, OptimizerKind::Sgd) => {}
             (OptimizerState::Adam { m, v, .. }, OptimizerKind::Adam) => {
                 if m.len() != self.len || v.len() != self.len {
-                    return Err(Error::RankMismatch(format!(
+                    return Err(Error::Internal(format!(
                         "Adam state has {} / {} elements but the model has {} parameters",
                         m.len(),
                         v.len(),
@@ -121,7 +121,7 @@ impl Optimizer {
         grads: &[f32],
     ) -> Result<()> {
         if range.end > self.len || params.len() != range.len() || grads.len() != range.len() {
-            return Err(Error::RankMismatch(format!(
+            return Err(Error::Internal(format!(
                 "optimizer range {range:?} with {} params / {} grads does not fit {} elements",
                 params.len(),
                 grads.len(),

@@ -31,8 +31,10 @@ pub struct RankFigures {
 /// Everything a run measured, as written by `--json-report`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunReport {
-    /// The configuration that ran.
+    /// The configuration that ran, as given (`auto` values unresolved).
     pub config: TrainConfig,
+    /// The strategy as it ran, e.g. `replicated (overlapped with backward)`.
+    pub strategy: String,
     /// Model description.
     pub model: String,
     /// Trainable parameters.
@@ -113,7 +115,7 @@ impl RunReport {
         match (sizes.iter().min(), sizes.iter().max()) {
             (Some(a), Some(b)) if a == b => a.to_string(),
             (Some(a), Some(b)) => format!("{a}-{b}"),
-            _ => self.config.batch_size.to_string(),
+            _ => self.config.data.batch_size.to_string(),
         }
     }
 
@@ -122,11 +124,7 @@ impl RunReport {
         let mut s = String::new();
         s.push_str(&format!(
             "\n{} | {} ranks ({} workers) | {} | {} parameters\n\n",
-            self.model,
-            self.ranks,
-            self.workers,
-            self.config.strategy_label(),
-            self.parameters
+            self.model, self.ranks, self.workers, self.strategy, self.parameters
         ));
         s.push_str(&format!(
             "| ranks | batch size | total time for {} batches (s) | words/s | per-step words/s |\n",

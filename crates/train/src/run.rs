@@ -1,73 +1,66 @@
-//! One rank of a run from a config: threads, input pipeline, model, training, report.
+//! One rank of a run from a validated config: threads, input pipeline, model, training,
+//! report.
 
 use ringtrain_collective::Communicator;
 
-use crate::config::TrainConfig;
-use crate::device::{cpu_threads, LocalRank};
+use crate::config::ValidatedConfig;
+use crate::device::{cpu_threads, LocalRank, LocalRankSource};
 use crate::error::{Error, Result};
 use crate::input::InputPipeline;
-use crate::model_adapter::build_model;
+use crate::trainable::build_model;
 use crate::trainer::{train, LogSink, TrainOutcome};
 
 /// Runs one rank: picks the device from the local rank, sizes the CPU thread pools,
 /// builds the input pipeline and the model, trains, and (on rank 0) writes the JSON report.
+///
+/// # Errors
+/// Everything setting up or training can fail with.
 pub fn run_rank(
-    cfg: &TrainConfig,
+    cfg: &ValidatedConfig,
     comm: Communicator,
-    local: Option<LocalRank>,
+    local: LocalRank,
     log: &mut LogSink<'_>,
 ) -> Result<TrainOutcome> {
-    cfg.validate()?;
-    cfg.validate_for_world(comm.size())?;
-    let (local_rank, local_size) = local.map_or((0, 1), |l| (l.rank, l.size));
-    let threads = cpu_threads(cfg.threads, local_size);
+    let threads = cpu_threads(cfg.config().run.threads, local.size);
     // The optimizer and casts use rayon's global pool; the model has its own.
     // An already-initialised pool (a second run in one process) is fine to keep.
     let _ = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global();
-    let workers = cfg.worker_count(comm.size());
     let rank = comm.rank();
     if rank == 0 {
-        let source = match local.map(|l| l.source) {
-            Some(crate::device::LocalRankSource::Env(var)) => format!("from {var}"),
-            Some(crate::device::LocalRankSource::SharedMemorySplit) => {
-                "from the MPI shared-memory split".to_string()
-            }
-            Some(crate::device::LocalRankSource::Default) | None => "single process".to_string(),
+        let source = match local.source {
+            LocalRankSource::Env(var) => format!("from {var}"),
+            LocalRankSource::SharedMemorySplit => "from the MPI shared-memory split".to_string(),
+            LocalRankSource::Default => "single process".to_string(),
         };
         log(&format!(
-            "ringtrain: device {} {local_rank} (local rank {local_rank} of {local_size}, {source}), {threads} CPU thread(s) per rank, transport {}",
-            cfg.device,
+            "ringtrain: device {} {} (local rank {} of {}, {source}), {threads} CPU thread(s) per rank, transport {}",
+            cfg.config().run.device,
+            local.rank,
+            local.rank,
+            local.size,
             comm.transport_name()
         ));
     }
-    let is_worker = rank < workers;
-    let (mut batches, src_vocab, tgt_vocab): (
-        Box<dyn Iterator<Item = ringtrain_data::Result<_>>>,
-        _,
-        _,
-    ) = if is_worker {
-        let input = InputPipeline::new(cfg, rank, workers)?;
-        let (s, t) = (input.src_vocab_size, input.tgt_vocab_size);
-        (Box::new(input.batches), s, t)
+    // A dedicated parameter server reads no data but needs the vocabulary sizes: it
+    // builds worker 0's pipeline only to learn them.
+    let input = InputPipeline::new(cfg, if cfg.is_worker(rank) { rank } else { 0 })?;
+    let (src_vocab, tgt_vocab) = (input.src_vocab_size, input.tgt_vocab_size);
+    let mut batches: Box<dyn Iterator<Item = ringtrain_data::Result<_>>> = if cfg.is_worker(rank) {
+        Box::new(input.batches)
     } else {
-        // A dedicated parameter server reads no data but needs the vocabulary sizes:
-        // it builds the pipeline of worker 0 only to learn them.
-        let input = InputPipeline::new(cfg, 0, workers)?;
-        let (s, t) = (input.src_vocab_size, input.tgt_vocab_size);
-        drop(input);
-        (Box::new(std::iter::empty()), s, t)
+        Box::new(std::iter::empty())
     };
-    let mut model = build_model(cfg, src_vocab, tgt_vocab, local_rank, threads)?;
+    let mut model = build_model(cfg, src_vocab, tgt_vocab, local.rank, threads)?;
     let outcome = train(cfg, comm, model.as_mut(), &mut batches, log)?;
     if rank == 0 {
-        if let Some(path) = &cfg.json_report {
+        if let Some(path) = &cfg.config().output.json_report {
             outcome.report.write_json(path)?;
         }
     }
     if outcome.report.words_per_sec.is_nan() {
-        return Err(Error::RankMismatch("the run measured no words".into()));
+        return Err(Error::Internal("the run measured no words".into()));
     }
     Ok(outcome)
 }

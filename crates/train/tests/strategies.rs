@@ -6,8 +6,8 @@ use std::ops::Range;
 use ringtrain_collective::Communicator;
 use ringtrain_data::{SyntheticNmt, SyntheticNmtConfig};
 use ringtrain_train::{
-    train, Batch, BatchSplit, OptimizerKind, ParamSpec, PassOutput, TrainConfig, TrainableModel,
-    VariableUpdate,
+    train, Batch, OptimizerKind, OverlapMode, ParamSpec, PassOutput, TrainConfig, TrainableModel,
+    ValidatedConfig, VariableUpdate,
 };
 
 /// Token-level softmax regression: logits = emb[input] · proj + bias, label = target.
@@ -71,14 +71,14 @@ impl TrainableModel for TokenRegression {
             },
         ]
     }
-    fn params(&self) -> &[f32] {
-        &self.params
+    fn params(&self) -> ringtrain_train::Result<&[f32]> {
+        Ok(&self.params)
     }
-    fn params_mut(&mut self) -> &mut [f32] {
-        &mut self.params
+    fn params_mut(&mut self) -> ringtrain_train::Result<&mut [f32]> {
+        Ok(&mut self.params)
     }
-    fn params_and_grads_mut(&mut self) -> (&mut [f32], &mut [f32]) {
-        (&mut self.params, &mut self.grads)
+    fn params_and_grads_mut(&mut self) -> ringtrain_train::Result<(&mut [f32], &mut [f32])> {
+        Ok((&mut self.params, &mut self.grads))
     }
     fn forward_backward(
         &mut self,
@@ -141,75 +141,80 @@ const VOCAB: usize = 16;
 const LEN: usize = 5;
 const STEPS: usize = 4;
 
-/// Global batches of `global` rows; worker `w` of `split` takes its rows.
-fn batches_for(split: &BatchSplit, worker: usize, seed: u64) -> Vec<ringtrain_data::Result<Batch>> {
+/// Global batches of `cfg`'s global batch size; worker `worker` takes its examples.
+fn batches_for(
+    cfg: &ValidatedConfig,
+    worker: usize,
+    seed: u64,
+) -> Vec<ringtrain_data::Result<Batch>> {
     let mut gen = SyntheticNmt::new(
         SyntheticNmtConfig {
             src_vocab_size: VOCAB,
             tgt_vocab_size: VOCAB,
             seq_len: LEN,
-            batch_size: split.global(),
+            batch_size: cfg.global_batch_size(),
             seed,
         },
         0,
     )
     .unwrap();
+    let mine = cfg.batch().local_range(worker, cfg.workers()).unwrap();
     (0..STEPS)
-        .map(|_| {
-            let global = Batch::Nmt(gen.next_batch());
-            let start = split.offset(worker);
-            Ok(global.slice_rows(start..start + split.of(worker)))
-        })
+        .map(|_| Ok(Batch::Nmt(gen.next_batch()).columns(mine.clone())))
         .collect()
 }
 
 fn config(update: VariableUpdate, optimizer: OptimizerKind) -> TrainConfig {
-    TrainConfig {
-        variable_update: update,
-        optimizer,
-        learning_rate: Some(if optimizer == OptimizerKind::Sgd {
-            0.5
-        } else {
-            0.01
-        }),
-        max_gradient_norm: 0.0,
-        warmup_batches: 1,
-        timed_batches: STEPS - 1,
-        display_every: 0,
-        use_synthetic_data: true,
-        ..TrainConfig::default()
-    }
+    let mut cfg = TrainConfig::default();
+    cfg.exchange.variable_update = update;
+    cfg.run.optimizer = optimizer;
+    cfg.run.learning_rate = Some(if optimizer == OptimizerKind::Sgd {
+        0.5
+    } else {
+        0.01
+    });
+    cfg.run.max_gradient_norm = 0.0;
+    cfg.run.warmup_batches = 1;
+    cfg.run.timed_batches = STEPS - 1;
+    cfg.output.display_every = 0;
+    cfg.data.use_synthetic_data = Some(true);
+    cfg
+}
+
+/// `cfg` with `change` applied.
+fn with(cfg: &TrainConfig, change: impl FnOnce(&mut TrainConfig)) -> TrainConfig {
+    let mut cfg = cfg.clone();
+    change(&mut cfg);
+    cfg
 }
 
 /// Trains on `ranks` threads; returns every rank's final parameters.
 fn run(cfg: &TrainConfig, ranks: usize) -> Vec<Vec<f32>> {
-    let workers = cfg.worker_count(ranks);
-    let split = BatchSplit::from_config(cfg, workers);
+    let cfg = cfg.validate(ranks).unwrap();
     Communicator::run_local(ranks, |comm| {
         let rank = comm.rank();
         // Every rank starts from different values: the broadcast from rank 0 must fix that.
         let mut model = TokenRegression::new(VOCAB, 4, 7 + rank as u64);
-        let mut batches = if rank < workers {
-            batches_for(&split, rank, 99)
+        let mut batches = if cfg.is_worker(rank) {
+            batches_for(&cfg, rank, 99)
         } else {
             Vec::new()
         }
         .into_iter();
-        let outcome = train(cfg, comm, &mut model, &mut batches, &mut |_| {}).unwrap();
+        let outcome = train(&cfg, comm, &mut model, &mut batches, &mut |_| {}).unwrap();
         assert_eq!(outcome.report.steps, STEPS as u64);
-        model.params().to_vec()
+        model.params.clone()
     })
     .unwrap()
 }
 
 fn single(cfg: &TrainConfig, global_batch: usize) -> Vec<f32> {
-    let cfg = TrainConfig {
-        batch_size: global_batch,
-        total_batch_size: None,
-        variable_update: VariableUpdate::Replicated,
-        ps_ranks: 0,
-        ..cfg.clone()
-    };
+    let cfg = with(cfg, |c| {
+        c.data.batch_size = global_batch;
+        c.data.total_batch_size = None;
+        c.exchange.variable_update = VariableUpdate::Replicated;
+        c.exchange.ps_ranks = 0;
+    });
     run(&cfg, 1).remove(0)
 }
 
@@ -229,18 +234,17 @@ fn initial() -> Vec<f32> {
 
 #[test]
 fn replicated_overlapped_two_ranks_equal_one_rank_with_double_batch() {
-    let cfg = TrainConfig {
-        batch_size: 4,
-        overlap_backward: true,
-        ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
-    };
+    let cfg = with(
+        &config(VariableUpdate::Replicated, OptimizerKind::Sgd),
+        |c| {
+            c.data.batch_size = 4;
+            c.exchange.overlap_backward = OverlapMode::On;
+        },
+    );
     let ranks = run(&cfg, 2);
     let reference = single(&cfg, 8);
     let after_backward = run(
-        &TrainConfig {
-            overlap_backward: false,
-            ..cfg.clone()
-        },
+        &with(&cfg, |c| c.exchange.overlap_backward = OverlapMode::Off),
         2,
     );
     assert_close(
@@ -252,10 +256,7 @@ fn replicated_overlapped_two_ranks_equal_one_rank_with_double_batch() {
     assert_close(&ranks[0], &ranks[1], 0.0, "replicas");
     assert_close(&ranks[0], &reference, 1e-5, "2x4 vs 1x8");
     // With global-norm clipping active the result must still match.
-    let clipped = TrainConfig {
-        max_gradient_norm: 0.05,
-        ..cfg.clone()
-    };
+    let clipped = with(&cfg, |c| c.run.max_gradient_norm = 0.05);
     let ranks_clipped = run(&clipped, 2);
     assert_close(
         &ranks_clipped[0],
@@ -276,21 +277,17 @@ fn replicated_overlapped_two_ranks_equal_one_rank_with_double_batch() {
 
 #[test]
 fn replicated_packed_and_aggregated_equal_one_rank() {
-    let base = TrainConfig {
-        batch_size: 3,
-        ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
-    };
+    let base = with(
+        &config(VariableUpdate::Replicated, OptimizerKind::Sgd),
+        |c| c.data.batch_size = 3,
+    );
     let reference = single(&base, 9);
     for cfg in [
-        TrainConfig {
-            gradient_repacking: 2,
-            ..base.clone()
-        },
-        TrainConfig {
-            agg_small_grads_max_bytes: 1024,
-            agg_small_grads_max_group: 2,
-            ..base.clone()
-        },
+        with(&base, |c| c.exchange.gradient_repacking = 2),
+        with(&base, |c| {
+            c.exchange.agg_small_grads_max_bytes = 1024;
+            c.exchange.agg_small_grads_max_group = 2;
+        }),
     ] {
         let ranks = run(&cfg, 3);
         assert_close(&ranks[2], &reference, 1e-5, "packed 3x3 vs 1x9");
@@ -299,10 +296,10 @@ fn replicated_packed_and_aggregated_equal_one_rank() {
 
 #[test]
 fn uneven_total_batch_is_weighted_by_examples() {
-    let cfg = TrainConfig {
-        total_batch_size: Some(10),
-        ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
-    };
+    let cfg = with(
+        &config(VariableUpdate::Replicated, OptimizerKind::Sgd),
+        |c| c.data.total_batch_size = Some(10),
+    );
     let ranks = run(&cfg, 3); // 4, 3, 3
     let reference = single(&cfg, 10);
     assert_close(&ranks[1], &reference, 1e-5, "total 10 over 3 ranks vs 1x10");
@@ -310,21 +307,19 @@ fn uneven_total_batch_is_weighted_by_examples() {
 
 #[test]
 fn parameter_server_equals_replicated() {
-    let repl = TrainConfig {
-        batch_size: 4,
-        ..config(VariableUpdate::Replicated, OptimizerKind::Adam)
-    };
+    let repl = with(
+        &config(VariableUpdate::Replicated, OptimizerKind::Adam),
+        |c| c.data.batch_size = 4,
+    );
     let reference = run(&repl, 2);
-    let ps = TrainConfig {
-        variable_update: VariableUpdate::ParameterServer,
-        ..repl.clone()
-    };
+    let ps = with(&repl, |c| {
+        c.exchange.variable_update = VariableUpdate::ParameterServer
+    });
     let shards = run(&ps, 2);
     assert_close(&shards[0], &shards[1], 0.0, "ps replicas");
     assert_close(&shards[0], &reference[0], 1e-5, "ps vs replicated");
     // Dedicated server: 3 ranks, the last one serves, two workers train.
-    let dedicated = TrainConfig { ps_ranks: 1, ..ps };
-    let out = run(&dedicated, 3);
+    let out = run(&with(&ps, |c| c.exchange.ps_ranks = 1), 3);
     assert_close(&out[2], &reference[0], 1e-5, "dedicated ps vs replicated");
     assert_close(
         &out[0],
@@ -332,33 +327,22 @@ fn parameter_server_equals_replicated() {
         1e-5,
         "dedicated ps worker vs replicated",
     );
-    // SGD without clipping: the averaging itself must be right.
-    let repl_sgd = TrainConfig {
-        batch_size: 4,
-        ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
-    };
-    let ps_sgd = TrainConfig {
-        variable_update: VariableUpdate::ParameterServer,
-        max_gradient_norm: 0.05,
-        ..repl_sgd.clone()
-    };
-    let a = run(
-        &TrainConfig {
-            max_gradient_norm: 0.05,
-            ..repl_sgd
+    // SGD with and without clipping: the averaging itself must be right.
+    let repl_sgd = with(
+        &config(VariableUpdate::Replicated, OptimizerKind::Sgd),
+        |c| {
+            c.data.batch_size = 4;
+            c.run.max_gradient_norm = 0.05;
         },
-        2,
     );
+    let ps_sgd = with(&repl_sgd, |c| {
+        c.exchange.variable_update = VariableUpdate::ParameterServer
+    });
+    let a = run(&repl_sgd, 2);
     let b = run(&ps_sgd, 2);
     assert_close(&b[1], &a[0], 1e-5, "ps vs replicated, sgd with clipping");
     assert_close(
-        &run(
-            &TrainConfig {
-                max_gradient_norm: 0.0,
-                ..ps_sgd
-            },
-            2,
-        )[0],
+        &run(&with(&ps_sgd, |c| c.run.max_gradient_norm = 0.0), 2)[0],
         &single(&config(VariableUpdate::Replicated, OptimizerKind::Sgd), 8),
         1e-5,
         "ps 2x4 vs 1x8",
@@ -367,18 +351,19 @@ fn parameter_server_equals_replicated() {
 
 #[test]
 fn independent_replicas_train_only_on_their_own_data() {
-    let cfg = TrainConfig {
-        batch_size: 4,
-        ..config(VariableUpdate::Independent, OptimizerKind::Sgd)
-    };
+    let cfg = with(
+        &config(VariableUpdate::Independent, OptimizerKind::Sgd),
+        |c| c.data.batch_size = 4,
+    );
     let ranks = run(&cfg, 2);
-    // Rank 0's data is rows 0..4 of each global batch of 8.
-    let split = BatchSplit::per_rank(4, 2);
+    // Rank 0's data is examples 0..4 of each global batch of 8.
+    let two_ranks = cfg.validate(2).unwrap();
+    let alone = cfg.validate(1).unwrap();
     let own = Communicator::run_local(1, |comm| {
         let mut model = TokenRegression::new(VOCAB, 4, 7);
-        let mut batches = batches_for(&split, 0, 99).into_iter();
-        train(&cfg, comm, &mut model, &mut batches, &mut |_| {}).unwrap();
-        model.params().to_vec()
+        let mut batches = batches_for(&two_ranks, 0, 99).into_iter();
+        train(&alone, comm, &mut model, &mut batches, &mut |_| {}).unwrap();
+        model.params.clone()
     })
     .unwrap();
     assert_close(
@@ -395,17 +380,16 @@ fn independent_replicas_train_only_on_their_own_data() {
 
 #[test]
 fn fp16_gradients_track_f32_training() {
-    let cfg = TrainConfig {
-        batch_size: 4,
-        fp16_gradients: true,
-        ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
-    };
+    let cfg = with(
+        &config(VariableUpdate::Replicated, OptimizerKind::Sgd),
+        |c| {
+            c.data.batch_size = 4;
+            c.exchange.fp16_gradients = true;
+        },
+    );
     let ranks = run(&cfg, 2);
     let overlapped = run(
-        &TrainConfig {
-            overlap_backward: true,
-            ..cfg.clone()
-        },
+        &with(&cfg, |c| c.exchange.overlap_backward = OverlapMode::On),
         2,
     );
     assert_close(
@@ -414,13 +398,7 @@ fn fp16_gradients_track_f32_training() {
         1e-6,
         "fp16 overlapped vs after backward",
     );
-    let reference = single(
-        &TrainConfig {
-            fp16_gradients: false,
-            ..cfg.clone()
-        },
-        8,
-    );
+    let reference = single(&with(&cfg, |c| c.exchange.fp16_gradients = false), 8);
     assert_close(&ranks[0], &ranks[1], 0.0, "fp16 replicas");
     assert_close(&ranks[0], &reference, 2e-3, "fp16 vs f32");
 }
@@ -431,10 +409,11 @@ fn ranks_with_different_flags_fail_on_every_rank_instead_of_hanging() {
         let rank = comm.rank();
         let mut cfg = config(VariableUpdate::Replicated, OptimizerKind::Sgd);
         if rank == 1 {
-            cfg.batch_size = 5;
+            cfg.data.batch_size = 5;
         }
+        let cfg = cfg.validate(2).unwrap();
         let mut model = TokenRegression::new(VOCAB, 4, 7);
-        let mut batches = batches_for(&BatchSplit::per_rank(cfg.batch_size, 1), 0, 1).into_iter();
+        let mut batches = batches_for(&cfg, rank, 1).into_iter();
         train(&cfg, comm, &mut model, &mut batches, &mut |_| {})
             .err()
             .map(|e| e.to_string())
@@ -451,25 +430,27 @@ fn ranks_with_different_flags_fail_on_every_rank_instead_of_hanging() {
 
 #[test]
 fn f16_overflow_skips_the_step_on_every_rank_and_halves_the_loss_scale() {
-    let cfg = TrainConfig {
-        batch_size: 4,
-        fp16_gradients: true,
-        ..config(VariableUpdate::Replicated, OptimizerKind::Sgd)
-    };
-    let split = BatchSplit::per_rank(4, 2);
+    let cfg = with(
+        &config(VariableUpdate::Replicated, OptimizerKind::Sgd),
+        |c| {
+            c.data.batch_size = 4;
+            c.exchange.fp16_gradients = true;
+        },
+    );
+    let cfg = cfg.validate(2).unwrap();
     let out = Communicator::run_local(2, |comm| {
         let rank = comm.rank();
         let mut model = TokenRegression::new(VOCAB, 4, 7);
         // Gradients of 1e5 times the loss overflow f16 at every scale this short run reaches.
         model.gain = 1e5;
-        let mut batches = batches_for(&split, rank, 99).into_iter();
+        let mut batches = batches_for(&cfg, rank, 99).into_iter();
         let report = train(&cfg, comm, &mut model, &mut batches, &mut |_| {})
             .unwrap()
             .report;
         (
             report.skipped_steps,
             report.loss_scale,
-            model.params().to_vec(),
+            model.params.clone(),
         )
     })
     .unwrap();

@@ -6,32 +6,30 @@ use std::time::Instant;
 
 use ringtrain_collective::Communicator;
 
-use super::{correction_factor, update_replica, StepInputs, StepOutcome};
+use super::{correction_factor, to_wire_f16, update_replica, StepContext, StepInputs};
+use super::{StepOutcome, Wire};
+use crate::config::ValidatedConfig;
 use crate::error::Result;
 
 /// The no-communication strategy.
 pub struct Independent {
     comm: Communicator,
+    max_gradient_norm: f32,
+    ctx: StepContext,
 }
 
 impl Independent {
-    /// Keeps the communicator for the final summary only.
-    pub fn new(comm: Communicator) -> Self {
-        Independent { comm }
+    /// Keeps the communicator for the caller, unused during the steps.
+    pub fn new(cfg: &ValidatedConfig, comm: Communicator) -> Self {
+        Independent {
+            comm,
+            max_gradient_norm: cfg.config().run.max_gradient_norm,
+            ctx: StepContext::default(),
+        }
     }
 
-    /// This rank.
-    pub fn rank(&self) -> usize {
-        self.comm.rank()
-    }
-
-    /// Ranks in the world.
-    pub fn world(&self) -> usize {
-        self.comm.size()
-    }
-
-    pub(super) fn comm(&mut self) -> &mut Communicator {
-        &mut self.comm
+    pub(super) fn begin_step(&mut self, ctx: StepContext) {
+        self.ctx = ctx;
     }
 
     pub(super) fn into_comm(self) -> Communicator {
@@ -43,25 +41,26 @@ impl Independent {
             params,
             grads,
             mut local,
-            wire_scale,
-            max_gradient_norm,
             optimizer,
+            control: _,
         } = inputs;
         let start = Instant::now();
-        let overflow = if wire_scale != 1.0 {
-            // fp16 gradients: round them through f16 as the wire would, catching overflow.
-            let mut half = vec![half::f16::ZERO; grads.len()];
-            let overflow = ringtrain_kernels::par::f32_to_f16_scaled(grads, wire_scale, &mut half)?;
-            ringtrain_kernels::par::f16_to_f32_unscaled(&half, 1.0, grads)?;
-            overflow
-        } else {
-            ringtrain_kernels::has_non_finite_f32(grads)
+        let wire = self.ctx.wire;
+        let overflow = match wire {
+            // f16 gradients: round them through f16 as the wire would, catching overflow.
+            Wire::F16 { scale } => {
+                let (half, overflow) = to_wire_f16(grads, scale)?;
+                ringtrain_kernels::par::f16_to_f32_unscaled(&half, 1.0, grads)?;
+                overflow
+            }
+            Wire::F32 => ringtrain_kernels::has_non_finite_f32(grads),
         };
         local.overflow = f64::from(u8::from(overflow));
         let mut grad_norm = 0.0;
         if !overflow {
-            let correction = correction_factor(wire_scale, local.examples);
-            grad_norm = update_replica(params, grads, correction, max_gradient_norm, optimizer)?;
+            let correction = correction_factor(wire, local.examples);
+            grad_norm =
+                update_replica(params, grads, correction, self.max_gradient_norm, optimizer)?;
         }
         Ok(StepOutcome {
             stats: local,

@@ -9,14 +9,20 @@
 //!   optimizer and sends the parameters back.
 //! - [`Independent`]: no communication in the step (the ideal-scaling baseline).
 //!
-//! In every strategy rank 0 broadcasts the initial parameters first.
+//! The step contract: the trainer gives the strategy one [`StepContext`] per step before
+//! backward (how gradients travel), hands it each finished gradient range during
+//! backward ([`Strategy::on_ready`]), then the buffers and this rank's figures at the end
+//! ([`Strategy::finish_step`]). Gradient data moves on the strategy's communicator; the
+//! step's figures are summed on the trainer's [`Control`] plane.
 
 use std::ops::Range;
 
-use ringtrain_collective::{AllReduceOptions, Communicator, ReduceOp};
+use half::f16;
+use ringtrain_collective::Communicator;
 
-use crate::config::{TrainConfig, VariableUpdate};
-use crate::error::{Error, Result};
+use crate::config::{ValidatedConfig, VariableUpdate};
+use crate::control::Control;
+use crate::error::Result;
 use crate::optimizer::{Optimizer, OptimizerState};
 use crate::trainable::ParamSpec;
 
@@ -27,6 +33,43 @@ mod replicated;
 pub use independent::Independent;
 pub use parameter_server::{greedy_placement, ParameterServer};
 pub use replicated::Replicated;
+
+/// How one step's gradients travel between ranks, decided by the trainer before
+/// backward and given to the strategy once.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Wire {
+    /// As f32, unscaled.
+    F32,
+    /// As f16, multiplied by `scale` (the loss scale over the step's expected examples,
+    /// so that the sum neither overflows nor underflows); divided out afterwards.
+    F16 {
+        /// The factor gradients are multiplied by before the cast.
+        scale: f32,
+    },
+}
+
+impl Wire {
+    /// The factor the gradients carry on the wire (1 for f32).
+    pub fn scale(self) -> f32 {
+        match self {
+            Wire::F32 => 1.0,
+            Wire::F16 { scale } => scale,
+        }
+    }
+}
+
+/// What the trainer tells the strategy about a step before backward.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepContext {
+    /// How the gradients travel.
+    pub wire: Wire,
+}
+
+impl Default for StepContext {
+    fn default() -> Self {
+        StepContext { wire: Wire::F32 }
+    }
+}
 
 /// Per-step figures a rank contributes; after the exchange, the sums over all ranks.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -66,6 +109,13 @@ impl StepStats {
         }
     }
 
+    /// Sums the figures over the ranks (on the control plane).
+    fn summed(self, control: &mut Control) -> Result<StepStats> {
+        let mut v = self.to_array();
+        control.sum(&mut v)?;
+        Ok(StepStats::from_slice(&v))
+    }
+
     /// Loss per target token.
     pub fn mean_loss(&self) -> f64 {
         if self.target_tokens > 0.0 {
@@ -84,13 +134,10 @@ pub struct StepInputs<'a> {
     pub grads: &'a mut [f32],
     /// This rank's figures.
     pub local: StepStats,
-    /// Factor applied to the gradients when they are cast to f16 for the exchange
-    /// (loss scale / expected examples; 1 for f32 gradients). Divided out afterwards.
-    pub wire_scale: f32,
-    /// Global-norm clip (0 = off).
-    pub max_gradient_norm: f32,
     /// The optimizer (state for the whole buffer).
     pub optimizer: &'a mut Optimizer,
+    /// The control plane, for the step's figures.
+    pub control: &'a mut Control,
 }
 
 /// What the strategy did with one step.
@@ -119,67 +166,19 @@ pub enum Strategy {
 }
 
 impl Strategy {
-    /// Builds the strategy for `cfg`, after rank 0 has broadcast `params` to every rank.
-    pub fn new(
-        cfg: &TrainConfig,
-        mut comm: Communicator,
-        specs: &[ParamSpec],
-        params: &mut [f32],
-    ) -> Result<Self> {
-        cfg.validate_for_world(comm.size())?;
-        check_same_everywhere(
-            &mut comm,
-            "the training flags (fingerprint)",
-            f64::from(cfg.fingerprint()),
-        )?;
-        check_same_everywhere(&mut comm, "parameter count", params.len() as f64)?;
-        comm.broadcast(params, 0)?;
-        Ok(match cfg.variable_update {
+    /// Builds the strategy `cfg` asks for over `comm` (the parameters must already be
+    /// the same on every rank).
+    ///
+    /// # Errors
+    /// The collective's, when the fusion engine or the packer cannot start.
+    pub fn new(cfg: &ValidatedConfig, comm: Communicator, specs: &[ParamSpec]) -> Result<Self> {
+        Ok(match cfg.config().exchange.variable_update {
             VariableUpdate::Replicated => Strategy::Replicated(Replicated::new(cfg, comm, specs)?),
             VariableUpdate::ParameterServer => {
-                Strategy::ParameterServer(ParameterServer::new(cfg, comm, specs)?)
+                Strategy::ParameterServer(ParameterServer::new(cfg, comm, specs))
             }
-            VariableUpdate::Independent => Strategy::Independent(Independent::new(comm)),
+            VariableUpdate::Independent => Strategy::Independent(Independent::new(cfg, comm)),
         })
-    }
-
-    /// This rank.
-    pub fn rank(&self) -> usize {
-        match self {
-            Strategy::Replicated(s) => s.rank(),
-            Strategy::ParameterServer(s) => s.rank(),
-            Strategy::Independent(s) => s.rank(),
-        }
-    }
-
-    /// Ranks in the world.
-    pub fn world(&self) -> usize {
-        match self {
-            Strategy::Replicated(s) => s.world(),
-            Strategy::ParameterServer(s) => s.world(),
-            Strategy::Independent(s) => s.world(),
-        }
-    }
-
-    /// Whether this rank computes gradients (dedicated parameter servers do not).
-    pub fn is_worker(&self) -> bool {
-        match self {
-            Strategy::ParameterServer(s) => s.is_worker(),
-            _ => true,
-        }
-    }
-
-    /// Index of this rank among the workers (its data shard).
-    pub fn worker_index(&self) -> usize {
-        self.rank()
-    }
-
-    /// Ranks that compute gradients.
-    pub fn workers(&self) -> usize {
-        match self {
-            Strategy::ParameterServer(s) => s.workers(),
-            _ => self.world(),
-        }
     }
 
     /// Whether gradients are averaged over all workers' examples (false: over this rank's own).
@@ -187,14 +186,19 @@ impl Strategy {
         !matches!(self, Strategy::Independent(_))
     }
 
-    /// Called before backward of each step with the f16 wire scale (see [`StepInputs::wire_scale`]).
-    pub fn begin_step(&mut self, fp16: bool, wire_scale: f32) {
-        if let Strategy::Replicated(s) = self {
-            s.begin_step(fp16, wire_scale);
+    /// Called before backward of each step.
+    pub fn begin_step(&mut self, ctx: StepContext) {
+        match self {
+            Strategy::Replicated(s) => s.begin_step(ctx),
+            Strategy::ParameterServer(s) => s.begin_step(ctx),
+            Strategy::Independent(s) => s.begin_step(ctx),
         }
     }
 
     /// Called by backward with each finished gradient range.
+    ///
+    /// # Errors
+    /// The collective's, when the overlapped reduction cannot take the range.
     pub fn on_ready(&mut self, range: Range<usize>, grads: &[f32]) -> Result<()> {
         match self {
             Strategy::Replicated(s) => s.on_ready(range, grads),
@@ -203,6 +207,9 @@ impl Strategy {
     }
 
     /// Exchanges gradients and applies the update.
+    ///
+    /// # Errors
+    /// Transport, kernel or optimizer errors.
     pub fn finish_step(&mut self, inputs: StepInputs<'_>) -> Result<StepOutcome> {
         match self {
             Strategy::Replicated(s) => s.finish_step(inputs),
@@ -211,18 +218,10 @@ impl Strategy {
         }
     }
 
-    /// Element-wise reduction of a small f64 vector over all ranks (summaries, reports).
-    pub fn all_reduce_f64(&mut self, buf: &mut [f64], op: ReduceOp) -> Result<()> {
-        let comm = match self {
-            Strategy::Replicated(s) => return s.all_reduce_f64(buf, op),
-            Strategy::ParameterServer(s) => s.comm(),
-            Strategy::Independent(s) => s.comm(),
-        };
-        comm.all_reduce(buf, &AllReduceOptions::with_op(op))?;
-        Ok(())
-    }
-
     /// The full optimizer state on every rank (parameter servers hold only their shard's).
+    ///
+    /// # Errors
+    /// Transport errors.
     pub fn gather_optimizer_state(&mut self, optimizer: &Optimizer) -> Result<OptimizerState> {
         match self {
             Strategy::ParameterServer(s) => s.gather_optimizer_state(optimizer),
@@ -238,6 +237,9 @@ impl Strategy {
     }
 
     /// Stops background work and returns the communicator (collective: every rank calls it).
+    ///
+    /// # Errors
+    /// The fusion engine's, when its thread failed.
     pub fn shutdown(self) -> Result<Communicator> {
         match self {
             Strategy::Replicated(s) => s.shutdown(),
@@ -245,20 +247,6 @@ impl Strategy {
             Strategy::Independent(s) => Ok(s.into_comm()),
         }
     }
-}
-
-/// Errors on every rank when ranks hold different values of `what`.
-pub fn check_same_everywhere(comm: &mut Communicator, what: &str, value: f64) -> Result<()> {
-    let mut v = [value, -value];
-    comm.all_reduce(&mut v, &AllReduceOptions::with_op(ReduceOp::Max))?;
-    let (max, min) = (v[0], -v[1]);
-    if max != min {
-        return Err(Error::RankMismatch(format!(
-            "{what} differs between ranks (from {min} to {max}; this rank has {value}): \
-             start every rank with the same flags"
-        )));
-    }
-    Ok(())
 }
 
 /// The shared tail of a step once every replica holds the summed gradient: divide by
@@ -285,11 +273,19 @@ pub(crate) fn update_replica(
     Ok(norm)
 }
 
-/// Factor that turns summed gradients carrying `wire_scale` into gradients averaged
+/// Factor that turns summed gradients carrying `wire`'s scale into gradients averaged
 /// over `examples`.
-pub(crate) fn correction_factor(wire_scale: f32, examples: f64) -> f32 {
+pub(crate) fn correction_factor(wire: Wire, examples: f64) -> f32 {
     if examples <= 0.0 {
         return 0.0;
     }
-    (1.0 / (f64::from(wire_scale) * examples)) as f32
+    (1.0 / (f64::from(wire.scale()) * examples)) as f32
+}
+
+/// `grads` cast to f16 with `scale` for the wire; true when a value overflowed (or was
+/// not finite).
+pub(crate) fn to_wire_f16(grads: &[f32], scale: f32) -> Result<(Vec<f16>, bool)> {
+    let mut half = vec![f16::ZERO; grads.len()];
+    let overflow = ringtrain_kernels::par::f32_to_f16_scaled(grads, scale, &mut half)?;
+    Ok((half, overflow))
 }

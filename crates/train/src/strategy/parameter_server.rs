@@ -14,11 +14,12 @@
 
 use std::time::Instant;
 
-use half::f16;
 use ringtrain_collective::{AllReduceOptions, Communicator};
 
-use super::{correction_factor, StepInputs, StepOutcome, StepStats};
-use crate::config::TrainConfig;
+use super::{
+    correction_factor, to_wire_f16, StepContext, StepInputs, StepOutcome, StepStats, Wire,
+};
+use crate::config::ValidatedConfig;
 use crate::error::Result;
 use crate::optimizer::{Optimizer, OptimizerState};
 use crate::trainable::ParamSpec;
@@ -53,35 +54,43 @@ pub struct ParameterServer {
     owned: Vec<Vec<usize>>,
     specs: Vec<ParamSpec>,
     workers: usize,
-    fp16: bool,
+    max_gradient_norm: f32,
+    ctx: StepContext,
 }
 
 impl ParameterServer {
     /// Places the tensors and keeps the communicator.
-    pub fn new(cfg: &TrainConfig, comm: Communicator, specs: &[ParamSpec]) -> Result<Self> {
+    pub fn new(cfg: &ValidatedConfig, comm: Communicator, specs: &[ParamSpec]) -> Self {
         let world = comm.size();
         let rank = comm.rank();
-        let server_ranks: Vec<usize> = if cfg.ps_ranks == 0 {
-            (0..world).collect()
+        // Dedicated servers are the ranks after the workers; with none, every rank serves.
+        let first_server = if cfg.workers() < world {
+            cfg.workers()
         } else {
-            (world - cfg.ps_ranks..world).collect()
+            0
         };
+        let server_ranks: Vec<usize> = (first_server..world).collect();
         let bytes: Vec<usize> = specs.iter().map(|s| s.range.len() * 4).collect();
         let place = greedy_placement(&bytes, server_ranks.len());
         let mut owned = vec![Vec::new(); server_ranks.len()];
         for (t, s) in place.into_iter().enumerate() {
             owned[s].push(t);
         }
-        Ok(ParameterServer {
+        ParameterServer {
             comm,
             rank,
             world,
-            workers: cfg.worker_count(world),
+            workers: cfg.workers(),
             server_ranks,
             owned,
             specs: specs.to_vec(),
-            fp16: cfg.fp16_gradients,
-        })
+            max_gradient_norm: cfg.config().run.max_gradient_norm,
+            ctx: StepContext::default(),
+        }
+    }
+
+    pub(super) fn begin_step(&mut self, ctx: StepContext) {
+        self.ctx = ctx;
     }
 
     /// This rank.
@@ -111,10 +120,6 @@ impl ParameterServer {
             .zip(&self.owned)
             .map(|(&r, ts)| (r, ts.iter().map(|&t| self.specs[t].name.clone()).collect()))
             .collect()
-    }
-
-    pub(super) fn comm(&mut self) -> &mut Communicator {
-        &mut self.comm
     }
 
     pub(super) fn into_comm(self) -> Communicator {
@@ -175,10 +180,10 @@ impl ParameterServer {
             params,
             grads,
             mut local,
-            wire_scale,
-            max_gradient_norm,
             optimizer,
+            control,
         } = inputs;
+        let wire = self.ctx.wire;
         let comm_start = Instant::now();
         let mut my_server = None;
         let mut my_grads: Vec<f32> = Vec::new();
@@ -187,10 +192,9 @@ impl ParameterServer {
         for s in 0..self.server_ranks.len() {
             let owner = self.server_ranks[s];
             let packed = self.gather(s, grads);
-            if self.fp16 {
-                let mut half = vec![f16::ZERO; packed.len()];
-                overflow_local |=
-                    ringtrain_kernels::par::f32_to_f16_scaled(&packed, wire_scale, &mut half)?;
+            if let Wire::F16 { scale } = wire {
+                let (half, overflow) = to_wire_f16(&packed, scale)?;
+                overflow_local |= overflow;
                 if let Some(sum) = self.reduce_to_owner(owner, half)? {
                     let mut out = vec![0.0f32; sum.len()];
                     ringtrain_kernels::par::f16_to_f32_unscaled(&sum, 1.0, &mut out)?;
@@ -209,7 +213,7 @@ impl ParameterServer {
         v[..StepStats::LEN].copy_from_slice(&local.to_array());
         v[StepStats::LEN] = ringtrain_kernels::sum_of_squares(&my_grads);
         v[StepStats::LEN + 1] = f64::from(u8::from(owned_non_finite));
-        self.comm.all_reduce(&mut v, &AllReduceOptions::sum())?;
+        control.sum(&mut v)?;
         let stats = StepStats::from_slice(&v[..StepStats::LEN]);
         let skipped =
             stats.overflow > 0.0 || v[StepStats::LEN + 1] > 0.0 || !v[StepStats::LEN].is_finite();
@@ -220,11 +224,10 @@ impl ParameterServer {
         if !skipped {
             // 3. Owners average, clip and update their tensors.
             let opt_start = Instant::now();
-            let correction =
-                correction_factor(if self.fp16 { wire_scale } else { 1.0 }, stats.examples);
+            let correction = correction_factor(wire, stats.examples);
             grad_norm = v[StepStats::LEN].sqrt() * f64::from(correction.abs());
-            let clip = if max_gradient_norm > 0.0 {
-                ringtrain_kernels::clip_factor(grad_norm, max_gradient_norm)
+            let clip = if self.max_gradient_norm > 0.0 {
+                ringtrain_kernels::clip_factor(grad_norm, self.max_gradient_norm)
             } else {
                 1.0
             };

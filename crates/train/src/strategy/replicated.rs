@@ -1,11 +1,11 @@
 //! `replicated`: every rank sums the gradients by all-reduce and applies the same update.
 //!
 //! Two ways to reduce:
-//! - overlapped (default): each gradient range the model reports finished during backward
+//! - overlapped (`--overlap-backward`, on by default on cuda): each gradient range the model reports finished during backward
 //!   is handed at once to the collective's [`FusionEngine`], whose background thread
 //!   fuses ready tensors (threshold and cycle time from the config) and reduces them
 //!   while backward goes on;
-//! - after backward (overlap off, the CPU default): the flat gradient buffer is
+//! - after backward (the CPU default): the flat gradient buffer is
 //!   all-reduced in place as one tensor, or, with `--gradient-repacking N` /
 //!   `--agg-small-grads-max-bytes B`, the gradient list goes through the collective's
 //!   [`GradientPacker`], exactly as tf_cnn_benchmarks packs and aggregates.
@@ -20,11 +20,13 @@ use std::time::{Duration, Instant};
 use half::f16;
 use ringtrain_collective::{
     AllReduceOptions, Communicator, DType, FusionConfig, FusionEngine, GradientPacker,
-    GradientSpec, Handle, PackingConfig, ReduceOp, Tensor, TensorMut,
+    GradientSpec, Handle, PackingConfig, Tensor, TensorMut,
 };
 
-use super::{correction_factor, update_replica, StepInputs, StepOutcome, StepStats};
-use crate::config::TrainConfig;
+use super::{
+    correction_factor, to_wire_f16, update_replica, StepContext, StepInputs, StepOutcome, Wire,
+};
+use crate::config::ValidatedConfig;
 use crate::error::{Error, Result};
 use crate::trainable::ParamSpec;
 
@@ -45,29 +47,24 @@ enum Mode {
 pub struct Replicated {
     mode: Mode,
     specs: Vec<ParamSpec>,
-    rank: usize,
-    world: usize,
-    fp16: bool,
-    wire_scale: f32,
+    max_gradient_norm: f32,
+    ctx: StepContext,
 }
 
 impl Replicated {
     /// Sets up overlapped or packed reduction for the tensors in `specs`.
-    pub fn new(cfg: &TrainConfig, comm: Communicator, specs: &[ParamSpec]) -> Result<Self> {
-        let rank = comm.rank();
-        let world = comm.size();
-        let packed = cfg.gradient_repacking > 0
-            || cfg.agg_small_grads_max_bytes > 0
-            || !cfg.overlap_backward;
-        let dtype = if cfg.fp16_gradients {
+    ///
+    /// # Errors
+    /// The collective's, when the packer's plan or the fusion engine fails.
+    pub fn new(cfg: &ValidatedConfig, comm: Communicator, specs: &[ParamSpec]) -> Result<Self> {
+        let exchange = &cfg.config().exchange;
+        let tf_packing = exchange.gradient_repacking > 0 || exchange.agg_small_grads_max_bytes > 0;
+        let dtype = if exchange.fp16_gradients {
             DType::F16
         } else {
             DType::F32
         };
-        let tf_packing = cfg.gradient_repacking > 0 || cfg.agg_small_grads_max_bytes > 0;
-        let mode = if packed && !tf_packing {
-            Mode::Packed { comm, packer: None }
-        } else if packed {
+        let mode = if tf_packing {
             let grad_specs = specs
                 .iter()
                 .map(|s| GradientSpec {
@@ -79,19 +76,21 @@ impl Replicated {
             let packer = GradientPacker::new(
                 grad_specs,
                 PackingConfig {
-                    gradient_repacking: cfg.gradient_repacking,
-                    agg_small_grads_max_bytes: cfg.agg_small_grads_max_bytes,
-                    agg_small_grads_max_group: cfg.agg_small_grads_max_group,
+                    gradient_repacking: exchange.gradient_repacking,
+                    agg_small_grads_max_bytes: exchange.agg_small_grads_max_bytes,
+                    agg_small_grads_max_group: exchange.agg_small_grads_max_group,
                 },
             )?;
             Mode::Packed {
                 comm,
                 packer: Some(packer),
             }
+        } else if !cfg.overlap_backward() {
+            Mode::Packed { comm, packer: None }
         } else {
             let config = FusionConfig {
-                threshold_bytes: cfg.fusion_threshold_bytes,
-                cycle_time: Duration::from_secs_f64(cfg.cycle_time_ms / 1000.0),
+                threshold_bytes: exchange.fusion_threshold_bytes,
+                cycle_time: Duration::from_secs_f64(exchange.cycle_time_ms / 1000.0),
                 options: AllReduceOptions::sum(),
                 ..FusionConfig::default()
             };
@@ -104,21 +103,9 @@ impl Replicated {
         Ok(Replicated {
             mode,
             specs: specs.to_vec(),
-            rank,
-            world,
-            fp16: cfg.fp16_gradients,
-            wire_scale: 1.0,
+            max_gradient_norm: cfg.config().run.max_gradient_norm,
+            ctx: StepContext::default(),
         })
-    }
-
-    /// This rank.
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    /// Ranks in the world.
-    pub fn world(&self) -> usize {
-        self.world
     }
 
     /// Whether gradient ranges are reduced while backward runs.
@@ -126,9 +113,8 @@ impl Replicated {
         matches!(self.mode, Mode::Overlapped { .. })
     }
 
-    pub(super) fn begin_step(&mut self, fp16: bool, wire_scale: f32) {
-        self.fp16 = fp16;
-        self.wire_scale = wire_scale;
+    pub(super) fn begin_step(&mut self, ctx: StepContext) {
+        self.ctx = ctx;
         if let Mode::Overlapped {
             pending,
             local_overflow,
@@ -150,19 +136,19 @@ impl Replicated {
             return Ok(());
         };
         if grads.len() != range.len() {
-            return Err(Error::RankMismatch(format!(
+            return Err(Error::Internal(format!(
                 "gradient range {range:?} came with {} values",
                 grads.len()
             )));
         }
         let name = format!("grad.{}", range.start);
-        let tensor: Tensor = if self.fp16 {
-            let mut half = vec![f16::ZERO; grads.len()];
-            *local_overflow |=
-                ringtrain_kernels::par::f32_to_f16_scaled(grads, self.wire_scale, &mut half)?;
-            half.into()
-        } else {
-            grads.to_vec().into()
+        let tensor: Tensor = match self.ctx.wire {
+            Wire::F16 { scale } => {
+                let (half, overflow) = to_wire_f16(grads, scale)?;
+                *local_overflow |= overflow;
+                half.into()
+            }
+            Wire::F32 => grads.to_vec().into(),
         };
         let handle = engine.submit(&name, tensor)?;
         pending.push((range, handle));
@@ -174,13 +160,12 @@ impl Replicated {
             params,
             grads,
             mut local,
-            wire_scale,
-            max_gradient_norm,
             optimizer,
+            control,
         } = inputs;
         let comm_start = Instant::now();
-        let fp16 = self.fp16;
-        let stats = match &mut self.mode {
+        let wire = self.ctx.wire;
+        match &mut self.mode {
             Mode::Overlapped {
                 engine,
                 pending,
@@ -189,33 +174,27 @@ impl Replicated {
                 local.overflow = f64::from(u8::from(*local_overflow));
                 let covered: usize = pending.iter().map(|(r, _)| r.len()).sum();
                 if covered != grads.len() {
-                    return Err(Error::RankMismatch(format!(
+                    return Err(Error::Internal(format!(
                         "backward reported {covered} of {} gradient elements ready",
                         grads.len()
                     )));
                 }
-                let stats_handle =
-                    engine.submit("step.stats", Tensor::from(local.to_array().to_vec()))?;
                 let (ranges, handles): (Vec<_>, Vec<_>) = pending.drain(..).unzip();
-                let mut reduced = engine.synchronize(handles)?;
-                let stats_vec = stats_handle.wait()?.into_vec::<f64>()?;
-                for (range, tensor) in ranges.into_iter().zip(reduced.drain(..)) {
+                let reduced = engine.synchronize(handles)?;
+                for (range, tensor) in ranges.into_iter().zip(reduced) {
                     let dst = &mut grads[range];
-                    if fp16 {
-                        let half = tensor.into_vec::<f16>()?;
-                        ringtrain_kernels::par::f16_to_f32_unscaled(&half, 1.0, dst)?;
-                    } else {
-                        let v = tensor.into_vec::<f32>()?;
-                        dst.copy_from_slice(&v);
+                    match wire {
+                        Wire::F16 { .. } => {
+                            let half = tensor.into_vec::<f16>()?;
+                            ringtrain_kernels::par::f16_to_f32_unscaled(&half, 1.0, dst)?;
+                        }
+                        Wire::F32 => dst.copy_from_slice(&tensor.into_vec::<f32>()?),
                     }
                 }
-                StepStats::from_slice(&stats_vec)
             }
-            Mode::Packed { comm, packer } => {
-                if fp16 {
-                    let mut half = vec![f16::ZERO; grads.len()];
-                    let overflow =
-                        ringtrain_kernels::par::f32_to_f16_scaled(grads, wire_scale, &mut half)?;
+            Mode::Packed { comm, packer } => match wire {
+                Wire::F16 { scale } => {
+                    let (mut half, overflow) = to_wire_f16(grads, scale)?;
                     local.overflow = f64::from(u8::from(overflow));
                     match packer {
                         Some(packer) => {
@@ -225,28 +204,26 @@ impl Replicated {
                         None => comm.all_reduce(&mut half, &AllReduceOptions::sum())?,
                     }
                     ringtrain_kernels::par::f16_to_f32_unscaled(&half, 1.0, grads)?;
-                } else {
-                    match packer {
-                        Some(packer) => {
-                            let mut tensors = split_tensors(grads, &self.specs);
-                            packer.all_reduce(comm, &mut tensors, &AllReduceOptions::sum())?;
-                        }
-                        None => comm.all_reduce(grads, &AllReduceOptions::sum())?,
-                    }
                 }
-                let mut v = local.to_array();
-                comm.all_reduce(&mut v, &AllReduceOptions::sum())?;
-                StepStats::from_slice(&v)
-            }
-        };
+                Wire::F32 => match packer {
+                    Some(packer) => {
+                        let mut tensors = split_tensors(grads, &self.specs);
+                        packer.all_reduce(comm, &mut tensors, &AllReduceOptions::sum())?;
+                    }
+                    None => comm.all_reduce(grads, &AllReduceOptions::sum())?,
+                },
+            },
+        }
+        let stats = local.summed(control)?;
         let communication_seconds = comm_start.elapsed().as_secs_f64();
         let opt_start = Instant::now();
         // Every replica holds the same bits, so this test agrees everywhere.
         let overflow = stats.overflow > 0.0 || ringtrain_kernels::has_non_finite_f32(grads);
         let mut grad_norm = 0.0;
         if !overflow {
-            let correction = correction_factor(if fp16 { wire_scale } else { 1.0 }, stats.examples);
-            grad_norm = update_replica(params, grads, correction, max_gradient_norm, optimizer)?;
+            let correction = correction_factor(wire, stats.examples);
+            grad_norm =
+                update_replica(params, grads, correction, self.max_gradient_norm, optimizer)?;
         }
         Ok(StepOutcome {
             stats,
@@ -257,53 +234,10 @@ impl Replicated {
         })
     }
 
-    pub(super) fn all_reduce_f64(&mut self, buf: &mut [f64], op: ReduceOp) -> Result<()> {
-        match &mut self.mode {
-            Mode::Packed { comm, .. } => comm.all_reduce(buf, &AllReduceOptions::with_op(op))?,
-            Mode::Overlapped { engine, .. } => {
-                if op != ReduceOp::Sum {
-                    // The fusion engine reduces with one op; other ops go through a
-                    // per-rank slot vector summed, then folded here.
-                    let world = self.world;
-                    let n = buf.len();
-                    let mut slots = vec![0.0f64; n * world];
-                    slots[self.rank * n..(self.rank + 1) * n].copy_from_slice(buf);
-                    let summed = engine
-                        .submit("summary.slots", Tensor::from(slots))?
-                        .wait()?
-                        .into_vec::<f64>()?;
-                    for (i, out) in buf.iter_mut().enumerate() {
-                        let column = (0..world).map(|r| summed[r * n + i]);
-                        *out = fold(op, column);
-                    }
-                } else {
-                    let summed = engine
-                        .submit("summary.sum", Tensor::from(buf.to_vec()))?
-                        .wait()?
-                        .into_vec::<f64>()?;
-                    buf.copy_from_slice(&summed);
-                }
-            }
-        }
-        Ok(())
-    }
-
     pub(super) fn shutdown(self) -> Result<Communicator> {
         match self.mode {
             Mode::Packed { comm, .. } => Ok(comm),
             Mode::Overlapped { engine, .. } => Ok(engine.shutdown()?),
-        }
-    }
-}
-
-fn fold(op: ReduceOp, values: impl Iterator<Item = f64>) -> f64 {
-    match op {
-        ReduceOp::Max => values.fold(f64::NEG_INFINITY, f64::max),
-        ReduceOp::Min => values.fold(f64::INFINITY, f64::min),
-        ReduceOp::Sum => values.sum(),
-        ReduceOp::Average => {
-            let (s, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
-            s / n.max(1) as f64
         }
     }
 }

@@ -1,15 +1,35 @@
-//! What the training loop needs from a model, and the batch type it feeds it.
+//! What the training loop needs from a model, the batch it feeds it, and the adapters
+//! that bind the model crate's models to it.
 //!
 //! The loop and the variable-update strategies see a model as one flat `f32` parameter
 //! buffer (with named ranges, one per tensor) and a `forward_backward` call that fills a
 //! flat gradient buffer of the same length and reports ranges as soon as backward has
 //! finished them, so communication can start while backward continues.
+//!
+//! - [`staging`]: a data batch as the model's batch view (both are time-major: no copy);
+//! - [`pass`]: one timed pass, handing finished gradient ranges on through a [`pass::Delivery`];
+//! - [`CpuTrainable`]: a model whose buffers are host memory, ranges delivered at once;
+//! - `GpuTrainable` (feature `cuda`): a model on the GPU with pinned host mirrors, ranges
+//!   delivered once their copies have landed;
+//! - [`build_model`]: the model a configuration asks for, on its device.
 
 use std::ops::Range;
 
 use ringtrain_data::{LmBatch, NmtBatch};
 
 use crate::error::Result;
+
+mod build;
+mod cpu;
+#[cfg(feature = "cuda")]
+mod gpu;
+pub mod pass;
+pub mod staging;
+
+pub use build::build_model;
+pub use cpu::CpuTrainable;
+#[cfg(feature = "cuda")]
+pub use gpu::GpuTrainable;
 
 /// One tensor of the flat parameter buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,7 +40,19 @@ pub struct ParamSpec {
     pub range: Range<usize>,
 }
 
-/// A batch for either model.
+/// One [`ParamSpec`] per tensor of `layout`, in buffer order.
+pub fn param_specs(layout: &ringtrain_model::ParamLayout) -> Vec<ParamSpec> {
+    layout
+        .entries()
+        .iter()
+        .map(|e| ParamSpec {
+            name: e.name.clone(),
+            range: e.offset..e.offset + e.len,
+        })
+        .collect()
+}
+
+/// A batch for either model (time-major, as the data crate makes it).
 #[derive(Debug, Clone)]
 pub enum Batch {
     /// Source and target sentences.
@@ -38,46 +70,20 @@ impl Batch {
         }
     }
 
-    /// Rows `rows` of this batch as a batch of their own (for splitting one global batch
-    /// over ranks). Rows past the end are dropped.
-    pub fn slice_rows(&self, rows: Range<usize>) -> Batch {
-        fn cut<T: Clone>(v: &[T], width: usize, rows: &Range<usize>) -> Vec<T> {
-            v[rows.start * width..rows.end * width].to_vec()
-        }
-        match self {
-            Batch::Nmt(b) => {
-                let rows = rows.start.min(b.batch_size)..rows.end.min(b.batch_size);
-                Batch::Nmt(NmtBatch {
-                    batch_size: rows.len(),
-                    src_len: b.src_len,
-                    tgt_len: b.tgt_len,
-                    source: cut(&b.source, b.src_len, &rows),
-                    source_lengths: b.source_lengths[rows.clone()].to_vec(),
-                    target_input: cut(&b.target_input, b.tgt_len, &rows),
-                    target_output: cut(&b.target_output, b.tgt_len, &rows),
-                    target_mask: cut(&b.target_mask, b.tgt_len, &rows),
-                    target_lengths: b.target_lengths[rows].to_vec(),
-                })
-            }
-            Batch::Lm(b) => {
-                let rows = rows.start.min(b.batch_size)..rows.end.min(b.batch_size);
-                Batch::Lm(LmBatch {
-                    batch_size: rows.len(),
-                    steps: b.steps,
-                    inputs: cut(&b.inputs, b.steps, &rows),
-                    targets: cut(&b.targets, b.steps, &rows),
-                    mask: cut(&b.mask, b.steps, &rows),
-                    first_in_epoch: b.first_in_epoch,
-                })
-            }
-        }
-    }
-
-    /// Examples (rows) in the batch: the unit gradients are averaged over.
+    /// Examples (columns) in the batch: the unit gradients are averaged over.
     pub fn examples(&self) -> usize {
         match self {
             Batch::Nmt(b) => b.batch_size,
             Batch::Lm(b) => b.batch_size,
+        }
+    }
+
+    /// Examples `examples` of this batch as a batch of their own (one rank's share of a
+    /// global batch). Examples past the end are dropped.
+    pub fn columns(&self, examples: Range<usize>) -> Batch {
+        match self {
+            Batch::Nmt(b) => Batch::Nmt(b.columns(examples)),
+            Batch::Lm(b) => Batch::Lm(b.columns(examples)),
         }
     }
 }
@@ -101,18 +107,34 @@ pub struct PassOutput {
 pub type ReadyCallback<'a> = dyn FnMut(Range<usize>, &[f32]) -> Result<()> + 'a;
 
 /// A model the trainer can train.
+///
+/// The host views of the parameters and gradients are fallible: a device model keeps
+/// host mirrors whose copies must have landed, and a broken invariant there is reported
+/// as [`crate::Error::Internal`], not papered over.
 pub trait TrainableModel: Send {
     /// The tensors of the flat parameter buffer, in buffer order, covering it exactly.
     fn param_specs(&self) -> Vec<ParamSpec>;
     /// The flat parameters.
-    fn params(&self) -> &[f32];
+    ///
+    /// # Errors
+    /// [`crate::Error::Internal`] when a device mirror is not settled.
+    fn params(&self) -> Result<&[f32]>;
     /// The flat parameters, for broadcasts and checkpoints.
-    fn params_mut(&mut self) -> &mut [f32];
+    ///
+    /// # Errors
+    /// As [`TrainableModel::params`].
+    fn params_mut(&mut self) -> Result<&mut [f32]>;
     /// The flat parameters and the flat gradients (same layout), for the update.
-    fn params_and_grads_mut(&mut self) -> (&mut [f32], &mut [f32]);
+    ///
+    /// # Errors
+    /// As [`TrainableModel::params`].
+    fn params_and_grads_mut(&mut self) -> Result<(&mut [f32], &mut [f32])>;
     /// Forward and backward on `batch`. Overwrites the gradient buffer with
     /// `∂(loss_sum)/∂θ` (the gradient of the summed token losses) and calls `on_ready`
     /// for disjoint ranges that together cover the buffer, each as soon as it is final.
+    ///
+    /// # Errors
+    /// The model's, the device's, or the first error `on_ready` returned.
     fn forward_backward(
         &mut self,
         batch: &Batch,

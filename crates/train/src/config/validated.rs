@@ -1,0 +1,437 @@
+//! [`ValidatedConfig`]: a [`TrainConfig`] whose every value was checked, once, for a
+//! given number of ranks, with its `auto` values resolved.
+
+use std::path::PathBuf;
+
+use ringtrain_data::BatchSizing;
+use ringtrain_model::EncoderKind;
+
+use super::{DeviceKind, GemmPrecisionKind, ModelKind, OptimizerKind, OverlapMode, TrainConfig};
+use super::{VariableUpdate, DEFAULT_ADAM_LEARNING_RATE, DEFAULT_SGD_LEARNING_RATE};
+use crate::error::{Error, Result};
+
+/// Where a run's batches come from, as `--use-synthetic-data` / `--data` resolve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataSource {
+    /// Uniform random token ids of `--vocab-size`.
+    Synthetic,
+    /// A parallel corpus with its two vocabularies.
+    Translation {
+        /// Source sentences.
+        source: PathBuf,
+        /// Target sentences (one per source line).
+        target: PathBuf,
+        /// Source vocabulary.
+        source_vocab: PathBuf,
+        /// Target vocabulary.
+        target_vocab: PathBuf,
+    },
+    /// A language-model text, with its vocabulary or one built from the text.
+    Text {
+        /// The training text.
+        text: PathBuf,
+        /// The vocabulary (`None`: built from the text).
+        vocab: Option<PathBuf>,
+    },
+}
+
+/// A [`TrainConfig`] checked for a world of [`ValidatedConfig::world`] ranks, with its
+/// `auto` values resolved: the trainer accepts nothing else, so no part of it checks a
+/// flag again. Made by [`TrainConfig::validate`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedConfig {
+    config: TrainConfig,
+    world: usize,
+    workers: usize,
+    batch: BatchSizing,
+    learning_rate: f32,
+    overlap_backward: bool,
+    data: DataSource,
+}
+
+/// `Err(InvalidValue)` naming `flag` unless `value >= 1`.
+fn at_least_one(flag: &'static str, value: usize) -> Result<()> {
+    if value == 0 {
+        return Err(Error::invalid(flag, value, "must be at least 1"));
+    }
+    Ok(())
+}
+
+impl TrainConfig {
+    /// Checks every value, for a run over `world` ranks, and resolves the `auto` ones:
+    /// the learning rate (the optimizer's default), `--overlap-backward auto` (on for
+    /// cuda), synthetic data (when no `--data` is given), and the corpus files.
+    ///
+    /// # Errors
+    /// `InvalidValue` naming the first flag that is wrong, with its value and what to do.
+    pub fn validate(&self, world: usize) -> Result<ValidatedConfig> {
+        let TrainConfig {
+            model,
+            data,
+            exchange,
+            run,
+            output,
+        } = self;
+        at_least_one("number of ranks", world)?;
+
+        at_least_one("--num-units", model.num_units)?;
+        at_least_one("--num-encoder-layers", model.num_encoder_layers)?;
+        if model.model == ModelKind::Nmt {
+            at_least_one("--num-decoder-layers", model.num_decoder_layers)?;
+            if model.direction == EncoderKind::Bi && model.num_encoder_layers % 2 != 0 {
+                return Err(Error::invalid(
+                    "--num-encoder-layers",
+                    model.num_encoder_layers,
+                    "a bidirectional encoder needs an even layer count (half per direction)",
+                ));
+            }
+            if model.num_encoder_layers != model.num_decoder_layers {
+                return Err(Error::invalid(
+                    "--num-decoder-layers",
+                    model.num_decoder_layers,
+                    format!(
+                        "the encoder's final states initialise the decoder, so it needs as many \
+                         layers as --num-encoder-layers ({})",
+                        model.num_encoder_layers
+                    ),
+                ));
+            }
+        }
+
+        if data.vocab_size < 4 {
+            return Err(Error::invalid(
+                "--vocab-size",
+                data.vocab_size,
+                "must be at least 4 (special tokens plus words)",
+            ));
+        }
+        at_least_one("--batch-size", data.batch_size)?;
+        at_least_one("--src-max-len", data.src_max_len)?;
+        let source = data_source(self)?;
+
+        if exchange.agg_small_grads_max_bytes > 0 && exchange.agg_small_grads_max_group == 0 {
+            return Err(Error::invalid(
+                "--agg-small-grads-max-group",
+                0,
+                "must be at least 1 when --agg-small-grads-max-bytes is set",
+            ));
+        }
+        if !(exchange.cycle_time_ms.is_finite() && exchange.cycle_time_ms >= 0.0) {
+            return Err(Error::invalid(
+                "--cycle-time-ms",
+                exchange.cycle_time_ms,
+                "must be a finite number >= 0",
+            ));
+        }
+        let parameter_server = exchange.variable_update == VariableUpdate::ParameterServer;
+        if parameter_server && exchange.ps_ranks > 0 && exchange.ps_ranks >= world {
+            return Err(Error::invalid(
+                "--ps-ranks",
+                exchange.ps_ranks,
+                format!(
+                    "needs fewer server ranks than the {world} ranks launched (at least one \
+                     worker); use --ps-ranks 0 to give every rank a shard"
+                ),
+            ));
+        }
+        let workers = if parameter_server && exchange.ps_ranks > 0 {
+            world - exchange.ps_ranks
+        } else {
+            world
+        };
+        let batch = match data.total_batch_size {
+            Some(total) => {
+                at_least_one("--total-batch-size", total)?;
+                if total < workers {
+                    return Err(Error::invalid(
+                        "--total-batch-size",
+                        total,
+                        format!("must be at least the number of worker ranks ({workers})"),
+                    ));
+                }
+                BatchSizing::Total(total)
+            }
+            None => BatchSizing::PerRank(data.batch_size),
+        };
+
+        if run.device == DeviceKind::Cpu && run.gemm_precision != GemmPrecisionKind::F32 {
+            return Err(Error::invalid(
+                "--gemm-precision",
+                run.gemm_precision,
+                "16-bit matrix products are a GPU option: use it with --device cuda (the CPU \
+                 backend multiplies in f32)",
+            ));
+        }
+        let learning_rate = match run.learning_rate {
+            Some(lr) if !(lr.is_finite() && lr > 0.0) => {
+                return Err(Error::invalid(
+                    "--learning-rate",
+                    lr,
+                    "must be a positive finite number",
+                ))
+            }
+            Some(lr) => lr,
+            None => match run.optimizer {
+                OptimizerKind::Adam => DEFAULT_ADAM_LEARNING_RATE,
+                OptimizerKind::Sgd => DEFAULT_SGD_LEARNING_RATE,
+            },
+        };
+        if !(run.max_gradient_norm.is_finite() && run.max_gradient_norm >= 0.0) {
+            return Err(Error::invalid(
+                "--max-gradient-norm",
+                run.max_gradient_norm,
+                "must be 0 (off) or a positive finite number",
+            ));
+        }
+        at_least_one("--timed-batches", run.timed_batches)?;
+
+        if output.resume && output.checkpoint.is_none() {
+            return Err(Error::invalid(
+                "--resume",
+                "true",
+                "needs --checkpoint FILE naming the checkpoint to load",
+            ));
+        }
+
+        let overlap_backward = match exchange.overlap_backward {
+            OverlapMode::On => true,
+            OverlapMode::Off => false,
+            OverlapMode::Auto => run.device == DeviceKind::Cuda,
+        };
+        Ok(ValidatedConfig {
+            config: self.clone(),
+            world,
+            workers,
+            batch,
+            learning_rate,
+            overlap_backward,
+            data: source,
+        })
+    }
+}
+
+/// The input `--use-synthetic-data` and `--data` ask for.
+fn data_source(cfg: &TrainConfig) -> Result<DataSource> {
+    let files = &cfg.data.data;
+    if cfg.data.use_synthetic_data.unwrap_or(files.is_empty()) {
+        return Ok(DataSource::Synthetic);
+    }
+    let shown = || {
+        if files.is_empty() {
+            "(none)".to_string()
+        } else {
+            files
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        }
+    };
+    match (cfg.model.model, files.as_slice()) {
+        (ModelKind::Nmt, [source, target, source_vocab, target_vocab]) => {
+            Ok(DataSource::Translation {
+                source: source.clone(),
+                target: target.clone(),
+                source_vocab: source_vocab.clone(),
+                target_vocab: target_vocab.clone(),
+            })
+        }
+        (ModelKind::Rnnlm, [text]) => Ok(DataSource::Text {
+            text: text.clone(),
+            vocab: None,
+        }),
+        (ModelKind::Rnnlm, [text, vocab]) => Ok(DataSource::Text {
+            text: text.clone(),
+            vocab: Some(vocab.clone()),
+        }),
+        (ModelKind::Nmt, _) => Err(Error::invalid(
+            "--data",
+            shown(),
+            "NMT needs four files: --data SRC,TGT,SRC_VOCAB,TGT_VOCAB (or --use-synthetic-data)",
+        )),
+        (ModelKind::Rnnlm, _) => Err(Error::invalid(
+            "--data",
+            shown(),
+            "the RNNLM needs --data TEXT or --data TEXT,VOCAB (or --use-synthetic-data)",
+        )),
+    }
+}
+
+impl ValidatedConfig {
+    /// The configuration as the user gave it (`auto` values unresolved): what reports and
+    /// checkpoints record.
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// Ranks the configuration was checked for.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Ranks that compute gradients (all but dedicated parameter servers, which are the
+    /// last `--ps-ranks` ranks).
+    pub fn workers(&self) -> usize {
+        self.workers
+    }
+
+    /// Whether `rank` computes gradients.
+    pub fn is_worker(&self, rank: usize) -> bool {
+        rank < self.workers
+    }
+
+    /// How many examples each worker takes per step.
+    pub fn batch(&self) -> BatchSizing {
+        self.batch
+    }
+
+    /// Worker `worker`'s examples per step (0 for a dedicated parameter server).
+    pub fn local_batch_size(&self, worker: usize) -> usize {
+        self.batch
+            .local_batch_size(worker, self.workers)
+            .unwrap_or(0)
+    }
+
+    /// Examples per step over all workers.
+    pub fn global_batch_size(&self) -> usize {
+        self.batch.global_batch_size(self.workers)
+    }
+
+    /// The learning rate in effect (the optimizer's default when none was given).
+    pub fn learning_rate(&self) -> f32 {
+        self.learning_rate
+    }
+
+    /// Whether the replicated strategy reduces gradient ranges while backward runs.
+    pub fn overlap_backward(&self) -> bool {
+        self.overlap_backward
+    }
+
+    /// Where the batches come from.
+    pub fn data_source(&self) -> &DataSource {
+        &self.data
+    }
+
+    /// Steps run: warm-up plus timed.
+    pub fn total_steps(&self) -> usize {
+        self.config.run.warmup_batches + self.config.run.timed_batches
+    }
+
+    /// The strategy as the logs and reports name it, e.g. `replicated (overlapped with
+    /// backward)`.
+    pub fn strategy_label(&self) -> String {
+        let exchange = &self.config.exchange;
+        match exchange.variable_update {
+            VariableUpdate::Replicated
+                if exchange.gradient_repacking > 0 || exchange.agg_small_grads_max_bytes > 0 =>
+            {
+                "replicated (packed, after backward)".to_string()
+            }
+            VariableUpdate::Replicated if self.overlap_backward => {
+                "replicated (overlapped with backward)".to_string()
+            }
+            VariableUpdate::Replicated => "replicated (after backward)".to_string(),
+            VariableUpdate::ParameterServer if exchange.ps_ranks == 0 => {
+                "parameter_server (a shard on every rank)".to_string()
+            }
+            VariableUpdate::ParameterServer => format!(
+                "parameter_server ({} dedicated server ranks)",
+                exchange.ps_ranks
+            ),
+            VariableUpdate::Independent => "independent".to_string(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error(cfg: &TrainConfig, world: usize) -> String {
+        cfg.validate(world)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn each_bad_value_is_named_with_its_flag() {
+        let mut cfg = TrainConfig::default();
+        cfg.data.batch_size = 0;
+        let err = error(&cfg, 1);
+        assert!(err.contains("--batch-size") && err.contains('0'), "{err}");
+
+        let mut cfg = TrainConfig::default();
+        cfg.model.direction = EncoderKind::Bi;
+        cfg.model.num_encoder_layers = 3;
+        cfg.model.num_decoder_layers = 3;
+        assert!(error(&cfg, 1).contains("--num-encoder-layers"));
+
+        let mut cfg = TrainConfig::default();
+        cfg.model.num_decoder_layers = 3;
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--num-decoder-layers") && err.contains('3'),
+            "{err}"
+        );
+
+        let mut cfg = TrainConfig::default();
+        cfg.exchange.variable_update = VariableUpdate::ParameterServer;
+        cfg.exchange.ps_ranks = 2;
+        assert!(error(&cfg, 2).contains("--ps-ranks"));
+        let run = cfg.validate(3).ok();
+        assert_eq!(run.as_ref().map(ValidatedConfig::workers), Some(1));
+        assert_eq!(run.map(|r| r.is_worker(1)), Some(false));
+
+        let mut cfg = TrainConfig::default();
+        cfg.data.total_batch_size = Some(2);
+        assert!(error(&cfg, 3).contains("--total-batch-size"));
+
+        let mut cfg = TrainConfig::default();
+        cfg.run.gemm_precision = GemmPrecisionKind::Bf16;
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--gemm-precision") && err.contains("--device cuda"),
+            "{err}"
+        );
+
+        let mut cfg = TrainConfig::default();
+        cfg.output.resume = true;
+        assert!(error(&cfg, 1).contains("--checkpoint"));
+
+        let mut cfg = TrainConfig::default();
+        cfg.data.data = vec!["a.txt".into()];
+        let err = error(&cfg, 1);
+        assert!(err.contains("--data") && err.contains("a.txt"), "{err}");
+    }
+
+    #[test]
+    fn auto_values_resolve_once() {
+        let run = TrainConfig::default().validate(2).ok();
+        let run = run.as_ref();
+        assert_eq!(run.map(ValidatedConfig::learning_rate), Some(1e-3));
+        assert_eq!(run.map(ValidatedConfig::overlap_backward), Some(false));
+        assert_eq!(
+            run.map(|r| r.data_source().clone()),
+            Some(DataSource::Synthetic)
+        );
+        assert_eq!(run.map(ValidatedConfig::global_batch_size), Some(64));
+
+        let mut cfg = TrainConfig::default();
+        cfg.run.device = DeviceKind::Cuda;
+        cfg.run.optimizer = OptimizerKind::Sgd;
+        cfg.model.model = ModelKind::Rnnlm;
+        cfg.data.data = vec!["ptb.txt".into()];
+        let run = cfg.validate(1).ok();
+        let run = run.as_ref();
+        assert_eq!(run.map(ValidatedConfig::learning_rate), Some(1.0));
+        assert_eq!(run.map(ValidatedConfig::overlap_backward), Some(true));
+        assert_eq!(
+            run.map(|r| r.data_source().clone()),
+            Some(DataSource::Text {
+                text: "ptb.txt".into(),
+                vocab: None
+            })
+        );
+    }
+}

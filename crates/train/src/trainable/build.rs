@@ -1,0 +1,188 @@
+//! The model a configuration asks for, built on its device.
+
+use ringtrain_model::{CpuBackend, LmConfig, NmtConfig, NmtModel, RnnLm};
+
+use super::{CpuTrainable, TrainableModel};
+use crate::config::{DeviceKind, ModelKind, ValidatedConfig};
+use crate::error::Result;
+
+/// Builds the model `cfg` asks for with the given vocabulary sizes, on the CPU with
+/// `threads` threads, or for `--device cuda` on GPU `local_rank % device count` (so
+/// several ranks may share one GPU).
+///
+/// # Errors
+/// The model crate's (sizes, thread pool), or a GPU error; `--device cuda` in a build
+/// without the `cuda` feature says to rebuild with it.
+pub fn build_model(
+    cfg: &ValidatedConfig,
+    src_vocab: usize,
+    tgt_vocab: usize,
+    local_rank: usize,
+    threads: usize,
+) -> Result<Box<dyn TrainableModel>> {
+    let shape = ModelShape::new(cfg, src_vocab, tgt_vocab);
+    let seed = cfg.config().run.seed;
+    match cfg.config().run.device {
+        DeviceKind::Cpu => {
+            let backend = CpuBackend::new(threads.max(1))?;
+            Ok(match shape {
+                ModelShape::Nmt(nmt, description) => Box::new(CpuTrainable::new(
+                    NmtModel::new(backend, nmt, seed)?,
+                    description,
+                )),
+                ModelShape::Lm(lm, description) => Box::new(CpuTrainable::new(
+                    RnnLm::new(backend, lm, seed)?,
+                    description,
+                )),
+            })
+        }
+        DeviceKind::Cuda => on_gpu(cfg, shape, local_rank),
+    }
+}
+
+/// The model crate's configuration of the model `cfg` selects, and its description.
+enum ModelShape {
+    Nmt(NmtConfig, String),
+    Lm(LmConfig, String),
+}
+
+impl ModelShape {
+    fn new(cfg: &ValidatedConfig, src_vocab: usize, tgt_vocab: usize) -> Self {
+        let m = &cfg.config().model;
+        match m.model {
+            ModelKind::Nmt => ModelShape::Nmt(
+                NmtConfig {
+                    src_vocab,
+                    tgt_vocab,
+                    emb: m.num_units,
+                    hidden: m.num_units,
+                    layers: m.num_encoder_layers,
+                    encoder: m.direction,
+                    lstm: m.encoder_type,
+                    ..NmtConfig::benchmark()
+                },
+                format!(
+                    "nmt {} {} {}+{} layers, {} units, vocab {}/{}",
+                    m.encoder_type,
+                    m.direction,
+                    m.num_encoder_layers,
+                    m.num_decoder_layers,
+                    m.num_units,
+                    src_vocab,
+                    tgt_vocab
+                ),
+            ),
+            ModelKind::Rnnlm => ModelShape::Lm(
+                LmConfig {
+                    vocab: src_vocab,
+                    emb: m.num_units,
+                    hidden: m.num_units,
+                    layers: m.num_encoder_layers,
+                    lstm: m.encoder_type,
+                    init_scale: 0.1,
+                    forget_bias: 1.0,
+                },
+                format!(
+                    "rnnlm {} {} layers, {} units, vocab {}",
+                    m.encoder_type, m.num_encoder_layers, m.num_units, src_vocab
+                ),
+            ),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn on_gpu(
+    cfg: &ValidatedConfig,
+    shape: ModelShape,
+    local_rank: usize,
+) -> Result<Box<dyn TrainableModel>> {
+    use super::GpuTrainable;
+    use crate::config::GemmPrecisionKind;
+    use crate::error::Error;
+    use ringtrain_model::{CudaBackend, GemmPrecision};
+
+    let run = &cfg.config().run;
+    let precision = match run.gemm_precision {
+        GemmPrecisionKind::F32 => GemmPrecision::F32,
+        GemmPrecisionKind::F16 => GemmPrecision::F16,
+        GemmPrecisionKind::Bf16 => GemmPrecision::Bf16,
+    };
+    let count = CudaBackend::device_count()?;
+    if count == 0 {
+        return Err(Error::invalid(
+            "--device",
+            "cuda",
+            "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES), or use --device cpu",
+        ));
+    }
+    let backend = CudaBackend::with_precision(local_rank % count, precision)?;
+    let on = |description: String| {
+        format!(
+            "{description}, GPU {} ({} matrix products)",
+            backend.device(),
+            run.gemm_precision
+        )
+    };
+    Ok(match shape {
+        ModelShape::Nmt(nmt, description) => {
+            let description = on(description);
+            Box::new(GpuTrainable::new(
+                NmtModel::new(backend, nmt, run.seed)?,
+                description,
+            )?)
+        }
+        ModelShape::Lm(lm, description) => {
+            let description = on(description);
+            Box::new(GpuTrainable::new(
+                RnnLm::new(backend, lm, run.seed)?,
+                description,
+            )?)
+        }
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn on_gpu(
+    _cfg: &ValidatedConfig,
+    _shape: ModelShape,
+    local_rank: usize,
+) -> Result<Box<dyn TrainableModel>> {
+    // Without the feature this is the model crate's "rebuild with --features cuda".
+    ringtrain_model::CudaBackend::new(local_rank)?;
+    Err(crate::error::Error::Internal(
+        "the stand-in CUDA backend returned a device".into(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TrainConfig;
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_says_so() {
+        let mut cfg = TrainConfig::default();
+        cfg.run.device = DeviceKind::Cuda;
+        let err = cfg
+            .validate(1)
+            .and_then(|cfg| build_model(&cfg, 50, 50, 0, 1))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("cuda") && err.contains("feature"), "{err}");
+    }
+
+    #[test]
+    fn the_description_names_the_shape() {
+        let Ok(cfg) = TrainConfig::default().validate(1) else {
+            panic!("the default config is valid");
+        };
+        let model = build_model(&cfg, 50, 40, 0, 1).map(|m| m.describe());
+        assert_eq!(
+            model.ok().as_deref(),
+            Some("nmt fused uni 2+2 layers, 64 units, vocab 50/40")
+        );
+    }
+}

@@ -1,0 +1,140 @@
+//! Before the first step: ranks agree on the flags and the model, a checkpoint is
+//! resumed, rank 0's parameters reach every rank, and the strategy and optimizer start.
+
+use std::path::Path;
+
+use ringtrain_collective::Communicator;
+
+use crate::checkpoint::Checkpoint;
+use crate::config::ValidatedConfig;
+use crate::control::Control;
+use crate::error::{Error, Result};
+use crate::optimizer::{LossScaler, Optimizer};
+use crate::strategy::Strategy;
+use crate::trainable::TrainableModel;
+
+/// One rank's training state between steps.
+pub(super) struct Session<'a> {
+    pub(super) cfg: &'a ValidatedConfig,
+    pub(super) rank: usize,
+    pub(super) control: Control,
+    pub(super) strategy: Strategy,
+    pub(super) optimizer: Optimizer,
+    /// The dynamic loss scale of f16 gradients (`None`: f32 gradients).
+    pub(super) scaler: Option<LossScaler>,
+    /// Steps completed, counting those of a resumed checkpoint.
+    pub(super) step: u64,
+    /// This rank's examples per step (0 for a dedicated parameter server).
+    pub(super) batch_size: usize,
+}
+
+impl<'a> Session<'a> {
+    /// Sets up rank `comm.rank()` to train `model` (collective: every rank calls it).
+    ///
+    /// # Errors
+    /// [`Error::RankMismatch`] when ranks were started with different flags or built
+    /// different models; checkpoint errors (on every rank); transport errors.
+    pub(super) fn start(
+        cfg: &'a ValidatedConfig,
+        mut comm: Communicator,
+        model: &mut dyn TrainableModel,
+    ) -> Result<Self> {
+        let rank = comm.rank();
+        if comm.size() != cfg.world() {
+            return Err(Error::Internal(format!(
+                "the config was validated for {} ranks but the communicator has {}",
+                cfg.world(),
+                comm.size()
+            )));
+        }
+        let specs = model.param_specs();
+        let n_params = model.params()?.len();
+        let covered: usize = specs.iter().map(|s| s.range.len()).sum();
+        if covered != n_params {
+            return Err(Error::Internal(format!(
+                "the model's tensors cover {covered} elements but its buffer has {n_params}"
+            )));
+        }
+
+        let mut control = Control::beside(&comm)?;
+        control.check_same(
+            "the training flags (fingerprint)",
+            f64::from(cfg.config().fingerprint()),
+        )?;
+        control.check_same("parameter count", n_params as f64)?;
+
+        // Resume before the broadcast: rank 0's loaded parameters then reach everyone.
+        let output = &cfg.config().output;
+        let resumed = match (&output.checkpoint, output.resume) {
+            (Some(path), true) => {
+                let loaded = Checkpoint::load(path).and_then(|ck| {
+                    ck.check_compatible(cfg.config(), n_params, path)?;
+                    Ok(ck)
+                });
+                let ck = control.agree("to load the checkpoint", loaded)?;
+                model.params_mut()?.copy_from_slice(&ck.params);
+                Some(ck)
+            }
+            _ => None,
+        };
+        comm.broadcast(model.params_mut()?, 0)?;
+
+        let strategy = Strategy::new(cfg, comm, &specs)?;
+        let run = &cfg.config().run;
+        let mut optimizer = Optimizer::new(run.optimizer, cfg.learning_rate(), n_params);
+        let fp16 = cfg.config().exchange.fp16_gradients;
+        let mut scaler = fp16.then(LossScaler::default);
+        let mut step = 0;
+        if let Some(ck) = resumed {
+            step = ck.step;
+            optimizer.load_state(ck.optimizer)?;
+            strategy.localize_optimizer_state(&mut optimizer);
+            if fp16 {
+                scaler = Some(ck.loss_scaler.unwrap_or_default());
+            }
+        }
+        let batch_size = if cfg.is_worker(rank) {
+            cfg.local_batch_size(rank)
+        } else {
+            0
+        };
+        Ok(Session {
+            cfg,
+            rank,
+            control,
+            strategy,
+            optimizer,
+            scaler,
+            step,
+            batch_size,
+        })
+    }
+
+    /// Writes the checkpoint (rank 0) with the full optimizer state; every rank learns
+    /// whether it worked.
+    ///
+    /// # Errors
+    /// The write's error on rank 0, [`Error::OtherRanksFailed`] elsewhere; transport errors.
+    pub(super) fn save_checkpoint(
+        &mut self,
+        path: &Path,
+        model: &dyn TrainableModel,
+    ) -> Result<()> {
+        let state = self.strategy.gather_optimizer_state(&self.optimizer)?;
+        let local = if self.rank == 0 {
+            model.params().and_then(|params| {
+                Checkpoint {
+                    config: self.cfg.config().clone(),
+                    step: self.step,
+                    params: params.to_vec(),
+                    optimizer: state,
+                    loss_scaler: self.scaler,
+                }
+                .save(path)
+            })
+        } else {
+            Ok(())
+        };
+        self.control.agree("to write the checkpoint", local)
+    }
+}

@@ -1,0 +1,105 @@
+//! One training step: batch, forward and backward (gradient ranges handed to the
+//! strategy as backward finishes them), exchange and update.
+
+use std::time::{Duration, Instant};
+
+use super::setup::Session;
+use crate::error::{Error, Result};
+use crate::strategy::{StepContext, StepInputs, StepOutcome, StepStats, Wire};
+use crate::throughput::StepBreakdown;
+use crate::trainable::{Batch, TrainableModel};
+
+/// What one step did on this rank.
+pub(super) struct StepResult {
+    /// The strategy's outcome (figures summed over the ranks that took part).
+    pub(super) outcome: StepOutcome,
+    /// This rank's own figures.
+    pub(super) local: StepStats,
+    /// Where this rank's time went.
+    pub(super) breakdown: StepBreakdown,
+    /// Kernel launches of this rank's pass.
+    pub(super) launches: u64,
+    /// Wall time of the step.
+    pub(super) elapsed: Duration,
+}
+
+impl Session<'_> {
+    /// How this step's gradients travel: f16 gradients carry loss scale / examples.
+    fn step_context(&self) -> StepContext {
+        let expected = if self.strategy.averages_globally() {
+            self.cfg.global_batch_size()
+        } else {
+            self.batch_size
+        };
+        let wire = match self.scaler {
+            Some(s) => Wire::F16 {
+                scale: (f64::from(s.scale) / expected.max(1) as f64) as f32,
+            },
+            None => Wire::F32,
+        };
+        StepContext { wire }
+    }
+
+    /// Runs step `i` (1-based) on `model` with the next batch of `batches`.
+    ///
+    /// # Errors
+    /// [`Error::InputEnded`] when the input runs dry; the model's, the strategy's and the
+    /// input's errors.
+    pub(super) fn step(
+        &mut self,
+        i: usize,
+        model: &mut dyn TrainableModel,
+        batches: &mut dyn Iterator<Item = ringtrain_data::Result<Batch>>,
+    ) -> Result<StepResult> {
+        let start = Instant::now();
+        let mut breakdown = StepBreakdown::default();
+        self.strategy.begin_step(self.step_context());
+        let mut local = StepStats::default();
+        let mut launches = 0;
+        if self.batch_size > 0 {
+            let wait = Instant::now();
+            let batch = batches.next().ok_or(Error::InputEnded {
+                rank: self.rank,
+                step: i,
+            })??;
+            breakdown.data_wait = wait.elapsed().as_secs_f64();
+            let strategy = &mut self.strategy;
+            let pass = model
+                .forward_backward(&batch, &mut |range, grads| strategy.on_ready(range, grads))?;
+            breakdown.forward = pass.forward_seconds;
+            breakdown.backward = pass.backward_seconds;
+            launches = pass.launches;
+            local = StepStats {
+                loss_sum: pass.loss_sum,
+                target_tokens: pass.target_tokens,
+                words: batch.words() as f64,
+                examples: batch.examples() as f64,
+                overflow: 0.0,
+            };
+        } else {
+            // A dedicated parameter server contributes nothing to the gradient sum.
+            model.params_and_grads_mut()?.1.fill(0.0);
+        }
+        let (params, grads) = model.params_and_grads_mut()?;
+        let outcome = self.strategy.finish_step(StepInputs {
+            params,
+            grads,
+            local,
+            optimizer: &mut self.optimizer,
+            control: &mut self.control,
+        })?;
+        breakdown.communication = outcome.communication_seconds;
+        breakdown.optimizer = outcome.optimizer_seconds;
+        if let Some(s) = self.scaler.as_mut() {
+            s.update(outcome.skipped);
+        }
+        self.step += 1;
+        Ok(StepResult {
+            outcome,
+            local,
+            breakdown,
+            launches,
+            elapsed: start.elapsed(),
+        })
+    }
+}

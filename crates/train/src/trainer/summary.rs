@@ -1,0 +1,93 @@
+//! After the last step: every rank's own figures, gathered on the control plane, make
+//! the run's report.
+
+use super::setup::Session;
+use crate::error::Result;
+use crate::report::{RankFigures, RunReport};
+use crate::strategy::StepStats;
+use crate::throughput::{StepBreakdown, ThroughputSummary};
+use crate::trainable::TrainableModel;
+
+/// What one rank counted over the timed batches, besides its meter's summary.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct TimedTotals {
+    /// This rank's own words in the timed batches.
+    pub(super) words: f64,
+    /// This rank's kernel launches in the timed batches.
+    pub(super) launches: f64,
+}
+
+impl Session<'_> {
+    /// This rank's figures over the timed batches.
+    fn rank_figures(&self, meter: &ThroughputSummary, timed: TimedTotals) -> RankFigures {
+        let seconds = meter.timed_seconds;
+        RankFigures {
+            rank: self.rank,
+            batch_size: self.batch_size,
+            words: timed.words,
+            seconds,
+            words_per_sec: if seconds > 0.0 {
+                timed.words / seconds
+            } else {
+                0.0
+            },
+            breakdown: meter.mean_breakdown,
+            launches_per_batch: timed.launches / meter.timed_batches.max(1) as f64,
+        }
+    }
+
+    /// Gathers every rank's figures and assembles the report (identical on every rank):
+    /// words over all ranks, time of the slowest, breakdown and launches averaged over the
+    /// workers; `last` is the last step's summed figures.
+    ///
+    /// # Errors
+    /// Transport or serialisation errors of the gather; the model's parameter view.
+    pub(super) fn report(
+        &mut self,
+        model: &dyn TrainableModel,
+        meter: &ThroughputSummary,
+        timed: TimedTotals,
+        last: StepStats,
+    ) -> Result<RunReport> {
+        let mine = self.rank_figures(meter, timed);
+        let per_rank: Vec<RankFigures> = self.control.gather(&mine)?;
+        let workers: Vec<&RankFigures> = per_rank.iter().filter(|r| r.batch_size > 0).collect();
+        let n = workers.len().max(1) as f64;
+        let mean = |f: fn(&RankFigures) -> f64| workers.iter().map(|r| f(r)).sum::<f64>() / n;
+        let breakdown = StepBreakdown {
+            data_wait: mean(|r| r.breakdown.data_wait),
+            forward: mean(|r| r.breakdown.forward),
+            backward: mean(|r| r.breakdown.backward),
+            communication: mean(|r| r.breakdown.communication),
+            optimizer: mean(|r| r.breakdown.optimizer),
+        };
+        let launches_per_batch = mean(|r| r.launches_per_batch);
+        let timed_seconds = per_rank.iter().map(|r| r.seconds).fold(0.0, f64::max);
+        let timed_words: f64 = per_rank.iter().map(|r| r.words).sum();
+        Ok(RunReport {
+            config: self.cfg.config().clone(),
+            strategy: self.cfg.strategy_label(),
+            model: model.describe(),
+            parameters: model.params()?.len(),
+            ranks: per_rank.len(),
+            workers: self.cfg.workers(),
+            global_batch_size: self.cfg.global_batch_size(),
+            steps: self.step,
+            timed_batches: meter.timed_batches,
+            timed_seconds,
+            timed_words,
+            words_per_sec: if timed_seconds > 0.0 {
+                timed_words / timed_seconds
+            } else {
+                0.0
+            },
+            per_step_words_per_sec: meter.per_step,
+            per_rank,
+            breakdown,
+            launches_per_batch,
+            final_loss: last.mean_loss(),
+            skipped_steps: self.scaler.map_or(0, |s| s.skipped_steps),
+            loss_scale: self.scaler.map(|s| s.scale),
+        })
+    }
+}
