@@ -30,6 +30,28 @@
 //! typed launchers that check lengths and return [`Error`] instead of launching
 //! bad work.
 //!
+//! # Layers
+//!
+//! With the `cuda` feature the runtime is built in layers, each module using only
+//! the ones below it (as in cust, whose `context`, `stream` and `memory` sit below
+//! `module` and `function`):
+//!
+//! 1. `context` (private): driver error checks, and one device's context with its
+//!    compute and copy streams.
+//! 2. `memory` ([`GpuBuffer`], [`DevSlice`], [`DevSliceMut`], [`Element`]), and
+//!    `pinned` ([`PinnedBuffer`]) on top of it: buffers hold their device's context
+//!    to copy on its streams, wait for them and free; they know nothing of modules
+//!    or launches.
+//! 3. `runtime`: [`Gpu`] (the context plus the module cache, one shared `Gpu` per
+//!    device index), [`LaunchConfig`], [`KernelArg`] and [`Gpu::launch`]. Its
+//!    memory methods ([`Gpu::alloc`], [`Gpu::upload`], [`Gpu::pinned`], ...)
+//!    forward to layer 2.
+//! 4. The launchers, one module per PTX file (`fp16` also owns [`NonFiniteFlag`],
+//!    the one-word buffer its kernels set), and `timing` ([`GpuTimer`]).
+//!
+//! `error` and `signature` (the entries' declarations, also built without the
+//! `cuda` feature) sit below all of them.
+//!
 //! # Features
 //!
 //! * default (no features): the PTX texts, the signature table and the PTX
@@ -98,6 +120,8 @@ pub mod optim;
 pub mod softmax;
 
 #[cfg(feature = "cuda")]
+mod context;
+#[cfg(feature = "cuda")]
 mod memory;
 #[cfg(feature = "cuda")]
 mod pinned;
@@ -113,9 +137,9 @@ pub use signature::{
 };
 
 #[cfg(feature = "cuda")]
-pub use memory::{
-    AsDevSlice, AsDevSliceMut, DevSlice, DevSliceMut, Element, GpuBuffer, NonFiniteFlag,
-};
+pub use fp16::NonFiniteFlag;
+#[cfg(feature = "cuda")]
+pub use memory::{AsDevSlice, AsDevSliceMut, DevSlice, DevSliceMut, Element, GpuBuffer};
 #[cfg(feature = "cuda")]
 pub use pinned::PinnedBuffer;
 #[cfg(feature = "cuda")]
