@@ -189,8 +189,10 @@ def grouped_tile(tile):
 """
 
 
-# Parameter order shared by every entry (see /work/plan/GEMM_PTX.md); pointers
-# are .u64, sizes .u32, alpha and beta .f32.
+# Parameter order shared by every entry: the launcher in crates/cuda/src/gemm.rs
+# passes its arguments in this order, and its KERNELS table declares these kinds
+# (crates/cuda/tests/ptx_signatures.rs checks them against the generated .entry
+# lines); pointers are .u64, sizes .u32, alpha and beta .f32.
 PARAMS = ["a", "b", "c", "m", "n", "k", "lda", "ldb", "ldc", "alpha", "beta"]
 PTYPES = {"a": "u64", "b": "u64", "c": "u64", "alpha": "f32", "beta": "f32"}
 
