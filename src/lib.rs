@@ -11,7 +11,7 @@
 //! - [`data`]: synthetic data, corpora, vocabularies, bucketing, sharding, prefetch;
 //! - [`train`]: the training loop, variable-update strategies, throughput meter,
 //!   checkpoints;
-//! - `cuda` (feature `cuda`): the runtime for the hand-written PTX kernels.
+//! - `cuda` (feature `cuda`): the runtime for the PTX kernels in `ptx/`.
 //!
 //! The `ringtrain` command (package `ringtrain-launcher`) runs the trainer under mpirun.
 //!

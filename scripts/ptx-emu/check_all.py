@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Runs every entry of every ptx/*.ptx through the emulator (ptx_emu.py) on small
 random inputs and compares the results with numpy references that implement the
-definitions of the CPU kernels in crates/kernels (see /work/plan/KERNELS_API.md).
+definitions of the CPU kernels in crates/kernels (layouts and conventions in the
+crate docs, crates/kernels/src/lib.rs; each function in its module there), of the
+model backend's CPU ops (crates/model/src/backend/cpu.rs) and of the GEMM as
+documented in crates/cuda/src/gemm.rs.
 
 Usage:  python3 scripts/ptx-emu/check_all.py [--ptx-dir DIR] [--only NAME ...] [--exact-approx]
 

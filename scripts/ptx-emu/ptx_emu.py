@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """ptx_emu -- a lockstep SIMT emulator for the subset of PTX that ringtrain's
-hand-written kernels (ptx/*.ptx) use, so they can be checked without a GPU.
+kernels (ptx/*.ptx) use, so they can be checked without a GPU.
 
 It is a test tool: it runs a kernel launch on numpy arrays, one thread block at a
 time, and reports anything the PTX ISA leaves undefined or that would make the

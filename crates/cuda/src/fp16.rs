@@ -3,8 +3,8 @@
 //!
 //! Results are bit-identical to the CPU kernels (round to nearest even; NaN
 //! payloads aside). Where the CPU function returns "some element was Inf/NaN",
-//! the GPU launcher sets a [`NonFiniteFlag`](crate::NonFiniteFlag) on the device
-//! instead, so mixed-precision steps need no host round trip per tensor.
+//! the GPU launcher sets a [`NonFiniteFlag`] on the device instead, so
+//! mixed-precision steps need no host round trip per tensor.
 //! The kernels use 16-byte vector loads and stores and handle any length and
 //! any element offset (misaligned views fall back to element-wise access).
 
@@ -62,8 +62,38 @@ mod launchers {
 
     use super::MODULE;
     use crate::error::{check_len, kernel_count, Result};
-    use crate::memory::{AsDevSlice, AsDevSliceMut, Element, NonFiniteFlag};
+    use crate::memory::{AsDevSlice, AsDevSliceMut, DevSliceMut, Element, GpuBuffer};
     use crate::runtime::{Gpu, KernelArg, LaunchConfig};
+
+    /// A device-side "some value was Inf or NaN" flag (one `u32`).
+    ///
+    /// Kernels only ever set it to 1; [`NonFiniteFlag::reset`] clears it. Reading it
+    /// ([`NonFiniteFlag::is_set`]) waits for the queued work, so check it once per
+    /// step (e.g. for dynamic loss scaling), not after every tensor.
+    #[derive(Debug)]
+    pub struct NonFiniteFlag {
+        word: GpuBuffer<u32>,
+    }
+
+    impl NonFiniteFlag {
+        /// A cleared flag on `gpu`.
+        pub fn new(gpu: &Gpu) -> Result<NonFiniteFlag> {
+            Ok(NonFiniteFlag {
+                word: gpu.zeros(1)?,
+            })
+        }
+        /// Queues clearing the flag.
+        pub fn reset(&mut self) -> Result<()> {
+            self.word.fill_bytes(0)
+        }
+        /// Waits for queued work and reads the flag.
+        pub fn is_set(&self) -> Result<bool> {
+            Ok(self.word.to_host()?[0] != 0)
+        }
+        fn view(&mut self) -> DevSliceMut<'_, u32> {
+            self.word.as_mut_slice()
+        }
+    }
 
     /// One thread per 8-element vector.
     fn config(gpu: &Gpu, n: usize) -> LaunchConfig {

@@ -1,6 +1,11 @@
 //! Device memory: owned buffers and borrowed views.
 //!
-//! A [`GpuBuffer`] owns device memory on one [`Gpu`]. Launchers take views:
+//! The memory layer: it sits on `context.rs` (a buffer holds its device's
+//! [`DeviceContext`] to copy on its streams and to free into it) and knows nothing of
+//! modules or launches; [`Gpu`](crate::Gpu)'s `alloc`, `upload`, `copy`, ... forward
+//! here.
+//!
+//! A [`GpuBuffer`] owns device memory on one device. Launchers take views:
 //! [`DevSlice`] (read) and [`DevSliceMut`] (write), borrowed from a buffer, so
 //! the borrow checker keeps a kernel's outputs from aliasing its inputs. Views
 //! of parts of a buffer come from [`GpuBuffer::slice`] and
@@ -15,8 +20,8 @@ use std::ops::Range;
 
 use cust::sys as cuda;
 
+use crate::context::{check, DeviceContext};
 use crate::error::{Error, Result};
-use crate::runtime::{check, Gpu};
 
 /// An element type that can live in device memory.
 pub trait Element: bytemuck::Pod + Send + Sync + 'static {
@@ -58,7 +63,7 @@ pub(crate) fn check_range(arg: &'static str, range: &Range<usize>, len: usize) -
 /// Dropping it frees the memory (the driver's free waits for queued work that
 /// may still use it).
 pub struct GpuBuffer<T: Element> {
-    gpu: Gpu,
+    device: DeviceContext,
     ptr: u64,
     len: usize,
     _type: PhantomData<T>,
@@ -71,18 +76,18 @@ impl<T: Element> std::fmt::Debug for GpuBuffer<T> {
             "GpuBuffer<{}>[{}] on device {}",
             T::NAME,
             self.len,
-            self.gpu.ordinal()
+            self.device.ordinal()
         )
     }
 }
 
 impl<T: Element> Drop for GpuBuffer<T> {
     fn drop(&mut self) {
-        if self.ptr != 0 && self.gpu.bind().is_ok() {
+        if self.ptr != 0 && self.device.bind().is_ok() {
             // Work queued on the streams may still read or write this memory (a launcher's
             // uploaded ids, a scratch buffer, a download to pinned memory): wait for it
             // before the memory goes back.
-            let _ = self.gpu.synchronize_all();
+            let _ = self.device.synchronize_all();
             // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once, after
             // both streams (the only ones work is queued on) have drained.
             unsafe {
@@ -92,9 +97,10 @@ impl<T: Element> Drop for GpuBuffer<T> {
     }
 }
 
-impl Gpu {
+// The memory operations behind `Gpu::alloc`, `Gpu::copy`, ... (documented there).
+impl DeviceContext {
     /// Allocates `len` elements; the contents are unspecified.
-    pub fn alloc<T: Element>(&self, len: usize) -> Result<GpuBuffer<T>> {
+    pub(crate) fn alloc<T: Element>(&self, len: usize) -> Result<GpuBuffer<T>> {
         let bytes = byte_len::<T>(len)?;
         let mut ptr: u64 = 0;
         if bytes > 0 {
@@ -104,7 +110,7 @@ impl Gpu {
             check(result, "allocating device memory")?;
         }
         Ok(GpuBuffer {
-            gpu: self.clone(),
+            device: self.clone(),
             ptr,
             len,
             _type: PhantomData,
@@ -112,21 +118,21 @@ impl Gpu {
     }
 
     /// Allocates `len` elements set to all-zero bits.
-    pub fn zeros<T: Element>(&self, len: usize) -> Result<GpuBuffer<T>> {
+    pub(crate) fn zeros<T: Element>(&self, len: usize) -> Result<GpuBuffer<T>> {
         let mut buf = self.alloc(len)?;
         buf.fill_bytes(0)?;
         Ok(buf)
     }
 
     /// Allocates a buffer holding a copy of `host`.
-    pub fn upload<T: Element>(&self, host: &[T]) -> Result<GpuBuffer<T>> {
+    pub(crate) fn upload<T: Element>(&self, host: &[T]) -> Result<GpuBuffer<T>> {
         let mut buf = self.alloc(host.len())?;
         buf.copy_from_host(host)?;
         Ok(buf)
     }
 
     /// Queues a device-to-device copy of `src` into `dst` (same length).
-    pub fn copy<T: Element>(
+    pub(crate) fn copy<T: Element>(
         &self,
         src: &impl AsDevSlice<T>,
         dst: &mut impl AsDevSliceMut<T>,
@@ -134,8 +140,8 @@ impl Gpu {
         let src = src.dev_slice();
         let dst = dst.dev_slice_mut();
         crate::error::check_len("dst", src.len(), dst.len())?;
-        self.arg("src", &src)?;
-        self.arg_mut("dst", &dst)?;
+        self.check_device("src", src.device())?;
+        self.check_device("dst", dst.device())?;
         if src.is_empty() {
             return Ok(());
         }
@@ -153,16 +159,17 @@ impl Gpu {
         };
         check(result, "copying device memory")
     }
-}
 
-impl Gpu {
-    /// Copies the device view `src` into `host` (same length), after the work queued so
-    /// far on the stream; returns when the copy is done. Views let a part of a buffer
-    /// (one gradient tensor of a flat buffer) travel without a staging copy.
-    pub fn copy_to_host<T: Element>(&self, src: &impl AsDevSlice<T>, host: &mut [T]) -> Result<()> {
+    /// Copies the device view `src` into `host` (same length) on the compute stream and
+    /// waits for it.
+    pub(crate) fn copy_to_host<T: Element>(
+        &self,
+        src: &impl AsDevSlice<T>,
+        host: &mut [T],
+    ) -> Result<()> {
         let src = src.dev_slice();
         crate::error::check_len("host", src.len(), host.len())?;
-        self.arg("src", &src)?;
+        self.check_device("src", src.device())?;
         if src.is_empty() {
             return Ok(());
         }
@@ -183,16 +190,16 @@ impl Gpu {
         self.synchronize()
     }
 
-    /// Copies `host` into the device view `dst` (same length), after the work queued so
-    /// far on the stream; returns when the copy is done.
-    pub fn copy_from_host<T: Element>(
+    /// Copies `host` into the device view `dst` (same length) on the compute stream and
+    /// waits for it.
+    pub(crate) fn copy_from_host<T: Element>(
         &self,
         host: &[T],
         dst: &mut impl AsDevSliceMut<T>,
     ) -> Result<()> {
         let dst = dst.dev_slice_mut();
         crate::error::check_len("host", dst.len(), host.len())?;
-        self.arg_mut("dst", &dst)?;
+        self.check_device("dst", dst.device())?;
         if dst.is_empty() {
             return Ok(());
         }
@@ -230,9 +237,9 @@ impl<T: Element> GpuBuffer<T> {
         self.ptr
     }
 
-    /// The GPU the memory lives on.
-    pub fn gpu(&self) -> &Gpu {
-        &self.gpu
+    /// Index of the device holding the memory.
+    pub fn device(&self) -> usize {
+        self.device.ordinal()
     }
 
     /// Copies `host` into the buffer (same length), after the work queued so far.
@@ -241,7 +248,7 @@ impl<T: Element> GpuBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.gpu.bind()?;
+        self.device.bind()?;
         let bytes: &[u8] = bytemuck::cast_slice(host);
         // SAFETY: the destination holds exactly `bytes.len()` bytes; the host
         // slice stays borrowed until the stream is synchronized below.
@@ -250,11 +257,11 @@ impl<T: Element> GpuBuffer<T> {
                 self.ptr,
                 bytes.as_ptr().cast(),
                 bytes.len(),
-                self.gpu.stream().as_inner(),
+                self.device.stream().as_inner(),
             )
         };
         check(result, "copying host memory to the device")?;
-        self.gpu.synchronize()
+        self.device.synchronize()
     }
 
     /// Copies the buffer into `host` (same length), waiting for queued work first.
@@ -263,7 +270,7 @@ impl<T: Element> GpuBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.gpu.bind()?;
+        self.device.bind()?;
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(host);
         // SAFETY: the source holds exactly `bytes.len()` bytes; the host slice
         // stays borrowed until the stream is synchronized below.
@@ -272,11 +279,11 @@ impl<T: Element> GpuBuffer<T> {
                 bytes.as_mut_ptr().cast(),
                 self.ptr,
                 bytes.len(),
-                self.gpu.stream().as_inner(),
+                self.device.stream().as_inner(),
             )
         };
         check(result, "copying device memory to the host")?;
-        self.gpu.synchronize()
+        self.device.synchronize()
     }
 
     /// Copies the buffer into a new `Vec`, waiting for queued work first.
@@ -292,10 +299,11 @@ impl<T: Element> GpuBuffer<T> {
         if bytes == 0 {
             return Ok(());
         }
-        self.gpu.bind()?;
+        self.device.bind()?;
         // SAFETY: the allocation holds `bytes` bytes.
-        let result =
-            unsafe { cuda::cuMemsetD8Async(self.ptr, byte, bytes, self.gpu.stream().as_inner()) };
+        let result = unsafe {
+            cuda::cuMemsetD8Async(self.ptr, byte, bytes, self.device.stream().as_inner())
+        };
         check(result, "filling device memory")
     }
 
@@ -304,7 +312,7 @@ impl<T: Element> GpuBuffer<T> {
         DevSlice {
             ptr: self.ptr,
             len: self.len,
-            device: self.gpu.ordinal(),
+            device: self.device.ordinal(),
             _borrow: PhantomData,
         }
     }
@@ -314,7 +322,7 @@ impl<T: Element> GpuBuffer<T> {
         DevSliceMut {
             ptr: self.ptr,
             len: self.len,
-            device: self.gpu.ordinal(),
+            device: self.device.ordinal(),
             _borrow: PhantomData,
         }
     }
@@ -482,35 +490,5 @@ impl<T: Element> AsDevSliceMut<T> for GpuBuffer<T> {
 impl<T: Element> AsDevSliceMut<T> for DevSliceMut<'_, T> {
     fn dev_slice_mut(&mut self) -> DevSliceMut<'_, T> {
         self.reborrow()
-    }
-}
-
-/// A device-side "some value was Inf or NaN" flag (one `u32`).
-///
-/// Kernels only ever set it to 1; [`NonFiniteFlag::reset`] clears it. Reading it
-/// ([`NonFiniteFlag::is_set`]) waits for the queued work, so check it once per
-/// step (e.g. for dynamic loss scaling), not after every tensor.
-#[derive(Debug)]
-pub struct NonFiniteFlag {
-    word: GpuBuffer<u32>,
-}
-
-impl NonFiniteFlag {
-    /// A cleared flag on `gpu`.
-    pub fn new(gpu: &Gpu) -> Result<NonFiniteFlag> {
-        Ok(NonFiniteFlag {
-            word: gpu.zeros(1)?,
-        })
-    }
-    /// Queues clearing the flag.
-    pub fn reset(&mut self) -> Result<()> {
-        self.word.fill_bytes(0)
-    }
-    /// Waits for queued work and reads the flag.
-    pub fn is_set(&self) -> Result<bool> {
-        Ok(self.word.to_host()?[0] != 0)
-    }
-    pub(crate) fn view(&mut self) -> DevSliceMut<'_, u32> {
-        self.word.as_mut_slice()
     }
 }

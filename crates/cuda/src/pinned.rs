@@ -37,9 +37,9 @@ use cust::event::{Event, EventFlags, EventStatus};
 use cust::stream::StreamWaitEventFlags;
 use cust::sys as cuda;
 
+use crate::context::{check, driver, DeviceContext};
 use crate::error::{Error, Result};
 use crate::memory::{AsDevSlice, AsDevSliceMut, Element};
-use crate::runtime::{check, driver, Gpu};
 
 /// An asynchronous copy touching `range` of a pinned buffer, done when `done` fires.
 #[derive(Debug)]
@@ -53,9 +53,9 @@ fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
 }
 
 /// Page-locked host memory for `len` elements of `T`, with asynchronous copies to and
-/// from a [`Gpu`] (see the module docs).
+/// from a [`Gpu`](crate::Gpu) (see the module docs).
 pub struct PinnedBuffer<T: Element> {
-    gpu: Gpu,
+    device: DeviceContext,
     ptr: NonNull<T>,
     len: usize,
     in_flight: Vec<InFlight>,
@@ -75,19 +75,17 @@ impl<T: Element> std::fmt::Debug for PinnedBuffer<T> {
             "PinnedBuffer<{}>[{}] for device {} ({} copies in flight)",
             T::NAME,
             self.len,
-            self.gpu.ordinal(),
+            self.device.ordinal(),
             self.in_flight.len()
         )
     }
 }
 
-impl Gpu {
-    /// Allocates `len` zeroed elements of page-locked host memory for copies with this GPU.
-    ///
-    /// # Errors
-    /// [`Error::TooLarge`] if the byte size overflows; a driver error if the memory
-    /// cannot be locked (the limit is the host's RAM and `ulimit -l`).
-    pub fn pinned<T: Element>(&self, len: usize) -> Result<PinnedBuffer<T>> {
+// The allocation behind `Gpu::pinned` (documented there).
+impl DeviceContext {
+    /// Allocates `len` zeroed elements of page-locked host memory for copies with this
+    /// device.
+    pub(crate) fn pinned<T: Element>(&self, len: usize) -> Result<PinnedBuffer<T>> {
         let size = std::mem::size_of::<T>();
         let bytes = len.checked_mul(size).ok_or(Error::TooLarge {
             arg: "len",
@@ -116,7 +114,7 @@ impl Gpu {
             typed
         };
         Ok(PinnedBuffer {
-            gpu: self.clone(),
+            device: self.clone(),
             ptr,
             len,
             in_flight: Vec::new(),
@@ -168,7 +166,7 @@ impl<T: Element> PinnedBuffer<T> {
     /// A range outside the buffer, or the driver error of a failed copy.
     pub fn wait(&mut self, range: Range<usize>) -> Result<&[T]> {
         self.check_range("range", &range)?;
-        self.gpu.bind()?;
+        self.device.bind()?;
         self.settle(&range)?;
         // SAFETY: `range` lies inside the allocation and no copy touches it any more (copies
         // into other ranges may still run: the slice covers exactly `range`).
@@ -181,7 +179,7 @@ impl<T: Element> PinnedBuffer<T> {
     /// A range outside the buffer, or the driver error of a failed copy.
     pub fn is_ready(&mut self, range: Range<usize>) -> Result<bool> {
         self.check_range("range", &range)?;
-        self.gpu.bind()?;
+        self.device.bind()?;
         for copy in self.in_flight.iter().filter(|c| overlaps(&c.range, &range)) {
             let status = copy
                 .done
@@ -202,7 +200,7 @@ impl<T: Element> PinnedBuffer<T> {
         if self.in_flight.is_empty() {
             return Ok(());
         }
-        self.gpu.bind()?;
+        self.device.bind()?;
         self.settle(&(0..self.len))
     }
 
@@ -251,17 +249,17 @@ impl<T: Element> PinnedBuffer<T> {
         let src = src.dev_slice();
         self.check_range("range", &range)?;
         crate::error::check_len("src", range.len(), src.len())?;
-        self.gpu.check_slice_device("src", src.device())?;
+        self.device.check_device("src", src.device())?;
         if range.is_empty() {
             return Ok(());
         }
-        self.gpu.bind()?;
+        self.device.bind()?;
         self.settle(&range)?; // an earlier copy may still read or write these elements
         let after_compute = self.event()?;
         after_compute
-            .record(self.gpu.stream())
+            .record(self.device.stream())
             .map_err(driver("recording an event on the compute stream"))?;
-        self.gpu
+        self.device
             .copy_stream()
             .wait_event(after_compute, StreamWaitEventFlags::DEFAULT)
             .map_err(driver("ordering the copy stream after the compute stream"))?;
@@ -275,12 +273,12 @@ impl<T: Element> PinnedBuffer<T> {
                 self.ptr.as_ptr().add(range.start).cast(),
                 src.device_ptr(),
                 bytes,
-                self.gpu.copy_stream().as_inner(),
+                self.device.copy_stream().as_inner(),
             )
         };
         check(result, "copying device memory to pinned host memory")?;
         let done = self.event()?;
-        done.record(self.gpu.copy_stream())
+        done.record(self.device.copy_stream())
             .map_err(driver("recording an event on the copy stream"))?;
         self.in_flight.push(InFlight { range, done });
         Ok(())
@@ -301,11 +299,11 @@ impl<T: Element> PinnedBuffer<T> {
         let dst = dst.dev_slice_mut();
         self.check_range("range", &range)?;
         crate::error::check_len("dst", range.len(), dst.len())?;
-        self.gpu.check_slice_device("dst", dst.device())?;
+        self.device.check_device("dst", dst.device())?;
         if range.is_empty() {
             return Ok(());
         }
-        self.gpu.bind()?;
+        self.device.bind()?;
         self.settle(&range)?; // a download may still be writing these elements
         let bytes = range.len() * std::mem::size_of::<T>();
         // SAFETY: as in `download_async`: the host range is live and locked until `done`
@@ -315,12 +313,12 @@ impl<T: Element> PinnedBuffer<T> {
                 dst.device_ptr(),
                 self.ptr.as_ptr().add(range.start).cast(),
                 bytes,
-                self.gpu.stream().as_inner(),
+                self.device.stream().as_inner(),
             )
         };
         check(result, "copying pinned host memory to the device")?;
         let done = self.event()?;
-        done.record(self.gpu.stream())
+        done.record(self.device.stream())
             .map_err(driver("recording an event on the compute stream"))?;
         self.in_flight.push(InFlight { range, done });
         Ok(())
@@ -329,7 +327,7 @@ impl<T: Element> PinnedBuffer<T> {
 
 impl<T: Element> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
-        if self.len == 0 || self.gpu.bind().is_err() {
+        if self.len == 0 || self.device.bind().is_err() {
             return;
         }
         if self.wait_all().is_err() {

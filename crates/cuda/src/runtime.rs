@@ -1,48 +1,21 @@
-//! The device runtime: one [`Gpu`] per device index, holding the CUDA context,
-//! the stream every launch and copy goes to, and the cache of loaded modules.
+//! The launch layer: one [`Gpu`] per device index, holding the device's context and
+//! streams (`context.rs`) and the cache of loaded modules, and launching kernels with
+//! [`LaunchConfig`] and [`KernelArg`]s. It sits on the memory layer (`memory.rs`,
+//! `pinned.rs`), whose operations `Gpu` offers as methods ([`Gpu::alloc`],
+//! [`Gpu::pinned`], ...); nothing below it knows about it.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cust::context::{Context, CurrentContext};
-use cust::device::{Device, DeviceAttribute};
-use cust::error::CudaError;
 use cust::module::Module;
-use cust::stream::{Stream, StreamFlags};
 use cust::sys as cuda;
 
+use crate::context::{check, device_count, driver, DeviceContext};
 use crate::error::{Error, Result};
-use crate::memory::{DevSlice, DevSliceMut, Element};
+use crate::memory::{AsDevSlice, AsDevSliceMut, DevSlice, DevSliceMut, Element, GpuBuffer};
+use crate::pinned::PinnedBuffer;
 use crate::signature::{Param, PtxModule};
-
-/// Wraps a driver error with what was being done.
-pub(crate) fn driver(during: &'static str) -> impl FnOnce(CudaError) -> Error {
-    move |source| Error::Driver { during, source }
-}
-
-/// Turns a raw driver result into the crate's error.
-pub(crate) fn check(result: cuda::CUresult, during: &'static str) -> Result<()> {
-    if result == cuda::CUresult::CUDA_SUCCESS {
-        return Ok(());
-    }
-    let mut name: *const std::os::raw::c_char = std::ptr::null();
-    // SAFETY: cuGetErrorName stores a pointer to a static string (or leaves null).
-    let found = unsafe { cuda::cuGetErrorName(result, &mut name) };
-    let name = if found == cuda::CUresult::CUDA_SUCCESS && !name.is_null() {
-        // SAFETY: the driver returned a NUL-terminated static string.
-        unsafe { std::ffi::CStr::from_ptr(name) }
-            .to_string_lossy()
-            .into_owned()
-    } else {
-        "unknown error".to_string()
-    };
-    Err(Error::DriverCall {
-        during,
-        code: result as u32,
-        name,
-    })
-}
 
 /// Grid, block and dynamic shared memory of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,20 +90,15 @@ struct LoadedModule {
 }
 
 struct GpuInner {
-    ordinal: usize,
-    name: String,
-    multiprocessors: u32,
-    // Field order is drop order: modules and stream go before the context.
+    // Field order is drop order: the modules go before the context they live in.
     modules: Mutex<HashMap<&'static str, Arc<LoadedModule>>>,
-    stream: Stream,
-    copy_stream: Stream,
-    context: Context,
+    device: DeviceContext,
 }
 
 impl Drop for GpuInner {
     fn drop(&mut self) {
-        // Module unloads and stream destruction act on the current context.
-        let _ = CurrentContext::set_current(&self.context);
+        // Module unloads act on the current context.
+        let _ = self.device.bind();
         if let Ok(mut modules) = self.modules.lock() {
             modules.clear();
         }
@@ -174,9 +142,9 @@ pub struct Gpu {
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Gpu")
-            .field("ordinal", &self.inner.ordinal)
-            .field("name", &self.inner.name)
-            .field("multiprocessors", &self.inner.multiprocessors)
+            .field("ordinal", &self.ordinal())
+            .field("name", &self.name())
+            .field("multiprocessors", &self.multiprocessors())
             .finish()
     }
 }
@@ -189,9 +157,7 @@ fn registry() -> &'static Mutex<HashMap<usize, Gpu>> {
 impl Gpu {
     /// Number of CUDA devices visible to this process.
     pub fn device_count() -> Result<usize> {
-        cust::init(cust::CudaFlags::empty()).map_err(driver("initializing the CUDA driver"))?;
-        let n = Device::num_devices().map_err(driver("counting CUDA devices"))?;
-        Ok(n as usize)
+        device_count()
     }
 
     /// The shared `Gpu` for device `ordinal` (created on first use).
@@ -203,107 +169,61 @@ impl Gpu {
             gpu.bind()?;
             return Ok(gpu.clone());
         }
-        let count = Gpu::device_count()?;
-        if ordinal >= count {
-            return Err(Error::InvalidArgument {
-                arg: "ordinal",
-                value: ordinal.to_string(),
-                reason: if count == 0 {
-                    "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
-                } else {
-                    "there is no device with this index (indices run from 0 to the device count - 1)"
-                },
-            });
-        }
-        let index = u32::try_from(ordinal).map_err(|_| Error::TooLarge {
-            arg: "ordinal",
-            value: ordinal,
-            limit: u32::MAX as usize,
-        })?;
-        let device = Device::get_device(index).map_err(driver("opening the device"))?;
-        let context = Context::new(device).map_err(driver("creating the primary context"))?;
-        CurrentContext::set_current(&context).map_err(driver("making the context current"))?;
-        let name = device.name().map_err(driver("reading the device name"))?;
-        let sms = device
-            .get_attribute(DeviceAttribute::MultiprocessorCount)
-            .map_err(driver("reading the multiprocessor count"))?;
-        // A blocking stream: it also orders against the legacy default stream.
-        let stream =
-            Stream::new(StreamFlags::DEFAULT, None).map_err(driver("creating the stream"))?;
-        let copy_stream =
-            Stream::new(StreamFlags::DEFAULT, None).map_err(driver("creating the copy stream"))?;
         let gpu = Gpu {
             inner: Arc::new(GpuInner {
-                ordinal,
-                name,
-                multiprocessors: sms.max(1) as u32,
                 modules: Mutex::new(HashMap::new()),
-                stream,
-                copy_stream,
-                context,
+                device: DeviceContext::new(ordinal)?,
             }),
         };
         gpus.insert(ordinal, gpu.clone());
         Ok(gpu)
     }
 
+    /// The device's context and streams, for the layers below this one.
+    pub(crate) fn device(&self) -> &DeviceContext {
+        &self.inner.device
+    }
+
     /// Makes this GPU's context current on the calling thread.
     pub fn bind(&self) -> Result<()> {
-        CurrentContext::set_current(&self.inner.context)
-            .map_err(driver("making the context current"))
+        self.inner.device.bind()
     }
 
     /// The device index.
     pub fn ordinal(&self) -> usize {
-        self.inner.ordinal
+        self.inner.device.ordinal()
     }
 
     /// The device name reported by the driver.
     pub fn name(&self) -> &str {
-        &self.inner.name
+        self.inner.device.name()
     }
 
     /// Number of streaming multiprocessors (used to size grid-stride launches).
     pub fn multiprocessors(&self) -> u32 {
-        self.inner.multiprocessors
+        self.inner.device.multiprocessors()
     }
 
     /// The raw stream handle, for interop with other CUDA code.
     pub fn raw_stream(&self) -> cuda::CUstream {
-        self.inner.stream.as_inner()
-    }
-
-    pub(crate) fn stream(&self) -> &Stream {
-        &self.inner.stream
-    }
-
-    pub(crate) fn copy_stream(&self) -> &Stream {
-        &self.inner.copy_stream
+        self.inner.device.stream().as_inner()
     }
 
     /// Waits until all work queued on this GPU's compute stream has finished.
     pub fn synchronize(&self) -> Result<()> {
-        self.bind()?;
-        self.inner
-            .stream
-            .synchronize()
-            .map_err(driver("waiting for the stream"))
+        self.inner.device.synchronize()
     }
 
     /// Waits until all work queued on both of this GPU's streams has finished.
     pub fn synchronize_all(&self) -> Result<()> {
-        self.synchronize()?;
-        self.inner
-            .copy_stream
-            .synchronize()
-            .map_err(driver("waiting for the copy stream"))
+        self.inner.device.synchronize_all()
     }
 
     /// Grid size for a grid-stride loop over `work` items with `block` threads:
     /// enough blocks to cover the work, at most 32 per multiprocessor.
     pub fn grid_for(&self, work: usize, block: u32) -> u32 {
         let blocks = work.div_ceil(block as usize).max(1);
-        let cap = self.inner.multiprocessors as usize * 32;
+        let cap = self.multiprocessors() as usize * 32;
         blocks.min(cap) as u32
     }
 
@@ -414,7 +334,7 @@ impl Gpu {
                 by,
                 bz,
                 config.shared_bytes,
-                self.inner.stream.as_inner(),
+                self.raw_stream(),
                 pointers.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
@@ -428,7 +348,7 @@ impl Gpu {
         name: &'static str,
         slice: &DevSlice<'_, T>,
     ) -> Result<KernelArg> {
-        self.check_device(name, slice.device())?;
+        self.inner.device.check_device(name, slice.device())?;
         Ok(KernelArg::Ptr(slice.device_ptr()))
     }
 
@@ -438,24 +358,61 @@ impl Gpu {
         name: &'static str,
         slice: &DevSliceMut<'_, T>,
     ) -> Result<KernelArg> {
-        self.check_device(name, slice.device())?;
+        self.inner.device.check_device(name, slice.device())?;
         Ok(KernelArg::Ptr(slice.device_ptr()))
     }
+}
 
-    /// Checks that memory on device `device` may be used with this GPU.
-    pub(crate) fn check_slice_device(&self, name: &'static str, device: usize) -> Result<()> {
-        self.check_device(name, device)
+/// Memory on this GPU: the memory layer's operations (`memory.rs`, `pinned.rs`), all
+/// queued on the compute stream unless said otherwise.
+impl Gpu {
+    /// Allocates `len` elements; the contents are unspecified.
+    pub fn alloc<T: Element>(&self, len: usize) -> Result<GpuBuffer<T>> {
+        self.inner.device.alloc(len)
     }
 
-    fn check_device(&self, name: &'static str, device: usize) -> Result<()> {
-        if device == self.inner.ordinal {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument {
-                arg: name,
-                value: format!("a buffer on device {device}"),
-                reason: "the launch runs on a different device; copy the data to this device first",
-            })
-        }
+    /// Allocates `len` elements set to all-zero bits.
+    pub fn zeros<T: Element>(&self, len: usize) -> Result<GpuBuffer<T>> {
+        self.inner.device.zeros(len)
+    }
+
+    /// Allocates a buffer holding a copy of `host`.
+    pub fn upload<T: Element>(&self, host: &[T]) -> Result<GpuBuffer<T>> {
+        self.inner.device.upload(host)
+    }
+
+    /// Queues a device-to-device copy of `src` into `dst` (same length).
+    pub fn copy<T: Element>(
+        &self,
+        src: &impl AsDevSlice<T>,
+        dst: &mut impl AsDevSliceMut<T>,
+    ) -> Result<()> {
+        self.inner.device.copy(src, dst)
+    }
+
+    /// Copies the device view `src` into `host` (same length), after the work queued so
+    /// far on the stream; returns when the copy is done. Views let a part of a buffer
+    /// (one gradient tensor of a flat buffer) travel without a staging copy.
+    pub fn copy_to_host<T: Element>(&self, src: &impl AsDevSlice<T>, host: &mut [T]) -> Result<()> {
+        self.inner.device.copy_to_host(src, host)
+    }
+
+    /// Copies `host` into the device view `dst` (same length), after the work queued so
+    /// far on the stream; returns when the copy is done.
+    pub fn copy_from_host<T: Element>(
+        &self,
+        host: &[T],
+        dst: &mut impl AsDevSliceMut<T>,
+    ) -> Result<()> {
+        self.inner.device.copy_from_host(host, dst)
+    }
+
+    /// Allocates `len` zeroed elements of page-locked host memory for copies with this GPU.
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] if the byte size overflows; a driver error if the memory
+    /// cannot be locked (the limit is the host's RAM and `ulimit -l`).
+    pub fn pinned<T: Element>(&self, len: usize) -> Result<PinnedBuffer<T>> {
+        self.inner.device.pinned(len)
     }
 }

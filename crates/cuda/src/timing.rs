@@ -1,9 +1,13 @@
 //! GPU-side timing with CUDA events.
+//!
+//! Beside the launchers on top of the launch layer: a timer is made for a [`Gpu`] and
+//! records its events on that GPU's compute stream (`context.rs`).
 
 use cust::event::{Event, EventFlags};
 
+use crate::context::driver;
 use crate::error::Result;
-use crate::runtime::{driver, Gpu};
+use crate::runtime::Gpu;
 
 /// Times work on a [`Gpu`]'s stream with two CUDA events.
 ///
@@ -32,7 +36,7 @@ impl GpuTimer {
     pub fn start(&self) -> Result<()> {
         self.gpu.bind()?;
         self.start
-            .record(self.gpu.stream())
+            .record(self.gpu.device().stream())
             .map_err(driver("recording an event"))
     }
 
@@ -40,7 +44,7 @@ impl GpuTimer {
     pub fn stop(&self) -> Result<()> {
         self.gpu.bind()?;
         self.stop
-            .record(self.gpu.stream())
+            .record(self.gpu.device().stream())
             .map_err(driver("recording an event"))
     }
 
