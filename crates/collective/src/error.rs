@@ -6,14 +6,14 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A caller passed a value the library cannot use.
-    #[error("invalid {what} = {value}: {hint}")]
-    InvalidArgument {
+    #[error("invalid value `{value}` for {name}: {reason}")]
+    InvalidValue {
         /// Which argument or setting.
-        what: &'static str,
+        name: &'static str,
         /// The offending value, printed.
         value: String,
-        /// What to do instead.
-        hint: &'static str,
+        /// What is wrong and what to do instead.
+        reason: &'static str,
     },
     /// The requested algorithm needs something this transport lacks.
     #[error("algorithm `{algorithm}` is not available on the {transport} transport: {hint}")]
@@ -84,11 +84,11 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
-    pub(crate) fn invalid(what: &'static str, value: impl ToString, hint: &'static str) -> Self {
-        Error::InvalidArgument {
-            what,
+    pub(crate) fn invalid(name: &'static str, value: impl ToString, reason: &'static str) -> Self {
+        Error::InvalidValue {
+            name,
             value: value.to_string(),
-            hint,
+            reason,
         }
     }
 }

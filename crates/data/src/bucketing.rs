@@ -13,14 +13,14 @@ pub fn bucket_of(len: usize, bucket_width: usize, num_buckets: usize) -> usize {
 /// Checks bucket parameters given by a user.
 pub(crate) fn check_buckets(bucket_width: usize, num_buckets: usize) -> Result<()> {
     if num_buckets == 0 {
-        return Err(Error::invalid_config(
+        return Err(Error::invalid(
             "number of buckets",
             num_buckets,
             "use at least 1 (1 turns bucketing off)",
         ));
     }
     if bucket_width == 0 {
-        return Err(Error::invalid_config(
+        return Err(Error::invalid(
             "bucket width",
             bucket_width,
             "use at least 1 token (TensorFlow NMT uses 10)",

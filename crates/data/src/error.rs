@@ -124,14 +124,14 @@ pub enum Error {
     },
 
     /// A configuration value is out of range.
-    #[error("invalid {name} = {value}: {requirement}")]
-    InvalidConfig {
+    #[error("invalid value `{value}` for {name}: {reason}")]
+    InvalidValue {
         /// The parameter name as the user knows it.
         name: &'static str,
         /// The value given.
         value: String,
         /// What it must satisfy.
-        requirement: String,
+        reason: String,
     },
 
     /// The language-model corpus is too short for the requested batch layout.
@@ -165,15 +165,15 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
-    pub(crate) fn invalid_config(
+    pub(crate) fn invalid(
         name: &'static str,
         value: impl ToString,
-        requirement: impl Into<String>,
+        reason: impl Into<String>,
     ) -> Self {
-        Error::InvalidConfig {
+        Error::InvalidValue {
             name,
             value: value.to_string(),
-            requirement: requirement.into(),
+            reason: reason.into(),
         }
     }
 }

@@ -42,7 +42,7 @@ impl LmCorpus {
     /// `<eos>`.
     pub fn load(path: &Path, vocab: &Vocab) -> Result<Self> {
         let eos = vocab.id(LM_EOS).ok_or_else(|| {
-            Error::invalid_config(
+            Error::invalid(
                 "language-model vocabulary",
                 format!("{} tokens without {LM_EOS:?}", vocab.len()),
                 format!("it must contain {LM_EOS:?}; load it with Vocab::lm_from_file"),
@@ -147,7 +147,7 @@ impl LmBatcher {
     ) -> Result<Self> {
         let columns = batch.local_range(rank, size)?;
         if steps == 0 {
-            return Err(Error::invalid_config(
+            return Err(Error::invalid(
                 "number of steps",
                 steps,
                 "it must be at least 1",

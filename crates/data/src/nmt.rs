@@ -121,11 +121,7 @@ impl ParallelCorpus {
             ("target max length", limits.tgt_max_len),
         ] {
             if limit == Some(0) {
-                return Err(Error::invalid_config(
-                    name,
-                    0,
-                    "use at least 1 token, or no limit",
-                ));
+                return Err(Error::invalid(name, 0, "use at least 1 token, or no limit"));
             }
         }
         let mut src_reader = LineReader::open(src, "source sentences, one per line")?;
@@ -371,7 +367,7 @@ impl NmtBatcher {
         let local_batch = cfg.batch.local_batch_size(rank, size)?;
         check_buckets(cfg.bucket_width, cfg.num_buckets)?;
         if corpus.len() < size {
-            return Err(Error::invalid_config(
+            return Err(Error::invalid(
                 "number of ranks",
                 size,
                 format!(
@@ -390,7 +386,7 @@ impl NmtBatcher {
             local_batch,
         };
         if batcher.batches_in_epoch(0) == 0 {
-            return Err(Error::invalid_config(
+            return Err(Error::invalid(
                 "batch size",
                 local_batch,
                 format!(

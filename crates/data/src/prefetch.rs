@@ -40,7 +40,7 @@ impl<T: Send + 'static> Prefetcher<T> {
         I: Iterator<Item = Result<T>> + Send + 'static,
     {
         if capacity == 0 {
-            return Err(Error::invalid_config(
+            return Err(Error::invalid(
                 "prefetch capacity",
                 capacity,
                 "keep at least 1 batch in the queue",

@@ -63,27 +63,27 @@ impl BatchSizing {
     /// [`rank_range`] for a total batch. Errors as [`BatchSizing::local_batch_size`].
     pub fn local_range(&self, rank: usize, size: usize) -> Result<Range<usize>> {
         if size == 0 {
-            return Err(Error::invalid_config(
+            return Err(Error::invalid(
                 "number of ranks",
                 size,
                 "at least one rank is needed",
             ));
         }
         if rank >= size {
-            return Err(Error::invalid_config(
+            return Err(Error::invalid(
                 "rank",
                 rank,
                 format!("ranks are numbered 0..{size}; check the launcher"),
             ));
         }
         match *self {
-            BatchSizing::PerRank(0) | BatchSizing::Total(0) => Err(Error::invalid_config(
+            BatchSizing::PerRank(0) | BatchSizing::Total(0) => Err(Error::invalid(
                 "batch size",
                 0,
                 "the batch size must be at least 1",
             )),
             BatchSizing::PerRank(batch) => Ok(rank * batch..(rank + 1) * batch),
-            BatchSizing::Total(total) if total < size => Err(Error::invalid_config(
+            BatchSizing::Total(total) if total < size => Err(Error::invalid(
                 "total batch size",
                 total,
                 format!(
@@ -122,6 +122,10 @@ mod tests {
         let err = BatchSizing::Total(2)
             .local_batch_size(0, 3)
             .expect_err("too small");
-        assert!(err.to_string().contains("total batch size = 2"));
+        assert!(
+            err.to_string()
+                .contains("invalid value `2` for total batch size"),
+            "{err}"
+        );
     }
 }

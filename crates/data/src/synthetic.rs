@@ -183,7 +183,7 @@ fn uniform_ids(rng: &mut ChaCha8Rng, batch: usize, len: usize, vocab_size: usize
 
 fn check_positive(name: &'static str, value: usize) -> Result<()> {
     if value == 0 {
-        return Err(Error::invalid_config(name, value, "it must be at least 1"));
+        return Err(Error::invalid(name, value, "it must be at least 1"));
     }
     Ok(())
 }
@@ -191,7 +191,7 @@ fn check_positive(name: &'static str, value: usize) -> Result<()> {
 fn check_vocab(name: &'static str, value: usize) -> Result<()> {
     check_positive(name, value)?;
     if u32::try_from(value).is_err() {
-        return Err(Error::invalid_config(
+        return Err(Error::invalid(
             name,
             value,
             format!("token ids are u32, so at most {} tokens", u32::MAX),

@@ -274,7 +274,7 @@ impl Vocab {
 
 fn check_specials_list(specials: &[&str]) -> Result<()> {
     if specials.first() != Some(&UNK) {
-        return Err(Error::invalid_config(
+        return Err(Error::invalid(
             "special tokens",
             format!("{specials:?}"),
             format!("the list must start with {UNK:?} (id 0 is the unknown-word id)"),
@@ -282,7 +282,7 @@ fn check_specials_list(specials: &[&str]) -> Result<()> {
     }
     for (i, special) in specials.iter().enumerate() {
         if specials[..i].contains(special) || special.chars().any(char::is_whitespace) {
-            return Err(Error::invalid_config(
+            return Err(Error::invalid(
                 "special tokens",
                 format!("{specials:?}"),
                 "each special token must appear once and contain no whitespace",

@@ -112,7 +112,11 @@ fn zero_length_limit_is_rejected() {
         ..LengthLimits::default()
     };
     let err = load(&src, &src, &limits).expect_err("zero");
-    assert!(err.to_string().contains("source max length = 0"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("invalid value `0` for source max length"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -128,5 +128,9 @@ fn a_panicking_source_becomes_an_error() {
 #[test]
 fn zero_capacity_is_rejected() {
     let err = Prefetcher::spawn_infallible(0..3u8, 0).expect_err("capacity 0");
-    assert!(err.to_string().contains("prefetch capacity = 0"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("invalid value `0` for prefetch capacity"),
+        "{err}"
+    );
 }

@@ -2,7 +2,7 @@
 
 /// What a kernel rejected. Every kernel validates all of its arguments before it writes
 /// anything, so an `Err` leaves every output buffer untouched.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
 pub enum Error {
     /// A slice does not have the length the shape arguments imply.
     #[error(
@@ -29,10 +29,12 @@ pub enum Error {
         vocab: usize,
     },
     /// A scalar argument is outside the range the kernel accepts.
-    #[error("`{arg}` is invalid: {reason}")]
-    InvalidArgument {
-        /// Name of the offending argument.
-        arg: &'static str,
+    #[error("invalid value `{value}` for `{name}`: {reason}")]
+    InvalidValue {
+        /// Name of the offending argument, as written in the kernel's signature.
+        name: &'static str,
+        /// The value that was passed (as f32, the type of the kernels' scalars).
+        value: f32,
         /// What is wrong and what to pass instead.
         reason: &'static str,
     },
@@ -55,11 +57,13 @@ pub(crate) fn check_len(arg: &'static str, actual: usize, expected: usize) -> Re
     }
 }
 
-/// `a * b`, or `Err(InvalidArgument)` naming `arg` when the product overflows `usize`.
+/// `a * b`, or `Err(InvalidValue)` naming `arg` (with `a`) when the product overflows
+/// `usize`.
 #[inline]
 pub(crate) fn checked_product(arg: &'static str, a: usize, b: usize) -> Result<usize> {
-    a.checked_mul(b).ok_or(Error::InvalidArgument {
-        arg,
+    a.checked_mul(b).ok_or(Error::InvalidValue {
+        name: arg,
+        value: a as f32,
         reason: "the buffer size it implies overflows usize; pass the real shape",
     })
 }

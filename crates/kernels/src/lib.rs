@@ -73,7 +73,7 @@
 //!
 //! Every kernel checks all slice lengths (and label ranges) before it writes anything and
 //! returns [`Error::ShapeMismatch`] naming the first wrong argument,
-//! [`Error::LabelOutOfRange`] or [`Error::InvalidArgument`].
+//! [`Error::LabelOutOfRange`] or [`Error::InvalidValue`].
 //!
 //! # Features
 //!

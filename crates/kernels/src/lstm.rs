@@ -93,8 +93,9 @@ pub(crate) fn check_forward_step<'a>(
     let (state, gate_len) = lstm_sizes(batch, hidden)?;
     let proj_len = checked_product("steps", steps, gate_len)?;
     if step >= steps {
-        return Err(Error::InvalidArgument {
-            arg: "step",
+        return Err(Error::InvalidValue {
+            name: "step",
+            value: step as f32,
             reason: "must be below `steps`; time steps count from 0",
         });
     }
@@ -273,7 +274,7 @@ pub fn lstm_pointwise_forward(
 /// (`[batch, 4H]`) as [`lstm_pointwise_forward`] does.
 ///
 /// # Errors
-/// `InvalidArgument` when `step >= steps`; `ShapeMismatch` naming the first slice whose
+/// `InvalidValue` when `step >= steps`; `ShapeMismatch` naming the first slice whose
 /// length disagrees with the shape arguments.
 #[allow(clippy::too_many_arguments)]
 pub fn lstm_pointwise_forward_step(

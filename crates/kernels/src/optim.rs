@@ -9,15 +9,16 @@
 use crate::error::{check_len, Error, Result};
 use crate::vector_math::sqrt;
 
-/// `Err(InvalidArgument)` naming `arg` unless `value` is finite and `>= 0` (PyTorch's
+/// `Err(InvalidValue)` naming `arg` unless `value` is finite and `>= 0` (PyTorch's
 /// optimizers reject negative or NaN learning rates, momenta, epsilons and decays too).
 #[inline]
 fn check_non_negative(arg: &'static str, value: f32) -> Result<()> {
     if value.is_finite() && value >= 0.0 {
         Ok(())
     } else {
-        Err(Error::InvalidArgument {
-            arg,
+        Err(Error::InvalidValue {
+            name: arg,
+            value,
             reason: "must be a finite number >= 0",
         })
     }
@@ -27,7 +28,7 @@ fn check_non_negative(arg: &'static str, value: f32) -> Result<()> {
 ///
 /// # Errors
 /// `ShapeMismatch` naming `grads` when its length differs from `params`;
-/// `InvalidArgument` naming `lr` or `weight_decay` when it is negative or not finite.
+/// `InvalidValue` naming `lr` or `weight_decay` when it is negative or not finite.
 pub fn sgd_step(params: &mut [f32], grads: &[f32], lr: f32, weight_decay: f32) -> Result<()> {
     check_sgd(params, grads, lr, weight_decay)?;
     sgd_block(params, grads, lr, weight_decay);
@@ -100,8 +101,9 @@ impl MomentumStep {
         check_non_negative("dampening", dampening)?;
         check_non_negative("weight_decay", weight_decay)?;
         if nesterov && (momentum <= 0.0 || dampening != 0.0) {
-            return Err(Error::InvalidArgument {
-                arg: "nesterov",
+            return Err(Error::InvalidValue {
+                name: "nesterov",
+                value: 1.0,
                 reason: "Nesterov momentum needs momentum > 0 and dampening 0 (as in PyTorch)",
             });
         }
@@ -159,7 +161,7 @@ impl MomentumStep {
 ///
 /// # Errors
 /// `ShapeMismatch` naming `grads` or `momentum_buf` when its length differs from `params`;
-/// `InvalidArgument` naming `nesterov` when Nesterov is asked for with `momentum <= 0` or
+/// `InvalidValue` naming `nesterov` when Nesterov is asked for with `momentum <= 0` or
 /// non-zero `dampening` (PyTorch rejects that too), or naming a hyper-parameter that is
 /// negative or not finite.
 #[allow(clippy::too_many_arguments)]
@@ -213,20 +215,23 @@ impl AdamStep {
         check_non_negative("eps", eps)?;
         check_non_negative("weight_decay", weight_decay)?;
         if step == 0 {
-            return Err(Error::InvalidArgument {
-                arg: "step",
+            return Err(Error::InvalidValue {
+                name: "step",
+                value: 0.0,
                 reason: "Adam steps count from 1: pass 1 on the first update",
             });
         }
         if !(0.0..1.0).contains(&beta1) {
-            return Err(Error::InvalidArgument {
-                arg: "beta1",
+            return Err(Error::InvalidValue {
+                name: "beta1",
+                value: beta1,
                 reason: "must be in [0, 1), e.g. 0.9",
             });
         }
         if !(0.0..1.0).contains(&beta2) {
-            return Err(Error::InvalidArgument {
-                arg: "beta2",
+            return Err(Error::InvalidValue {
+                name: "beta2",
+                value: beta2,
                 reason: "must be in [0, 1), e.g. 0.999",
             });
         }
@@ -313,7 +318,7 @@ pub(crate) fn check_adam(
 ///
 /// # Errors
 /// `ShapeMismatch` naming `grads`, `m` or `v` when its length differs from `params`;
-/// `InvalidArgument` for `step == 0`, a beta outside `[0, 1)`, or a negative or non-finite
+/// `InvalidValue` for `step == 0`, a beta outside `[0, 1)`, or a negative or non-finite
 /// `lr`, `eps` or `weight_decay`.
 #[allow(clippy::too_many_arguments)]
 pub fn adam_step(

@@ -54,8 +54,9 @@ fn check_common(
     vocab: usize,
 ) -> Result<()> {
     if vocab == 0 {
-        return Err(Error::InvalidArgument {
-            arg: "vocab",
+        return Err(Error::InvalidValue {
+            name: "vocab",
+            value: 0.0,
             reason: "must be at least 1 (the number of classes, i.e. columns of `logits`)",
         });
     }
@@ -217,7 +218,7 @@ fn forward_rows(
 /// Finite for finite logits of any magnitude (tested at ±1e4).
 ///
 /// # Errors
-/// `InvalidArgument` when `vocab == 0`; `ShapeMismatch` naming the slice whose length
+/// `InvalidValue` when `vocab == 0`; `ShapeMismatch` naming the slice whose length
 /// disagrees with `rows`/`vocab`; `LabelOutOfRange` for the first unmasked row whose
 /// label is `>= vocab`. Nothing is written on error.
 pub fn softmax_xent_forward(

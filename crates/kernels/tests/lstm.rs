@@ -399,7 +399,7 @@ fn wrong_lengths_name_the_argument_and_write_nothing() {
         &proj, &gates, &bias, &c_prev, &mut c, &mut h, &mut act, 2, 2, batch, hidden,
     )
     .unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { arg: "step", .. }));
+    assert!(matches!(err, Error::InvalidValue { name: "step", .. }));
     let err = lstm_pointwise_forward_step(
         &proj, &gates, &bias, &c_prev, &mut c, &mut h, &mut act, 0, 3, batch, hidden,
     )
@@ -431,7 +431,7 @@ fn wrong_lengths_name_the_argument_and_write_nothing() {
 
     let err = lstm_pointwise_forward(&[], &[], &[], &mut [], &mut [], &mut [], usize::MAX, 2)
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { .. }));
+    assert!(matches!(err, Error::InvalidValue { .. }));
 }
 
 proptest! {

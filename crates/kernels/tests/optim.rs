@@ -117,8 +117,8 @@ fn momentum_sgd_matches_pytorch() {
     .unwrap_err();
     assert!(matches!(
         err,
-        Error::InvalidArgument {
-            arg: "nesterov",
+        Error::InvalidValue {
+            name: "nesterov",
             ..
         }
     ));
@@ -231,28 +231,32 @@ fn optimizer_errors_name_the_argument() {
     assert!(matches!(err, Error::ShapeMismatch { arg: "v", .. }));
     let mut v = [0.0f32; 3];
     let err = adamw_step(&mut p, &g, &mut m, &mut v, 0.1, 0.9, 0.999, 1e-8, 0.0, 0).unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { arg: "step", .. }));
+    assert!(matches!(err, Error::InvalidValue { name: "step", .. }));
     let err = adam_step(&mut p, &g, &mut m, &mut v, 0.1, 1.0, 0.999, 1e-8, 0.0, 1).unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { arg: "beta1", .. }));
+    assert!(matches!(err, Error::InvalidValue { name: "beta1", .. }));
     let err = adam_step(&mut p, &g, &mut m, &mut v, -0.1, 0.9, 0.999, 1e-8, 0.0, 1).unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { arg: "lr", .. }));
+    assert!(matches!(err, Error::InvalidValue { name: "lr", .. }));
     let err = sgd_step(&mut p, &g, 0.1, f32::NAN).unwrap_err();
     assert!(matches!(
         err,
-        Error::InvalidArgument {
-            arg: "weight_decay",
+        Error::InvalidValue {
+            name: "weight_decay",
             ..
         }
     ));
     let err = sgd_momentum_step(&mut p, &g, &mut m, 0.1, -0.9, 0.0, 0.0, false, true).unwrap_err();
     assert!(matches!(
         err,
-        Error::InvalidArgument {
-            arg: "momentum",
+        Error::InvalidValue {
+            name: "momentum",
             ..
         }
     ));
-    assert!(err.to_string().contains("`momentum` is invalid"));
+    assert!(
+        err.to_string()
+            .contains("invalid value `-0.9` for `momentum`"),
+        "{err}"
+    );
     assert_eq!(p, [0.0; 3], "nothing written on error");
     assert_eq!(m, [0.0; 3]);
 }

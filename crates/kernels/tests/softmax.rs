@@ -299,7 +299,7 @@ fn errors_name_the_argument_and_write_nothing() {
         .unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { arg: "mask", .. }));
         let err = f(&[], &[], &[], &mut [], &mut [], 0, 0).unwrap_err();
-        assert!(matches!(err, Error::InvalidArgument { arg: "vocab", .. }));
+        assert!(matches!(err, Error::InvalidValue { name: "vocab", .. }));
         let labels = [0, 4, 1];
         let err = f(&b.logits, &labels, &b.mask, &mut loss, &mut lse, 3, 4).unwrap_err();
         assert_eq!(
