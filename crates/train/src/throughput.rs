@@ -205,15 +205,20 @@ impl ThroughputMeter {
             timed_batches: self.timed.len(),
             timed_seconds,
             timed_words,
-            words_per_sec: if timed_seconds > 0.0 {
-                timed_words / timed_seconds
-            } else {
-                0.0
-            },
+            words_per_sec: words_per_sec(timed_words, timed_seconds),
             per_step: self.current(),
             mean_breakdown: sum.scaled(1.0 / n),
             final_loss: self.timed.last().map_or(f64::NAN, |r| r.loss),
         }
+    }
+}
+
+/// `words / seconds`, 0 for no time (nothing was timed).
+pub fn words_per_sec(words: f64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        words / seconds
+    } else {
+        0.0
     }
 }
 

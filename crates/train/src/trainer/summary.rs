@@ -5,7 +5,7 @@ use super::setup::Session;
 use crate::error::Result;
 use crate::report::{RankFigures, RunReport};
 use crate::strategy::StepStats;
-use crate::throughput::{StepBreakdown, ThroughputSummary};
+use crate::throughput::{words_per_sec, StepBreakdown, ThroughputSummary};
 use crate::trainable::TrainableModel;
 
 /// What one rank counted over the timed batches, besides its meter's summary.
@@ -26,11 +26,7 @@ impl Session<'_> {
             batch_size: self.batch_size,
             words: timed.words,
             seconds,
-            words_per_sec: if seconds > 0.0 {
-                timed.words / seconds
-            } else {
-                0.0
-            },
+            words_per_sec: words_per_sec(timed.words, seconds),
             breakdown: meter.mean_breakdown,
             launches_per_batch: timed.launches / meter.timed_batches.max(1) as f64,
         }
@@ -76,11 +72,7 @@ impl Session<'_> {
             timed_batches: meter.timed_batches,
             timed_seconds,
             timed_words,
-            words_per_sec: if timed_seconds > 0.0 {
-                timed_words / timed_seconds
-            } else {
-                0.0
-            },
+            words_per_sec: words_per_sec(timed_words, timed_seconds),
             per_step_words_per_sec: meter.per_step,
             per_rank,
             breakdown,
