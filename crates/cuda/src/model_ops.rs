@@ -1,7 +1,8 @@
 //! The model's generic f32 operations (`ptx/model_ops.ptx`): the GPU twins of
 //! the ops of `ringtrain_model::Backend` that have no kernel family of their
 //! own (fill, embedding gather and scatter-add, column sums, bias add,
-//! sigmoid/tanh and their gradients, elementwise add/mul, sum).
+//! sigmoid/tanh and their gradients, elementwise add/mul, sum), and the
+//! transpose a GEMM of two transposed operands copies one of them with.
 //!
 //! All are bit-identical to the CPU backend except `unary_sigmoid` /
 //! `unary_tanh` (ex2.approx, 1e-6 absolute, like `ptx/lstm.ptx`), [`sum`]
@@ -78,6 +79,10 @@ pub const KERNELS: &[KernelSignature] = &[
     KernelSignature {
         name: "sum_partials",
         params: UNARY,
+    },
+    KernelSignature {
+        name: "transpose",
+        params: &[Ptr, Ptr, U32, U32, U32],
     },
 ];
 
@@ -245,6 +250,59 @@ mod launchers {
         // column) element is written by one thread. The index buffers live
         // until the end of this function; freeing them waits for the kernel.
         unsafe { gpu.launch(&MODULE, "scatter_add_rows", gpu.grid_stride(work), &args) }
+    }
+
+    /// `dst = srcᵀ`: `dst[c * rows + r] = src[r * ld + c]` for a `[rows, cols]` matrix
+    /// stored with row stride `ld` (`src` holds at least `(rows - 1) * ld + cols`
+    /// elements); `dst` is the dense `[cols, rows]` transpose. Bit-exact (moves only).
+    pub fn transpose(
+        gpu: &Gpu,
+        src: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+    ) -> Result<()> {
+        let (src, dst) = (src.dev_slice(), dst.dev_slice_mut());
+        let n = kernel_product("rows * cols", rows, cols)?;
+        check_len("dst", n, dst.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        if ld < cols {
+            return Err(Error::InvalidArgument {
+                arg: "ld",
+                value: format!("{ld} (cols = {cols})"),
+                reason: "the row stride must be at least the row length",
+            });
+        }
+        let ld32 = kernel_count("ld", ld)?;
+        let needed = (rows - 1)
+            .checked_mul(ld)
+            .and_then(|x| x.checked_add(cols))
+            .ok_or(Error::TooLarge {
+                arg: "(rows - 1) * ld + cols",
+                value: usize::MAX,
+                limit: usize::MAX,
+            })?;
+        if src.len() < needed {
+            return Err(Error::TooShort {
+                arg: "src",
+                needed,
+                actual: src.len(),
+            });
+        }
+        let args = [
+            gpu.arg("src", &src)?,
+            gpu.arg_mut("dst", &dst)?,
+            KernelArg::U32(rows as u32),
+            KernelArg::U32(cols as u32),
+            KernelArg::U32(ld32),
+        ];
+        // SAFETY: live views on this GPU: src holds the (rows - 1) * ld + cols elements
+        // the kernel reads (r < rows, c < cols, ld >= cols), dst the rows * cols it
+        // writes, and dst is borrowed mutably.
+        unsafe { gpu.launch(&MODULE, "transpose", gpu.grid_stride(n), &args) }
     }
 
     /// `dst[c] = (accumulate ? dst[c] : 0) + sum over rows of src[r, c]`, rows in order.

@@ -1267,6 +1267,39 @@ fn model_row_ops_are_bit_exact() {
     assert!(err.to_string().contains("ids[1] = 4"), "{err}");
 }
 
+#[test]
+fn transpose_is_bit_exact() {
+    let gpu = gpu();
+    let mut rng = rng(17);
+    for &(rows, cols, ld) in &[
+        (1usize, 1usize, 1usize),
+        (3, 5, 7),
+        (64, 33, 40),
+        (257, 3, 3),
+    ] {
+        let mut src = uniform(&mut rng, (rows - 1) * ld + cols, -1.0, 1.0);
+        src[0] = f32::NAN;
+        if src.len() > 2 {
+            src[1] = -0.0;
+            src[2] = f32::INFINITY;
+        }
+        let dsrc = gpu.upload(&src).unwrap();
+        let mut dst = poisoned::<f32>(&gpu, rows * cols);
+        model_ops::transpose(&gpu, &dsrc, &mut dst, rows, cols, ld).unwrap();
+        let want: Vec<f32> = (0..cols)
+            .flat_map(|c| (0..rows).map(move |r| (r, c)))
+            .map(|(r, c)| src[r * ld + c])
+            .collect();
+        assert_bits_eq("transpose", &dst.to_host().unwrap(), &want, f32_is_nan);
+    }
+    let dsrc = gpu.zeros::<f32>(10).unwrap();
+    let mut dst = gpu.zeros::<f32>(12).unwrap();
+    assert!(
+        model_ops::transpose(&gpu, &dsrc, &mut dst, 3, 4, 4).is_err(),
+        "src too short"
+    );
+}
+
 // ---------------------------------------------------------------- runtime
 
 #[test]
