@@ -55,7 +55,10 @@ pub mod rnnlm;
 
 #[cfg(feature = "cuda")]
 pub use backend::GemmPrecision;
-pub use backend::{Backend, Binary, CpuBackend, CudaBackend, Gemm, InPlace, LstmStep, Unary};
+pub use backend::{
+    view, view_mut, Backend, Binary, CpuBackend, CudaBackend, Gemm, InPlace, Layout, LstmStep,
+    Unary, View, ViewMut,
+};
 pub use error::{Error, Result};
 pub use lstm::LstmImpl;
 pub use model::{GradsReady, Model, StepStats};

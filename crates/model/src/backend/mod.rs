@@ -11,6 +11,8 @@
 //! tensors inside them. Every operation checks its views against the buffer lengths and
 //! returns [`crate::Error::OutOfBounds`] instead of touching memory outside them.
 
+mod layout;
+
 pub mod cpu;
 pub mod cuda;
 
@@ -18,6 +20,7 @@ pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
 #[cfg(feature = "cuda")]
 pub use cuda::GemmPrecision;
+pub use layout::{view, view_mut, Layout, View, ViewMut};
 
 use std::ops::Range;
 
