@@ -1,14 +1,18 @@
 //! ringtrain-model: the models ringtrain trains, on a pluggable compute [`Backend`].
 //!
-//! - [`Backend`]: buffers, matrix products ([`Gemm`]) and the ringtrain-kernels
-//!   operations. [`CpuBackend`] runs them with ringtrain-kernels (their rayon twins on more
-//!   than one thread) and the `gemm` crate; [`CudaBackend`] (feature `cuda`) runs them as the PTX
-//!   kernels of ringtrain-cuda on one GPU; without the feature it returns
-//!   [`Error::NotCompiledWithCuda`].
+//! - [`Backend`]: buffers, matrix products and the ringtrain-kernels operations, on
+//!   operands that are views ([`View`], [`ViewMut`]: a buffer and a 2-D strided
+//!   [`Layout`] inside it), checked by code both backends share. [`CpuBackend`] runs them
+//!   with ringtrain-kernels (their rayon twins on more than one thread) and the `gemm`
+//!   crate; [`CudaBackend`] (feature `cuda`) runs them as the PTX kernels of ringtrain-cuda
+//!   on one GPU; without the feature it returns [`Error::NotCompiledWithCuda`].
 //! - LSTM layers in two implementations with the same numbers and different launch
 //!   counts ([`LstmImpl::Fused`], cuDNN-style; [`LstmImpl::Stepwise`], TF `dynamic_rnn`-style).
 //! - [`NmtModel`]: the NMT encoder-decoder (bi or uni encoder, no attention) and [`RnnLm`],
 //!   both with a bias-free output projection and the summed masked softmax cross-entropy.
+//!   A pass checks its batch ([`NmtBatch`], [`LmBatch`]) once and stages its ids
+//!   and targets on the backend once ([`CheckedIds`], [`Backend::stage_ids`]), for forward
+//!   and backward.
 //! - Parameters: a named, ordered list ([`ParamLayout`]) laid out in ONE flat parameter
 //!   buffer and ONE flat gradient buffer, in the order backward finishes the gradients
 //!   (projection first, embeddings last), so a trainer can start reducing the first
@@ -41,6 +45,28 @@
 //! assert_eq!(ready.last().map(|r| r.end), Some(model.layout().total_len()));
 //! # Ok::<(), ringtrain_model::Error>(())
 //! ```
+//!
+//! The backend on its own: operands are views of buffers; `.t()` transposes one for free.
+//!
+//! ```
+//! use ringtrain_model::{view, view_mut, Backend, CpuBackend, Layout};
+//!
+//! let cpu = CpuBackend::new(1)?;
+//! let a = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]; // [2, 3]
+//! let mut c = vec![0.0; 4];
+//! // C = A·Aᵀ: [2, 3]·[3, 2]
+//! cpu.gemm(
+//!     view(&a, Layout::matrix(0, 2, 3)),
+//!     view(&a, Layout::matrix(0, 2, 3)).t(),
+//!     view_mut(&mut c, Layout::matrix(0, 2, 2)),
+//!     false,
+//! )?;
+//! assert_eq!(c, [14.0, 32.0, 32.0, 77.0]);
+//! // A view past the end of its buffer is an error naming the operand, not a panic.
+//! let err = cpu.sum(view(&a, Layout::contiguous(4, 3))).unwrap_err();
+//! assert!(err.to_string().contains("sum source"));
+//! # Ok::<(), ringtrain_model::Error>(())
+//! ```
 #![warn(missing_docs)]
 
 pub mod backend;
@@ -56,8 +82,8 @@ pub mod rnnlm;
 #[cfg(feature = "cuda")]
 pub use backend::GemmPrecision;
 pub use backend::{
-    view, view_mut, Backend, Binary, CpuBackend, CudaBackend, Gemm, InPlace, Layout, LstmStep,
-    Unary, View, ViewMut,
+    view, view_mut, Backend, Binary, CheckedIds, CheckedTargets, CpuBackend, CudaBackend, InPlace,
+    Layout, LstmBackwardStep, LstmForwardStep, Staged, Unary, View, ViewMut,
 };
 pub use error::{Error, Result};
 pub use lstm::LstmImpl;
