@@ -10,7 +10,7 @@
 //!   counts ([`LstmImpl::Fused`], cuDNN-style; [`LstmImpl::Stepwise`], TF `dynamic_rnn`-style).
 //! - [`NmtModel`]: the NMT encoder-decoder (bi or uni encoder, no attention) and [`RnnLm`],
 //!   both with a bias-free output projection and the summed masked softmax cross-entropy.
-//!   A pass checks its batch ([`NmtBatch`], [`LmBatch`]) once and stages its ids
+//!   A pass checks its batch ([`NmtBatchView`], [`LmBatchView`]) once and stages its ids
 //!   and targets on the backend once ([`CheckedIds`], [`Backend::stage_ids`]), for forward
 //!   and backward.
 //! - Parameters: a named, ordered list ([`ParamLayout`]) laid out in ONE flat parameter
@@ -24,7 +24,7 @@
 //! loss is `loss_sum / tokens`) and gradients are those of the sum.
 //!
 //! ```
-//! use ringtrain_model::{CpuBackend, EncoderKind, LstmImpl, Model, NmtBatch, NmtConfig, NmtModel};
+//! use ringtrain_model::{CpuBackend, EncoderKind, LstmImpl, Model, NmtBatchView, NmtConfig, NmtModel};
 //!
 //! let config = NmtConfig {
 //!     src_vocab: 12, tgt_vocab: 10, emb: 8, hidden: 8, layers: 2,
@@ -36,7 +36,7 @@
 //! let tgt_in = [0, 0, 7, 8];
 //! let tgt_out = [7, 8, 1, 1];
 //! let mask = [1.0, 1.0, 1.0, 0.0];
-//! let batch = NmtBatch { batch: 2, src_len: 3, tgt_len: 2, src: &src, tgt_in: &tgt_in, tgt_out: &tgt_out, tgt_mask: &mask };
+//! let batch = NmtBatchView { batch: 2, src_len: 3, tgt_len: 2, src: &src, tgt_in: &tgt_in, tgt_out: &tgt_out, tgt_mask: &mask };
 //! let mut ready = Vec::new();
 //! let stats = model.forward_backward(&batch, &mut |range, _grads: &Vec<f32>| ready.push(range))?;
 //! assert_eq!(stats.tokens, 3.0);
@@ -88,6 +88,6 @@ pub use backend::{
 pub use error::{Error, Result};
 pub use lstm::LstmImpl;
 pub use model::{GradsReady, Model, StepStats};
-pub use nmt::{EncoderKind, NmtBatch, NmtConfig, NmtModel};
+pub use nmt::{EncoderKind, NmtBatchView, NmtConfig, NmtModel};
 pub use params::{ParamEntry, ParamInit, ParamLayout};
-pub use rnnlm::{LmBatch, LmConfig, RnnLm};
+pub use rnnlm::{LmBatchView, LmConfig, RnnLm};

@@ -111,9 +111,10 @@ impl NmtConfig {
     }
 }
 
-/// One NMT batch, time-major: token (t, b) at `t * batch + b`.
+/// One NMT batch borrowed from the caller, time-major: token (t, b) at `t * batch + b`.
+/// (`ringtrain_data::NmtBatch` is the owned, batch-major batch the data pipeline makes.)
 #[derive(Debug, Clone, Copy)]
-pub struct NmtBatch<'a> {
+pub struct NmtBatchView<'a> {
     /// Sentences in the batch.
     pub batch: usize,
     /// Source steps.
@@ -247,7 +248,7 @@ impl<B: Backend> NmtModel<B> {
     }
 
     /// Checks `b` and stages its ids and targets on the backend.
-    fn stage(&self, b: &NmtBatch<'_>) -> Result<StagedNmt<B>> {
+    fn stage(&self, b: &NmtBatchView<'_>) -> Result<StagedNmt<B>> {
         check_positive("batch", b.batch)?;
         check_positive("src_len", b.src_len)?;
         check_positive("tgt_len", b.tgt_len)?;
@@ -453,4 +454,4 @@ impl<B: Backend> NmtModel<B> {
     }
 }
 
-impl_model!(NmtModel, NmtBatch);
+impl_model!(NmtModel, NmtBatchView);

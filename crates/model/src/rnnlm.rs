@@ -63,9 +63,11 @@ impl LmConfig {
     }
 }
 
-/// One language-model batch, time-major: token (t, b) at `t * batch + b`.
+/// One language-model batch borrowed from the caller, time-major: token (t, b) at
+/// `t * batch + b`. (`ringtrain_data::LmBatch` is the owned, batch-major batch the data
+/// pipeline makes.)
 #[derive(Debug, Clone, Copy)]
-pub struct LmBatch<'a> {
+pub struct LmBatchView<'a> {
     /// Sequences in the batch.
     pub batch: usize,
     /// Steps.
@@ -144,7 +146,7 @@ impl<B: Backend> RnnLm<B> {
     }
 
     /// Checks `b` and stages its ids and targets on the backend.
-    fn stage(&self, b: &LmBatch<'_>) -> Result<StagedLm<B>> {
+    fn stage(&self, b: &LmBatchView<'_>) -> Result<StagedLm<B>> {
         check_positive("batch", b.batch)?;
         check_positive("len", b.len)?;
         let rows = b.len * b.batch;
@@ -225,4 +227,4 @@ impl<B: Backend> RnnLm<B> {
     }
 }
 
-impl_model!(RnnLm, LmBatch);
+impl_model!(RnnLm, LmBatchView);

@@ -111,7 +111,7 @@ impl<B: Backend> TrainsOnBatch for NmtModel<B> {
         staged: &TimeMajorBatch,
         on_grads_ready: &mut GradsReady<'_, B::Buffer>,
     ) -> ringtrain_model::Result<StepStats> {
-        let view = ringtrain_model::NmtBatch {
+        let view = ringtrain_model::NmtBatchView {
             batch: staged.batch,
             src_len: staged.src_len,
             tgt_len: staged.tgt_len,
@@ -143,7 +143,7 @@ impl<B: Backend> TrainsOnBatch for RnnLm<B> {
         staged: &TimeMajorBatch,
         on_grads_ready: &mut GradsReady<'_, B::Buffer>,
     ) -> ringtrain_model::Result<StepStats> {
-        let view = ringtrain_model::LmBatch {
+        let view = ringtrain_model::LmBatchView {
             batch: staged.batch,
             len: staged.src_len,
             inputs: &staged.src,
