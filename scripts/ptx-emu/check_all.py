@@ -50,6 +50,8 @@ shapes and outputs of the entry:
                        (the ex2.approx math of ptx/lstm.ptx).
     sum_partials       |fsum(partials) - exact sum| / sum|x|; bound 2^-24 + 4096 * 2^-52
                        (ptx/model_ops.ptx: the f32 rounding of each block's f64 partial).
+    transpose          bit-exact against numpy's transpose of the strided source
+                       (row stride > cols, Inf / NaN / -0.0 included).
 
 Exit status 1 if any entry fails, has no check here, or an emulator error occurs.
 """
@@ -1047,6 +1049,26 @@ def check_scatter_add_rows(mod, entry, opts):
     return results, 0.0
 
 
+def check_transpose(mod, entry, opts):
+    """dst[c*rows + r] = src[r*ld + c]: moves only, so bit-exact (NaN matches NaN)."""
+    results = []
+    cases = [(1, 1, 1, (1, 1, 1), (32, 1, 1)), (3, 5, 7, (1, 1, 1), (64, 1, 1)),
+             (17, 9, 9, (2, 1, 1), (32, 1, 1)), (33, 40, 45, (3, 1, 1), (128, 1, 1))]
+    for si, (rows, cols, ld, grid, block) in enumerate(cases):
+        rng = rng_for(entry, si)
+        src = _with_specials(_vec(rng, (rows - 1) * ld + cols, 3.0), si)
+        L = Launch(mod, entry, opts)
+        L.buf("src", src, "r", offset=4 * (si % 2))
+        L.buf("dst", np.full(rows * cols, np.nan, np.float32), "w")
+        L.run(grid, block, rows=rows, cols=cols, ld=ld)
+        strided = np.lib.stride_tricks.as_strided(
+            src, shape=(rows, cols), strides=(4 * ld, 4))
+        ref = np.ascontiguousarray(strided.T).ravel()
+        err = f32_mismatch(L.out("dst", np.float32), ref)
+        results.append((f"{rows}x{cols} ld{ld} grid{grid[0]}x{block[0]}", err))
+    return results, 0.0
+
+
 SUM_PARTIALS_BOUND = 2.0 ** -24 + 4096 * 2.0 ** -52  # per unit of sum|x|, n <= 4096 here
 
 
@@ -1128,6 +1150,7 @@ CHECKS = {
         "in_place_mul_sigmoid_grad": check_model_in_place,
         "in_place_mul_tanh_grad": check_model_in_place,
         "sum_partials": check_sum_partials,
+        "transpose": check_transpose,
     },
 }
 

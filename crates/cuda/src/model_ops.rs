@@ -1,7 +1,12 @@
 //! The model's generic f32 operations (`ptx/model_ops.ptx`): the GPU twins of
 //! the ops of `ringtrain_model::Backend` that have no kernel family of their
 //! own (fill, embedding gather and scatter-add, column sums, bias add,
-//! sigmoid/tanh and their gradients, elementwise add/mul, sum).
+//! sigmoid/tanh and their gradients, elementwise add/mul, sum), and the
+//! transpose a GEMM of two transposed operands copies one of them with.
+//!
+//! The embedding operations take their ids as a `RowIds`: checked against a
+//! row bound and uploaded (with the grouping the scatter needs) once, then
+//! used by any number of launches.
 //!
 //! All are bit-identical to the CPU backend except `unary_sigmoid` /
 //! `unary_tanh` (ex2.approx, 1e-6 absolute, like `ptx/lstm.ptx`), [`sum`]
@@ -79,6 +84,10 @@ pub const KERNELS: &[KernelSignature] = &[
         name: "sum_partials",
         params: UNARY,
     },
+    KernelSignature {
+        name: "transpose",
+        params: &[Ptr, Ptr, U32, U32, U32],
+    },
 ];
 
 /// `ptx/model_ops.ptx` with its declarations.
@@ -96,22 +105,140 @@ pub use launchers::*;
 mod launchers {
     use super::MODULE;
     use crate::error::{check_len, kernel_count, kernel_product, Error, Result};
-    use crate::memory::{AsDevSlice, AsDevSliceMut};
+    use crate::memory::{AsDevSlice, AsDevSliceMut, DevSlice, GpuBuffer};
     use crate::runtime::{Gpu, KernelArg, LaunchConfig, GRID_STRIDE_BLOCK as BLOCK};
 
-    fn check_ids(ids: &[u32], table_rows: usize) -> Result<()> {
-        if let Some((row, id)) = ids
-            .iter()
-            .enumerate()
-            .find(|(_, &id)| id as usize >= table_rows)
-        {
-            return Err(Error::InvalidArgument {
-                arg: "ids",
-                value: format!("ids[{row}] = {id}"),
-                reason: "every id must be below table_rows (the embedding table's row count)",
-            });
+    /// Row ids on the device for [`gather_rows`] and [`scatter_add_rows`].
+    ///
+    /// Built only by [`RowIds::stage`], which checks every id against a bound on the host
+    /// and uploads, in one device buffer, the ids and the grouping the scatter launches
+    /// with: the rows ordered by id (a stable counting sort), cut into one segment per
+    /// distinct id. So a launcher can rely on what the buffer holds without reading it,
+    /// and the ids cross to the device once for any number of launches.
+    /// [`RowIds::into_storage`] hands the buffer back for the next staging.
+    pub struct RowIds {
+        /// `ids (rows) | order (rows) | seg_start (segments + 1) | seg_id (segments)`.
+        storage: GpuBuffer<u32>,
+        rows: usize,
+        bound: usize,
+        segments: usize,
+    }
+
+    impl std::fmt::Debug for RowIds {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("RowIds")
+                .field("rows", &self.rows)
+                .field("bound", &self.bound)
+                .field("segments", &self.segments)
+                .finish()
         }
-        Ok(())
+    }
+
+    impl RowIds {
+        /// Checks that every id is below `bound`, groups the rows by id, and uploads ids
+        /// and grouping into `storage` (reallocated, to a power of two, when it is too
+        /// small: pass a zero-length buffer to allocate). Waits for the stream, like every
+        /// upload.
+        ///
+        /// Host work is O(ids + largest id): the grouping counts ids by value.
+        ///
+        /// # Errors
+        /// `InvalidArgument` naming the first id `>= bound`; `TooLarge` when `bound` or the
+        /// number of ids does not fit the kernels' 32-bit indices; GPU errors.
+        pub fn stage(
+            gpu: &Gpu,
+            ids: &[u32],
+            bound: usize,
+            storage: GpuBuffer<u32>,
+        ) -> Result<RowIds> {
+            let rows = ids.len();
+            kernel_count("bound", bound)?;
+            kernel_count("rows", rows)?;
+            let mut top = 0u32;
+            for (r, &id) in ids.iter().enumerate() {
+                if id as usize >= bound {
+                    return Err(Error::InvalidArgument {
+                        arg: "ids",
+                        value: format!("ids[{r}] = {id} (bound {bound})"),
+                        reason:
+                            "every id must be below the bound (the embedding table's row count)",
+                    });
+                }
+                top = top.max(id);
+            }
+            // Stable counting sort of the row indices by id.
+            let values = if rows == 0 { 0 } else { top as usize + 1 };
+            let mut counts = vec![0u32; values + 1];
+            for &id in ids {
+                counts[id as usize + 1] += 1;
+            }
+            for i in 1..counts.len() {
+                counts[i] += counts[i - 1];
+            }
+            let mut host = Vec::with_capacity(4 * rows + 1);
+            host.extend_from_slice(ids);
+            host.resize(2 * rows, 0);
+            let mut next = counts.clone();
+            for (r, &id) in ids.iter().enumerate() {
+                host[rows + next[id as usize] as usize] = r as u32;
+                next[id as usize] += 1;
+            }
+            let distinct: Vec<u32> = (0..values as u32)
+                .filter(|&id| counts[id as usize + 1] > counts[id as usize])
+                .collect();
+            host.extend(distinct.iter().map(|&id| counts[id as usize]));
+            host.push(rows as u32);
+            host.extend_from_slice(&distinct);
+            let mut storage = storage;
+            if storage.len() < host.len() {
+                drop(storage); // free the old one first
+                storage = gpu.alloc::<u32>(host.len().next_power_of_two())?;
+            }
+            gpu.copy_from_host(&host, &mut storage.slice_mut(0..host.len())?)?;
+            Ok(RowIds {
+                storage,
+                rows,
+                bound,
+                segments: distinct.len(),
+            })
+        }
+
+        /// Number of ids.
+        pub fn rows(&self) -> usize {
+            self.rows
+        }
+
+        /// Every id is below this.
+        pub fn bound(&self) -> usize {
+            self.bound
+        }
+
+        /// Number of distinct ids.
+        pub fn segments(&self) -> usize {
+            self.segments
+        }
+
+        /// The device buffer, for the next [`RowIds::stage`].
+        pub fn into_storage(self) -> GpuBuffer<u32> {
+            self.storage
+        }
+
+        /// Part `start..start + len` of the storage.
+        fn part(&self, start: usize, len: usize) -> Result<DevSlice<'_, u32>> {
+            self.storage.slice(start..start + len)
+        }
+
+        /// A table of `table_rows` rows holds every id.
+        fn check_table(&self, table_rows: usize) -> Result<()> {
+            if self.bound > table_rows {
+                return Err(Error::InvalidArgument {
+                    arg: "table_rows",
+                    value: format!("{table_rows} (ids checked against {})", self.bound),
+                    reason: "the ids were staged for a larger table: stage them with a bound of at most table_rows",
+                });
+            }
+            Ok(())
+        }
     }
 
     /// `dst[i] = value`.
@@ -131,18 +258,18 @@ mod launchers {
     }
 
     /// Embedding lookup: `dst[r, :] = table[ids[r], :]` (`table` is
-    /// `[table_rows, width]`, `dst` is `[ids.len(), width]`). The ids are checked
-    /// on the host and uploaded (the copy waits for the stream).
+    /// `[table_rows, width]` with `table_rows >= ids.bound()`, `dst` is
+    /// `[ids.rows(), width]`).
     pub fn gather_rows(
         gpu: &Gpu,
         table: &impl AsDevSlice<f32>,
-        ids: &[u32],
+        ids: &RowIds,
         dst: &mut impl AsDevSliceMut<f32>,
         table_rows: usize,
         width: usize,
     ) -> Result<()> {
         let (table, dst) = (table.dev_slice(), dst.dev_slice_mut());
-        let rows = ids.len();
+        let rows = ids.rows();
         check_len(
             "table",
             kernel_product("table_rows * width", table_rows, width)?,
@@ -150,12 +277,11 @@ mod launchers {
         )?;
         let n = kernel_product("rows * width", rows, width)?;
         check_len("dst", n, dst.len())?;
-        check_ids(ids, table_rows)?;
+        ids.check_table(table_rows)?;
         if n == 0 {
             return Ok(());
         }
-        let ids_dev = gpu.upload(ids)?;
-        let ids_view = ids_dev.as_slice();
+        let ids_view = ids.part(0, rows)?;
         let args = [
             gpu.arg("table", &table)?,
             gpu.arg("ids", &ids_view)?,
@@ -164,26 +290,27 @@ mod launchers {
             KernelArg::U32(width as u32),
             KernelArg::U32(rows as u32),
         ];
-        // SAFETY: live, length-checked views on this GPU; every id is below
-        // table_rows (checked above); dst is borrowed mutably. `ids_dev` lives
-        // until the end of this function; freeing it waits for the kernel.
+        // SAFETY: live, length-checked views on this GPU; `ids_view` holds `rows` ids,
+        // each below ids.bound() <= table_rows (a RowIds is only built by checking them),
+        // and the kernel also compares every id with table_rows before it reads the table
+        // (an id outside it yields a NaN row); dst is borrowed mutably.
         unsafe { gpu.launch(&MODULE, "gather_rows", gpu.grid_stride(n), &args) }
     }
 
     /// Embedding gradient: `table[ids[r], :] += src[r, :]` for r = 0, 1, ... in
-    /// order (bit-identical to the CPU loop). The rows are grouped by id on the
-    /// host (a stable counting sort), so each table row is updated by one thread
-    /// per column without atomics.
+    /// order (bit-identical to the CPU loop). The rows come grouped by id (staged
+    /// with the ids), so each table row is updated by one thread per column
+    /// without atomics.
     pub fn scatter_add_rows(
         gpu: &Gpu,
         src: &impl AsDevSlice<f32>,
-        ids: &[u32],
+        ids: &RowIds,
         table: &mut impl AsDevSliceMut<f32>,
         table_rows: usize,
         width: usize,
     ) -> Result<()> {
         let (src, table) = (src.dev_slice(), table.dev_slice_mut());
-        let rows = ids.len();
+        let rows = ids.rows();
         check_len(
             "src",
             kernel_product("rows * width", rows, width)?,
@@ -194,41 +321,17 @@ mod launchers {
             kernel_product("table_rows * width", table_rows, width)?,
             table.len(),
         )?;
-        check_ids(ids, table_rows)?;
+        ids.check_table(table_rows)?;
         if rows == 0 || width == 0 {
             return Ok(());
         }
-        // Stable counting sort of the row indices by id.
-        let mut counts = vec![0u32; table_rows + 1];
-        for &id in ids {
-            counts[id as usize + 1] += 1;
-        }
-        for i in 1..counts.len() {
-            counts[i] += counts[i - 1];
-        }
-        let mut next = counts.clone();
-        let mut order = vec![0u32; rows];
-        for (r, &id) in ids.iter().enumerate() {
-            order[next[id as usize] as usize] = r as u32;
-            next[id as usize] += 1;
-        }
-        let mut seg_start = Vec::new();
-        let mut seg_id = Vec::new();
-        for id in 0..table_rows {
-            if counts[id + 1] > counts[id] {
-                seg_start.push(counts[id]);
-                seg_id.push(id as u32);
-            }
-        }
-        seg_start.push(rows as u32);
-        let segments = seg_id.len();
+        let segments = ids.segments();
         let work = kernel_product("segments * width", segments, width)?;
-        let (order, seg_start, seg_id) = (
-            gpu.upload(&order)?,
-            gpu.upload(&seg_start)?,
-            gpu.upload(&seg_id)?,
+        let (order_v, start_v, id_v) = (
+            ids.part(rows, rows)?,
+            ids.part(2 * rows, segments + 1)?,
+            ids.part(2 * rows + segments + 1, segments)?,
         );
-        let (order_v, start_v, id_v) = (order.as_slice(), seg_start.as_slice(), seg_id.as_slice());
         let args = [
             gpu.arg("src", &src)?,
             gpu.arg("order", &order_v)?,
@@ -239,12 +342,66 @@ mod launchers {
             KernelArg::U32(width as u32),
             KernelArg::U32(segments as u32),
         ];
-        // SAFETY: live, length-checked views on this GPU; order holds row
-        // indices below rows, seg_start has segments + 1 entries, seg_id ids
-        // below table_rows; table is borrowed mutably and each (segment,
-        // column) element is written by one thread. The index buffers live
-        // until the end of this function; freeing them waits for the kernel.
+        // SAFETY: live, length-checked views on this GPU; the grouping was built by
+        // RowIds::stage from the checked ids: order is a permutation of 0..rows,
+        // seg_start has segments + 1 ascending entries from 0 to rows, and seg_id holds
+        // distinct ids below ids.bound() <= table_rows (the kernel also skips a segment
+        // whose id is not below table_rows); table is borrowed mutably and each
+        // (segment, column) element is written by one thread.
         unsafe { gpu.launch(&MODULE, "scatter_add_rows", gpu.grid_stride(work), &args) }
+    }
+
+    /// `dst = srcᵀ`: `dst[c * rows + r] = src[r * ld + c]` for a `[rows, cols]` matrix
+    /// stored with row stride `ld` (`src` holds at least `(rows - 1) * ld + cols`
+    /// elements); `dst` is the dense `[cols, rows]` transpose. Bit-exact (moves only).
+    pub fn transpose(
+        gpu: &Gpu,
+        src: &impl AsDevSlice<f32>,
+        dst: &mut impl AsDevSliceMut<f32>,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+    ) -> Result<()> {
+        let (src, dst) = (src.dev_slice(), dst.dev_slice_mut());
+        let n = kernel_product("rows * cols", rows, cols)?;
+        check_len("dst", n, dst.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        if ld < cols {
+            return Err(Error::InvalidArgument {
+                arg: "ld",
+                value: format!("{ld} (cols = {cols})"),
+                reason: "the row stride must be at least the row length",
+            });
+        }
+        let ld32 = kernel_count("ld", ld)?;
+        let needed = (rows - 1)
+            .checked_mul(ld)
+            .and_then(|x| x.checked_add(cols))
+            .ok_or(Error::TooLarge {
+                arg: "(rows - 1) * ld + cols",
+                value: usize::MAX,
+                limit: usize::MAX,
+            })?;
+        if src.len() < needed {
+            return Err(Error::TooShort {
+                arg: "src",
+                needed,
+                actual: src.len(),
+            });
+        }
+        let args = [
+            gpu.arg("src", &src)?,
+            gpu.arg_mut("dst", &dst)?,
+            KernelArg::U32(rows as u32),
+            KernelArg::U32(cols as u32),
+            KernelArg::U32(ld32),
+        ];
+        // SAFETY: live views on this GPU: src holds the (rows - 1) * ld + cols elements
+        // the kernel reads (r < rows, c < cols, ld >= cols), dst the rows * cols it
+        // writes, and dst is borrowed mutably.
+        unsafe { gpu.launch(&MODULE, "transpose", gpu.grid_stride(n), &args) }
     }
 
     /// `dst[c] = (accumulate ? dst[c] : 0) + sum over rows of src[r, c]`, rows in order.

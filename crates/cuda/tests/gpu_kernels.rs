@@ -12,6 +12,7 @@
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use ringtrain_cuda::model_ops::RowIds;
 use ringtrain_cuda::{
     fp16, gemm, lstm, model_ops, optim, softmax, AsDevSlice, Error, Gpu, GpuBuffer, GpuTimer,
     KernelArg, LaunchConfig, NonFiniteFlag, Transpose,
@@ -1206,7 +1207,8 @@ fn model_row_ops_are_bit_exact() {
             .collect();
         let dtable = gpu.upload(&table).unwrap();
         let mut dst = poisoned::<f32>(&gpu, rows * width);
-        model_ops::gather_rows(&gpu, &dtable, &ids, &mut dst, table_rows, width).unwrap();
+        let staged = RowIds::stage(&gpu, &ids, table_rows, gpu.alloc(0).unwrap()).unwrap();
+        model_ops::gather_rows(&gpu, &dtable, &staged, &mut dst, table_rows, width).unwrap();
         let want: Vec<f32> = ids
             .iter()
             .flat_map(|&id| table[id as usize * width..(id as usize + 1) * width].to_vec())
@@ -1216,7 +1218,7 @@ fn model_row_ops_are_bit_exact() {
         let src = uniform(&mut rng, rows * width, -1.0, 1.0);
         let dsrc = gpu.upload(&src).unwrap();
         let mut dgrad = gpu.upload(&table).unwrap();
-        model_ops::scatter_add_rows(&gpu, &dsrc, &ids, &mut dgrad, table_rows, width).unwrap();
+        model_ops::scatter_add_rows(&gpu, &dsrc, &staged, &mut dgrad, table_rows, width).unwrap();
         let mut want = table.clone();
         for (r, &id) in ids.iter().enumerate() {
             for c in 0..width {
@@ -1261,10 +1263,53 @@ fn model_row_ops_are_bit_exact() {
             .collect();
         assert_bits_eq("add_row_bias", &dout.to_host().unwrap(), &want, f32_is_nan);
     }
+    // ids are checked when staged, and staged ids only index tables that hold their bound
+    let err = RowIds::stage(&gpu, &[0, 4], 4, gpu.alloc(0).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("ids[1] = 4"), "{err}");
+    let staged = RowIds::stage(&gpu, &[0, 4], 5, gpu.alloc(0).unwrap()).unwrap();
     let dtable = gpu.zeros::<f32>(8).unwrap();
     let mut dst = gpu.zeros::<f32>(4).unwrap();
-    let err = model_ops::gather_rows(&gpu, &dtable, &[0, 4], &mut dst, 4, 2).unwrap_err();
-    assert!(err.to_string().contains("ids[1] = 4"), "{err}");
+    let err = model_ops::gather_rows(&gpu, &dtable, &staged, &mut dst, 4, 2).unwrap_err();
+    assert!(err.to_string().contains("table_rows"), "{err}");
+    // the storage is reused by the next staging when it is large enough
+    let storage = staged.into_storage();
+    let before = storage.device_ptr();
+    let again = RowIds::stage(&gpu, &[1, 1, 0], 2, storage).unwrap();
+    assert_eq!((again.rows(), again.segments()), (3, 2));
+    assert_eq!(again.into_storage().device_ptr(), before);
+}
+
+#[test]
+fn transpose_is_bit_exact() {
+    let gpu = gpu();
+    let mut rng = rng(17);
+    for &(rows, cols, ld) in &[
+        (1usize, 1usize, 1usize),
+        (3, 5, 7),
+        (64, 33, 40),
+        (257, 3, 3),
+    ] {
+        let mut src = uniform(&mut rng, (rows - 1) * ld + cols, -1.0, 1.0);
+        src[0] = f32::NAN;
+        if src.len() > 2 {
+            src[1] = -0.0;
+            src[2] = f32::INFINITY;
+        }
+        let dsrc = gpu.upload(&src).unwrap();
+        let mut dst = poisoned::<f32>(&gpu, rows * cols);
+        model_ops::transpose(&gpu, &dsrc, &mut dst, rows, cols, ld).unwrap();
+        let want: Vec<f32> = (0..cols)
+            .flat_map(|c| (0..rows).map(move |r| (r, c)))
+            .map(|(r, c)| src[r * ld + c])
+            .collect();
+        assert_bits_eq("transpose", &dst.to_host().unwrap(), &want, f32_is_nan);
+    }
+    let dsrc = gpu.zeros::<f32>(10).unwrap();
+    let mut dst = gpu.zeros::<f32>(12).unwrap();
+    assert!(
+        model_ops::transpose(&gpu, &dsrc, &mut dst, 3, 4, 4).is_err(),
+        "src too short"
+    );
 }
 
 // ---------------------------------------------------------------- runtime

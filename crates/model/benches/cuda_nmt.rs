@@ -25,7 +25,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain_cuda::{optim, GpuBuffer};
 use ringtrain_model::backend::cuda::GemmPrecision;
-use ringtrain_model::{CudaBackend, EncoderKind, LstmImpl, Model, NmtBatch, NmtConfig, NmtModel};
+use ringtrain_model::{
+    CudaBackend, EncoderKind, LstmImpl, Model, NmtBatchView, NmtConfig, NmtModel,
+};
 
 /// The seed's single-GPU figure (P100, TensorFlow NMT), for context only.
 const P100_SEED_WORDS_PER_SEC: f64 = 55_411.0;
@@ -93,8 +95,8 @@ impl Data {
         }
     }
 
-    fn view(&self, s: &Sizes) -> NmtBatch<'_> {
-        NmtBatch {
+    fn view(&self, s: &Sizes) -> NmtBatchView<'_> {
+        NmtBatchView {
             batch: s.batch,
             src_len: s.len,
             tgt_len: s.len,

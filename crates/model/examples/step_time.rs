@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use ringtrain_model::{CpuBackend, LstmImpl, Model, NmtBatch, NmtConfig, NmtModel};
+use ringtrain_model::{CpuBackend, LstmImpl, Model, NmtBatchView, NmtConfig, NmtModel};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -44,7 +44,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|_| rng.gen_range(0..config.tgt_vocab as u32))
         .collect();
     let mask = vec![1.0f32; batch * len];
-    let data = NmtBatch {
+    let data = NmtBatchView {
         batch,
         src_len: len,
         tgt_len: len,

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use crate::backend::{Backend, Gemm};
+use crate::backend::{view, view_mut, Backend, Layout, Staged, View};
 use crate::error::Result;
 use crate::lstm::GradTarget;
 use crate::params::{ParamInit, ParamLayout};
@@ -63,22 +63,24 @@ impl Embedding {
         })
     }
 
+    /// The table in the parameter buffer, `[vocab, width]`.
+    fn matrix(&self) -> Layout {
+        Layout::matrix(self.table.start, self.vocab, self.width)
+    }
+
     /// `work.out[r] = table[ids[r]]`: 1 launch.
     pub(crate) fn forward<B: Backend>(
         &self,
         be: &B,
         params: &B::Buffer,
-        ids: &[u32],
+        ids: &B::Ids,
         work: &mut EmbeddingWork<B::Buffer>,
     ) -> Result<()> {
+        let out = Layout::matrix(0, ids.rows(), self.width);
         be.gather_rows(
-            params,
-            self.table.start,
-            self.vocab,
-            self.width,
+            view(params, self.matrix()),
             ids,
-            &mut work.out,
-            0,
+            view_mut(&mut work.out, out),
         )
     }
 
@@ -87,20 +89,14 @@ impl Embedding {
         &self,
         be: &B,
         grads: &mut B::Buffer,
-        ids: &[u32],
+        ids: &B::Ids,
         work: &EmbeddingWork<B::Buffer>,
         on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
     ) -> Result<()> {
-        be.fill(grads, self.table.start, self.table.len(), 0.0)?;
-        be.scatter_add_rows(
-            &work.dx,
-            0,
-            ids,
-            self.width,
-            grads,
-            self.table.start,
-            self.vocab,
-        )?;
+        let table = self.matrix();
+        let dx = Layout::matrix(0, ids.rows(), self.width);
+        be.fill(view_mut(grads, table), 0.0)?;
+        be.scatter_add_rows(view(&work.dx, dx), ids, view_mut(grads, table))?;
         on_ready(self.table.clone(), grads);
         Ok(())
     }
@@ -147,31 +143,39 @@ impl Projection {
         })
     }
 
-    /// Logits for all `rows` at once, the loss rows and their sum: 3 launches.
-    #[allow(clippy::too_many_arguments)]
+    /// The projection kernel in the parameter buffer, `[hidden, vocab]`.
+    fn matrix(&self) -> Layout {
+        Layout::matrix(self.kernel.start, self.hidden, self.vocab)
+    }
+
+    /// Logits of `h` (`[rows, hidden]`, one row per target), the loss rows and their sum:
+    /// 3 launches.
     pub(crate) fn forward<B: Backend>(
         &self,
         be: &B,
         params: &B::Buffer,
-        h: &B::Buffer,
-        h_offset: usize,
-        rows: usize,
-        labels: &[u32],
-        mask: &[f32],
+        h: View<'_, B::Buffer>,
+        targets: &B::Targets,
         work: &mut ProjectionWork<B::Buffer>,
     ) -> Result<f64> {
-        let spec = Gemm::nn(rows, self.vocab, self.hidden).at(h_offset, self.kernel.start, 0);
-        be.gemm(h, params, &mut work.logits, &spec)?;
-        be.softmax_xent_forward(
-            &work.logits,
-            labels,
-            mask,
-            &mut work.loss,
-            &mut work.lse,
-            rows,
-            self.vocab,
+        let rows = targets.rows();
+        let (logits, per_row) = (
+            Layout::matrix(0, rows, self.vocab),
+            Layout::contiguous(0, rows),
+        );
+        be.gemm(
+            h,
+            view(params, self.matrix()),
+            view_mut(&mut work.logits, logits),
+            false,
         )?;
-        be.sum(&work.loss, 0, rows)
+        be.softmax_xent_forward(
+            view(&work.logits, logits),
+            targets,
+            view_mut(&mut work.loss, per_row),
+            view_mut(&mut work.lse, per_row),
+        )?;
+        be.sum(view(&work.loss, per_row))
     }
 
     /// Gradient of the summed loss: softmax backward in place, `dW = Hᵀ·dLogits` (then
@@ -182,30 +186,32 @@ impl Projection {
         be: &B,
         params: &B::Buffer,
         grads: &mut B::Buffer,
-        h: &B::Buffer,
-        h_offset: usize,
-        rows: usize,
-        labels: &[u32],
-        mask: &[f32],
+        h: View<'_, B::Buffer>,
+        targets: &B::Targets,
         work: &mut ProjectionWork<B::Buffer>,
         dh: GradTarget<'_, B::Buffer>,
         on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
     ) -> Result<()> {
+        let rows = targets.rows();
+        let logits = Layout::matrix(0, rows, self.vocab);
         be.softmax_xent_backward(
-            &mut work.logits,
-            &work.lse,
-            labels,
-            mask,
+            view_mut(&mut work.logits, logits),
+            view(&work.lse, Layout::contiguous(0, rows)),
+            targets,
             1.0,
-            rows,
-            self.vocab,
         )?;
-        let dw = Gemm::tn(self.hidden, self.vocab, rows).at(h_offset, 0, self.kernel.start);
-        be.gemm(h, &work.logits, grads, &dw)?;
+        be.gemm(
+            h.t(),
+            view(&work.logits, logits),
+            view_mut(grads, self.matrix()),
+            false,
+        )?;
         on_ready(self.kernel.clone(), grads);
-        let dx = Gemm::nt(rows, self.hidden, self.vocab)
-            .at(0, self.kernel.start, dh.offset)
-            .accumulate(dh.accumulate);
-        be.gemm(&work.logits, params, dh.buf, &dx)
+        be.gemm(
+            view(&work.logits, logits),
+            view(params, self.matrix()).t(),
+            view_mut(dh.buf, Layout::matrix(dh.offset, rows, self.hidden)),
+            dh.accumulate,
+        )
     }
 }

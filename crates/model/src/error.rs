@@ -36,6 +36,17 @@ pub enum Error {
         /// Length of the buffer.
         len: usize,
     },
+    /// A backend operand has a shape or strides its operation cannot take: it disagrees
+    /// with another operand, or is strided where the operation needs consecutive elements.
+    #[error("invalid backend operand `{name}` = {value}: {reason}")]
+    InvalidView {
+        /// Which operand of the operation.
+        name: &'static str,
+        /// Its layout (or the value that disagrees).
+        value: String,
+        /// What the operation needs instead.
+        reason: String,
+    },
     /// The CUDA backend was requested from a build without the `cuda` feature.
     #[error("the CUDA backend (device {device}) was requested but ringtrain-model was built without the `cuda` feature: rebuild with `--features cuda` (needs libcuda at link time) or use the CPU backend")]
     NotCompiledWithCuda {

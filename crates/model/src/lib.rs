@@ -1,14 +1,18 @@
 //! ringtrain-model: the models ringtrain trains, on a pluggable compute [`Backend`].
 //!
-//! - [`Backend`]: buffers, matrix products ([`Gemm`]) and the ringtrain-kernels
-//!   operations. [`CpuBackend`] runs them with ringtrain-kernels (their rayon twins on more
-//!   than one thread) and the `gemm` crate; [`CudaBackend`] (feature `cuda`) runs them as the PTX
-//!   kernels of ringtrain-cuda on one GPU; without the feature it returns
-//!   [`Error::NotCompiledWithCuda`].
+//! - [`Backend`]: buffers, matrix products and the ringtrain-kernels operations, on
+//!   operands that are views ([`View`], [`ViewMut`]: a buffer and a 2-D strided
+//!   [`Layout`] inside it), checked by code both backends share. [`CpuBackend`] runs them
+//!   with ringtrain-kernels (their rayon twins on more than one thread) and the `gemm`
+//!   crate; [`CudaBackend`] (feature `cuda`) runs them as the PTX kernels of ringtrain-cuda
+//!   on one GPU; without the feature it returns [`Error::NotCompiledWithCuda`].
 //! - LSTM layers in two implementations with the same numbers and different launch
 //!   counts ([`LstmImpl::Fused`], cuDNN-style; [`LstmImpl::Stepwise`], TF `dynamic_rnn`-style).
 //! - [`NmtModel`]: the NMT encoder-decoder (bi or uni encoder, no attention) and [`RnnLm`],
 //!   both with a bias-free output projection and the summed masked softmax cross-entropy.
+//!   A pass checks its batch ([`NmtBatchView`], [`LmBatchView`]) once and stages its ids
+//!   and targets on the backend once ([`CheckedIds`], [`Backend::stage_ids`]), for forward
+//!   and backward.
 //! - Parameters: a named, ordered list ([`ParamLayout`]) laid out in ONE flat parameter
 //!   buffer and ONE flat gradient buffer, in the order backward finishes the gradients
 //!   (projection first, embeddings last), so a trainer can start reducing the first
@@ -20,7 +24,7 @@
 //! loss is `loss_sum / tokens`) and gradients are those of the sum.
 //!
 //! ```
-//! use ringtrain_model::{CpuBackend, EncoderKind, LstmImpl, Model, NmtBatch, NmtConfig, NmtModel};
+//! use ringtrain_model::{CpuBackend, EncoderKind, LstmImpl, Model, NmtBatchView, NmtConfig, NmtModel};
 //!
 //! let config = NmtConfig {
 //!     src_vocab: 12, tgt_vocab: 10, emb: 8, hidden: 8, layers: 2,
@@ -32,13 +36,35 @@
 //! let tgt_in = [0, 0, 7, 8];
 //! let tgt_out = [7, 8, 1, 1];
 //! let mask = [1.0, 1.0, 1.0, 0.0];
-//! let batch = NmtBatch { batch: 2, src_len: 3, tgt_len: 2, src: &src, tgt_in: &tgt_in, tgt_out: &tgt_out, tgt_mask: &mask };
+//! let batch = NmtBatchView { batch: 2, src_len: 3, tgt_len: 2, src: &src, tgt_in: &tgt_in, tgt_out: &tgt_out, tgt_mask: &mask };
 //! let mut ready = Vec::new();
 //! let stats = model.forward_backward(&batch, &mut |range, _grads: &Vec<f32>| ready.push(range))?;
 //! assert_eq!(stats.tokens, 3.0);
 //! assert!((stats.mean_loss() - (10f64).ln()).abs() < 0.1); // near uniform at init
 //! assert_eq!(ready.first().map(|r| r.start), Some(0));
 //! assert_eq!(ready.last().map(|r| r.end), Some(model.layout().total_len()));
+//! # Ok::<(), ringtrain_model::Error>(())
+//! ```
+//!
+//! The backend on its own: operands are views of buffers; `.t()` transposes one for free.
+//!
+//! ```
+//! use ringtrain_model::{view, view_mut, Backend, CpuBackend, Layout};
+//!
+//! let cpu = CpuBackend::new(1)?;
+//! let a = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]; // [2, 3]
+//! let mut c = vec![0.0; 4];
+//! // C = A·Aᵀ: [2, 3]·[3, 2]
+//! cpu.gemm(
+//!     view(&a, Layout::matrix(0, 2, 3)),
+//!     view(&a, Layout::matrix(0, 2, 3)).t(),
+//!     view_mut(&mut c, Layout::matrix(0, 2, 2)),
+//!     false,
+//! )?;
+//! assert_eq!(c, [14.0, 32.0, 32.0, 77.0]);
+//! // A view past the end of its buffer is an error naming the operand, not a panic.
+//! let err = cpu.sum(view(&a, Layout::contiguous(4, 3))).unwrap_err();
+//! assert!(err.to_string().contains("sum source"));
 //! # Ok::<(), ringtrain_model::Error>(())
 //! ```
 #![warn(missing_docs)]
@@ -55,10 +81,13 @@ pub mod rnnlm;
 
 #[cfg(feature = "cuda")]
 pub use backend::GemmPrecision;
-pub use backend::{Backend, Binary, CpuBackend, CudaBackend, Gemm, InPlace, LstmStep, Unary};
+pub use backend::{
+    view, view_mut, Backend, Binary, CheckedIds, CheckedTargets, CpuBackend, CudaBackend, InPlace,
+    Layout, LstmBackwardStep, LstmForwardStep, Staged, Unary, View, ViewMut,
+};
 pub use error::{Error, Result};
 pub use lstm::LstmImpl;
 pub use model::{GradsReady, Model, StepStats};
-pub use nmt::{EncoderKind, NmtBatch, NmtConfig, NmtModel};
+pub use nmt::{EncoderKind, NmtBatchView, NmtConfig, NmtModel};
 pub use params::{ParamEntry, ParamInit, ParamLayout};
-pub use rnnlm::{LmBatch, LmConfig, RnnLm};
+pub use rnnlm::{LmBatchView, LmConfig, RnnLm};

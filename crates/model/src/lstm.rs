@@ -16,7 +16,9 @@
 
 use std::ops::Range;
 
-use crate::backend::{Backend, Binary, Gemm, InPlace, LstmStep, Unary};
+use crate::backend::{
+    view, view_mut, Backend, Binary, InPlace, Layout, LstmBackwardStep, LstmForwardStep, Unary,
+};
 use crate::error::Result;
 use crate::params::{ParamInit, ParamLayout};
 
@@ -88,6 +90,22 @@ pub(crate) struct GradTarget<'a, Buf> {
     pub(crate) buf: &'a mut Buf,
     pub(crate) offset: usize,
     pub(crate) accumulate: bool,
+}
+
+/// One time step in a layer's processing order: which block of the per-step buffers it
+/// uses, and the state slots it reads and writes.
+///
+/// `gates`, `act`, `dh` and `tanh_c` hold all steps in time order; the cell and hidden
+/// states live in `steps + 1` slots of `[batch, H]` so that the previous state
+/// (`prev_slot`) and the new one (`out_slot`) of a step sit in one buffer.
+#[derive(Debug, Clone, Copy)]
+struct Step {
+    /// Time index.
+    t: usize,
+    /// Slot of `h_prev`/`c_prev`.
+    prev_slot: usize,
+    /// Slot the step's `h`/`c` are written to.
+    out_slot: usize,
 }
 
 /// Per-layer workspace, allocated for a (steps, batch) capacity and reused.
@@ -210,15 +228,27 @@ impl LstmLayer {
         }
     }
 
+    /// `W_ih` in the parameter buffer, `[input, 4H]`.
+    fn w_ih_matrix(&self) -> Layout {
+        Layout::matrix(self.w_ih.start, self.input, 4 * self.hidden)
+    }
+
+    /// `W_hh` in the parameter buffer, `[H, 4H]`.
+    fn w_hh_matrix(&self) -> Layout {
+        Layout::matrix(self.w_hh.start, self.hidden, 4 * self.hidden)
+    }
+
+    /// The bias in the parameter buffer, `4H` elements.
+    fn bias_vector(&self) -> Layout {
+        Layout::contiguous(self.bias.start, 4 * self.hidden)
+    }
+
     /// The `s`-th step in forward processing order.
-    fn step(&self, s: usize, steps: usize, batch: usize) -> LstmStep {
+    fn step(&self, s: usize, steps: usize) -> Step {
         let t = if self.reverse { steps - 1 - s } else { s };
         let (prev_slot, out_slot) = if self.reverse { (t + 1, t) } else { (t, t + 1) };
-        LstmStep {
-            step: t,
-            steps,
-            batch,
-            hidden: self.hidden,
+        Step {
+            t,
             prev_slot,
             out_slot,
         }
@@ -234,15 +264,19 @@ impl LstmLayer {
         batch: usize,
     ) -> Result<()> {
         let bh = batch * self.hidden;
-        let slot = if self.reverse { steps * bh } else { 0 };
+        let slot = Layout::contiguous(if self.reverse { steps * bh } else { 0 }, bh);
         match init {
             Some(s) => {
-                be.copy(s.h, s.h_offset, &mut w.hiddens, slot, bh)?;
-                be.copy(s.c, s.c_offset, &mut w.cells, slot, bh)
+                let (h, c) = (
+                    Layout::contiguous(s.h_offset, bh),
+                    Layout::contiguous(s.c_offset, bh),
+                );
+                be.copy(view(s.h, h), view_mut(&mut w.hiddens, slot))?;
+                be.copy(view(s.c, c), view_mut(&mut w.cells, slot))
             }
             None => {
-                be.fill(&mut w.hiddens, slot, bh, 0.0)?;
-                be.fill(&mut w.cells, slot, bh, 0.0)
+                be.fill(view_mut(&mut w.hiddens, slot), 0.0)?;
+                be.fill(view_mut(&mut w.cells, slot), 0.0)
             }
         }
     }
@@ -283,24 +317,37 @@ impl LstmLayer {
         batch: usize,
     ) -> Result<()> {
         let (h, g4) = (self.hidden, 4 * self.hidden);
-        let bh = batch * h;
-        let input_proj = Gemm::nn(steps * batch, g4, self.input).at(x_offset, self.w_ih.start, 0);
-        be.gemm(x, params, &mut w.gates, &input_proj)?;
+        let rows = steps * batch;
+        // [steps * batch, 4H]: the input projection of every step, then the activations.
+        let gates = Layout::matrix(0, rows, g4);
+        let slot = |i: usize| Layout::matrix(i * batch * h, batch, h);
+        let rec = Layout::matrix(0, batch, g4);
+        be.gemm(
+            view(x, Layout::matrix(x_offset, rows, self.input)),
+            view(params, self.w_ih_matrix()),
+            view_mut(&mut w.gates, gates),
+            false,
+        )?;
         self.set_initial(be, init, w, steps, batch)?;
         for s in 0..steps {
-            let at = self.step(s, steps, batch);
-            let recurrent = Gemm::nn(batch, g4, h).at(at.prev_slot * bh, self.w_hh.start, 0);
-            be.gemm(&w.hiddens, params, &mut w.rec, &recurrent)?;
-            be.lstm_forward_step(
-                &w.gates,
-                &w.rec,
-                params,
-                self.bias.start,
-                &mut w.cells,
-                &mut w.hiddens,
-                &mut w.act,
-                &at,
+            let at = self.step(s, steps);
+            let block = gates.narrow_rows(at.t * batch, batch);
+            be.gemm(
+                view(&w.hiddens, slot(at.prev_slot)),
+                view(params, self.w_hh_matrix()),
+                view_mut(&mut w.rec, rec),
+                false,
             )?;
+            be.lstm_forward_step(LstmForwardStep {
+                input_proj: view(&w.gates, block),
+                recurrent: view(&w.rec, rec),
+                bias: view(params, self.bias_vector()),
+                cells: &mut w.cells,
+                c_prev: slot(at.prev_slot),
+                c: slot(at.out_slot),
+                h: view_mut(&mut w.hiddens, slot(at.out_slot)),
+                act: view_mut(&mut w.act, block),
+            })?;
         }
         Ok(())
     }
@@ -317,75 +364,69 @@ impl LstmLayer {
         steps: usize,
         batch: usize,
     ) -> Result<()> {
-        let (h, g4, input) = (self.hidden, 4 * self.hidden, self.input);
+        let (h, input) = (self.hidden, self.input);
         let bh = batch * h;
         let n = steps * bh;
-        let (gi, gf, gg, go) = (0, n, 2 * n, 3 * n);
+        let slot = |i: usize| Layout::matrix(i * bh, batch, h);
+        let tmp = Layout::matrix(0, batch, h);
         self.set_initial(be, init, w, steps, batch)?;
         for s in 0..steps {
-            let at = self.step(s, steps, batch);
-            let blk = at.step * bh;
-            let (prev, out) = (at.prev_slot * bh, at.out_slot * bh);
-            let xo = x_offset + at.step * batch * input;
+            let at = self.step(s, steps);
+            let blk = at.t * bh;
+            // Gate k of this step in the gate-major [4, steps * batch, H] buffers.
+            let z = |k: usize| Layout::matrix(k * n + blk, batch, h);
+            let block = Layout::matrix(blk, batch, h);
+            let (prev, out) = (slot(at.prev_slot), slot(at.out_slot));
+            let xt = Layout::matrix(x_offset + at.t * batch * input, batch, input);
             for k in 0..4 {
-                let z = Gemm::nn(batch, h, input)
-                    .at(xo, self.w_ih.start + k * h, k * n + blk)
-                    .strides(input, g4, h);
-                be.gemm(x, params, &mut w.gates, &z)?;
-            }
-            for k in 0..4 {
-                let z = Gemm::nn(batch, h, h)
-                    .at(prev, self.w_hh.start + k * h, k * n + blk)
-                    .strides(h, g4, h)
-                    .accumulate(true);
-                be.gemm(&w.hiddens, params, &mut w.gates, &z)?;
-            }
-            for k in 0..4 {
-                be.add_row_bias(
-                    params,
-                    self.bias.start + k * h,
-                    &mut w.gates,
-                    k * n + blk,
-                    batch,
-                    h,
+                be.gemm(
+                    view(x, xt),
+                    view(params, self.w_ih_matrix().narrow_cols(k * h, h)),
+                    view_mut(&mut w.gates, z(k)),
+                    false,
                 )?;
             }
             for k in 0..4 {
+                be.gemm(
+                    view(&w.hiddens, prev),
+                    view(params, self.w_hh_matrix().narrow_cols(k * h, h)),
+                    view_mut(&mut w.gates, z(k)),
+                    true,
+                )?;
+            }
+            for k in 0..4 {
+                let bias = Layout::contiguous(self.bias.start + k * h, h);
+                be.add_row_bias(view(params, bias), view_mut(&mut w.gates, z(k)))?;
+            }
+            for k in 0..4 {
                 let f = if k == 2 { Unary::Tanh } else { Unary::Sigmoid };
-                be.unary(f, &w.gates, k * n + blk, &mut w.act, k * n + blk, bh)?;
+                be.unary(f, view(&w.gates, z(k)), view_mut(&mut w.act, z(k)))?;
             }
             // c = f * c_prev + i * g ; h = o * tanh(c)
+            let (i, f, g, o) = (z(0), z(1), z(2), z(3));
             be.binary(
                 Binary::Mul,
-                &w.act,
-                gf + blk,
-                &w.cells,
-                prev,
-                &mut w.tmp,
-                0,
-                bh,
+                view(&w.act, f),
+                view(&w.cells, prev),
+                view_mut(&mut w.tmp, tmp),
             )?;
             be.binary(
                 Binary::Mul,
-                &w.act,
-                gi + blk,
-                &w.act,
-                gg + blk,
-                &mut w.cells,
-                out,
-                bh,
+                view(&w.act, i),
+                view(&w.act, g),
+                view_mut(&mut w.cells, out),
             )?;
-            be.in_place(InPlace::Add, &w.tmp, 0, &mut w.cells, out, bh)?;
-            be.unary(Unary::Tanh, &w.cells, out, &mut w.tanh_c, blk, bh)?;
+            be.in_place(InPlace::Add, view(&w.tmp, tmp), view_mut(&mut w.cells, out))?;
+            be.unary(
+                Unary::Tanh,
+                view(&w.cells, out),
+                view_mut(&mut w.tanh_c, block),
+            )?;
             be.binary(
                 Binary::Mul,
-                &w.act,
-                go + blk,
-                &w.tanh_c,
-                blk,
-                &mut w.hiddens,
-                out,
-                bh,
+                view(&w.act, o),
+                view(&w.tanh_c, block),
+                view_mut(&mut w.hiddens, out),
             )?;
         }
         Ok(())
@@ -440,52 +481,76 @@ impl LstmLayer {
         on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
     ) -> Result<()> {
         let (h, g4, input) = (self.hidden, 4 * self.hidden, self.input);
-        let (bh, bg) = (batch * h, batch * g4);
+        let bh = batch * h;
         let rows = steps * batch;
+        let gates = Layout::matrix(0, rows, g4);
+        let slot = |i: usize| Layout::matrix(i * bh, batch, h);
+        let state = Layout::matrix(0, batch, h);
         let mut last_step: Option<usize> = None;
         for s in (0..steps).rev() {
-            let at = self.step(s, steps, batch);
+            let at = self.step(s, steps);
+            let dh = Layout::matrix(at.t * bh, batch, h);
             if let Some(next) = last_step {
                 // dh_t += dgates_{t+1} · W_hhᵀ (the recurrent path).
-                let rec = Gemm::nt(batch, h, g4)
-                    .at(next * bg, self.w_hh.start, at.step * bh)
-                    .strides(g4, g4, h)
-                    .accumulate(true);
-                be.gemm(&w.gates, params, &mut w.dh, &rec)?;
+                be.gemm(
+                    view(&w.gates, gates.narrow_rows(next * batch, batch)),
+                    view(params, self.w_hh_matrix()).t(),
+                    view_mut(&mut w.dh, dh),
+                    true,
+                )?;
             }
-            be.lstm_backward_step(
-                &w.act,
-                &w.cells,
-                &w.dh,
-                &w.dc,
-                &mut w.gates,
-                &mut w.dc_next,
-                &at,
-            )?;
+            let block = gates.narrow_rows(at.t * batch, batch);
+            be.lstm_backward_step(LstmBackwardStep {
+                act: view(&w.act, block),
+                c_prev: view(&w.cells, slot(at.prev_slot)),
+                c: view(&w.cells, slot(at.out_slot)),
+                dh: view(&w.dh, dh),
+                dc: view(&w.dc, state),
+                dgates: view_mut(&mut w.gates, block),
+                dc_prev: view_mut(&mut w.dc_next, state),
+            })?;
             std::mem::swap(&mut w.dc, &mut w.dc_next);
-            last_step = Some(at.step);
+            last_step = Some(at.t);
         }
         let first = last_step.unwrap_or(0);
         if need_dh0 {
-            let dh0 = Gemm::nt(batch, h, g4)
-                .at(first * bg, self.w_hh.start, 0)
-                .strides(g4, g4, h);
-            be.gemm(&w.gates, params, &mut w.dh0, &dh0)?;
+            be.gemm(
+                view(&w.gates, gates.narrow_rows(first * batch, batch)),
+                view(params, self.w_hh_matrix()).t(),
+                view_mut(&mut w.dh0, state),
+                false,
+            )?;
         }
-        let dw_ih = Gemm::tn(input, g4, rows).at(x_offset, 0, self.w_ih.start);
-        be.gemm(x, &w.gates, grads, &dw_ih)?;
+        // dW_ih = Xᵀ·dGates, dW_hh = H_prevᵀ·dGates, db = column sums of dGates.
+        be.gemm(
+            view(x, Layout::matrix(x_offset, rows, input)).t(),
+            view(&w.gates, gates),
+            view_mut(grads, self.w_ih_matrix()),
+            false,
+        )?;
         on_ready(self.w_ih.clone(), grads);
         let h_prev_offset = if self.reverse { bh } else { 0 };
-        let dw_hh = Gemm::tn(h, g4, rows).at(h_prev_offset, 0, self.w_hh.start);
-        be.gemm(&w.hiddens, &w.gates, grads, &dw_hh)?;
+        be.gemm(
+            view(&w.hiddens, Layout::matrix(h_prev_offset, rows, h)).t(),
+            view(&w.gates, gates),
+            view_mut(grads, self.w_hh_matrix()),
+            false,
+        )?;
         on_ready(self.w_hh.clone(), grads);
-        be.column_sums(&w.gates, 0, rows, g4, grads, self.bias.start, false)?;
+        be.column_sums(
+            view(&w.gates, gates),
+            view_mut(grads, self.bias_vector()),
+            false,
+        )?;
         on_ready(self.bias.clone(), grads);
         if let Some(dx) = dx {
-            let spec = Gemm::nt(rows, input, g4)
-                .at(0, self.w_ih.start, dx.offset)
-                .accumulate(dx.accumulate);
-            be.gemm(&w.gates, params, dx.buf, &spec)?;
+            // dX = dGates·W_ihᵀ
+            be.gemm(
+                view(&w.gates, gates),
+                view(params, self.w_ih_matrix()).t(),
+                view_mut(dx.buf, Layout::matrix(dx.offset, rows, input)),
+                dx.accumulate,
+            )?;
         }
         Ok(())
     }
@@ -505,128 +570,132 @@ impl LstmLayer {
         mut dx: Option<GradTarget<'_, B::Buffer>>,
         on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
     ) -> Result<()> {
-        let (h, g4, input) = (self.hidden, 4 * self.hidden, self.input);
+        let (h, input) = (self.hidden, self.input);
         let bh = batch * h;
         let n = steps * bh;
-        let (gi, gf, gg, go) = (0, n, 2 * n, 3 * n);
+        let slot = |i: usize| Layout::matrix(i * bh, batch, h);
+        // Gate k of step t in the gate-major [4, steps * batch, H] buffers.
+        let z = |k: usize, t: usize| Layout::matrix(k * n + t * bh, batch, h);
+        // Gate block k of W_ih / W_hh: [input, H] / [H, H] with row stride 4H.
+        let w_ih = |k: usize| self.w_ih_matrix().narrow_cols(k * h, h);
+        let w_hh = |k: usize| self.w_hh_matrix().narrow_cols(k * h, h);
+        let state = Layout::matrix(0, batch, h);
         let mut last_step: Option<usize> = None;
         for s in (0..steps).rev() {
-            let at = self.step(s, steps, batch);
-            let blk = at.step * bh;
-            let prev = at.prev_slot * bh;
+            let at = self.step(s, steps);
+            let t = at.t;
+            let block = Layout::matrix(t * bh, batch, h);
+            let prev = slot(at.prev_slot);
             let first = last_step.is_none();
             if let Some(next) = last_step {
                 for k in 0..4 {
-                    let rec = Gemm::nt(batch, h, h)
-                        .at(k * n + next * bh, self.w_hh.start + k * h, blk)
-                        .strides(h, g4, h)
-                        .accumulate(true);
-                    be.gemm(&w.gates, params, &mut w.dh, &rec)?;
+                    be.gemm(
+                        view(&w.gates, z(k, next)),
+                        view(params, w_hh(k)).t(),
+                        view_mut(&mut w.dh, block),
+                        true,
+                    )?;
                 }
             }
+            let (zi, zf, zg, zo) = (z(0, t), z(1, t), z(2, t), z(3, t));
             // Output gate: dz_o = dh * tanh(c) * o(1-o).
             be.binary(
                 Binary::Mul,
-                &w.dh,
-                blk,
-                &w.tanh_c,
-                blk,
-                &mut w.gates,
-                go + blk,
-                bh,
+                view(&w.dh, block),
+                view(&w.tanh_c, block),
+                view_mut(&mut w.gates, zo),
             )?;
             be.in_place(
                 InPlace::MulSigmoidGrad,
-                &w.act,
-                go + blk,
-                &mut w.gates,
-                go + blk,
-                bh,
+                view(&w.act, zo),
+                view_mut(&mut w.gates, zo),
             )?;
             // dc += dh * o * (1 - tanh(c)^2).
-            be.binary(Binary::Mul, &w.dh, blk, &w.act, go + blk, &mut w.tmp, 0, bh)?;
-            be.in_place(InPlace::MulTanhGrad, &w.tanh_c, blk, &mut w.tmp, 0, bh)?;
-            be.in_place(InPlace::Add, &w.tmp, 0, &mut w.dc, 0, bh)?;
+            be.binary(
+                Binary::Mul,
+                view(&w.dh, block),
+                view(&w.act, zo),
+                view_mut(&mut w.tmp, state),
+            )?;
+            be.in_place(
+                InPlace::MulTanhGrad,
+                view(&w.tanh_c, block),
+                view_mut(&mut w.tmp, state),
+            )?;
+            be.in_place(
+                InPlace::Add,
+                view(&w.tmp, state),
+                view_mut(&mut w.dc, state),
+            )?;
             // dz_i = dc * g * i(1-i); dz_g = dc * i * (1-g^2); dz_f = dc * c_prev * f(1-f).
-            for (gate, factor, factor_offset, activation_grad) in [
-                (gi, &w.act, gg + blk, InPlace::MulSigmoidGrad),
-                (gg, &w.act, gi + blk, InPlace::MulTanhGrad),
-                (gf, &w.cells, prev, InPlace::MulSigmoidGrad),
+            for (dz, factor, factor_at, activation_grad) in [
+                (zi, &w.act, zg, InPlace::MulSigmoidGrad),
+                (zg, &w.act, zi, InPlace::MulTanhGrad),
+                (zf, &w.cells, prev, InPlace::MulSigmoidGrad),
             ] {
-                let dz = gate + blk;
                 be.binary(
                     Binary::Mul,
-                    &w.dc,
-                    0,
-                    factor,
-                    factor_offset,
-                    &mut w.gates,
-                    dz,
-                    bh,
+                    view(&w.dc, state),
+                    view(factor, factor_at),
+                    view_mut(&mut w.gates, dz),
                 )?;
-                be.in_place(activation_grad, &w.act, dz, &mut w.gates, dz, bh)?;
+                be.in_place(
+                    activation_grad,
+                    view(&w.act, dz),
+                    view_mut(&mut w.gates, dz),
+                )?;
             }
             // dc_prev = dc * f.
             be.binary(
                 Binary::Mul,
-                &w.dc,
-                0,
-                &w.act,
-                gf + blk,
-                &mut w.dc_next,
-                0,
-                bh,
+                view(&w.dc, state),
+                view(&w.act, zf),
+                view_mut(&mut w.dc_next, state),
             )?;
             std::mem::swap(&mut w.dc, &mut w.dc_next);
-            let xo = x_offset + at.step * batch * input;
+            let xt = Layout::matrix(x_offset + t * batch * input, batch, input);
             for k in 0..4 {
-                let spec = Gemm::tn(input, h, batch)
-                    .at(xo, k * n + blk, self.w_ih.start + k * h)
-                    .strides(input, h, g4)
-                    .accumulate(!first);
-                be.gemm(x, &w.gates, grads, &spec)?;
-            }
-            for k in 0..4 {
-                let spec = Gemm::tn(h, h, batch)
-                    .at(prev, k * n + blk, self.w_hh.start + k * h)
-                    .strides(h, h, g4)
-                    .accumulate(!first);
-                be.gemm(&w.hiddens, &w.gates, grads, &spec)?;
-            }
-            for k in 0..4 {
-                be.column_sums(
-                    &w.gates,
-                    k * n + blk,
-                    batch,
-                    h,
-                    grads,
-                    self.bias.start + k * h,
+                be.gemm(
+                    view(x, xt).t(),
+                    view(&w.gates, z(k, t)),
+                    view_mut(grads, w_ih(k)),
                     !first,
                 )?;
             }
+            for k in 0..4 {
+                be.gemm(
+                    view(&w.hiddens, prev).t(),
+                    view(&w.gates, z(k, t)),
+                    view_mut(grads, w_hh(k)),
+                    !first,
+                )?;
+            }
+            for k in 0..4 {
+                let bias = Layout::contiguous(self.bias.start + k * h, h);
+                be.column_sums(view(&w.gates, z(k, t)), view_mut(grads, bias), !first)?;
+            }
             if let Some(dx) = dx.as_mut() {
+                let dxt = Layout::matrix(dx.offset + t * batch * input, batch, input);
                 for k in 0..4 {
-                    let spec = Gemm::nt(batch, input, h)
-                        .at(
-                            k * n + blk,
-                            self.w_ih.start + k * h,
-                            dx.offset + at.step * batch * input,
-                        )
-                        .strides(h, g4, input)
-                        .accumulate(k > 0 || dx.accumulate);
-                    be.gemm(&w.gates, params, dx.buf, &spec)?;
+                    be.gemm(
+                        view(&w.gates, z(k, t)),
+                        view(params, w_ih(k)).t(),
+                        view_mut(dx.buf, dxt),
+                        k > 0 || dx.accumulate,
+                    )?;
                 }
             }
-            last_step = Some(at.step);
+            last_step = Some(t);
         }
         if need_dh0 {
             let first = last_step.unwrap_or(0);
             for k in 0..4 {
-                let spec = Gemm::nt(batch, h, h)
-                    .at(k * n + first * bh, self.w_hh.start + k * h, 0)
-                    .strides(h, g4, h)
-                    .accumulate(k > 0);
-                be.gemm(&w.gates, params, &mut w.dh0, &spec)?;
+                be.gemm(
+                    view(&w.gates, z(k, first)),
+                    view(params, w_hh(k)).t(),
+                    view_mut(&mut w.dh0, state),
+                    k > 0,
+                )?;
             }
         }
         on_ready(self.w_ih.clone(), grads);

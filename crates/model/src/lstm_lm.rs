@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use crate::backend::Backend;
+use crate::backend::{view, view_mut, Backend, Layout};
 use crate::embedding::{Embedding, EmbeddingWork, Projection, ProjectionWork};
 use crate::error::Result;
 use crate::lstm::{GradTarget, InitState, LstmImpl, LstmLayer, LstmWork};
@@ -70,6 +70,12 @@ impl LstmLm {
         Ok(LstmLm { proj, layers, emb })
     }
 
+    /// The top layer's output in its `hiddens`, `[steps * batch, hidden]`.
+    fn top_output(&self, steps: usize, batch: usize) -> Layout {
+        let top = &self.layers[self.layers.len() - 1];
+        Layout::matrix(top.output_offset(batch), steps * batch, top.hidden)
+    }
+
     /// Workspaces for `steps` x `batch`.
     pub(crate) fn work<B: Backend>(
         &self,
@@ -90,16 +96,15 @@ impl LstmLm {
 
     /// Forward over `steps` x `batch` tokens (time-major): embeds `inputs`, runs the layers
     /// bottom up (layer `l` starting from `init(l)`, zeros when `None`) and returns the
-    /// summed loss of the projection's logits against `labels` weighted by `mask`.
+    /// summed loss of the projection's logits against `targets`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward_loss<'a, B: Backend>(
         &self,
         be: &B,
         imp: LstmImpl,
         params: &B::Buffer,
-        inputs: &[u32],
-        labels: &[u32],
-        mask: &[f32],
+        inputs: &B::Ids,
+        targets: &B::Targets,
         steps: usize,
         batch: usize,
         w: &mut LstmLmWork<B::Buffer>,
@@ -132,14 +137,12 @@ impl LstmLm {
             )?;
         }
         let top = self.layers.len() - 1;
+        let h = self.top_output(steps, batch);
         self.proj.forward(
             be,
             params,
-            &w.layers[top].hiddens,
-            self.layers[top].output_offset(batch),
-            steps * batch,
-            labels,
-            mask,
+            view(&w.layers[top].hiddens, h),
+            targets,
             &mut w.head,
         )
     }
@@ -156,9 +159,8 @@ impl LstmLm {
         imp: LstmImpl,
         params: &B::Buffer,
         grads: &mut B::Buffer,
-        inputs: &[u32],
-        labels: &[u32],
-        mask: &[f32],
+        inputs: &B::Ids,
+        targets: &B::Targets,
         steps: usize,
         batch: usize,
         need_dh0: bool,
@@ -172,11 +174,8 @@ impl LstmLm {
                 be,
                 params,
                 grads,
-                &top_work.hiddens,
-                self.layers[top].output_offset(batch),
-                steps * batch,
-                labels,
-                mask,
+                view(&top_work.hiddens, self.top_output(steps, batch)),
+                targets,
                 &mut w.head,
                 GradTarget {
                     buf: &mut top_work.dh,
@@ -189,7 +188,8 @@ impl LstmLm {
         for (l, layer) in self.layers.iter().enumerate().rev() {
             let (below, rest) = w.layers.split_at_mut(l);
             let lw = &mut rest[0];
-            be.fill(&mut lw.dc, 0, batch * layer.hidden, 0.0)?;
+            let dc = Layout::contiguous(0, batch * layer.hidden);
+            be.fill(view_mut(&mut lw.dc, dc), 0.0)?;
             let (x, x_offset, dx) = if l == 0 {
                 (&w.emb.out, 0, &mut w.emb.dx)
             } else {

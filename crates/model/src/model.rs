@@ -82,18 +82,6 @@ pub trait Model {
     ) -> Result<StepStats>;
 }
 
-/// Checks that every id of `ids` is below `vocab`.
-pub(crate) fn check_ids(field: &'static str, ids: &[u32], vocab: usize) -> Result<()> {
-    match ids.iter().position(|&id| id as usize >= vocab) {
-        Some(pos) => Err(crate::error::batch_error(
-            field,
-            format!("{} at position {pos}", ids[pos]),
-            format!("token ids must be below the vocab size {vocab}: check the vocab files or the model config"),
-        )),
-        None => Ok(()),
-    }
-}
-
 /// Checks `values.len() == expected`.
 pub(crate) fn check_len<T>(
     field: &'static str,
@@ -110,32 +98,6 @@ pub(crate) fn check_len<T>(
             format!("expected {expected} = {shape} (time-major)"),
         ))
     }
-}
-
-/// Checks labels of rows with a non-zero mask, and that the mask is finite.
-pub(crate) fn check_labels(
-    field: &'static str,
-    labels: &[u32],
-    mask: &[f32],
-    vocab: usize,
-) -> Result<()> {
-    for (pos, (&label, &m)) in labels.iter().zip(mask).enumerate() {
-        if !m.is_finite() {
-            return Err(crate::error::batch_error(
-                "mask",
-                format!("{m} at position {pos}"),
-                "mask weights must be finite (1.0 real token, 0.0 padding)",
-            ));
-        }
-        if m != 0.0 && label as usize >= vocab {
-            return Err(crate::error::batch_error(
-                field,
-                format!("{label} at position {pos}"),
-                format!("target ids of unmasked tokens must be below the vocab size {vocab}"),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Checks that a size is at least 1.
@@ -185,8 +147,10 @@ pub(crate) fn check_init(init_scale: f32, forget_bias: f32, init_scale_reason: &
 
 /// Implements `Debug` and [`Model`] for a model struct `$model<B>` with the fields
 /// `backend`, `config`, `layout`, `params` and `grads`, and the methods
-/// `forward(&mut self, &$batch) -> Result<(f64, f64)>` (loss sum, tokens) and
-/// `backward(&mut self, &$batch, on_ready) -> Result<()>` (after `forward`).
+/// `stage(&self, &$batch) -> Result<Staged>` (checks the batch and stages its ids and
+/// targets on the backend, once per pass), `forward(&mut self, &Staged) -> Result<(f64,
+/// f64)>` (loss sum, tokens) and `backward(&mut self, &Staged, on_ready) -> Result<()>`
+/// (after `forward`, with the same staged batch).
 macro_rules! impl_model {
     ($model:ident, $batch:ident) => {
         impl<B: Backend> std::fmt::Debug for $model<B> {
@@ -230,8 +194,9 @@ macro_rules! impl_model {
             }
             fn forward_loss(&mut self, batch: &$batch<'_>) -> Result<StepStats> {
                 let start = self.backend.launches();
+                let staged = self.stage(batch)?;
                 self.backend.begin_pass(&self.params);
-                let result = self.forward(batch);
+                let result = self.forward(&staged);
                 self.backend.end_pass();
                 let (loss_sum, tokens) = result?;
                 Ok(StepStats {
@@ -246,11 +211,12 @@ macro_rules! impl_model {
                 on_grads_ready: &mut GradsReady<'_, B::Buffer>,
             ) -> Result<StepStats> {
                 let start = self.backend.launches();
+                let staged = self.stage(batch)?;
                 // The parameters stay unchanged until end_pass (backward writes gradients).
                 self.backend.begin_pass(&self.params);
                 let result = self
-                    .forward(batch)
-                    .and_then(|loss| self.backward(batch, on_grads_ready).map(|()| loss));
+                    .forward(&staged)
+                    .and_then(|loss| self.backward(&staged, on_grads_ready).map(|()| loss));
                 self.backend.end_pass();
                 let (loss_sum, tokens) = result?;
                 Ok(StepStats {

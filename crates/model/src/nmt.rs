@@ -12,14 +12,13 @@
 //! the summed masked softmax cross-entropy against the target output (target + EOS).
 //! Encoder outputs are not otherwise used. Source padding is processed like any token.
 
-use crate::backend::Backend;
+use crate::backend::{view, view_mut, Backend, CheckedIds, CheckedTargets, InPlace, Layout};
 use crate::embedding::{Embedding, EmbeddingWork};
 use crate::error::{config_error, Result};
 use crate::lstm::{GradTarget, InitState, LstmImpl, LstmLayer, LstmWork};
 use crate::lstm_lm::{LstmLm, LstmLmShape, LstmLmWork};
 use crate::model::{
-    check_ids, check_init, check_labels, check_len, check_positive, check_sizes, impl_model,
-    GradsReady, Model, StepStats,
+    check_init, check_len, check_positive, check_sizes, impl_model, GradsReady, Model, StepStats,
 };
 use crate::params::ParamLayout;
 
@@ -128,9 +127,10 @@ impl NmtConfig {
     }
 }
 
-/// One NMT batch, time-major: token (t, b) at `t * batch + b`.
+/// One NMT batch borrowed from the caller, time-major: token (t, b) at `t * batch + b`.
+/// (`ringtrain_data::NmtBatch` is the owned, batch-major batch the data pipeline makes.)
 #[derive(Debug, Clone, Copy)]
-pub struct NmtBatch<'a> {
+pub struct NmtBatchView<'a> {
     /// Sentences in the batch.
     pub batch: usize,
     /// Source steps.
@@ -145,6 +145,17 @@ pub struct NmtBatch<'a> {
     pub tgt_out: &'a [u32],
     /// Target weights `[tgt_len * batch]`: 1.0 real token, 0.0 padding.
     pub tgt_mask: &'a [f32],
+}
+
+/// A checked batch with its ids and targets staged on the backend, for one pass.
+struct StagedNmt<B: Backend> {
+    batch: usize,
+    src_len: usize,
+    tgt_len: usize,
+    src: B::Ids,
+    tgt_in: B::Ids,
+    tgt_out: B::Targets,
+    tokens: f64,
 }
 
 struct NmtWork<Buf> {
@@ -252,7 +263,8 @@ impl<B: Backend> NmtModel<B> {
         &self.config
     }
 
-    fn validate(&self, b: &NmtBatch<'_>) -> Result<()> {
+    /// Checks `b` and stages its ids and targets on the backend.
+    fn stage(&self, b: &NmtBatchView<'_>) -> Result<StagedNmt<B>> {
         check_positive("batch", b.batch)?;
         check_positive("src_len", b.src_len)?;
         check_positive("tgt_len", b.tgt_len)?;
@@ -262,13 +274,24 @@ impl<B: Backend> NmtModel<B> {
         check_len("tgt_in", b.tgt_in, tgt_rows, "tgt_len * batch")?;
         check_len("tgt_out", b.tgt_out, tgt_rows, "tgt_len * batch")?;
         check_len("tgt_mask", b.tgt_mask, tgt_rows, "tgt_len * batch")?;
-        check_ids("src", b.src, self.config.src_vocab)?;
-        check_ids("tgt_in", b.tgt_in, self.config.tgt_vocab)?;
-        check_labels("tgt_out", b.tgt_out, b.tgt_mask, self.config.tgt_vocab)
+        let c = &self.config;
+        let src = CheckedIds::new("src", b.src, c.src_vocab)?;
+        let tgt_in = CheckedIds::new("tgt_in", b.tgt_in, c.tgt_vocab)?;
+        let tgt_out = CheckedTargets::new("tgt_out", b.tgt_out, b.tgt_mask, c.tgt_vocab)?;
+        let be = &self.backend;
+        Ok(StagedNmt {
+            batch: b.batch,
+            src_len: b.src_len,
+            tgt_len: b.tgt_len,
+            src: be.stage_ids(src)?,
+            tgt_in: be.stage_ids(tgt_in)?,
+            tgt_out: be.stage_targets(tgt_out)?,
+            tokens: b.tgt_mask.iter().map(|&m| f64::from(m)).sum(),
+        })
     }
 
     /// Workspaces big enough for `b` (allocated only when a batch outgrows them).
-    fn ensure_work(&mut self, b: &NmtBatch<'_>) -> Result<()> {
+    fn ensure_work(&mut self, b: &StagedNmt<B>) -> Result<()> {
         let (mut src_len, mut tgt_len, mut batch) = (b.src_len, b.tgt_len, b.batch);
         if let Some(w) = &self.work {
             if b.src_len <= w.src_len && b.tgt_len <= w.tgt_len && b.batch <= w.batch {
@@ -296,8 +319,7 @@ impl<B: Backend> NmtModel<B> {
     }
 
     /// Forward pass; returns (loss sum, tokens).
-    fn forward(&mut self, b: &NmtBatch<'_>) -> Result<(f64, f64)> {
-        self.validate(b)?;
+    fn forward(&mut self, b: &StagedNmt<B>) -> Result<(f64, f64)> {
         self.ensure_work(b)?;
         let Some(w) = self.work.as_mut() else {
             return Ok((0.0, 0.0));
@@ -309,7 +331,7 @@ impl<B: Backend> NmtModel<B> {
         debug_assert!(w.encoder.iter().all(|lw| lw.fits(ts, batch)));
         debug_assert!(w.decoder.layers.iter().all(|lw| lw.fits(tt, batch)));
         self.src_emb
-            .forward(be, &self.params, b.src, &mut w.src_emb)?;
+            .forward(be, &self.params, &b.src, &mut w.src_emb)?;
         for d in 0..depth {
             for r in 0..stride {
                 let i = d * stride + r;
@@ -341,9 +363,8 @@ impl<B: Backend> NmtModel<B> {
             be,
             imp,
             &self.params,
-            b.tgt_in,
-            b.tgt_out,
-            b.tgt_mask,
+            &b.tgt_in,
+            &b.tgt_out,
             tt,
             batch,
             &mut w.decoder,
@@ -357,13 +378,12 @@ impl<B: Backend> NmtModel<B> {
                 })
             },
         )?;
-        let tokens = b.tgt_mask.iter().map(|&m| f64::from(m)).sum();
-        Ok((loss, tokens))
+        Ok((loss, b.tokens))
     }
 
     fn backward(
         &mut self,
-        b: &NmtBatch<'_>,
+        b: &StagedNmt<B>,
         on_ready: &mut GradsReady<'_, B::Buffer>,
     ) -> Result<()> {
         let Some(w) = self.work.as_mut() else {
@@ -379,9 +399,8 @@ impl<B: Backend> NmtModel<B> {
             imp,
             &self.params,
             &mut self.grads,
-            b.tgt_in,
-            b.tgt_out,
-            b.tgt_mask,
+            &b.tgt_in,
+            &b.tgt_out,
             tt,
             batch,
             true,
@@ -395,21 +414,19 @@ impl<B: Backend> NmtModel<B> {
                 let (below, rest) = w.encoder.split_at_mut(i);
                 let lw = &mut rest[0];
                 let dec = &w.decoder.layers[i];
-                let final_dh = layer.final_dh_offset(ts, batch);
+                let final_dh = Layout::contiguous(layer.final_dh_offset(ts, batch), bh);
+                let state = Layout::contiguous(0, bh);
                 if d + 1 == depth {
-                    be.fill(&mut lw.dh, 0, ts * bh, 0.0)?;
-                    be.copy(&dec.dh0, 0, &mut lw.dh, final_dh, bh)?;
+                    be.fill(view_mut(&mut lw.dh, Layout::contiguous(0, ts * bh)), 0.0)?;
+                    be.copy(view(&dec.dh0, state), view_mut(&mut lw.dh, final_dh))?;
                 } else {
                     be.in_place(
-                        crate::backend::InPlace::Add,
-                        &dec.dh0,
-                        0,
-                        &mut lw.dh,
-                        final_dh,
-                        bh,
+                        InPlace::Add,
+                        view(&dec.dh0, state),
+                        view_mut(&mut lw.dh, final_dh),
                     )?;
                 }
-                be.copy(&dec.dc, 0, &mut lw.dc, 0, bh)?;
+                be.copy(view(&dec.dc, state), view_mut(&mut lw.dc, state))?;
                 let (x, x_offset, dx) = if d == 0 {
                     (
                         &w.src_emb.out,
@@ -449,8 +466,8 @@ impl<B: Backend> NmtModel<B> {
             }
         }
         self.src_emb
-            .backward(be, &mut self.grads, b.src, &w.src_emb, on_ready)
+            .backward(be, &mut self.grads, &b.src, &w.src_emb, on_ready)
     }
 }
 
-impl_model!(NmtModel, NmtBatch);
+impl_model!(NmtModel, NmtBatchView);

@@ -1,13 +1,12 @@
 //! An RNN language model: embedding, `layers` stacked LSTM layers, a projection
 //! `hidden -> vocab` without bias, and the summed masked softmax cross-entropy.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, CheckedIds, CheckedTargets};
 use crate::error::Result;
 use crate::lstm::LstmImpl;
 use crate::lstm_lm::{LstmLm, LstmLmShape, LstmLmWork};
 use crate::model::{
-    check_ids, check_init, check_labels, check_len, check_positive, check_sizes, impl_model,
-    GradsReady, Model, StepStats,
+    check_init, check_len, check_positive, check_sizes, impl_model, GradsReady, Model, StepStats,
 };
 use crate::params::ParamLayout;
 
@@ -64,9 +63,11 @@ impl LmConfig {
     }
 }
 
-/// One language-model batch, time-major: token (t, b) at `t * batch + b`.
+/// One language-model batch borrowed from the caller, time-major: token (t, b) at
+/// `t * batch + b`. (`ringtrain_data::LmBatch` is the owned, batch-major batch the data
+/// pipeline makes.)
 #[derive(Debug, Clone, Copy)]
-pub struct LmBatch<'a> {
+pub struct LmBatchView<'a> {
     /// Sequences in the batch.
     pub batch: usize,
     /// Steps.
@@ -77,6 +78,15 @@ pub struct LmBatch<'a> {
     pub targets: &'a [u32],
     /// Target weights `[len * batch]`: 1.0 real token, 0.0 padding.
     pub mask: &'a [f32],
+}
+
+/// A checked batch with its ids and targets staged on the backend, for one pass.
+struct StagedLm<B: Backend> {
+    batch: usize,
+    len: usize,
+    inputs: B::Ids,
+    targets: B::Targets,
+    tokens: f64,
 }
 
 struct LmWork<Buf> {
@@ -135,18 +145,27 @@ impl<B: Backend> RnnLm<B> {
         &self.config
     }
 
-    fn validate(&self, b: &LmBatch<'_>) -> Result<()> {
+    /// Checks `b` and stages its ids and targets on the backend.
+    fn stage(&self, b: &LmBatchView<'_>) -> Result<StagedLm<B>> {
         check_positive("batch", b.batch)?;
         check_positive("len", b.len)?;
         let rows = b.len * b.batch;
         check_len("inputs", b.inputs, rows, "len * batch")?;
         check_len("targets", b.targets, rows, "len * batch")?;
         check_len("mask", b.mask, rows, "len * batch")?;
-        check_ids("inputs", b.inputs, self.config.vocab)?;
-        check_labels("targets", b.targets, b.mask, self.config.vocab)
+        let vocab = self.config.vocab;
+        let inputs = CheckedIds::new("inputs", b.inputs, vocab)?;
+        let targets = CheckedTargets::new("targets", b.targets, b.mask, vocab)?;
+        Ok(StagedLm {
+            batch: b.batch,
+            len: b.len,
+            inputs: self.backend.stage_ids(inputs)?,
+            targets: self.backend.stage_targets(targets)?,
+            tokens: b.mask.iter().map(|&m| f64::from(m)).sum(),
+        })
     }
 
-    fn ensure_work(&mut self, b: &LmBatch<'_>) -> Result<()> {
+    fn ensure_work(&mut self, b: &StagedLm<B>) -> Result<()> {
         let (mut len, mut batch) = (b.len, b.batch);
         if let Some(w) = &self.work {
             if b.len <= w.len && b.batch <= w.batch {
@@ -165,8 +184,7 @@ impl<B: Backend> RnnLm<B> {
         Ok(())
     }
 
-    fn forward(&mut self, b: &LmBatch<'_>) -> Result<(f64, f64)> {
-        self.validate(b)?;
+    fn forward(&mut self, b: &StagedLm<B>) -> Result<(f64, f64)> {
         self.ensure_work(b)?;
         let Some(w) = self.work.as_mut() else {
             return Ok((0.0, 0.0));
@@ -175,21 +193,19 @@ impl<B: Backend> RnnLm<B> {
             &self.backend,
             self.config.lstm,
             &self.params,
-            b.inputs,
-            b.targets,
-            b.mask,
+            &b.inputs,
+            &b.targets,
             b.len,
             b.batch,
             &mut w.net,
             |_| None,
         )?;
-        let tokens = b.mask.iter().map(|&m| f64::from(m)).sum();
-        Ok((loss, tokens))
+        Ok((loss, b.tokens))
     }
 
     fn backward(
         &mut self,
-        b: &LmBatch<'_>,
+        b: &StagedLm<B>,
         on_ready: &mut GradsReady<'_, B::Buffer>,
     ) -> Result<()> {
         let Some(w) = self.work.as_mut() else {
@@ -200,9 +216,8 @@ impl<B: Backend> RnnLm<B> {
             self.config.lstm,
             &self.params,
             &mut self.grads,
-            b.inputs,
-            b.targets,
-            b.mask,
+            &b.inputs,
+            &b.targets,
             b.len,
             b.batch,
             false,
@@ -212,4 +227,4 @@ impl<B: Backend> RnnLm<B> {
     }
 }
 
-impl_model!(RnnLm, LmBatch);
+impl_model!(RnnLm, LmBatchView);

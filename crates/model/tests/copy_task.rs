@@ -7,7 +7,7 @@ mod toy;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use ringtrain_model::{EncoderKind, LstmImpl, Model, NmtBatch, NmtConfig, NmtModel};
+use ringtrain_model::{EncoderKind, LstmImpl, Model, NmtBatchView, NmtConfig, NmtModel};
 
 const BOS: u32 = 0;
 const EOS: u32 = 1;
@@ -35,8 +35,8 @@ fn copy_batch(rng: &mut ChaCha8Rng, vocab: u32, batch: usize, len: usize) -> Cop
     }
 }
 
-fn view(b: &CopyBatch, batch: usize, len: usize) -> NmtBatch<'_> {
-    NmtBatch {
+fn view(b: &CopyBatch, batch: usize, len: usize) -> NmtBatchView<'_> {
+    NmtBatchView {
         batch,
         src_len: len,
         tgt_len: len + 1,

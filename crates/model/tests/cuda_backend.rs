@@ -4,14 +4,17 @@
 //! Tolerances, stated once:
 //! * bit-exact: fill, copy, gather/scatter of embedding rows, column sums of up to 256
 //!   rows, bias adds, element-wise add/mul and the in-place gradient products;
+//! * the operand checks: the same calls rejected with the same errors on both;
 //! * taller column sums (chunks of 256 rows): (256 + rows/256)·2^-24·Σ|x| per column;
 //! * sigmoid / tanh: 2e-6 absolute (ex2.approx-based, see ptx/model_ops.ptx);
-//! * GEMM: 1e-5 of max|C| (f32 accumulation in another order);
+//! * GEMM, every combination of transposed A, B and C: 1e-5 of max|C| (f32 accumulation
+//!   in another order);
 //! * sum: (2^-24 + n·2^-52)·Σ|x| (ptx/model_ops.ptx);
 //! * whole models (f32): summed loss within 1e-5 relative, every gradient tensor within
 //!   1e-4 of its largest CPU element (at least 1e-6 absolute), launch counts equal;
 //! * 5 SGD steps (lr 0.5): every parameter within 1e-4 absolute of the CPU's;
-//! * bf16 / f16 GEMM operands (mixed precision): loss within 2e-2 relative.
+//! * bf16 / f16 GEMM operands (mixed precision): loss within 2e-2 relative, and a product
+//!   of two transposed operands within 2e-2 of max|C|.
 #![cfg(feature = "cuda")]
 
 mod toy;
@@ -20,8 +23,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain_model::backend::cuda::GemmPrecision;
 use ringtrain_model::{
-    Backend, Binary, CpuBackend, CudaBackend, EncoderKind, Gemm, InPlace, LmConfig, LstmImpl,
-    LstmStep, Model, NmtConfig, NmtModel, RnnLm, Unary,
+    view, view_mut, Backend, Binary, CheckedIds, CheckedTargets, CpuBackend, CudaBackend,
+    EncoderKind, Error, InPlace, Layout, LmConfig, LstmBackwardStep, LstmForwardStep, LstmImpl,
+    Model, NmtConfig, NmtModel, RnnLm, Unary,
 };
 
 fn gpu() -> CudaBackend {
@@ -97,50 +101,102 @@ fn element_wise_and_embedding_ops_are_bit_identical() {
     let mut oc = cpu.zeros(n + 5).unwrap();
     let mut og = gpu.zeros(n + 5).unwrap();
 
-    cpu.fill(&mut oc, 2, n, -1.25).unwrap();
-    gpu.fill(&mut og, 2, n, -1.25).unwrap();
+    let flat = Layout::contiguous;
+    cpu.fill(view_mut(&mut oc, flat(2, n)), -1.25).unwrap();
+    gpu.fill(view_mut(&mut og, flat(2, n)), -1.25).unwrap();
     assert_bits_equal("fill", &oc, &fetch(&gpu, &og));
-    cpu.copy(&xc, 3, &mut oc, 1, n).unwrap();
-    gpu.copy(&xg, 3, &mut og, 1, n).unwrap();
+    cpu.copy(view(&xc, flat(3, n)), view_mut(&mut oc, flat(1, n)))
+        .unwrap();
+    gpu.copy(view(&xg, flat(3, n)), view_mut(&mut og, flat(1, n)))
+        .unwrap();
     assert_bits_equal("copy", &oc, &fetch(&gpu, &og));
     for op in [Binary::Add, Binary::Mul] {
-        cpu.binary(op, &xc, 1, &yc, 2, &mut oc, 3, n).unwrap();
-        gpu.binary(op, &xg, 1, &yg, 2, &mut og, 3, n).unwrap();
+        cpu.binary(
+            op,
+            view(&xc, flat(1, n)),
+            view(&yc, flat(2, n)),
+            view_mut(&mut oc, flat(3, n)),
+        )
+        .unwrap();
+        gpu.binary(
+            op,
+            view(&xg, flat(1, n)),
+            view(&yg, flat(2, n)),
+            view_mut(&mut og, flat(3, n)),
+        )
+        .unwrap();
         assert_bits_equal(&format!("{op:?}"), &oc, &fetch(&gpu, &og));
     }
     for op in [InPlace::Add, InPlace::MulSigmoidGrad, InPlace::MulTanhGrad] {
-        cpu.in_place(op, &sc, 0, &mut oc, 4, n).unwrap();
-        gpu.in_place(op, &sg, 0, &mut og, 4, n).unwrap();
+        cpu.in_place(op, view(&sc, flat(0, n)), view_mut(&mut oc, flat(4, n)))
+            .unwrap();
+        gpu.in_place(op, view(&sg, flat(0, n)), view_mut(&mut og, flat(4, n)))
+            .unwrap();
         assert_bits_equal(&format!("{op:?}"), &oc, &fetch(&gpu, &og));
     }
-    cpu.add_row_bias(&xc, 5, &mut oc, 1, rows, cols).unwrap();
-    gpu.add_row_bias(&xg, 5, &mut og, 1, rows, cols).unwrap();
+    let matrix = Layout::matrix(1, rows, cols);
+    cpu.add_row_bias(view(&xc, flat(5, cols)), view_mut(&mut oc, matrix))
+        .unwrap();
+    gpu.add_row_bias(view(&xg, flat(5, cols)), view_mut(&mut og, matrix))
+        .unwrap();
     assert_bits_equal("add_row_bias", &oc, &fetch(&gpu, &og));
     for accumulate in [false, true] {
-        cpu.column_sums(&xc, 2, rows, cols, &mut oc, 7, accumulate)
+        let src = Layout::matrix(2, rows, cols);
+        cpu.column_sums(view(&xc, src), view_mut(&mut oc, flat(7, cols)), accumulate)
             .unwrap();
-        gpu.column_sums(&xg, 2, rows, cols, &mut og, 7, accumulate)
+        gpu.column_sums(view(&xg, src), view_mut(&mut og, flat(7, cols)), accumulate)
             .unwrap();
         assert_bits_equal("column_sums", &oc, &fetch(&gpu, &og));
     }
     // embeddings: repeated ids, table at an offset
     let (table_rows, width) = (11, cols);
     let ids: Vec<u32> = (0..rows).map(|r| [3, 0, 3, 10, 7][r % 5]).collect();
-    cpu.gather_rows(&xc, 1, table_rows, width, &ids, &mut oc, 2)
+    let checked = CheckedIds::new("ids", &ids, table_rows).unwrap();
+    let (ids_c, ids_g) = (
+        cpu.stage_ids(checked).unwrap(),
+        gpu.stage_ids(checked).unwrap(),
+    );
+    let (table, rows_at) = (
+        Layout::matrix(1, table_rows, width),
+        Layout::matrix(2, rows, width),
+    );
+    cpu.gather_rows(view(&xc, table), &ids_c, view_mut(&mut oc, rows_at))
         .unwrap();
-    gpu.gather_rows(&xg, 1, table_rows, width, &ids, &mut og, 2)
+    gpu.gather_rows(view(&xg, table), &ids_g, view_mut(&mut og, rows_at))
         .unwrap();
     assert_bits_equal("gather_rows", &oc, &fetch(&gpu, &og));
     let (mut tc, mut tg) = both(&cpu, &gpu, &y);
-    cpu.scatter_add_rows(&xc, 0, &ids, width, &mut tc, 3, table_rows)
-        .unwrap();
-    gpu.scatter_add_rows(&xg, 0, &ids, width, &mut tg, 3, table_rows)
-        .unwrap();
-    assert_bits_equal("scatter_add_rows", &tc, &fetch(&gpu, &tg));
-    // bad ids are errors on both, before any work
-    assert!(gpu
-        .gather_rows(&xg, 0, 3, width, &[0, 3], &mut og, 0)
-        .is_err());
+    let (src, table) = (
+        Layout::matrix(0, rows, width),
+        Layout::matrix(3, table_rows, width),
+    );
+    // twice with the same staged ids: staged once, used by any number of launches
+    for _ in 0..2 {
+        cpu.scatter_add_rows(view(&xc, src), &ids_c, view_mut(&mut tc, table))
+            .unwrap();
+        gpu.scatter_add_rows(view(&xg, src), &ids_g, view_mut(&mut tg, table))
+            .unwrap();
+        assert_bits_equal("scatter_add_rows", &tc, &fetch(&gpu, &tg));
+    }
+    // ids checked against more rows than the table has: an error on both, before any work
+    let small = Layout::matrix(0, 3, width);
+    for err in [
+        cpu.gather_rows(view(&xc, small), &ids_c, view_mut(&mut oc, rows_at))
+            .expect_err("cpu"),
+        gpu.gather_rows(view(&xg, small), &ids_g, view_mut(&mut og, rows_at))
+            .expect_err("gpu"),
+    ] {
+        assert!(
+            matches!(
+                err,
+                Error::InvalidView {
+                    name: "gather table",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
     assert_eq!(
         cpu.launches(),
         gpu.launches(),
@@ -157,15 +213,18 @@ fn activations_gemm_softmax_and_sum_agree_within_tolerance() {
     let (xc, xg) = both(&cpu, &gpu, &x);
     let mut oc = cpu.zeros(n).unwrap();
     let mut og = gpu.zeros(n).unwrap();
+    let flat = Layout::contiguous;
     for op in [Unary::Sigmoid, Unary::Tanh] {
-        cpu.unary(op, &xc, 0, &mut oc, 0, n).unwrap();
-        gpu.unary(op, &xg, 0, &mut og, 0, n).unwrap();
+        cpu.unary(op, view(&xc, flat(0, n)), view_mut(&mut oc, flat(0, n)))
+            .unwrap();
+        gpu.unary(op, view(&xg, flat(0, n)), view_mut(&mut og, flat(0, n)))
+            .unwrap();
         let err = max_abs_diff(&oc, &fetch(&gpu, &og));
         assert!(err <= 2e-6, "{op:?}: max abs diff {err:e}");
     }
     // sum: the documented bound
-    let total = gpu.sum(&xg, 3, n - 3).unwrap();
-    let exact = cpu.sum(&xc, 3, n - 3).unwrap();
+    let total = gpu.sum(view(&xg, flat(3, n - 3))).unwrap();
+    let exact = cpu.sum(view(&xc, flat(3, n - 3))).unwrap();
     let abs: f64 = x[3..].iter().map(|&v| f64::from(v.abs())).sum();
     let bound = (2f64.powi(-24) + (n as f64) * 2f64.powi(-52)) * abs;
     assert!(
@@ -177,9 +236,10 @@ fn activations_gemm_softmax_and_sum_agree_within_tolerance() {
     let tall = random(&mut rng, rows * cols, 2.0);
     let (tc, tg) = both(&cpu, &gpu, &tall);
     let (mut sc, mut sg) = (cpu.zeros(cols).unwrap(), gpu.zeros(cols).unwrap());
-    cpu.column_sums(&tc, 0, rows, cols, &mut sc, 0, false)
+    let (src, dst) = (Layout::matrix(0, rows, cols), flat(0, cols));
+    cpu.column_sums(view(&tc, src), view_mut(&mut sc, dst), false)
         .unwrap();
-    gpu.column_sums(&tg, 0, rows, cols, &mut sg, 0, false)
+    gpu.column_sums(view(&tg, src), view_mut(&mut sg, dst), false)
         .unwrap();
     let got = fetch(&gpu, &sg);
     for c in 0..cols {
@@ -188,7 +248,8 @@ fn activations_gemm_softmax_and_sum_agree_within_tolerance() {
         let err = (got[c] - sc[c]).abs();
         assert!(err <= bound, "tall column_sums[{c}]: {err:e} > {bound:e}");
     }
-    // GEMMs in all three layouts, with offsets, strides and accumulation
+    // GEMMs in every layout (A, B and C each as stored or transposed), with offsets,
+    // padded strides and accumulation; both operands transposed copies the smaller one
     let (m, nn, k) = (33, 70, 45);
     let a = random(&mut rng, 4000, 1.0);
     let b = random(&mut rng, 4000, 1.0);
@@ -196,15 +257,64 @@ fn activations_gemm_softmax_and_sum_agree_within_tolerance() {
     let (bc, bg) = both(&cpu, &gpu, &b);
     let mut cc = cpu.zeros(3000).unwrap();
     let mut cg = gpu.zeros(3000).unwrap();
-    for spec in [
-        Gemm::nn(m, nn, k).at(5, 7, 3),
-        Gemm::nt(m, nn, k).at(1, 0, 0).strides(k + 2, k, nn + 1),
-        Gemm::tn(m, nn, k).at(0, 9, 2).accumulate(true),
-    ] {
-        cpu.gemm(&ac, &bc, &mut cc, &spec).unwrap();
-        gpu.gemm(&ag, &bg, &mut cg, &spec).unwrap();
+    let stored = |off: usize, (r, c): (usize, usize), pad: usize, trans: bool| {
+        if trans {
+            Layout::matrix(off, c, r).with_row_stride(r + pad).t()
+        } else {
+            Layout::matrix(off, r, c).with_row_stride(c + pad)
+        }
+    };
+    for case in 0..16usize {
+        let (ta, tb, tc) = (case & 1 != 0, case & 2 != 0, case & 4 != 0);
+        let accumulate = case & 8 != 0;
+        // a wide and a tall product, so that each operand of TT is the smaller once
+        let (m, nn) = if case % 3 == 0 { (nn, m) } else { (m, nn) };
+        let (la, lb, lc) = (
+            stored(5, (m, k), case % 3, ta),
+            stored(7, (k, nn), 2, tb),
+            stored(3, (m, nn), case % 2, tc),
+        );
+        cpu.gemm(
+            view(&ac, la),
+            view(&bc, lb),
+            view_mut(&mut cc, lc),
+            accumulate,
+        )
+        .unwrap();
+        gpu.gemm(
+            view(&ag, la),
+            view(&bg, lb),
+            view_mut(&mut cg, lc),
+            accumulate,
+        )
+        .unwrap();
         let err = max_abs_diff(&cc, &fetch(&gpu, &cg)) / max_abs(&cc);
-        assert!(err <= 1e-5, "{spec:?}: relative error {err:e}");
+        assert!(
+            err <= 1e-5,
+            "A {la} B {lb} C {lc} accumulate {accumulate}: relative error {err:e}"
+        );
+    }
+    // shapes that disagree are the same error on both
+    for err in [
+        cpu.gemm(
+            view(&ac, Layout::matrix(0, 4, 5)),
+            view(&bc, Layout::matrix(0, 4, 5)),
+            view_mut(&mut cc, Layout::matrix(0, 4, 5)),
+            false,
+        )
+        .expect_err("cpu"),
+        gpu.gemm(
+            view(&ag, Layout::matrix(0, 4, 5)),
+            view(&bg, Layout::matrix(0, 4, 5)),
+            view_mut(&mut cg, Layout::matrix(0, 4, 5)),
+            false,
+        )
+        .expect_err("gpu"),
+    ] {
+        assert!(
+            matches!(err, Error::InvalidView { name: "gemm B", .. }),
+            "{err}"
+        );
     }
     // softmax forward and backward
     let (rows, vocab) = (9, 301);
@@ -214,10 +324,26 @@ fn activations_gemm_softmax_and_sum_agree_within_tolerance() {
     let (mut lc, mut lg) = both(&cpu, &gpu, &logits);
     let (mut loss_c, mut lse_c) = (cpu.zeros(rows).unwrap(), cpu.zeros(rows).unwrap());
     let (mut loss_g, mut lse_g) = (gpu.zeros(rows).unwrap(), gpu.zeros(rows).unwrap());
-    cpu.softmax_xent_forward(&lc, &labels, &mask, &mut loss_c, &mut lse_c, rows, vocab)
-        .unwrap();
-    gpu.softmax_xent_forward(&lg, &labels, &mask, &mut loss_g, &mut lse_g, rows, vocab)
-        .unwrap();
+    let checked = CheckedTargets::new("labels", &labels, &mask, vocab).unwrap();
+    let (targets_c, targets_g) = (
+        cpu.stage_targets(checked).unwrap(),
+        gpu.stage_targets(checked).unwrap(),
+    );
+    let (lm, per_row) = (Layout::matrix(0, rows, vocab), flat(0, rows));
+    cpu.softmax_xent_forward(
+        view(&lc, lm),
+        &targets_c,
+        view_mut(&mut loss_c, per_row),
+        view_mut(&mut lse_c, per_row),
+    )
+    .unwrap();
+    gpu.softmax_xent_forward(
+        view(&lg, lm),
+        &targets_g,
+        view_mut(&mut loss_g, per_row),
+        view_mut(&mut lse_g, per_row),
+    )
+    .unwrap();
     assert!(
         max_abs_diff(&loss_c, &fetch(&gpu, &loss_g)) <= 4e-5,
         "softmax loss"
@@ -226,55 +352,61 @@ fn activations_gemm_softmax_and_sum_agree_within_tolerance() {
         max_abs_diff(&lse_c, &fetch(&gpu, &lse_g)) <= 4e-5,
         "softmax lse"
     );
-    cpu.softmax_xent_backward(&mut lc, &lse_c, &labels, &mask, 0.5, rows, vocab)
-        .unwrap();
+    cpu.softmax_xent_backward(
+        view_mut(&mut lc, lm),
+        view(&lse_c, per_row),
+        &targets_c,
+        0.5,
+    )
+    .unwrap();
     // the backward step sees the CPU's lse on both sides (the forward's lse differs by
     // up to 2e-6 relative, which would move the probabilities by as much)
     let lse_same = act_c_on(&gpu, &lse_c);
-    gpu.softmax_xent_backward(&mut lg, &lse_same, &labels, &mask, 0.5, rows, vocab)
-        .unwrap();
+    gpu.softmax_xent_backward(
+        view_mut(&mut lg, lm),
+        view(&lse_same, per_row),
+        &targets_g,
+        0.5,
+    )
+    .unwrap();
     assert!(
         max_abs_diff(&lc, &fetch(&gpu, &lg)) <= 4e-6,
         "softmax gradient"
     );
-    // one LSTM step forward and backward
+    // one LSTM step forward and backward: step 1 of 2, c_prev in slot 1, c in slot 2
     let (batch, hidden, steps) = (3, 16, 2);
     let g4 = 4 * batch * hidden;
-    let at = LstmStep {
-        step: 1,
-        steps,
-        batch,
-        hidden,
-        prev_slot: 1,
-        out_slot: 2,
-    };
+    let gates = Layout::matrix(g4, batch, 4 * hidden);
+    let slot = |i: usize| Layout::matrix(i * batch * hidden, batch, hidden);
     let (proj_c, proj_g) = both(&cpu, &gpu, &random(&mut rng, steps * g4, 2.0));
     let (rec_c, rec_g) = both(&cpu, &gpu, &random(&mut rng, g4, 2.0));
     let (bias_c, bias_g) = both(&cpu, &gpu, &random(&mut rng, 4 * hidden + 2, 1.0));
     let (mut cells_c, mut cells_g) = both(&cpu, &gpu, &random(&mut rng, 3 * batch * hidden, 1.0));
     let (mut h_c, mut h_g) = both(&cpu, &gpu, &vec![0.0; 3 * batch * hidden]);
     let (mut act_c, mut act_g) = both(&cpu, &gpu, &vec![0.0; steps * g4]);
-    cpu.lstm_forward_step(
-        &proj_c,
-        &rec_c,
-        &bias_c,
-        2,
-        &mut cells_c,
-        &mut h_c,
-        &mut act_c,
-        &at,
-    )
+    let rec = Layout::matrix(0, batch, 4 * hidden);
+    let bias = flat(2, 4 * hidden);
+    cpu.lstm_forward_step(LstmForwardStep {
+        input_proj: view(&proj_c, gates),
+        recurrent: view(&rec_c, rec),
+        bias: view(&bias_c, bias),
+        cells: &mut cells_c,
+        c_prev: slot(1),
+        c: slot(2),
+        h: view_mut(&mut h_c, slot(2)),
+        act: view_mut(&mut act_c, gates),
+    })
     .unwrap();
-    gpu.lstm_forward_step(
-        &proj_g,
-        &rec_g,
-        &bias_g,
-        2,
-        &mut cells_g,
-        &mut h_g,
-        &mut act_g,
-        &at,
-    )
+    gpu.lstm_forward_step(LstmForwardStep {
+        input_proj: view(&proj_g, gates),
+        recurrent: view(&rec_g, rec),
+        bias: view(&bias_g, bias),
+        cells: &mut cells_g,
+        c_prev: slot(1),
+        c: slot(2),
+        h: view_mut(&mut h_g, slot(2)),
+        act: view_mut(&mut act_g, gates),
+    })
     .unwrap();
     for (what, c, g) in [
         ("c", &cells_c, &cells_g),
@@ -288,17 +420,27 @@ fn activations_gemm_softmax_and_sum_agree_within_tolerance() {
     let (dc_c, dc_g) = both(&cpu, &gpu, &random(&mut rng, batch * hidden, 1.0));
     let (mut dg_c, mut dg_g) = both(&cpu, &gpu, &vec![0.0; steps * g4]);
     let (mut dcp_c, mut dcp_g) = both(&cpu, &gpu, &vec![0.0; batch * hidden]);
-    cpu.lstm_backward_step(&act_c, &cells_c, &dh_c, &dc_c, &mut dg_c, &mut dcp_c, &at)
-        .unwrap();
-    gpu.lstm_backward_step(
-        &act_c_on(&gpu, &act_c),
-        &act_c_on(&gpu, &cells_c),
-        &dh_g,
-        &dc_g,
-        &mut dg_g,
-        &mut dcp_g,
-        &at,
-    )
+    let (dh, state) = (slot(1), slot(0));
+    cpu.lstm_backward_step(LstmBackwardStep {
+        act: view(&act_c, gates),
+        c_prev: view(&cells_c, slot(1)),
+        c: view(&cells_c, slot(2)),
+        dh: view(&dh_c, dh),
+        dc: view(&dc_c, state),
+        dgates: view_mut(&mut dg_c, gates),
+        dc_prev: view_mut(&mut dcp_c, state),
+    })
+    .unwrap();
+    let (act_same, cells_same) = (act_c_on(&gpu, &act_c), act_c_on(&gpu, &cells_c));
+    gpu.lstm_backward_step(LstmBackwardStep {
+        act: view(&act_same, gates),
+        c_prev: view(&cells_same, slot(1)),
+        c: view(&cells_same, slot(2)),
+        dh: view(&dh_g, dh),
+        dc: view(&dc_g, state),
+        dgates: view_mut(&mut dg_g, gates),
+        dc_prev: view_mut(&mut dcp_g, state),
+    })
     .unwrap();
     assert!(
         max_abs_diff(&dg_c, &fetch(&gpu, &dg_g)) <= 4e-6,
@@ -500,6 +642,37 @@ fn mixed_precision_gemms_keep_the_loss_close() {
         );
         assert!(b.loss_sum.is_finite());
         assert_eq!(a.launches, b.launches, "{precision:?}: launch count");
+    }
+}
+
+#[test]
+fn mixed_precision_gemm_of_two_transposed_operands() {
+    // Strides that are multiples of 8, so the transposed copy feeds the tensor-core GEMM;
+    // m <= n transposes A (then NT), m > n transposes B (then TN).
+    let cpu = toy::cpu(1);
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    for precision in [GemmPrecision::Bf16, GemmPrecision::F16] {
+        let gpu = gpu_with(precision);
+        for (m, n, k) in [(24, 40, 32), (24, 16, 32)] {
+            let (a, b) = (random(&mut rng, k * m, 1.0), random(&mut rng, n * k, 1.0));
+            let (ac, ag) = both(&cpu, &gpu, &a);
+            let (bc, bg) = both(&cpu, &gpu, &b);
+            let (mut cc, mut cg) = (cpu.zeros(m * n).unwrap(), gpu.zeros(m * n).unwrap());
+            let (la, lb, lc) = (
+                Layout::matrix(0, k, m).t(),
+                Layout::matrix(0, n, k).t(),
+                Layout::matrix(0, m, n),
+            );
+            cpu.gemm(view(&ac, la), view(&bc, lb), view_mut(&mut cc, lc), false)
+                .unwrap();
+            gpu.gemm(view(&ag, la), view(&bg, lb), view_mut(&mut cg, lc), false)
+                .unwrap();
+            let err = max_abs_diff(&cc, &fetch(&gpu, &cg)) / max_abs(&cc);
+            assert!(
+                err <= 2e-2,
+                "{precision:?} {m}x{n}x{k}: relative error {err:e}"
+            );
+        }
     }
 }
 

@@ -1,18 +1,70 @@
 //! The CPU backend: ringtrain-kernels for the LSTM and softmax kernels (their `par` twins
 //! on more than one thread), the `gemm` crate for matrix products, buffers in `Vec<f32>`.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::ThreadPool;
 use ringtrain_kernels as kernels;
 
+use super::operands::{self, arg, GemmMatrix};
 use super::{
-    check_add_row_bias, check_binary, check_column_sums, check_gather_rows, check_gemm,
-    check_in_place, check_lstm_backward_step, check_lstm_forward_step, check_scatter_add_rows,
-    check_softmax_xent_backward, check_softmax_xent_forward, check_two_slots, check_unary, span,
-    Backend, Binary, Gemm, InPlace, LstmStep, Unary,
+    Backend, Binary, CheckedIds, CheckedTargets, InPlace, Layout, LstmBackwardStep,
+    LstmForwardStep, Staged, Unary, View, ViewMut,
 };
 use crate::error::{Error, Result};
+
+/// Token ids staged on the CPU: a copy of the checked ids.
+#[derive(Debug, Clone)]
+pub struct CpuIds {
+    ids: Vec<u32>,
+    bound: usize,
+}
+
+impl CpuIds {
+    /// The ids.
+    pub fn as_slice(&self) -> &[u32] {
+        &self.ids
+    }
+}
+
+impl Staged for CpuIds {
+    fn rows(&self) -> usize {
+        self.ids.len()
+    }
+    fn bound(&self) -> usize {
+        self.bound
+    }
+}
+
+/// Softmax targets staged on the CPU: copies of the checked labels and mask.
+#[derive(Debug, Clone)]
+pub struct CpuTargets {
+    labels: Vec<u32>,
+    mask: Vec<f32>,
+    vocab: usize,
+}
+
+impl CpuTargets {
+    /// The labels, one per row.
+    pub fn labels(&self) -> &[u32] {
+        &self.labels
+    }
+
+    /// The mask weights, one per row.
+    pub fn mask(&self) -> &[f32] {
+        &self.mask
+    }
+}
+
+impl Staged for CpuTargets {
+    fn rows(&self) -> usize {
+        self.labels.len()
+    }
+    fn bound(&self) -> usize {
+        self.vocab
+    }
+}
 
 /// CPU backend. With one thread every operation runs serially on the caller's thread; with
 /// more, the backend owns a rayon pool of that many threads and runs the parallel kernels
@@ -86,6 +138,8 @@ impl CpuBackend {
 
 impl Backend for CpuBackend {
     type Buffer = Vec<f32>;
+    type Ids = CpuIds;
+    type Targets = CpuTargets;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -100,13 +154,13 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, src: &[f32], dst: &mut Vec<f32>, offset: usize) -> Result<()> {
-        let r = span("upload destination", offset, src.len(), dst.len())?;
+        let r = Layout::contiguous(offset, src.len()).check(dst.len(), "upload destination")?;
         dst[r].copy_from_slice(src);
         Ok(())
     }
 
     fn download(&self, src: &Vec<f32>, offset: usize, dst: &mut [f32]) -> Result<()> {
-        let r = span("download source", offset, dst.len(), src.len())?;
+        let r = Layout::contiguous(offset, dst.len()).check(src.len(), "download source")?;
         dst.copy_from_slice(&src[r]);
         Ok(())
     }
@@ -115,70 +169,96 @@ impl Backend for CpuBackend {
         self.launches.load(Ordering::Relaxed)
     }
 
-    fn fill(&self, dst: &mut Vec<f32>, offset: usize, len: usize, value: f32) -> Result<()> {
-        let r = span("fill destination", offset, len, dst.len())?;
+    fn stage_ids(&self, ids: CheckedIds<'_>) -> Result<CpuIds> {
+        Ok(CpuIds {
+            ids: ids.ids().to_vec(),
+            bound: ids.bound(),
+        })
+    }
+
+    fn stage_targets(&self, targets: CheckedTargets<'_>) -> Result<CpuTargets> {
+        Ok(CpuTargets {
+            labels: targets.labels().to_vec(),
+            mask: targets.mask().to_vec(),
+            vocab: targets.vocab(),
+        })
+    }
+
+    fn fill(&self, dst: ViewMut<'_, Vec<f32>>, value: f32) -> Result<()> {
+        let [r] = operands::elementwise([arg(self, "fill destination", &dst)])?;
         self.launched();
-        dst[r].fill(value);
+        dst.buf[r].fill(value);
         Ok(())
     }
 
-    fn copy(
+    fn copy(&self, src: View<'_, Vec<f32>>, dst: ViewMut<'_, Vec<f32>>) -> Result<()> {
+        let [rs, rd] = operands::elementwise([
+            arg(self, "copy source", &src),
+            arg(self, "copy destination", &dst),
+        ])?;
+        self.launched();
+        dst.buf[rd].copy_from_slice(&src.buf[rs]);
+        Ok(())
+    }
+
+    fn gemm(
         &self,
-        src: &Vec<f32>,
-        src_offset: usize,
-        dst: &mut Vec<f32>,
-        dst_offset: usize,
-        len: usize,
+        a: View<'_, Vec<f32>>,
+        b: View<'_, Vec<f32>>,
+        c: ViewMut<'_, Vec<f32>>,
+        accumulate: bool,
     ) -> Result<()> {
-        let rs = span("copy source", src_offset, len, src.len())?;
-        let rd = span("copy destination", dst_offset, len, dst.len())?;
+        let g = operands::gemm(
+            arg(self, "gemm A", &a),
+            arg(self, "gemm B", &b),
+            arg(self, "gemm C", &c),
+        )?;
         self.launched();
-        dst[rd].copy_from_slice(&src[rs]);
-        Ok(())
-    }
-
-    fn gemm(&self, a: &Vec<f32>, b: &Vec<f32>, c: &mut Vec<f32>, g: &Gemm) -> Result<()> {
-        check_gemm(g, a.len(), b.len(), c.len())?;
-        self.launched();
-        if g.m == 0 || g.n == 0 {
+        let (m, n, k) = (g.m, g.n, g.k);
+        if m == 0 || n == 0 {
             return Ok(());
         }
-        if g.k == 0 {
-            if !g.accumulate {
-                for row in 0..g.m {
-                    let start = g.c_offset + row * g.ldc;
-                    c[start..start + g.n].fill(0.0);
+        if k == 0 {
+            if !accumulate {
+                for row in 0..m {
+                    let start = g.c.range.start + row * g.c.ld;
+                    c.buf[start..start + n].fill(0.0);
                 }
             }
             return Ok(());
         }
-        let (a_rs, a_cs) = if g.trans_a {
-            (1, g.lda as isize)
+        // A column-major C was turned around (Cᵀ = Bᵀ·Aᵀ): so are the buffers.
+        let (a_buf, b_buf) = if g.swapped {
+            (b.buf, a.buf)
         } else {
-            (g.lda as isize, 1)
+            (a.buf, b.buf)
         };
-        let (b_rs, b_cs) = if g.trans_b {
-            (1, g.ldb as isize)
-        } else {
-            (g.ldb as isize, 1)
+        let strides = |x: &GemmMatrix| {
+            if x.trans {
+                (1, x.ld as isize)
+            } else {
+                (x.ld as isize, 1)
+            }
         };
-        let a_ptr = a[g.a_offset..].as_ptr();
-        let b_ptr = b[g.b_offset..].as_ptr();
-        let c_ptr = c[g.c_offset..].as_mut_ptr();
+        let ((a_rs, a_cs), (b_rs, b_cs)) = (strides(&g.a), strides(&g.b));
+        let c_rs = g.c.ld as isize;
+        let a_ptr = a_buf[g.a.range.start..].as_ptr();
+        let b_ptr = b_buf[g.b.range.start..].as_ptr();
+        let c_ptr = c.buf[g.c.range.start..].as_mut_ptr();
         // Raw pointers are not Send; carry them as addresses into the pool.
         let (a_addr, b_addr, c_addr) = (a_ptr as usize, b_ptr as usize, c_ptr as usize);
         let threads = self.threads;
-        let (m, n, k, ldc, accumulate) = (g.m, g.n, g.k, g.ldc as isize, g.accumulate);
         self.run(move |parallel| {
             let parallelism = if parallel {
                 gemm::Parallelism::Rayon(threads)
             } else {
                 gemm::Parallelism::None
             };
-            // SAFETY: the span checks above guarantee that every element the strided views
-            // of A ([a_rows, a_cols], stride lda), B and C ([m, n], stride ldc) address lies
-            // inside `a`, `b` and `c`; `c` is borrowed mutably, so it cannot alias `a` or `b`;
-            // the buffers outlive this call, which blocks until the product is done.
+            // SAFETY: the operand checks above guarantee that every element the strided
+            // views of A ([m, k]), B ([k, n]) and the row-major C ([m, n], row stride
+            // ldc >= n) address lies inside their buffers (their spans were checked); `c` is
+            // borrowed mutably, so it cannot alias `a` or `b`; the buffers outlive this
+            // call, which blocks until the product is done.
             unsafe {
                 gemm::gemm(
                     m,
@@ -186,7 +266,7 @@ impl Backend for CpuBackend {
                     k,
                     c_addr as *mut f32,
                     1,
-                    ldc,
+                    c_rs,
                     accumulate,
                     a_addr as *const f32,
                     a_cs,
@@ -208,26 +288,18 @@ impl Backend for CpuBackend {
 
     fn gather_rows(
         &self,
-        table: &Vec<f32>,
-        table_offset: usize,
-        table_rows: usize,
-        width: usize,
-        ids: &[u32],
-        dst: &mut Vec<f32>,
-        dst_offset: usize,
+        table: View<'_, Vec<f32>>,
+        ids: &CpuIds,
+        dst: ViewMut<'_, Vec<f32>>,
     ) -> Result<()> {
-        let [t, d] = check_gather_rows(
-            table.len(),
-            table_offset,
-            table_rows,
-            width,
+        let ([d, t], width) = operands::rows_by_id(
             ids,
-            dst.len(),
-            dst_offset,
+            arg(self, "gather destination", &dst),
+            arg(self, "gather table", &table),
         )?;
         self.launched();
-        let table = &table[t];
-        for (row, &id) in dst[d].chunks_exact_mut(width.max(1)).zip(ids) {
+        let table = &table.buf[t];
+        for (row, &id) in dst.buf[d].chunks_exact_mut(width.max(1)).zip(&ids.ids) {
             let src = id as usize * width;
             row.copy_from_slice(&table[src..src + width]);
         }
@@ -236,26 +308,18 @@ impl Backend for CpuBackend {
 
     fn scatter_add_rows(
         &self,
-        src: &Vec<f32>,
-        src_offset: usize,
-        ids: &[u32],
-        width: usize,
-        table: &mut Vec<f32>,
-        table_offset: usize,
-        table_rows: usize,
+        src: View<'_, Vec<f32>>,
+        ids: &CpuIds,
+        table: ViewMut<'_, Vec<f32>>,
     ) -> Result<()> {
-        let [s, t] = check_scatter_add_rows(
-            src.len(),
-            src_offset,
+        let ([s, t], width) = operands::rows_by_id(
             ids,
-            width,
-            table.len(),
-            table_offset,
-            table_rows,
+            arg(self, "scatter source", &src),
+            arg(self, "scatter table", &table),
         )?;
         self.launched();
-        let table = &mut table[t];
-        for (row, &id) in src[s].chunks_exact(width.max(1)).zip(ids) {
+        let table = &mut table.buf[t];
+        for (row, &id) in src.buf[s].chunks_exact(width.max(1)).zip(&ids.ids) {
             let dst = id as usize * width;
             for (d, x) in table[dst..dst + width].iter_mut().zip(row) {
                 *d += x;
@@ -266,21 +330,21 @@ impl Backend for CpuBackend {
 
     fn column_sums(
         &self,
-        src: &Vec<f32>,
-        src_offset: usize,
-        rows: usize,
-        cols: usize,
-        dst: &mut Vec<f32>,
-        dst_offset: usize,
+        src: View<'_, Vec<f32>>,
+        dst: ViewMut<'_, Vec<f32>>,
         accumulate: bool,
     ) -> Result<()> {
-        let [s, d] = check_column_sums(src.len(), src_offset, rows, cols, dst.len(), dst_offset)?;
+        let [s, d] = operands::matrix_and_row(
+            arg(self, "column_sums source", &src),
+            arg(self, "column_sums destination", &dst),
+        )?;
         self.launched();
-        let dst = &mut dst[d];
+        let cols = src.layout.cols();
+        let dst = &mut dst.buf[d];
         if !accumulate {
             dst.fill(0.0);
         }
-        for row in src[s].chunks_exact(cols.max(1)) {
+        for row in src.buf[s].chunks_exact(cols.max(1)) {
             for (d, x) in dst.iter_mut().zip(row) {
                 *d += x;
             }
@@ -288,20 +352,15 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn add_row_bias(
-        &self,
-        bias: &Vec<f32>,
-        bias_offset: usize,
-        dst: &mut Vec<f32>,
-        dst_offset: usize,
-        rows: usize,
-        cols: usize,
-    ) -> Result<()> {
-        let [b, d] =
-            check_add_row_bias(bias.len(), bias_offset, dst.len(), dst_offset, rows, cols)?;
+    fn add_row_bias(&self, bias: View<'_, Vec<f32>>, dst: ViewMut<'_, Vec<f32>>) -> Result<()> {
+        let [d, b] = operands::matrix_and_row(
+            arg(self, "bias destination", &dst),
+            arg(self, "bias", &bias),
+        )?;
         self.launched();
-        let bias = &bias[b];
-        for row in dst[d].chunks_exact_mut(cols.max(1)) {
+        let cols = dst.layout.cols();
+        let bias = &bias.buf[b];
+        for row in dst.buf[d].chunks_exact_mut(cols.max(1)) {
             for (x, b) in row.iter_mut().zip(bias) {
                 *x += b;
             }
@@ -309,18 +368,13 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn unary(
-        &self,
-        op: Unary,
-        x: &Vec<f32>,
-        x_offset: usize,
-        dst: &mut Vec<f32>,
-        dst_offset: usize,
-        len: usize,
-    ) -> Result<()> {
-        let [rx, rd] = check_unary(x.len(), x_offset, dst.len(), dst_offset, len)?;
+    fn unary(&self, op: Unary, x: View<'_, Vec<f32>>, dst: ViewMut<'_, Vec<f32>>) -> Result<()> {
+        let [rx, rd] = operands::elementwise([
+            arg(self, "unary input", &x),
+            arg(self, "unary output", &dst),
+        ])?;
         self.launched();
-        let pairs = dst[rd].iter_mut().zip(&x[rx]);
+        let pairs = dst.buf[rd].iter_mut().zip(&x.buf[rx]);
         match op {
             Unary::Sigmoid => pairs.for_each(|(d, &x)| *d = 1.0 / (1.0 + (-x).exp())),
             Unary::Tanh => pairs.for_each(|(d, &x)| *d = x.tanh()),
@@ -331,25 +385,17 @@ impl Backend for CpuBackend {
     fn binary(
         &self,
         op: Binary,
-        a: &Vec<f32>,
-        a_offset: usize,
-        b: &Vec<f32>,
-        b_offset: usize,
-        dst: &mut Vec<f32>,
-        dst_offset: usize,
-        len: usize,
+        a: View<'_, Vec<f32>>,
+        b: View<'_, Vec<f32>>,
+        dst: ViewMut<'_, Vec<f32>>,
     ) -> Result<()> {
-        let [ra, rb, rd] = check_binary(
-            a.len(),
-            a_offset,
-            b.len(),
-            b_offset,
-            dst.len(),
-            dst_offset,
-            len,
-        )?;
+        let [ra, rb, rd] = operands::elementwise([
+            arg(self, "binary input a", &a),
+            arg(self, "binary input b", &b),
+            arg(self, "binary output", &dst),
+        ])?;
         self.launched();
-        let triples = dst[rd].iter_mut().zip(a[ra].iter().zip(&b[rb]));
+        let triples = dst.buf[rd].iter_mut().zip(a.buf[ra].iter().zip(&b.buf[rb]));
         match op {
             Binary::Add => triples.for_each(|(d, (&a, &b))| *d = a + b),
             Binary::Mul => triples.for_each(|(d, (&a, &b))| *d = a * b),
@@ -360,15 +406,15 @@ impl Backend for CpuBackend {
     fn in_place(
         &self,
         op: InPlace,
-        x: &Vec<f32>,
-        x_offset: usize,
-        dst: &mut Vec<f32>,
-        dst_offset: usize,
-        len: usize,
+        x: View<'_, Vec<f32>>,
+        dst: ViewMut<'_, Vec<f32>>,
     ) -> Result<()> {
-        let [rx, rd] = check_in_place(x.len(), x_offset, dst.len(), dst_offset, len)?;
+        let [rx, rd] = operands::elementwise([
+            arg(self, "in-place input", &x),
+            arg(self, "in-place output", &dst),
+        ])?;
         self.launched();
-        let pairs = dst[rd].iter_mut().zip(&x[rx]);
+        let pairs = dst.buf[rd].iter_mut().zip(&x.buf[rx]);
         match op {
             InPlace::Add => pairs.for_each(|(d, &x)| *d += x),
             InPlace::MulSigmoidGrad => pairs.for_each(|(d, &x)| *d *= x * (1.0 - x)),
@@ -377,81 +423,45 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn lstm_forward_step(
-        &self,
-        input_proj: &Vec<f32>,
-        recurrent: &Vec<f32>,
-        bias: &Vec<f32>,
-        bias_offset: usize,
-        cells: &mut Vec<f32>,
-        hiddens: &mut Vec<f32>,
-        act: &mut Vec<f32>,
-        at: &LstmStep,
-    ) -> Result<()> {
-        let spans = check_lstm_forward_step(
-            at,
-            input_proj.len(),
-            recurrent.len(),
-            bias.len(),
-            bias_offset,
-            cells.len(),
-            hiddens.len(),
-            act.len(),
-        )?;
-        let bh = at.batch * at.hidden;
-        let (c_prev, c) = two_slots(cells, at.prev_slot, at.out_slot, bh, "lstm cell slots")?;
+    fn lstm_forward_step(&self, s: LstmForwardStep<'_, Vec<f32>>) -> Result<()> {
+        let r = operands::lstm_forward(self, &s)?;
         self.launched();
-        let h = &mut hiddens[spans.hidden];
-        let act = &mut act[spans.act];
+        let (c_prev, c) = read_write(s.cells, r.c_prev, r.c);
+        let (h, act) = (&mut s.h.buf[r.h], &mut s.act.buf[r.act]);
         let (proj, rec, bias) = (
-            &input_proj[spans.input_proj],
-            &recurrent[spans.recurrent],
-            &bias[spans.bias],
+            &s.input_proj.buf[r.input_proj],
+            &s.recurrent.buf[r.recurrent],
+            &s.bias.buf[r.bias],
         );
-        let (step, steps, batch, hidden) = (at.step, at.steps, at.batch, at.hidden);
+        let (batch, hidden) = (r.batch, r.hidden);
+        // The kernel reads block `step` of an input projection of `steps` blocks: this
+        // step's block is the only one.
         self.run(move |parallel| {
             if parallel {
                 kernels::par::lstm_pointwise_forward_step(
-                    proj, rec, bias, c_prev, c, h, act, step, steps, batch, hidden,
+                    proj, rec, bias, c_prev, c, h, act, 0, 1, batch, hidden,
                 )
             } else {
                 kernels::lstm_pointwise_forward_step(
-                    proj, rec, bias, c_prev, c, h, act, step, steps, batch, hidden,
+                    proj, rec, bias, c_prev, c, h, act, 0, 1, batch, hidden,
                 )
             }
         })?;
         Ok(())
     }
 
-    fn lstm_backward_step(
-        &self,
-        act: &Vec<f32>,
-        cells: &Vec<f32>,
-        dh: &Vec<f32>,
-        dc: &Vec<f32>,
-        dgates: &mut Vec<f32>,
-        dc_prev: &mut Vec<f32>,
-        at: &LstmStep,
-    ) -> Result<()> {
-        let s = check_lstm_backward_step(
-            at,
-            act.len(),
-            cells.len(),
-            dh.len(),
-            dc.len(),
-            dgates.len(),
-            dc_prev.len(),
-        )?;
+    fn lstm_backward_step(&self, s: LstmBackwardStep<'_, Vec<f32>>) -> Result<()> {
+        let r = operands::lstm_backward(self, &s)?;
         self.launched();
         let (act, c_prev, c, dh, dc) = (
-            &act[s.act],
-            &cells[s.c_prev],
-            &cells[s.c],
-            &dh[s.dh],
-            &dc[s.dc],
+            &s.act.buf[r.act],
+            &s.c_prev.buf[r.c_prev],
+            &s.c.buf[r.c],
+            &s.dh.buf[r.dh],
+            &s.dc.buf[r.dc],
         );
-        let (dgates, dc_prev) = (&mut dgates[s.dgates], &mut dc_prev[s.dc_prev]);
-        let (batch, hidden) = (at.batch, at.hidden);
+        let (dgates, dc_prev) = (&mut s.dgates.buf[r.dgates], &mut s.dc_prev.buf[r.dc_prev]);
+        let (batch, hidden) = (r.batch, r.hidden);
         self.run(move |parallel| {
             if parallel {
                 kernels::par::lstm_pointwise_backward(
@@ -468,18 +478,27 @@ impl Backend for CpuBackend {
 
     fn softmax_xent_forward(
         &self,
-        logits: &Vec<f32>,
-        labels: &[u32],
-        mask: &[f32],
-        loss: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
-        rows: usize,
-        vocab: usize,
+        logits: View<'_, Vec<f32>>,
+        targets: &CpuTargets,
+        loss: ViewMut<'_, Vec<f32>>,
+        lse: ViewMut<'_, Vec<f32>>,
     ) -> Result<()> {
-        let [l, lo, ls] =
-            check_softmax_xent_forward(rows, vocab, logits.len(), loss.len(), lse.len())?;
+        let operands::SoftmaxRanges {
+            logits: l,
+            per_row: [lo, ls],
+            rows,
+            vocab,
+        } = operands::softmax(
+            arg(self, "softmax logits", &logits),
+            targets,
+            [
+                arg(self, "softmax loss", &loss),
+                arg(self, "softmax lse", &lse),
+            ],
+        )?;
         self.launched();
-        let (logits, loss, lse) = (&logits[l], &mut loss[lo], &mut lse[ls]);
+        let (logits, loss, lse) = (&logits.buf[l], &mut loss.buf[lo], &mut lse.buf[ls]);
+        let (labels, mask) = (&targets.labels[..], &targets.mask[..]);
         self.run(move |parallel| {
             if parallel {
                 kernels::par::softmax_xent_forward(logits, labels, mask, loss, lse, rows, vocab)
@@ -492,17 +511,24 @@ impl Backend for CpuBackend {
 
     fn softmax_xent_backward(
         &self,
-        logits: &mut Vec<f32>,
-        lse: &Vec<f32>,
-        labels: &[u32],
-        mask: &[f32],
+        logits: ViewMut<'_, Vec<f32>>,
+        lse: View<'_, Vec<f32>>,
+        targets: &CpuTargets,
         scale: f32,
-        rows: usize,
-        vocab: usize,
     ) -> Result<()> {
-        let [l, ls] = check_softmax_xent_backward(rows, vocab, logits.len(), lse.len())?;
+        let operands::SoftmaxRanges {
+            logits: l,
+            per_row: [ls],
+            rows,
+            vocab,
+        } = operands::softmax(
+            arg(self, "softmax logits", &logits),
+            targets,
+            [arg(self, "softmax lse", &lse)],
+        )?;
         self.launched();
-        let (logits, lse) = (&mut logits[l], &lse[ls]);
+        let (logits, lse) = (&mut logits.buf[l], &lse.buf[ls]);
+        let (labels, mask) = (&targets.labels[..], &targets.mask[..]);
         self.run(move |parallel| {
             if parallel {
                 kernels::par::softmax_xent_backward(logits, lse, labels, mask, scale, rows, vocab)
@@ -513,27 +539,20 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn sum(&self, src: &Vec<f32>, offset: usize, len: usize) -> Result<f64> {
-        let r = span("sum source", offset, len, src.len())?;
+    fn sum(&self, src: View<'_, Vec<f32>>) -> Result<f64> {
+        let [r] = operands::elementwise([arg(self, "sum source", &src)])?;
         self.launched();
-        Ok(src[r].iter().map(|&x| f64::from(x)).sum())
+        Ok(src.buf[r].iter().map(|&x| f64::from(x)).sum())
     }
 }
 
-/// Slot `read` (shared) and slot `write` (exclusive) of `[slots, len]` `buf`.
-fn two_slots<'a>(
-    buf: &'a mut [f32],
-    read: usize,
-    write: usize,
-    len: usize,
-    what: &'static str,
-) -> Result<(&'a [f32], &'a mut [f32])> {
-    check_two_slots(buf.len(), read, write, len, what)?;
-    if read < write {
-        let (lo, hi) = buf.split_at_mut(write * len);
-        Ok((&lo[read * len..(read + 1) * len], &mut hi[..len]))
+/// `read` (shared) and `write` (exclusive) of `buf`: two disjoint ranges inside it.
+fn read_write(buf: &mut [f32], read: Range<usize>, write: Range<usize>) -> (&[f32], &mut [f32]) {
+    if read.start < write.start {
+        let (lo, hi) = buf.split_at_mut(write.start);
+        (&lo[read], &mut hi[..write.len()])
     } else {
-        let (lo, hi) = buf.split_at_mut(read * len);
-        Ok((&hi[..len], &mut lo[write * len..(write + 1) * len]))
+        let (lo, hi) = buf.split_at_mut(read.start);
+        (&hi[..read.len()], &mut lo[write])
     }
 }

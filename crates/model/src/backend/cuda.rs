@@ -5,11 +5,18 @@
 //! [`Error::NotCompiledWithCuda`](crate::Error::NotCompiledWithCuda).
 //!
 //! With it, [`CudaBackend`] drives one GPU through ringtrain-cuda: `Buffer` is a
-//! `ringtrain_cuda::GpuBuffer<f32>`, operands are views at element offsets, and each
-//! operation queues one kernel (the PTX kernels of `ptx/`: `gemm`, `lstm`, `softmax`,
-//! `model_ops`) on the device's stream. Only [`Backend::download`](crate::Backend::download), [`Backend::sum`](crate::Backend::sum) and the
-//! per-call uploads of ids, labels and masks wait for the stream. Launches are counted as
-//! the CPU backend counts them: one per operation, also when an operation has no work.
+//! `ringtrain_cuda::GpuBuffer<f32>`, operand views become device views of their spans, and
+//! each operation queues one kernel (the PTX kernels of `ptx/`: `gemm`, `lstm`, `softmax`,
+//! `model_ops`) on the device's stream; a GEMM of two transposed operands queues two (a
+//! transpose of the smaller one into scratch, then the product), and tall column sums two.
+//! Launches are counted as the CPU backend counts them: one per operation, also when an
+//! operation has no work.
+//!
+//! Only [`Backend::download`](crate::Backend::download), [`Backend::sum`](crate::Backend::sum)
+//! and the staging of ids and targets wait for the stream. Staging uploads a pass's ids
+//! (with the grouping the embedding scatter needs, in one buffer) and its labels and mask
+//! into device buffers taken from a pool; they go back to the pool when the staged values
+//! drop, so a training loop uploads each batch's ids once and allocates nothing per batch.
 //!
 //! Numerics against the CPU backend: fill, copy, embeddings, bias adds, the element-wise
 //! and in-place operations are bit-identical, and so are column sums of up to 256 rows
@@ -25,11 +32,11 @@
 //! activations stay f32 (f32 master weights). Activations are cast into scratch buffers on
 //! every product; weight tensors (operands inside the parameter buffer the model announces
 //! with [`Backend::begin_pass`](crate::Backend::begin_pass)) are cast once per pass and
-//! reused by every time step and by backward. Products whose row strides are not multiples
-//! of 8 fall back to the f32 GEMM.
+//! reused by every time step and by backward. Products whose operand strides are not
+//! multiples of 8 fall back to the f32 GEMM.
 
 #[cfg(feature = "cuda")]
-pub use imp::{CudaBackend, GemmPrecision};
+pub use imp::{CudaBackend, CudaIds, CudaTargets, GemmPrecision};
 
 #[cfg(not(feature = "cuda"))]
 pub use stand_in::CudaBackend;
@@ -69,19 +76,19 @@ mod imp {
     use std::collections::HashMap;
     use std::ops::Range;
     use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex, PoisonError};
 
     use half::{bf16, f16};
-    use ringtrain_cuda::model_ops;
+    use ringtrain_cuda::model_ops::{self, RowIds};
     use ringtrain_cuda::{
         fp16, gemm, lstm, softmax, DevSlice, DevSliceMut, Element, Gpu, GpuBuffer, NonFiniteFlag,
         Transpose,
     };
 
+    use crate::backend::operands::{self, arg};
     use crate::backend::{
-        check_add_row_bias, check_binary, check_column_sums, check_gather_rows, check_gemm,
-        check_in_place, check_lstm_backward_step, check_lstm_forward_step, check_scatter_add_rows,
-        check_softmax_xent_backward, check_softmax_xent_forward, check_two_slots, check_unary,
-        span, Backend, Binary, Gemm, InPlace, LstmStep, Unary,
+        invalid_view, Backend, Binary, CheckedIds, CheckedTargets, InPlace, Layout,
+        LstmBackwardStep, LstmForwardStep, Staged, Unary, View, ViewMut,
     };
     use crate::error::{Error, Result};
 
@@ -97,12 +104,19 @@ mod imp {
         Bf16,
     }
 
+    /// The sizes of one product as the GEMM kernels take them (see `ringtrain_cuda::gemm`).
+    #[derive(Debug, Clone, Copy)]
+    struct Dims {
+        m: usize,
+        n: usize,
+        k: usize,
+        lda: usize,
+        ldb: usize,
+        ldc: usize,
+    }
+
     /// Scratch device memory reused between calls.
     struct Scratch {
-        /// u32 buffers (ids, labels, scatter segments) by exact length.
-        words: HashMap<usize, Vec<GpuBuffer<u32>>>,
-        /// f32 buffers (masks) by exact length.
-        floats: HashMap<usize, Vec<GpuBuffer<f32>>>,
         /// 16-bit GEMM operands in f16.
         f16: HalfOperands<f16>,
         /// 16-bit GEMM operands in bf16.
@@ -113,6 +127,8 @@ mod imp {
         passes: u64,
         /// Chunk partial sums of tall column sums, grown as needed.
         column_partials: Option<GpuBuffer<f32>>,
+        /// The transposed operand of a GEMM whose operands are both stored transposed.
+        transposed: Option<GpuBuffer<f32>>,
         /// Set by the 16-bit casts on overflow; informational only.
         cast_flag: NonFiniteFlag,
     }
@@ -153,14 +169,12 @@ mod imp {
             dst: &mut DevSliceMut<'_, Self>,
             flag: &mut NonFiniteFlag,
         ) -> ringtrain_cuda::Result<()>;
-        #[allow(clippy::too_many_arguments)]
         fn gemm(
             gpu: &Gpu,
             transpose: Transpose,
-            a: &DevSlice<'_, Self>,
-            b: &DevSlice<'_, Self>,
+            operands: (&DevSlice<'_, Self>, &DevSlice<'_, Self>),
             c: &mut DevSliceMut<'_, f32>,
-            g: &Gemm,
+            d: Dims,
             beta: f32,
         ) -> ringtrain_cuda::Result<()>;
     }
@@ -179,14 +193,13 @@ mod imp {
                 fn gemm(
                     gpu: &Gpu,
                     transpose: Transpose,
-                    a: &DevSlice<'_, $t>,
-                    b: &DevSlice<'_, $t>,
+                    (a, b): (&DevSlice<'_, $t>, &DevSlice<'_, $t>),
                     c: &mut DevSliceMut<'_, f32>,
-                    g: &Gemm,
+                    d: Dims,
                     beta: f32,
                 ) -> ringtrain_cuda::Result<()> {
                     $gemm(
-                        gpu, transpose, a, b, c, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, 1.0, beta,
+                        gpu, transpose, a, b, c, d.m, d.n, d.k, d.lda, d.ldb, d.ldc, 1.0, beta,
                     )
                 }
             }
@@ -263,32 +276,159 @@ mod imp {
         pass: Option<PassParams>,
         flag: &mut NonFiniteFlag,
         transpose: Transpose,
-        a: DevSlice<'_, f32>,
-        b: DevSlice<'_, f32>,
+        (a, b): (DevSlice<'_, f32>, DevSlice<'_, f32>),
         c: &mut DevSliceMut<'_, f32>,
-        g: &Gemm,
+        d: Dims,
         beta: f32,
     ) -> Result<()> {
         let at_a = half_operand(gpu, ops, pass, 0, a, flag)?;
         let at_b = half_operand(gpu, ops, pass, 1, b, flag)?;
         let (ha, hb) = (half_view(ops, at_a)?, half_view(ops, at_b)?);
-        T::gemm(gpu, transpose, &ha, &hb, c, g, beta).map_err(Error::from)
+        T::gemm(gpu, transpose, (&ha, &hb), c, d, beta).map_err(Error::from)
     }
 
-    /// Takes a cached buffer of exactly `len` elements from `pool`, or allocates one.
-    fn take<T: Element>(
-        gpu: &Gpu,
-        pool: &mut HashMap<usize, Vec<GpuBuffer<T>>>,
-        len: usize,
-    ) -> Result<GpuBuffer<T>> {
-        match pool.get_mut(&len).and_then(Vec::pop) {
-            Some(buf) => Ok(buf),
-            None => gpu.alloc::<T>(len).map_err(Error::from),
+    /// Device buffers lent to staged ids and targets; each comes back when the staged value
+    /// that holds it drops (see [`CudaIds`], [`CudaTargets`]).
+    struct Pool<T: Element>(Arc<Mutex<Vec<GpuBuffer<T>>>>);
+
+    impl<T: Element> Clone for Pool<T> {
+        fn clone(&self) -> Self {
+            Pool(Arc::clone(&self.0))
         }
     }
 
-    fn give<T: Element>(pool: &mut HashMap<usize, Vec<GpuBuffer<T>>>, buf: GpuBuffer<T>) {
-        pool.entry(buf.len()).or_default().push(buf);
+    impl<T: Element> Pool<T> {
+        fn new() -> Self {
+            Pool(Arc::new(Mutex::new(Vec::new())))
+        }
+
+        /// The smallest pooled buffer of at least `len` elements; else the largest one
+        /// (the caller grows it), or `None` when the pool is empty.
+        fn take(&self, len: usize) -> Option<GpuBuffer<T>> {
+            let mut bufs = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+            let fitting = (0..bufs.len())
+                .filter(|&i| bufs[i].len() >= len)
+                .min_by_key(|&i| bufs[i].len());
+            let pick = fitting.or_else(|| (0..bufs.len()).max_by_key(|&i| bufs[i].len()));
+            pick.map(|i| bufs.swap_remove(i))
+        }
+
+        /// A buffer of at least `len` elements: pooled, or allocated to the next power of
+        /// two.
+        fn take_at_least(&self, gpu: &Gpu, len: usize) -> Result<GpuBuffer<T>> {
+            match self.take(len) {
+                Some(buf) if buf.len() >= len => Ok(buf),
+                too_small => {
+                    drop(too_small); // free it first
+                    gpu.alloc::<T>(len.next_power_of_two()).map_err(Error::from)
+                }
+            }
+        }
+
+        fn give(&self, buf: GpuBuffer<T>) {
+            self.0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(buf);
+        }
+    }
+
+    /// Token ids staged on the GPU ([`Backend::stage_ids`]): a `ringtrain_cuda`
+    /// [`RowIds`] (the checked ids and the grouping the scatter launches with, in one
+    /// pooled device buffer that returns to the backend's pool on drop).
+    pub struct CudaIds {
+        ids: Option<RowIds>,
+        rows: usize,
+        bound: usize,
+        pool: Pool<u32>,
+    }
+
+    impl std::fmt::Debug for CudaIds {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("CudaIds")
+                .field("rows", &self.rows)
+                .field("bound", &self.bound)
+                .finish()
+        }
+    }
+
+    impl CudaIds {
+        /// The device ids.
+        ///
+        /// # Errors
+        /// Never in practice: the ids are released only when the value drops.
+        pub fn row_ids(&self) -> Result<&RowIds> {
+            self.ids
+                .as_ref()
+                .ok_or_else(|| invalid_view("ids", "released", "stage the ids again"))
+        }
+    }
+
+    impl Staged for CudaIds {
+        fn rows(&self) -> usize {
+            self.rows
+        }
+        fn bound(&self) -> usize {
+            self.bound
+        }
+    }
+
+    impl Drop for CudaIds {
+        fn drop(&mut self) {
+            if let Some(ids) = self.ids.take() {
+                self.pool.give(ids.into_storage());
+            }
+        }
+    }
+
+    /// Softmax targets staged on the GPU ([`Backend::stage_targets`]): labels and mask in
+    /// pooled device buffers that return to the backend's pools on drop.
+    pub struct CudaTargets {
+        labels: Option<GpuBuffer<u32>>,
+        mask: Option<GpuBuffer<f32>>,
+        rows: usize,
+        vocab: usize,
+        words: Pool<u32>,
+        floats: Pool<f32>,
+    }
+
+    impl std::fmt::Debug for CudaTargets {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("CudaTargets")
+                .field("rows", &self.rows)
+                .field("vocab", &self.vocab)
+                .finish()
+        }
+    }
+
+    impl CudaTargets {
+        /// Device views of the labels and the mask (`rows` each).
+        fn device(&self) -> Result<(DevSlice<'_, u32>, DevSlice<'_, f32>)> {
+            let released = || invalid_view("softmax targets", "released", "stage them again");
+            let labels = self.labels.as_ref().ok_or_else(released)?;
+            let mask = self.mask.as_ref().ok_or_else(released)?;
+            Ok((labels.slice(0..self.rows)?, mask.slice(0..self.rows)?))
+        }
+    }
+
+    impl Staged for CudaTargets {
+        fn rows(&self) -> usize {
+            self.rows
+        }
+        fn bound(&self) -> usize {
+            self.vocab
+        }
+    }
+
+    impl Drop for CudaTargets {
+        fn drop(&mut self) {
+            if let Some(labels) = self.labels.take() {
+                self.words.give(labels);
+            }
+            if let Some(mask) = self.mask.take() {
+                self.floats.give(mask);
+            }
+        }
     }
 
     /// CUDA backend on one GPU (see the module docs).
@@ -297,6 +437,10 @@ mod imp {
         precision: GemmPrecision,
         launches: AtomicU64,
         scratch: RefCell<Scratch>,
+        /// u32 buffers for staged ids and labels.
+        words: Pool<u32>,
+        /// f32 buffers for staged masks.
+        floats: Pool<f32>,
     }
 
     impl std::fmt::Debug for CudaBackend {
@@ -310,31 +454,33 @@ mod imp {
         }
     }
 
-    fn view<'a>(buf: &'a GpuBuffer<f32>, r: Range<usize>) -> Result<DevSlice<'a, f32>> {
-        buf.slice(r).map_err(Error::from)
+    /// The device view of `range` of `buf`.
+    fn dev(buf: &GpuBuffer<f32>, range: Range<usize>) -> Result<DevSlice<'_, f32>> {
+        buf.slice(range).map_err(Error::from)
     }
 
-    fn view_mut<'a>(buf: &'a mut GpuBuffer<f32>, r: Range<usize>) -> Result<DevSliceMut<'a, f32>> {
-        buf.slice_mut(r).map_err(Error::from)
+    /// The mutable device view of `range` of `buf`.
+    fn dev_mut(buf: &mut GpuBuffer<f32>, range: Range<usize>) -> Result<DevSliceMut<'_, f32>> {
+        buf.slice_mut(range).map_err(Error::from)
     }
 
-    /// Read view of slot `read` and write view of slot `write` of a `[slots, len]` buffer.
-    fn two_slots<'a>(
-        buf: &'a mut GpuBuffer<f32>,
-        read: usize,
-        write: usize,
-        len: usize,
-        what: &'static str,
-    ) -> Result<(DevSliceMut<'a, f32>, DevSliceMut<'a, f32>)> {
-        check_two_slots(buf.len(), read, write, len, what)?;
-        let lo = read.min(write) * len;
-        let whole = buf.as_mut_slice();
-        let (_, rest) = whole.split_at_mut(lo).map_err(Error::from)?;
-        let gap = read.max(write) * len - lo;
-        let (first, second) = rest.split_at_mut(gap).map_err(Error::from)?;
-        let (first, _) = first.split_at_mut(len).map_err(Error::from)?;
-        let (second, _) = second.split_at_mut(len).map_err(Error::from)?;
-        Ok(if read < write {
+    /// Views of `read` and (mutable) `write`, two disjoint ranges of `buf`.
+    fn read_write(
+        buf: &mut GpuBuffer<f32>,
+        read: Range<usize>,
+        write: Range<usize>,
+    ) -> Result<(DevSliceMut<'_, f32>, DevSliceMut<'_, f32>)> {
+        let read_first = read.start < write.start;
+        let (lo, hi) = if read_first {
+            (&read, &write)
+        } else {
+            (&write, &read)
+        };
+        let (_, rest) = buf.as_mut_slice().split_at_mut(lo.start)?;
+        let (first, second) = rest.split_at_mut(hi.start - lo.start)?;
+        let (first, _) = first.split_at_mut(lo.len())?;
+        let (second, _) = second.split_at_mut(hi.len())?;
+        Ok(if read_first {
             (first, second)
         } else {
             (second, first)
@@ -377,13 +523,12 @@ mod imp {
                 gpu.load(module).map_err(Error::from)?;
             }
             let scratch = Scratch {
-                words: HashMap::new(),
-                floats: HashMap::new(),
                 f16: HalfOperands::new(),
                 bf16: HalfOperands::new(),
                 pass: None,
                 passes: 0,
                 column_partials: None,
+                transposed: None,
                 cast_flag: NonFiniteFlag::new(&gpu).map_err(Error::from)?,
             };
             Ok(CudaBackend {
@@ -391,6 +536,8 @@ mod imp {
                 precision,
                 launches: AtomicU64::new(0),
                 scratch: RefCell::new(scratch),
+                words: Pool::new(),
+                floats: Pool::new(),
             })
         }
 
@@ -429,66 +576,82 @@ mod imp {
             self.launches.fetch_add(1, Ordering::Relaxed);
         }
 
-        /// Uploads `host` into a cached u32 buffer of its length (synchronizes).
-        fn upload_words(&self, host: &[u32]) -> Result<GpuBuffer<u32>> {
-            let mut scratch = self.scratch.borrow_mut();
-            let mut buf = take(&self.gpu, &mut scratch.words, host.len())?;
-            buf.copy_from_host(host).map_err(Error::from)?;
-            Ok(buf)
-        }
-
-        /// Uploads `host` into a cached f32 buffer of its length (synchronizes).
-        fn upload_floats(&self, host: &[f32]) -> Result<GpuBuffer<f32>> {
-            let mut scratch = self.scratch.borrow_mut();
-            let mut buf = take(&self.gpu, &mut scratch.floats, host.len())?;
-            buf.copy_from_host(host).map_err(Error::from)?;
-            Ok(buf)
-        }
-
-        fn return_words(&self, buf: GpuBuffer<u32>) {
-            give(&mut self.scratch.borrow_mut().words, buf);
-        }
-
-        fn return_floats(&self, buf: GpuBuffer<f32>) {
-            give(&mut self.scratch.borrow_mut().floats, buf);
-        }
-
-        /// Runs `f` with labels and mask on the device.
-        fn with_labels<R>(
-            &self,
-            labels: &[u32],
-            mask: &[f32],
-            rows: usize,
-            f: impl FnOnce(&GpuBuffer<u32>, &GpuBuffer<f32>) -> Result<R>,
-        ) -> Result<R> {
-            if labels.len() != rows || mask.len() != rows {
-                return Err(Error::OutOfBounds {
-                    what: "softmax labels / mask (one per row)",
-                    end: labels.len().max(mask.len()),
-                    len: rows,
-                });
+        /// `host` in a pooled device buffer (at least as long; synchronizes).
+        fn upload_pooled<T: Element>(&self, pool: &Pool<T>, host: &[T]) -> Result<GpuBuffer<T>> {
+            let mut buf = pool.take_at_least(&self.gpu, host.len())?;
+            if let Err(e) = self
+                .gpu
+                .copy_from_host(host, &mut buf.slice_mut(0..host.len())?)
+            {
+                pool.give(buf);
+                return Err(e.into());
             }
-            let labels_dev = self.upload_words(labels)?;
-            let mask_dev = self.upload_floats(mask)?;
-            let result = f(&labels_dev, &mask_dev);
-            self.return_words(labels_dev);
-            self.return_floats(mask_dev);
+            Ok(buf)
+        }
+
+        /// The product on checked device operands: the 16-bit GEMM when the precision and
+        /// the strides allow it, else the f32 one.
+        fn gemm_on(
+            &self,
+            transpose: Transpose,
+            (a, b): (DevSlice<'_, f32>, DevSlice<'_, f32>),
+            c: &mut DevSliceMut<'_, f32>,
+            d: Dims,
+            beta: f32,
+        ) -> Result<()> {
+            if self.precision != GemmPrecision::F32
+                && self.gemm_half(transpose, (a, b), c, d, beta)?
+            {
+                return Ok(());
+            }
+            gemm::gemm_f32(
+                &self.gpu, transpose, &a, &b, c, d.m, d.n, d.k, d.lda, d.ldb, d.ldc, 1.0, beta,
+            )
+            .map_err(Error::from)
+        }
+
+        /// The product of two operands that are both stored transposed (no kernel takes
+        /// them as they are): the smaller one is copied, transposed, into scratch, and the
+        /// product runs on the copy (`NT` or `TN`). The copy moves elements only, so the
+        /// result is what a `TT` kernel would compute.
+        fn gemm_both_transposed(
+            &self,
+            (a, b): (DevSlice<'_, f32>, DevSlice<'_, f32>),
+            c: &mut DevSliceMut<'_, f32>,
+            d: Dims,
+            beta: f32,
+        ) -> Result<()> {
+            let mut slot = self.scratch.borrow_mut().transposed.take();
+            let result = if d.m <= d.n {
+                // A is stored [k, m]: its transpose is op(A), a dense [m, k].
+                grown(&self.gpu, &mut slot, d.m * d.k).and_then(|mut t| {
+                    model_ops::transpose(&self.gpu, &a, &mut t, d.k, d.m, d.lda)?;
+                    let d = Dims { lda: d.k, ..d };
+                    self.gemm_on(Transpose::NT, (t.as_slice(), b), c, d, beta)
+                })
+            } else {
+                // B is stored [n, k]: its transpose is op(B), a dense [k, n].
+                grown(&self.gpu, &mut slot, d.k * d.n).and_then(|mut t| {
+                    model_ops::transpose(&self.gpu, &b, &mut t, d.n, d.k, d.ldb)?;
+                    let d = Dims { ldb: d.n, ..d };
+                    self.gemm_on(Transpose::TN, (a, t.as_slice()), c, d, beta)
+                })
+            };
+            self.scratch.borrow_mut().transposed = slot;
             result
         }
 
         /// The 16-bit GEMM (see [`HalfOperands`]). Returns `false` (nothing queued) when
         /// the strides do not allow it.
-        #[allow(clippy::too_many_arguments)]
         fn gemm_half(
             &self,
             transpose: Transpose,
-            a: DevSlice<'_, f32>,
-            b: DevSlice<'_, f32>,
+            operands: (DevSlice<'_, f32>, DevSlice<'_, f32>),
             c: &mut DevSliceMut<'_, f32>,
-            g: &Gemm,
+            d: Dims,
             beta: f32,
         ) -> Result<bool> {
-            if g.lda % 8 != 0 || g.ldb % 8 != 0 || g.k == 0 {
+            if d.lda % 8 != 0 || d.ldb % 8 != 0 || d.k == 0 {
                 return Ok(false);
             }
             let mut scratch = self.scratch.borrow_mut();
@@ -501,10 +664,9 @@ mod imp {
                     pass,
                     flag,
                     transpose,
-                    a,
-                    b,
+                    operands,
                     c,
-                    g,
+                    d,
                     beta,
                 )?,
                 GemmPrecision::Bf16 => gemm_half_in(
@@ -513,10 +675,9 @@ mod imp {
                     pass,
                     flag,
                     transpose,
-                    a,
-                    b,
+                    operands,
                     c,
-                    g,
+                    d,
                     beta,
                 )?,
                 GemmPrecision::F32 => return Ok(false),
@@ -551,6 +712,8 @@ mod imp {
 
     impl Backend for CudaBackend {
         type Buffer = GpuBuffer<f32>;
+        type Ids = CudaIds;
+        type Targets = CudaTargets;
 
         fn name(&self) -> &'static str {
             "cuda"
@@ -565,16 +728,16 @@ mod imp {
         }
 
         fn upload(&self, src: &[f32], dst: &mut GpuBuffer<f32>, offset: usize) -> Result<()> {
-            let r = span("upload destination", offset, src.len(), dst.len())?;
+            let r = Layout::contiguous(offset, src.len()).check(dst.len(), "upload destination")?;
             self.gpu
-                .copy_from_host(src, &mut view_mut(dst, r)?)
+                .copy_from_host(src, &mut dev_mut(dst, r)?)
                 .map_err(Error::from)
         }
 
         fn download(&self, src: &GpuBuffer<f32>, offset: usize, dst: &mut [f32]) -> Result<()> {
-            let r = span("download source", offset, dst.len(), src.len())?;
+            let r = Layout::contiguous(offset, dst.len()).check(src.len(), "download source")?;
             self.gpu
-                .copy_to_host(&view(src, r)?, dst)
+                .copy_to_host(&dev(src, r)?, dst)
                 .map_err(Error::from)
         }
 
@@ -597,103 +760,118 @@ mod imp {
             self.scratch.borrow_mut().pass = None;
         }
 
-        fn fill(
-            &self,
-            dst: &mut GpuBuffer<f32>,
-            offset: usize,
-            len: usize,
-            value: f32,
-        ) -> Result<()> {
-            let r = span("fill destination", offset, len, dst.len())?;
+        fn stage_ids(&self, ids: CheckedIds<'_>) -> Result<CudaIds> {
+            let storage = match self.words.take(4 * ids.ids().len() + 1) {
+                Some(buf) => buf,
+                None => self.gpu.alloc::<u32>(0)?,
+            };
+            let staged = RowIds::stage(&self.gpu, ids.ids(), ids.bound(), storage)?;
+            Ok(CudaIds {
+                rows: staged.rows(),
+                bound: staged.bound(),
+                ids: Some(staged),
+                pool: self.words.clone(),
+            })
+        }
+
+        fn stage_targets(&self, targets: CheckedTargets<'_>) -> Result<CudaTargets> {
+            let rows = targets.labels().len();
+            let mut staged = CudaTargets {
+                labels: None,
+                mask: None,
+                rows,
+                vocab: targets.vocab(),
+                words: self.words.clone(),
+                floats: self.floats.clone(),
+            };
+            if rows > 0 {
+                staged.labels = Some(self.upload_pooled(&self.words, targets.labels())?);
+                staged.mask = Some(self.upload_pooled(&self.floats, targets.mask())?);
+            }
+            Ok(staged)
+        }
+
+        fn fill(&self, dst: ViewMut<'_, GpuBuffer<f32>>, value: f32) -> Result<()> {
+            let [r] = operands::elementwise([arg(self, "fill destination", &dst)])?;
             self.launched();
-            model_ops::fill(&self.gpu, &mut view_mut(dst, r)?, value).map_err(Error::from)
+            model_ops::fill(&self.gpu, &mut dev_mut(dst.buf, r)?, value).map_err(Error::from)
         }
 
         fn copy(
             &self,
-            src: &GpuBuffer<f32>,
-            src_offset: usize,
-            dst: &mut GpuBuffer<f32>,
-            dst_offset: usize,
-            len: usize,
+            src: View<'_, GpuBuffer<f32>>,
+            dst: ViewMut<'_, GpuBuffer<f32>>,
         ) -> Result<()> {
-            let rs = span("copy source", src_offset, len, src.len())?;
-            let rd = span("copy destination", dst_offset, len, dst.len())?;
+            let [rs, rd] = operands::elementwise([
+                arg(self, "copy source", &src),
+                arg(self, "copy destination", &dst),
+            ])?;
             self.launched();
             self.gpu
-                .copy(&view(src, rs)?, &mut view_mut(dst, rd)?)
+                .copy(&dev(src.buf, rs)?, &mut dev_mut(dst.buf, rd)?)
                 .map_err(Error::from)
         }
 
         fn gemm(
             &self,
-            a: &GpuBuffer<f32>,
-            b: &GpuBuffer<f32>,
-            c: &mut GpuBuffer<f32>,
-            g: &Gemm,
+            a: View<'_, GpuBuffer<f32>>,
+            b: View<'_, GpuBuffer<f32>>,
+            c: ViewMut<'_, GpuBuffer<f32>>,
+            accumulate: bool,
         ) -> Result<()> {
-            let [ra, rb, rc] = check_gemm(g, a.len(), b.len(), c.len())?;
-            let transpose = match (g.trans_a, g.trans_b) {
-                (false, false) => Transpose::NN,
-                (false, true) => Transpose::NT,
-                (true, false) => Transpose::TN,
-                (true, true) => {
-                    return Err(Error::InvalidConfig {
-                        field: "gemm",
-                        value: "trans_a and trans_b".into(),
-                        reason: "the GPU GEMM has nn, nt and tn kernels; compute (B·A)ᵀ with one \
-                                 transposed operand instead"
-                            .into(),
-                    })
-                }
-            };
+            let g = operands::gemm(
+                arg(self, "gemm A", &a),
+                arg(self, "gemm B", &b),
+                arg(self, "gemm C", &c),
+            )?;
             self.launched();
             if g.m == 0 || g.n == 0 {
                 return Ok(());
             }
-            let beta = if g.accumulate { 1.0 } else { 0.0 };
-            let (a, b) = (view(a, ra)?, view(b, rb)?);
-            let mut c = view_mut(c, rc)?;
-            if self.precision != GemmPrecision::F32
-                && self.gemm_half(transpose, a, b, &mut c, g, beta)?
-            {
-                return Ok(());
-            }
-            gemm::gemm_f32(
-                &self.gpu, transpose, &a, &b, &mut c, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, 1.0, beta,
-            )
-            .map_err(Error::from)
+            let beta = if accumulate { 1.0 } else { 0.0 };
+            // A column-major C was turned around (Cᵀ = Bᵀ·Aᵀ): so are the buffers.
+            let (a_buf, b_buf) = if g.swapped {
+                (b.buf, a.buf)
+            } else {
+                (a.buf, b.buf)
+            };
+            let operands = (dev(a_buf, g.a.range)?, dev(b_buf, g.b.range)?);
+            let mut c = dev_mut(c.buf, g.c.range)?;
+            let d = Dims {
+                m: g.m,
+                n: g.n,
+                k: g.k,
+                lda: g.a.ld,
+                ldb: g.b.ld,
+                ldc: g.c.ld,
+            };
+            let transpose = match (g.a.trans, g.b.trans) {
+                (false, false) => Transpose::NN,
+                (false, true) => Transpose::NT,
+                (true, false) => Transpose::TN,
+                (true, true) => return self.gemm_both_transposed(operands, &mut c, d, beta),
+            };
+            self.gemm_on(transpose, operands, &mut c, d, beta)
         }
 
         fn gather_rows(
             &self,
-            table: &GpuBuffer<f32>,
-            table_offset: usize,
-            table_rows: usize,
-            width: usize,
-            ids: &[u32],
-            dst: &mut GpuBuffer<f32>,
-            dst_offset: usize,
+            table: View<'_, GpuBuffer<f32>>,
+            ids: &CudaIds,
+            dst: ViewMut<'_, GpuBuffer<f32>>,
         ) -> Result<()> {
-            let [t, d] = check_gather_rows(
-                table.len(),
-                table_offset,
-                table_rows,
-                width,
+            let ([d, t], width) = operands::rows_by_id(
                 ids,
-                dst.len(),
-                dst_offset,
+                arg(self, "gather destination", &dst),
+                arg(self, "gather table", &table),
             )?;
             self.launched();
-            if ids.is_empty() {
-                return Ok(());
-            }
             model_ops::gather_rows(
                 &self.gpu,
-                &view(table, t)?,
-                ids,
-                &mut view_mut(dst, d)?,
-                table_rows,
+                &dev(table.buf, t)?,
+                ids.row_ids()?,
+                &mut dev_mut(dst.buf, d)?,
+                table.layout.rows(),
                 width,
             )
             .map_err(Error::from)
@@ -701,32 +879,22 @@ mod imp {
 
         fn scatter_add_rows(
             &self,
-            src: &GpuBuffer<f32>,
-            src_offset: usize,
-            ids: &[u32],
-            width: usize,
-            table: &mut GpuBuffer<f32>,
-            table_offset: usize,
-            table_rows: usize,
+            src: View<'_, GpuBuffer<f32>>,
+            ids: &CudaIds,
+            table: ViewMut<'_, GpuBuffer<f32>>,
         ) -> Result<()> {
-            let [s, t] = check_scatter_add_rows(
-                src.len(),
-                src_offset,
+            let ([s, t], width) = operands::rows_by_id(
                 ids,
-                width,
-                table.len(),
-                table_offset,
-                table_rows,
+                arg(self, "scatter source", &src),
+                arg(self, "scatter table", &table),
             )?;
             self.launched();
-            if ids.is_empty() || width == 0 {
-                return Ok(());
-            }
+            let table_rows = table.layout.rows();
             model_ops::scatter_add_rows(
                 &self.gpu,
-                &view(src, s)?,
-                ids,
-                &mut view_mut(table, t)?,
+                &dev(src.buf, s)?,
+                ids.row_ids()?,
+                &mut dev_mut(table.buf, t)?,
                 table_rows,
                 width,
             )
@@ -735,17 +903,16 @@ mod imp {
 
         fn column_sums(
             &self,
-            src: &GpuBuffer<f32>,
-            src_offset: usize,
-            rows: usize,
-            cols: usize,
-            dst: &mut GpuBuffer<f32>,
-            dst_offset: usize,
+            src: View<'_, GpuBuffer<f32>>,
+            dst: ViewMut<'_, GpuBuffer<f32>>,
             accumulate: bool,
         ) -> Result<()> {
-            let [s, d] =
-                check_column_sums(src.len(), src_offset, rows, cols, dst.len(), dst_offset)?;
+            let [s, d] = operands::matrix_and_row(
+                arg(self, "column_sums source", &src),
+                arg(self, "column_sums destination", &dst),
+            )?;
             self.launched();
+            let (rows, cols) = src.layout.shape();
             let mut scratch = self.scratch.borrow_mut();
             let mut partials = grown(
                 &self.gpu,
@@ -754,8 +921,8 @@ mod imp {
             )?;
             model_ops::column_sums_chunked(
                 &self.gpu,
-                &view(src, s)?,
-                &mut view_mut(dst, d)?,
+                &dev(src.buf, s)?,
+                &mut dev_mut(dst.buf, d)?,
                 rows,
                 cols,
                 accumulate,
@@ -766,20 +933,19 @@ mod imp {
 
         fn add_row_bias(
             &self,
-            bias: &GpuBuffer<f32>,
-            bias_offset: usize,
-            dst: &mut GpuBuffer<f32>,
-            dst_offset: usize,
-            rows: usize,
-            cols: usize,
+            bias: View<'_, GpuBuffer<f32>>,
+            dst: ViewMut<'_, GpuBuffer<f32>>,
         ) -> Result<()> {
-            let [b, d] =
-                check_add_row_bias(bias.len(), bias_offset, dst.len(), dst_offset, rows, cols)?;
+            let [d, b] = operands::matrix_and_row(
+                arg(self, "bias destination", &dst),
+                arg(self, "bias", &bias),
+            )?;
             self.launched();
+            let (rows, cols) = dst.layout.shape();
             model_ops::add_row_bias(
                 &self.gpu,
-                &view(bias, b)?,
-                &mut view_mut(dst, d)?,
+                &dev(bias.buf, b)?,
+                &mut dev_mut(dst.buf, d)?,
                 rows,
                 cols,
             )
@@ -789,15 +955,15 @@ mod imp {
         fn unary(
             &self,
             op: Unary,
-            x: &GpuBuffer<f32>,
-            x_offset: usize,
-            dst: &mut GpuBuffer<f32>,
-            dst_offset: usize,
-            len: usize,
+            x: View<'_, GpuBuffer<f32>>,
+            dst: ViewMut<'_, GpuBuffer<f32>>,
         ) -> Result<()> {
-            let [rx, rd] = check_unary(x.len(), x_offset, dst.len(), dst_offset, len)?;
+            let [rx, rd] = operands::elementwise([
+                arg(self, "unary input", &x),
+                arg(self, "unary output", &dst),
+            ])?;
             self.launched();
-            let (x, mut dst) = (view(x, rx)?, view_mut(dst, rd)?);
+            let (x, mut dst) = (dev(x.buf, rx)?, dev_mut(dst.buf, rd)?);
             match op {
                 Unary::Sigmoid => model_ops::unary_sigmoid(&self.gpu, &x, &mut dst),
                 Unary::Tanh => model_ops::unary_tanh(&self.gpu, &x, &mut dst),
@@ -808,25 +974,17 @@ mod imp {
         fn binary(
             &self,
             op: Binary,
-            a: &GpuBuffer<f32>,
-            a_offset: usize,
-            b: &GpuBuffer<f32>,
-            b_offset: usize,
-            dst: &mut GpuBuffer<f32>,
-            dst_offset: usize,
-            len: usize,
+            a: View<'_, GpuBuffer<f32>>,
+            b: View<'_, GpuBuffer<f32>>,
+            dst: ViewMut<'_, GpuBuffer<f32>>,
         ) -> Result<()> {
-            let [ra, rb, rd] = check_binary(
-                a.len(),
-                a_offset,
-                b.len(),
-                b_offset,
-                dst.len(),
-                dst_offset,
-                len,
-            )?;
+            let [ra, rb, rd] = operands::elementwise([
+                arg(self, "binary input a", &a),
+                arg(self, "binary input b", &b),
+                arg(self, "binary output", &dst),
+            ])?;
             self.launched();
-            let (a, b, mut dst) = (view(a, ra)?, view(b, rb)?, view_mut(dst, rd)?);
+            let (a, b, mut dst) = (dev(a.buf, ra)?, dev(b.buf, rb)?, dev_mut(dst.buf, rd)?);
             match op {
                 Binary::Add => model_ops::binary_add(&self.gpu, &a, &b, &mut dst),
                 Binary::Mul => model_ops::binary_mul(&self.gpu, &a, &b, &mut dst),
@@ -837,15 +995,15 @@ mod imp {
         fn in_place(
             &self,
             op: InPlace,
-            x: &GpuBuffer<f32>,
-            x_offset: usize,
-            dst: &mut GpuBuffer<f32>,
-            dst_offset: usize,
-            len: usize,
+            x: View<'_, GpuBuffer<f32>>,
+            dst: ViewMut<'_, GpuBuffer<f32>>,
         ) -> Result<()> {
-            let [rx, rd] = check_in_place(x.len(), x_offset, dst.len(), dst_offset, len)?;
+            let [rx, rd] = operands::elementwise([
+                arg(self, "in-place input", &x),
+                arg(self, "in-place output", &dst),
+            ])?;
             self.launched();
-            let (x, mut dst) = (view(x, rx)?, view_mut(dst, rd)?);
+            let (x, mut dst) = (dev(x.buf, rx)?, dev_mut(dst.buf, rd)?);
             match op {
                 InPlace::Add => model_ops::in_place_add(&self.gpu, &x, &mut dst),
                 InPlace::MulSigmoidGrad => {
@@ -856,151 +1014,127 @@ mod imp {
             .map_err(Error::from)
         }
 
-        fn lstm_forward_step(
-            &self,
-            input_proj: &GpuBuffer<f32>,
-            recurrent: &GpuBuffer<f32>,
-            bias: &GpuBuffer<f32>,
-            bias_offset: usize,
-            cells: &mut GpuBuffer<f32>,
-            hiddens: &mut GpuBuffer<f32>,
-            act: &mut GpuBuffer<f32>,
-            at: &LstmStep,
-        ) -> Result<()> {
-            let spans = check_lstm_forward_step(
-                at,
-                input_proj.len(),
-                recurrent.len(),
-                bias.len(),
-                bias_offset,
-                cells.len(),
-                hiddens.len(),
-                act.len(),
-            )?;
-            let bh = at.batch * at.hidden;
-            let (c_prev, mut c) =
-                two_slots(cells, at.prev_slot, at.out_slot, bh, "lstm cell slots")?;
+        fn lstm_forward_step(&self, s: LstmForwardStep<'_, GpuBuffer<f32>>) -> Result<()> {
+            let r = operands::lstm_forward(self, &s)?;
             self.launched();
+            let (c_prev, mut c) = read_write(s.cells, r.c_prev, r.c)?;
+            // The kernel reads block `step` of an input projection of `steps` blocks: this
+            // step's block is the only one.
             lstm::lstm_pointwise_forward_step(
                 &self.gpu,
-                &view(input_proj, spans.input_proj)?,
-                &view(recurrent, spans.recurrent)?,
-                &view(bias, spans.bias)?,
-                &c_prev,
+                &dev(s.input_proj.buf, r.input_proj)?,
+                &dev(s.recurrent.buf, r.recurrent)?,
+                &dev(s.bias.buf, r.bias)?,
+                &c_prev.as_slice(),
                 &mut c,
-                &mut view_mut(hiddens, spans.hidden)?,
-                &mut view_mut(act, spans.act)?,
-                at.step,
-                at.steps,
-                at.batch,
-                at.hidden,
+                &mut dev_mut(s.h.buf, r.h)?,
+                &mut dev_mut(s.act.buf, r.act)?,
+                0,
+                1,
+                r.batch,
+                r.hidden,
             )
             .map_err(Error::from)
         }
 
-        fn lstm_backward_step(
-            &self,
-            act: &GpuBuffer<f32>,
-            cells: &GpuBuffer<f32>,
-            dh: &GpuBuffer<f32>,
-            dc: &GpuBuffer<f32>,
-            dgates: &mut GpuBuffer<f32>,
-            dc_prev: &mut GpuBuffer<f32>,
-            at: &LstmStep,
-        ) -> Result<()> {
-            let s = check_lstm_backward_step(
-                at,
-                act.len(),
-                cells.len(),
-                dh.len(),
-                dc.len(),
-                dgates.len(),
-                dc_prev.len(),
-            )?;
+        fn lstm_backward_step(&self, s: LstmBackwardStep<'_, GpuBuffer<f32>>) -> Result<()> {
+            let r = operands::lstm_backward(self, &s)?;
             self.launched();
             lstm::lstm_pointwise_backward(
                 &self.gpu,
-                &view(act, s.act)?,
-                &view(cells, s.c_prev)?,
-                &view(cells, s.c)?,
-                &view(dh, s.dh)?,
-                &view(dc, s.dc)?,
-                &mut view_mut(dgates, s.dgates)?,
-                &mut view_mut(dc_prev, s.dc_prev)?,
-                at.batch,
-                at.hidden,
+                &dev(s.act.buf, r.act)?,
+                &dev(s.c_prev.buf, r.c_prev)?,
+                &dev(s.c.buf, r.c)?,
+                &dev(s.dh.buf, r.dh)?,
+                &dev(s.dc.buf, r.dc)?,
+                &mut dev_mut(s.dgates.buf, r.dgates)?,
+                &mut dev_mut(s.dc_prev.buf, r.dc_prev)?,
+                r.batch,
+                r.hidden,
             )
             .map_err(Error::from)
         }
 
         fn softmax_xent_forward(
             &self,
-            logits: &GpuBuffer<f32>,
-            labels: &[u32],
-            mask: &[f32],
-            loss: &mut GpuBuffer<f32>,
-            lse: &mut GpuBuffer<f32>,
-            rows: usize,
-            vocab: usize,
+            logits: View<'_, GpuBuffer<f32>>,
+            targets: &CudaTargets,
+            loss: ViewMut<'_, GpuBuffer<f32>>,
+            lse: ViewMut<'_, GpuBuffer<f32>>,
         ) -> Result<()> {
-            let [l, lo, ls] =
-                check_softmax_xent_forward(rows, vocab, logits.len(), loss.len(), lse.len())?;
+            let operands::SoftmaxRanges {
+                logits: l,
+                per_row: [lo, ls],
+                rows,
+                vocab,
+            } = operands::softmax(
+                arg(self, "softmax logits", &logits),
+                targets,
+                [
+                    arg(self, "softmax loss", &loss),
+                    arg(self, "softmax lse", &lse),
+                ],
+            )?;
             self.launched();
             if rows == 0 {
                 return Ok(());
             }
-            self.with_labels(labels, mask, rows, |labels, mask| {
-                softmax::softmax_xent_forward(
-                    &self.gpu,
-                    &view(logits, l)?,
-                    labels,
-                    mask,
-                    &mut view_mut(loss, lo)?,
-                    &mut view_mut(lse, ls)?,
-                    rows,
-                    vocab,
-                )
-                .map_err(Error::from)
-            })
+            let (labels, mask) = targets.device()?;
+            softmax::softmax_xent_forward(
+                &self.gpu,
+                &dev(logits.buf, l)?,
+                &labels,
+                &mask,
+                &mut dev_mut(loss.buf, lo)?,
+                &mut dev_mut(lse.buf, ls)?,
+                rows,
+                vocab,
+            )
+            .map_err(Error::from)
         }
 
         fn softmax_xent_backward(
             &self,
-            logits: &mut GpuBuffer<f32>,
-            lse: &GpuBuffer<f32>,
-            labels: &[u32],
-            mask: &[f32],
+            logits: ViewMut<'_, GpuBuffer<f32>>,
+            lse: View<'_, GpuBuffer<f32>>,
+            targets: &CudaTargets,
             scale: f32,
-            rows: usize,
-            vocab: usize,
         ) -> Result<()> {
-            let [l, ls] = check_softmax_xent_backward(rows, vocab, logits.len(), lse.len())?;
+            let operands::SoftmaxRanges {
+                logits: l,
+                per_row: [ls],
+                rows,
+                vocab,
+            } = operands::softmax(
+                arg(self, "softmax logits", &logits),
+                targets,
+                [arg(self, "softmax lse", &lse)],
+            )?;
             self.launched();
             if rows == 0 {
                 return Ok(());
             }
-            self.with_labels(labels, mask, rows, |labels, mask| {
-                softmax::softmax_xent_backward(
-                    &self.gpu,
-                    &mut view_mut(logits, l)?,
-                    &view(lse, ls)?,
-                    labels,
-                    mask,
-                    scale,
-                    rows,
-                    vocab,
-                )
-                .map_err(Error::from)
-            })
+            let (labels, mask) = targets.device()?;
+            softmax::softmax_xent_backward(
+                &self.gpu,
+                &mut dev_mut(logits.buf, l)?,
+                &dev(lse.buf, ls)?,
+                &labels,
+                &mask,
+                scale,
+                rows,
+                vocab,
+            )
+            .map_err(Error::from)
         }
 
-        fn sum(&self, src: &GpuBuffer<f32>, offset: usize, len: usize) -> Result<f64> {
-            let r = span("sum source", offset, len, src.len())?;
+        fn sum(&self, src: View<'_, GpuBuffer<f32>>) -> Result<f64> {
+            let [r] = operands::elementwise([arg(self, "sum source", &src)])?;
             self.launched();
-            if len == 0 {
+            if r.is_empty() {
                 return Ok(0.0);
             }
-            model_ops::sum(&self.gpu, &view(src, r)?).map_err(Error::from)
+            model_ops::sum(&self.gpu, &dev(src.buf, r)?).map_err(Error::from)
         }
     }
 }

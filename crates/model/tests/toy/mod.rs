@@ -3,9 +3,11 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use ringtrain_model::{CpuBackend, EncoderKind, LmBatch, LmConfig, LstmImpl, NmtBatch, NmtConfig};
+use ringtrain_model::{
+    CpuBackend, EncoderKind, LmBatchView, LmConfig, LstmImpl, NmtBatchView, NmtConfig,
+};
 
-/// Owned data behind an [`NmtBatch`].
+/// Owned data behind an [`NmtBatchView`].
 pub struct NmtData {
     pub batch: usize,
     pub src_len: usize,
@@ -42,8 +44,8 @@ impl NmtData {
         }
     }
 
-    pub fn view(&self) -> NmtBatch<'_> {
-        NmtBatch {
+    pub fn view(&self) -> NmtBatchView<'_> {
+        NmtBatchView {
             batch: self.batch,
             src_len: self.src_len,
             tgt_len: self.tgt_len,
@@ -55,7 +57,7 @@ impl NmtData {
     }
 }
 
-/// Owned data behind an [`LmBatch`].
+/// Owned data behind an [`LmBatchView`].
 pub struct LmData {
     pub batch: usize,
     pub len: usize,
@@ -84,8 +86,8 @@ impl LmData {
         }
     }
 
-    pub fn view(&self) -> LmBatch<'_> {
-        LmBatch {
+    pub fn view(&self) -> LmBatchView<'_> {
+        LmBatchView {
             batch: self.batch,
             len: self.len,
             inputs: &self.inputs,

@@ -29,7 +29,7 @@ impl<B: Backend> TrainsOnBatch for NmtModel<B> {
         let Batch::Nmt(b) = batch else {
             return Err(wrong_batch("nmt"));
         };
-        let view = ringtrain_model::NmtBatch {
+        let view = ringtrain_model::NmtBatchView {
             batch: b.batch_size,
             src_len: b.src_len,
             tgt_len: b.tgt_len,
@@ -51,7 +51,7 @@ impl<B: Backend> TrainsOnBatch for RnnLm<B> {
         let Batch::Lm(b) = batch else {
             return Err(wrong_batch("rnnlm"));
         };
-        let view = ringtrain_model::LmBatch {
+        let view = ringtrain_model::LmBatchView {
             batch: b.batch_size,
             len: b.steps,
             inputs: &b.inputs,
