@@ -82,8 +82,8 @@ impl DeviceContext {
     pub(crate) fn new(ordinal: usize) -> Result<DeviceContext> {
         let count = device_count()?;
         if ordinal >= count {
-            return Err(Error::InvalidArgument {
-                arg: "ordinal",
+            return Err(Error::InvalidValue {
+                name: "ordinal",
                 value: ordinal.to_string(),
                 reason: if count == 0 {
                     "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
@@ -175,8 +175,8 @@ impl DeviceContext {
         if device == self.inner.ordinal {
             Ok(())
         } else {
-            Err(Error::InvalidArgument {
-                arg: name,
+            Err(Error::InvalidValue {
+                name,
                 value: format!("a buffer on device {device}"),
                 reason: "the launch runs on a different device; copy the data to this device first",
             })

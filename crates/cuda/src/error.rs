@@ -39,10 +39,10 @@ pub enum Error {
         limit: usize,
     },
     /// An argument has a value the kernel cannot accept.
-    #[error("invalid `{arg}` = {value}: {reason}")]
-    InvalidArgument {
+    #[error("invalid value `{value}` for `{name}`: {reason}")]
+    InvalidValue {
         /// Argument name.
-        arg: &'static str,
+        name: &'static str,
         /// The value given, formatted.
         value: String,
         /// Why it is rejected and what to pass instead.

@@ -137,8 +137,8 @@ mod launchers {
         len: usize,
     ) -> Result<()> {
         if ld < cols {
-            return Err(Error::InvalidArgument {
-                arg: ld_arg,
+            return Err(Error::InvalidValue {
+                name: ld_arg,
                 value: ld.to_string(),
                 reason: "the leading dimension must be at least the stored row length (k or m or n, see the Transpose docs)",
             });
@@ -189,8 +189,8 @@ mod launchers {
         if tile == 128 {
             for (arg, ld) in [("lda", p.lda), ("ldb", p.ldb)] {
                 if ld % 8 != 0 {
-                    return Err(Error::InvalidArgument {
-                        arg,
+                    return Err(Error::InvalidValue {
+                        name: arg,
                         value: ld.to_string(),
                         reason: "the f16/bf16 tensor-core GEMM loads rows in 16-byte chunks: pad the leading dimension to a multiple of 8",
                     });

@@ -126,8 +126,8 @@ mod launchers {
     ) -> Result<()> {
         let (cells, gate_len) = dims(batch, hidden)?;
         if step >= steps {
-            return Err(Error::InvalidArgument {
-                arg: "step",
+            return Err(Error::InvalidValue {
+                name: "step",
                 value: format!("{step} (steps = {steps})"),
                 reason: "step must be below steps",
             });

@@ -50,8 +50,8 @@ pub(crate) fn check_range(arg: &'static str, range: &Range<usize>, len: usize) -
     if range.start <= range.end && range.end <= len {
         Ok(())
     } else {
-        Err(Error::InvalidArgument {
-            arg,
+        Err(Error::InvalidValue {
+            name: arg,
             value: format!("{}..{}", range.start, range.end),
             reason: "the range is outside the buffer (or reversed); it must lie within 0..len",
         })

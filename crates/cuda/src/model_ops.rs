@@ -143,7 +143,7 @@ mod launchers {
         /// Host work is O(ids + largest id): the grouping counts ids by value.
         ///
         /// # Errors
-        /// `InvalidArgument` naming the first id `>= bound`; `TooLarge` when `bound` or the
+        /// `InvalidValue` naming the first id `>= bound`; `TooLarge` when `bound` or the
         /// number of ids does not fit the kernels' 32-bit indices; GPU errors.
         pub fn stage(
             gpu: &Gpu,
@@ -157,8 +157,8 @@ mod launchers {
             let mut top = 0u32;
             for (r, &id) in ids.iter().enumerate() {
                 if id as usize >= bound {
-                    return Err(Error::InvalidArgument {
-                        arg: "ids",
+                    return Err(Error::InvalidValue {
+                        name: "ids",
                         value: format!("ids[{r}] = {id} (bound {bound})"),
                         reason:
                             "every id must be below the bound (the embedding table's row count)",
@@ -231,8 +231,8 @@ mod launchers {
         /// A table of `table_rows` rows holds every id.
         fn check_table(&self, table_rows: usize) -> Result<()> {
             if self.bound > table_rows {
-                return Err(Error::InvalidArgument {
-                    arg: "table_rows",
+                return Err(Error::InvalidValue {
+                    name: "table_rows",
                     value: format!("{table_rows} (ids checked against {})", self.bound),
                     reason: "the ids were staged for a larger table: stage them with a bound of at most table_rows",
                 });
@@ -369,8 +369,8 @@ mod launchers {
             return Ok(());
         }
         if ld < cols {
-            return Err(Error::InvalidArgument {
-                arg: "ld",
+            return Err(Error::InvalidValue {
+                name: "ld",
                 value: format!("{ld} (cols = {cols})"),
                 reason: "the row stride must be at least the row length",
             });

@@ -104,8 +104,8 @@ mod launchers {
         first_step: bool,
     ) -> Result<()> {
         if nesterov && (momentum <= 0.0 || dampening != 0.0) {
-            return Err(Error::InvalidArgument {
-                arg: "nesterov",
+            return Err(Error::InvalidValue {
+                name: "nesterov",
                 value: format!("true (momentum = {momentum}, dampening = {dampening})"),
                 reason: "Nesterov momentum needs momentum > 0 and dampening 0 (as in PyTorch)",
             });
@@ -153,8 +153,8 @@ mod launchers {
         step: u32,
     ) -> Result<()> {
         if step == 0 {
-            return Err(Error::InvalidArgument {
-                arg: "step",
+            return Err(Error::InvalidValue {
+                name: "step",
                 value: "0".into(),
                 reason: "Adam steps count from 1 (the bias corrections divide by 1 - beta^step)",
             });
@@ -162,8 +162,8 @@ mod launchers {
         let [lr, beta1, beta2, eps, weight_decay] = hyper;
         for (arg, beta) in [("beta1", beta1), ("beta2", beta2)] {
             if !(0.0..1.0).contains(&beta) {
-                return Err(Error::InvalidArgument {
-                    arg,
+                return Err(Error::InvalidValue {
+                    name: arg,
                     value: beta.to_string(),
                     reason: "must be in [0, 1), e.g. 0.9 for beta1 and 0.999 for beta2",
                 });
@@ -326,8 +326,8 @@ mod launchers {
         norm_sq: &mut GpuBuffer<f64>,
     ) -> Result<()> {
         if max_norm.is_nan() || max_norm <= 0.0 {
-            return Err(Error::InvalidArgument {
-                arg: "max_norm",
+            return Err(Error::InvalidValue {
+                name: "max_norm",
                 value: max_norm.to_string(),
                 reason: "the clipping norm must be a positive number",
             });

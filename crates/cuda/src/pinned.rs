@@ -103,8 +103,8 @@ impl DeviceContext {
                 unsafe { cuda::cuMemAllocHost_v2(&mut raw, bytes) },
                 "allocating pinned host memory",
             )?;
-            let typed = NonNull::new(raw.cast::<T>()).ok_or(Error::InvalidArgument {
-                arg: "len",
+            let typed = NonNull::new(raw.cast::<T>()).ok_or(Error::InvalidValue {
+                name: "len",
                 value: len.to_string(),
                 reason: "the driver returned no pinned memory; request less or free some",
             })?;

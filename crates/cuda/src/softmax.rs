@@ -65,8 +65,8 @@ mod launchers {
 
     fn dims(rows: usize, vocab: usize) -> Result<(u32, u32, usize)> {
         if vocab == 0 {
-            return Err(Error::InvalidArgument {
-                arg: "vocab",
+            return Err(Error::InvalidValue {
+                name: "vocab",
                 value: "0".into(),
                 reason: "a softmax needs at least one class",
             });

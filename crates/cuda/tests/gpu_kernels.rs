@@ -1466,7 +1466,7 @@ fn pinned_downloads_see_earlier_kernels_and_uploads_reach_later_ones() {
     // Bad ranges and lengths are errors, not copies.
     assert!(matches!(
         pinned.download_async(n - 1..n + 1, &dev.slice(0..2).unwrap()),
-        Err(Error::InvalidArgument { arg: "range", .. })
+        Err(Error::InvalidValue { name: "range", .. })
     ));
     assert!(matches!(
         pinned.download_async(0..3, &dev.slice(0..4).unwrap()),

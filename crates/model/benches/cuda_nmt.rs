@@ -24,7 +24,7 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain_cuda::{optim, GpuBuffer};
-use ringtrain_model::backend::cuda::GemmPrecision;
+use ringtrain_model::GemmPrecision;
 use ringtrain_model::{
     CudaBackend, EncoderKind, LstmImpl, Model, NmtBatchView, NmtConfig, NmtModel,
 };

@@ -7,20 +7,20 @@ pub enum Error {
     #[error("kernel error: {0}")]
     Kernel(#[from] ringtrain_kernels::Error),
     /// A model configuration value is unusable.
-    #[error("invalid model config: `{field}` = {value}: {reason}")]
-    InvalidConfig {
+    #[error("invalid value `{value}` for model config `{name}`: {reason}")]
+    InvalidValue {
         /// The configuration field.
-        field: &'static str,
+        name: &'static str,
         /// The value that was given.
         value: String,
         /// What is wrong and what to use instead.
         reason: String,
     },
     /// A batch does not match its own sizes or the model's vocabularies.
-    #[error("invalid batch: `{field}` = {value}: {reason}")]
+    #[error("invalid value `{value}` for batch field `{name}`: {reason}")]
     InvalidBatch {
         /// The batch field.
-        field: &'static str,
+        name: &'static str,
         /// The value (or length) that was given.
         value: String,
         /// What is wrong and what to pass instead.
@@ -38,7 +38,7 @@ pub enum Error {
     },
     /// A backend operand has a shape or strides its operation cannot take: it disagrees
     /// with another operand, or is strided where the operation needs consecutive elements.
-    #[error("invalid backend operand `{name}` = {value}: {reason}")]
+    #[error("invalid value `{value}` for backend operand `{name}`: {reason}")]
     InvalidView {
         /// Which operand of the operation.
         name: &'static str,
@@ -70,27 +70,27 @@ pub enum Error {
 /// Result with the crate's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// `InvalidConfig` for `field` with `value` and `reason`.
+/// `InvalidValue` for `name` with `value` and `reason`.
 pub(crate) fn config_error(
-    field: &'static str,
+    name: &'static str,
     value: impl ToString,
     reason: impl Into<String>,
 ) -> Error {
-    Error::InvalidConfig {
-        field,
+    Error::InvalidValue {
+        name,
         value: value.to_string(),
         reason: reason.into(),
     }
 }
 
-/// `InvalidBatch` for `field` with `value` and `reason`.
+/// `InvalidBatch` for `name` with `value` and `reason`.
 pub(crate) fn batch_error(
-    field: &'static str,
+    name: &'static str,
     value: impl ToString,
     reason: impl Into<String>,
 ) -> Error {
     Error::InvalidBatch {
-        field,
+        name,
         value: value.to_string(),
         reason: reason.into(),
     }

@@ -79,11 +79,10 @@ pub mod nmt;
 pub mod params;
 pub mod rnnlm;
 
-#[cfg(feature = "cuda")]
-pub use backend::GemmPrecision;
 pub use backend::{
-    view, view_mut, Backend, Binary, CheckedIds, CheckedTargets, CpuBackend, CudaBackend, InPlace,
-    Layout, LstmBackwardStep, LstmForwardStep, Staged, Unary, View, ViewMut,
+    view, view_mut, Backend, Binary, CheckedIds, CheckedTargets, CpuBackend, CudaBackend,
+    GemmPrecision, InPlace, Layout, LstmBackwardStep, LstmForwardStep, Staged, Unary, View,
+    ViewMut,
 };
 pub use error::{Error, Result};
 pub use lstm::LstmImpl;

@@ -103,7 +103,7 @@ impl NmtConfig {
     /// Checks every field.
     ///
     /// # Errors
-    /// `InvalidConfig` naming the first bad field.
+    /// `InvalidValue` naming the first bad field.
     pub fn validate(&self) -> Result<()> {
         check_sizes(&[
             ("src_vocab", self.src_vocab),
@@ -186,7 +186,7 @@ impl<B: Backend> NmtModel<B> {
     /// Builds the model and initialises its parameters from `seed`.
     ///
     /// # Errors
-    /// `InvalidConfig` for a bad config; backend errors.
+    /// `InvalidValue` for a bad config; backend errors.
     pub fn new(backend: B, config: NmtConfig, seed: u64) -> Result<Self> {
         config.validate()?;
         let c = &config;

@@ -63,7 +63,7 @@ impl ParamLayout {
     /// Appends a tensor; returns its offset.
     ///
     /// # Errors
-    /// `InvalidConfig` when `name` is already used or the shape has a zero dimension.
+    /// `InvalidValue` when `name` is already used or the shape has a zero dimension.
     pub fn push(
         &mut self,
         name: impl Into<String>,

@@ -47,7 +47,7 @@ impl LmConfig {
     /// Checks every field.
     ///
     /// # Errors
-    /// `InvalidConfig` naming the first bad field.
+    /// `InvalidValue` naming the first bad field.
     pub fn validate(&self) -> Result<()> {
         check_sizes(&[
             ("vocab", self.vocab),
@@ -111,7 +111,7 @@ impl<B: Backend> RnnLm<B> {
     /// Builds the model and initialises its parameters from `seed`.
     ///
     /// # Errors
-    /// `InvalidConfig` for a bad config; backend errors.
+    /// `InvalidValue` for a bad config; backend errors.
     pub fn new(backend: B, config: LmConfig, seed: u64) -> Result<Self> {
         config.validate()?;
         let c = &config;

@@ -325,7 +325,7 @@ fn gather_scatter_and_column_sums() {
 fn ids_and_targets_are_checked_once_when_made() {
     let err = CheckedIds::new("src", &[0, 3, 4], 4).expect_err("id 4 of 4 rows");
     assert!(
-        matches!(err, Error::InvalidBatch { field: "src", .. }),
+        matches!(err, Error::InvalidBatch { name: "src", .. }),
         "{err}"
     );
     assert!(err.to_string().contains("4 at position 2"), "{err}");
@@ -339,7 +339,7 @@ fn ids_and_targets_are_checked_once_when_made() {
         matches!(
             err,
             Error::InvalidBatch {
-                field: "tgt_out",
+                name: "tgt_out",
                 ..
             }
         ),
@@ -347,12 +347,12 @@ fn ids_and_targets_are_checked_once_when_made() {
     );
     let err = CheckedTargets::new("tgt_out", &[1, 2], &[1.0, f32::NAN], 4).expect_err("NaN");
     assert!(
-        matches!(err, Error::InvalidBatch { field: "mask", .. }),
+        matches!(err, Error::InvalidBatch { name: "mask", .. }),
         "{err}"
     );
     let err = CheckedTargets::new("tgt_out", &[1, 2], &[1.0], 4).expect_err("short mask");
     assert!(
-        matches!(err, Error::InvalidBatch { field: "mask", .. }),
+        matches!(err, Error::InvalidBatch { name: "mask", .. }),
         "{err}"
     );
 }

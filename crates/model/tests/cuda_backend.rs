@@ -21,7 +21,7 @@ mod toy;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use ringtrain_model::backend::cuda::GemmPrecision;
+use ringtrain_model::GemmPrecision;
 use ringtrain_model::{
     view, view_mut, Backend, Binary, CheckedIds, CheckedTargets, CpuBackend, CudaBackend,
     EncoderKind, Error, InPlace, Layout, LmConfig, LstmBackwardStep, LstmForwardStep, LstmImpl,

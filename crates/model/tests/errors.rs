@@ -22,13 +22,7 @@ fn bad_configs_are_rejected() {
     let odd = toy::tiny_nmt(EncoderKind::Bi, 3, LstmImpl::Fused);
     let err = NmtModel::new(toy::cpu(1), odd, 1).expect_err("odd bi layers");
     assert!(
-        matches!(
-            err,
-            Error::InvalidConfig {
-                field: "layers",
-                ..
-            }
-        ),
+        matches!(err, Error::InvalidValue { name: "layers", .. }),
         "{err}"
     );
     let zero = ringtrain_model::NmtConfig {
@@ -37,13 +31,7 @@ fn bad_configs_are_rejected() {
     };
     let err = NmtModel::new(toy::cpu(1), zero, 1).expect_err("hidden 0");
     assert!(
-        matches!(
-            err,
-            Error::InvalidConfig {
-                field: "hidden",
-                ..
-            }
-        ),
+        matches!(err, Error::InvalidValue { name: "hidden", .. }),
         "{err}"
     );
     assert!(ringtrain_model::CpuBackend::new(0).is_err());
@@ -59,7 +47,7 @@ fn bad_batches_are_rejected() {
         .forward_loss(&data.view())
         .expect_err("src id out of range");
     assert!(
-        matches!(err, Error::InvalidBatch { field: "src", .. }),
+        matches!(err, Error::InvalidBatch { name: "src", .. }),
         "{err}"
     );
     assert!(err.to_string().contains("position 4"), "{err}");
@@ -73,7 +61,7 @@ fn bad_batches_are_rejected() {
         matches!(
             err,
             Error::InvalidBatch {
-                field: "tgt_out",
+                name: "tgt_out",
                 ..
             }
         ),
@@ -87,13 +75,7 @@ fn bad_batches_are_rejected() {
     data.tgt_in.pop();
     let err = model.forward_loss(&data.view()).expect_err("short tgt_in");
     assert!(
-        matches!(
-            err,
-            Error::InvalidBatch {
-                field: "tgt_in",
-                ..
-            }
-        ),
+        matches!(err, Error::InvalidBatch { name: "tgt_in", .. }),
         "{err}"
     );
 }

@@ -88,7 +88,7 @@ impl CpuBackend {
     /// A CPU backend on `threads` threads (at least 1).
     ///
     /// # Errors
-    /// `InvalidConfig` when `threads == 0`; `ThreadPool` when the pool cannot start.
+    /// `InvalidValue` when `threads == 0`; `ThreadPool` when the pool cannot start.
     pub fn new(threads: usize) -> Result<Self> {
         if threads == 0 {
             return Err(crate::error::config_error(

@@ -36,7 +36,7 @@
 //! multiples of 8 fall back to the f32 GEMM.
 
 #[cfg(feature = "cuda")]
-pub use imp::{CudaBackend, CudaIds, CudaTargets, GemmPrecision};
+pub use imp::{CudaBackend, CudaIds, CudaTargets};
 
 #[cfg(not(feature = "cuda"))]
 pub use stand_in::CudaBackend;
@@ -87,22 +87,10 @@ mod imp {
 
     use crate::backend::operands::{self, arg};
     use crate::backend::{
-        invalid_view, Backend, Binary, CheckedIds, CheckedTargets, InPlace, Layout,
+        invalid_view, Backend, Binary, CheckedIds, CheckedTargets, GemmPrecision, InPlace, Layout,
         LstmBackwardStep, LstmForwardStep, Staged, Unary, View, ViewMut,
     };
     use crate::error::{Error, Result};
-
-    /// Element type of the GEMM operands.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-    pub enum GemmPrecision {
-        /// f32 operands, f32 SIMT GEMM (`gemm_f32_*`).
-        #[default]
-        F32,
-        /// Operands rounded to f16, tensor-core GEMM with f32 accumulation.
-        F16,
-        /// Operands rounded to bf16, tensor-core GEMM with f32 accumulation.
-        Bf16,
-    }
 
     /// The sizes of one product as the GEMM kernels take them (see `ringtrain_cuda::gemm`).
     #[derive(Debug, Clone, Copy)]
@@ -503,8 +491,8 @@ mod imp {
         pub fn with_precision(device: usize, precision: GemmPrecision) -> Result<CudaBackend> {
             let count = Gpu::device_count().map_err(Error::from)?;
             if device >= count {
-                return Err(Error::InvalidConfig {
-                    field: "device",
+                return Err(Error::InvalidValue {
+                    name: "device",
                     value: device.to_string(),
                     reason: format!(
                         "this machine has {count} CUDA device(s), numbered from 0; pick one below {count} \

@@ -44,10 +44,43 @@ pub mod cuda;
 pub use cpu::{CpuBackend, CpuIds, CpuTargets};
 pub use cuda::CudaBackend;
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaIds, CudaTargets, GemmPrecision};
+pub use cuda::{CudaIds, CudaTargets};
 pub use layout::{view, view_mut, Layout, View, ViewMut};
 
 use crate::error::{batch_error, Error, Result};
+
+/// Element type of the matrix-product operands of a backend (the CUDA backend's
+/// `with_precision`; the CPU backend multiplies in f32).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum GemmPrecision {
+    /// f32 operands, f32 GEMM.
+    #[default]
+    F32,
+    /// Operands rounded to f16, tensor-core GEMM with f32 accumulation (mixed precision).
+    F16,
+    /// Operands rounded to bf16, tensor-core GEMM with f32 accumulation (mixed precision).
+    Bf16,
+}
+
+impl GemmPrecision {
+    /// The name (`f32`, `f16`, `bf16`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GemmPrecision::F32 => "f32",
+            GemmPrecision::F16 => "f16",
+            GemmPrecision::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::fmt::Display for GemmPrecision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// Element-wise function of one operand: `dst = f(x)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,14 +1,15 @@
 //! The values a flag chooses between, each parsed from the spellings its flag accepts
 //! ([`std::str::FromStr`]; the error names the flag, the value and the accepted values).
 //!
-//! The LSTM implementation and the encoder direction are the model crate's own
-//! [`LstmImpl`] and [`EncoderKind`]; [`parse_lstm_impl`] and [`parse_encoder_kind`] read
-//! them with the seeds' spellings (`cudnn_lstm`, `dynamic_rnn`).
+//! The LSTM implementation, the encoder direction and the matrix-product precision are
+//! the model crate's own [`LstmImpl`], [`EncoderKind`] and [`GemmPrecision`];
+//! [`parse_lstm_impl`], [`parse_encoder_kind`] and [`parse_gemm_precision`] read them with
+//! their flags' spellings (the seeds' `cudnn_lstm`, `dynamic_rnn` among them).
 
 use std::fmt;
 use std::str::FromStr;
 
-use ringtrain_model::{EncoderKind, LstmImpl};
+use ringtrain_model::{EncoderKind, GemmPrecision, LstmImpl};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -107,18 +108,6 @@ choice! {
 }
 
 choice! {
-    /// Operand precision of the GPU matrix products (`--gemm-precision`).
-    GemmPrecisionKind, flag = "--gemm-precision" {
-        /// f32 operands, f32 GEMM.
-        F32 => "f32" | "fp32",
-        /// Operands rounded to f16, tensor-core GEMM with f32 accumulation (mixed precision).
-        F16 => "f16" | "fp16",
-        /// Operands rounded to bf16, tensor-core GEMM with f32 accumulation (mixed precision).
-        Bf16 => "bf16",
-    }
-}
-
-choice! {
     /// When the gradient reduction overlaps backward (`--overlap-backward`).
     OverlapMode, flag = "--overlap-backward" {
         /// On for `--device cuda`, off for `--device cpu`, where the rank's compute threads
@@ -157,6 +146,23 @@ pub fn parse_encoder_kind(s: &str) -> Result<EncoderKind> {
         "uni" => Ok(EncoderKind::Uni),
         "bi" => Ok(EncoderKind::Bi),
         _ => Err(Error::invalid("--direction", s, "expected one of: uni, bi")),
+    }
+}
+
+/// Reads `--gemm-precision`: `f32` (alias `fp32`), `f16` (alias `fp16`) or `bf16`.
+///
+/// # Errors
+/// `InvalidValue` naming the flag, the value and the accepted spellings.
+pub fn parse_gemm_precision(s: &str) -> Result<GemmPrecision> {
+    match normalized(s).as_str() {
+        "f32" | "fp32" => Ok(GemmPrecision::F32),
+        "f16" | "fp16" => Ok(GemmPrecision::F16),
+        "bf16" => Ok(GemmPrecision::Bf16),
+        _ => Err(Error::invalid(
+            "--gemm-precision",
+            s,
+            "expected one of: f32, f16, bf16",
+        )),
     }
 }
 
@@ -212,5 +218,9 @@ mod tests {
         for kind in [EncoderKind::Uni, EncoderKind::Bi] {
             assert_eq!(parse_encoder_kind(kind.as_str()).ok(), Some(kind));
         }
+        for p in [GemmPrecision::F32, GemmPrecision::F16, GemmPrecision::Bf16] {
+            assert_eq!(parse_gemm_precision(p.as_str()).ok(), Some(p));
+        }
+        assert_eq!(parse_gemm_precision("FP16").ok(), Some(GemmPrecision::F16));
     }
 }

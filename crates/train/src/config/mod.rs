@@ -33,15 +33,15 @@
 use std::path::PathBuf;
 
 use ringtrain_collective::fusion::{DEFAULT_CYCLE_TIME, DEFAULT_THRESHOLD_BYTES};
-use ringtrain_model::{EncoderKind, LstmImpl};
+use ringtrain_model::{EncoderKind, GemmPrecision, LstmImpl};
 use serde::{Deserialize, Serialize};
 
 mod choices;
 mod validated;
 
 pub use choices::{
-    parse_encoder_kind, parse_lstm_impl, DeviceKind, GemmPrecisionKind, ModelKind, OptimizerKind,
-    OverlapMode, VariableUpdate,
+    parse_encoder_kind, parse_gemm_precision, parse_lstm_impl, DeviceKind, ModelKind,
+    OptimizerKind, OverlapMode, VariableUpdate,
 };
 pub use validated::{DataSource, ValidatedConfig};
 
@@ -66,6 +66,11 @@ fn lstm_impl(s: &str) -> Result<LstmImpl, String> {
 #[cfg(feature = "cli")]
 fn encoder_kind(s: &str) -> Result<EncoderKind, String> {
     parse_encoder_kind(s).map_err(|e| e.reason())
+}
+
+#[cfg(feature = "cli")]
+fn gemm_precision(s: &str) -> Result<GemmPrecision, String> {
+    parse_gemm_precision(s).map_err(|e| e.reason())
 }
 
 /// A number, as the flag's text says it; range checks come with [`TrainConfig::validate`].
@@ -225,8 +230,8 @@ options! {
         /// Operand precision of the GPU matrix products: `f32`, or `f16` / `bf16` (mixed
         /// precision: tensor-core products with f32 accumulation, f32 master weights).
         /// `--device cuda` only.
-        #[arg(long, alias = "gemm_precision", value_parser = parse::<GemmPrecisionKind>)]
-        gemm_precision: GemmPrecisionKind = GemmPrecisionKind::F32,
+        #[arg(long, alias = "gemm_precision", value_parser = gemm_precision)]
+        gemm_precision: GemmPrecision = GemmPrecision::F32,
         /// CPU threads per rank (0 = cores divided by the ranks on this node).
         #[arg(long)]
         threads: usize = 0,

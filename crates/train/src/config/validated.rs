@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 
 use ringtrain_data::BatchSizing;
-use ringtrain_model::EncoderKind;
+use ringtrain_model::{EncoderKind, GemmPrecision};
 
-use super::{DeviceKind, GemmPrecisionKind, ModelKind, OptimizerKind, OverlapMode, TrainConfig};
+use super::{DeviceKind, ModelKind, OptimizerKind, OverlapMode, TrainConfig};
 use super::{VariableUpdate, DEFAULT_ADAM_LEARNING_RATE, DEFAULT_SGD_LEARNING_RATE};
 use crate::error::{Error, Result};
 
@@ -154,7 +154,7 @@ impl TrainConfig {
             None => BatchSizing::PerRank(data.batch_size),
         };
 
-        if run.device == DeviceKind::Cpu && run.gemm_precision != GemmPrecisionKind::F32 {
+        if run.device == DeviceKind::Cpu && run.gemm_precision != GemmPrecision::F32 {
             return Err(Error::invalid(
                 "--gemm-precision",
                 run.gemm_precision,
@@ -388,7 +388,7 @@ mod tests {
         assert!(error(&cfg, 3).contains("--total-batch-size"));
 
         let mut cfg = TrainConfig::default();
-        cfg.run.gemm_precision = GemmPrecisionKind::Bf16;
+        cfg.run.gemm_precision = GemmPrecision::Bf16;
         let err = error(&cfg, 1);
         assert!(
             err.contains("--gemm-precision") && err.contains("--device cuda"),

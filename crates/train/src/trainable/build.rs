@@ -98,16 +98,10 @@ fn on_gpu(
     local_rank: usize,
 ) -> Result<Box<dyn TrainableModel>> {
     use super::GpuTrainable;
-    use crate::config::GemmPrecisionKind;
     use crate::error::Error;
-    use ringtrain_model::{CudaBackend, GemmPrecision};
+    use ringtrain_model::CudaBackend;
 
     let run = &cfg.config().run;
-    let precision = match run.gemm_precision {
-        GemmPrecisionKind::F32 => GemmPrecision::F32,
-        GemmPrecisionKind::F16 => GemmPrecision::F16,
-        GemmPrecisionKind::Bf16 => GemmPrecision::Bf16,
-    };
     let count = CudaBackend::device_count()?;
     if count == 0 {
         return Err(Error::invalid(
@@ -116,7 +110,7 @@ fn on_gpu(
             "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES), or use --device cpu",
         ));
     }
-    let backend = CudaBackend::with_precision(local_rank % count, precision)?;
+    let backend = CudaBackend::with_precision(local_rank % count, run.gemm_precision)?;
     let on = |description: String| {
         format!(
             "{description}, GPU {} ({} matrix products)",
