@@ -39,7 +39,7 @@ pub enum Error {
         limit: usize,
     },
     /// An argument has a value the kernel cannot accept.
-    #[error("invalid value `{value}` for `{name}`: {reason}")]
+    #[error("invalid value `{value}` for {name}: {reason}")]
     InvalidValue {
         /// Argument name.
         name: &'static str,

@@ -27,9 +27,9 @@ use crate::vocab::{BOS_ID, EOS_ID};
 pub struct NmtBatch {
     /// Sentences in this batch.
     pub batch_size: usize,
-    /// Padded source length (steps of [`NmtBatch::source`]).
+    /// Padded source length: the steps of [`NmtBatch::source`].
     pub src_len: usize,
-    /// Padded decoder length (columns of the `target_*` arrays).
+    /// Padded decoder length: the steps of the `target_*` arrays.
     pub tgt_len: usize,
     /// Source ids `[src_len, batch]`; padding is [`EOS_ID`].
     pub source: Vec<u32>,
@@ -136,9 +136,9 @@ impl NmtBatch {
 /// A batch for the language model: predict `targets` from `inputs`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LmBatch {
-    /// Rows (independent text streams) in this batch.
+    /// Examples (independent text streams) in this batch: its columns.
     pub batch_size: usize,
-    /// Time steps per row.
+    /// Time steps per example.
     pub steps: usize,
     /// Input ids `[steps, batch]`; padding is 0.
     pub inputs: Vec<u32>,
@@ -172,15 +172,17 @@ impl LmBatch {
     }
 }
 
-/// `range` cut to `0..len`.
+/// `range` cut to `0..len` (empty when reversed).
 fn clamp(range: Range<usize>, len: usize) -> Range<usize> {
-    range.start.min(len)..range.end.min(len)
+    let end = range.end.min(len);
+    range.start.min(end)..end
 }
 
-/// Columns `examples` of a time-major array with `batch` columns.
+/// Columns `examples` of a time-major array with `batch` columns (of each step, the
+/// columns it has).
 fn cut_columns<T: Copy>(data: &[T], batch: usize, examples: &Range<usize>) -> Vec<T> {
     data.chunks(batch.max(1))
-        .flat_map(|step| step[examples.clone()].iter().copied())
+        .flat_map(|step| step[clamp(examples.clone(), step.len())].iter().copied())
         .collect()
 }
 

@@ -173,7 +173,7 @@ impl LmBatcher {
         })
     }
 
-    /// This rank's batch size (rows).
+    /// This rank's batch size (examples: text columns).
     pub fn local_batch_size(&self) -> usize {
         self.local_batch
     }

@@ -29,15 +29,37 @@ pub enum Error {
         vocab: usize,
     },
     /// A scalar argument is outside the range the kernel accepts.
-    #[error("invalid value `{value}` for `{name}`: {reason}")]
+    #[error("invalid value `{value}` for {name}: {reason}")]
     InvalidValue {
         /// Name of the offending argument, as written in the kernel's signature.
         name: &'static str,
-        /// The value that was passed (as f32, the type of the kernels' scalars).
-        value: f32,
+        /// The value that was passed.
+        value: Value,
         /// What is wrong and what to pass instead.
         reason: &'static str,
     },
+}
+
+/// A scalar argument's value as [`Error::InvalidValue`] reports it (no allocation: the
+/// crate is `no_std`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Value {
+    /// A count or index.
+    Count(usize),
+    /// A real number.
+    Real(f32),
+    /// A switch.
+    Flag(bool),
+}
+
+impl core::fmt::Display for Value {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Value::Count(n) => write!(f, "{n}"),
+            Value::Real(x) => write!(f, "{x}"),
+            Value::Flag(b) => write!(f, "{b}"),
+        }
+    }
 }
 
 /// `core::result::Result` with this crate's [`Error`].
@@ -63,7 +85,7 @@ pub(crate) fn check_len(arg: &'static str, actual: usize, expected: usize) -> Re
 pub(crate) fn checked_product(arg: &'static str, a: usize, b: usize) -> Result<usize> {
     a.checked_mul(b).ok_or(Error::InvalidValue {
         name: arg,
-        value: a as f32,
+        value: Value::Count(a),
         reason: "the buffer size it implies overflows usize; pass the real shape",
     })
 }

@@ -98,7 +98,7 @@ pub mod reduce;
 pub mod softmax;
 mod vector_math;
 
-pub use error::{Error, Result};
+pub use error::{Error, Result, Value};
 pub use lstm::*;
 pub use optim::*;
 pub use precision::*;

@@ -5,7 +5,7 @@
 //! kernels take the resulting pre-activations and do everything else. Layouts (row-major,
 //! gate order `i, f, g, o`) are described once, in the crate-level docs.
 
-use crate::error::{check_len, checked_product, Error, Result};
+use crate::error::{check_len, checked_product, Error, Result, Value};
 use crate::vector_math::{sigmoid, tanh};
 
 /// Forget-gate bias used by [`init_lstm_bias`] callers unless told otherwise (the
@@ -95,7 +95,7 @@ pub(crate) fn check_forward_step<'a>(
     if step >= steps {
         return Err(Error::InvalidValue {
             name: "step",
-            value: step as f32,
+            value: Value::Count(step),
             reason: "must be below `steps`; time steps count from 0",
         });
     }

@@ -6,7 +6,7 @@
 //! per-element arithmetic is f32. A weight decay of exactly 0.0 skips the decay term, as
 //! PyTorch does.
 
-use crate::error::{check_len, Error, Result};
+use crate::error::{check_len, Error, Result, Value};
 use crate::vector_math::sqrt;
 
 /// `Err(InvalidValue)` naming `arg` unless `value` is finite and `>= 0` (PyTorch's
@@ -18,7 +18,7 @@ fn check_non_negative(arg: &'static str, value: f32) -> Result<()> {
     } else {
         Err(Error::InvalidValue {
             name: arg,
-            value,
+            value: Value::Real(value),
             reason: "must be a finite number >= 0",
         })
     }
@@ -103,7 +103,7 @@ impl MomentumStep {
         if nesterov && (momentum <= 0.0 || dampening != 0.0) {
             return Err(Error::InvalidValue {
                 name: "nesterov",
-                value: 1.0,
+                value: Value::Flag(true),
                 reason: "Nesterov momentum needs momentum > 0 and dampening 0 (as in PyTorch)",
             });
         }
@@ -217,21 +217,21 @@ impl AdamStep {
         if step == 0 {
             return Err(Error::InvalidValue {
                 name: "step",
-                value: 0.0,
+                value: Value::Count(0),
                 reason: "Adam steps count from 1: pass 1 on the first update",
             });
         }
         if !(0.0..1.0).contains(&beta1) {
             return Err(Error::InvalidValue {
                 name: "beta1",
-                value: beta1,
+                value: Value::Real(beta1),
                 reason: "must be in [0, 1), e.g. 0.9",
             });
         }
         if !(0.0..1.0).contains(&beta2) {
             return Err(Error::InvalidValue {
                 name: "beta2",
-                value: beta2,
+                value: Value::Real(beta2),
                 reason: "must be in [0, 1), e.g. 0.999",
             });
         }

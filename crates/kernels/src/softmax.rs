@@ -8,7 +8,7 @@
 //! Every row is reduced in the same fixed order (eight interleaved lanes, then the lanes
 //! in order, then the tail), so the serial and the parallel kernels agree bit for bit.
 
-use crate::error::{check_len, checked_product, Error, Result};
+use crate::error::{check_len, checked_product, Error, Result, Value};
 use crate::vector_math::exp;
 
 /// Number of interleaved accumulators a row reduction uses (one SIMD register of f32).
@@ -56,7 +56,7 @@ fn check_common(
     if vocab == 0 {
         return Err(Error::InvalidValue {
             name: "vocab",
-            value: 0.0,
+            value: Value::Count(0),
             reason: "must be at least 1 (the number of classes, i.e. columns of `logits`)",
         });
     }

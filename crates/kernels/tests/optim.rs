@@ -254,7 +254,7 @@ fn optimizer_errors_name_the_argument() {
     ));
     assert!(
         err.to_string()
-            .contains("invalid value `-0.9` for `momentum`"),
+            .contains("invalid value `-0.9` for momentum"),
         "{err}"
     );
     assert_eq!(p, [0.0; 3], "nothing written on error");

@@ -7,7 +7,7 @@ pub enum Error {
     #[error("kernel error: {0}")]
     Kernel(#[from] ringtrain_kernels::Error),
     /// A model configuration value is unusable.
-    #[error("invalid value `{value}` for model config `{name}`: {reason}")]
+    #[error("invalid value `{value}` for model config {name}: {reason}")]
     InvalidValue {
         /// The configuration field.
         name: &'static str,
@@ -17,7 +17,7 @@ pub enum Error {
         reason: String,
     },
     /// A batch does not match its own sizes or the model's vocabularies.
-    #[error("invalid value `{value}` for batch field `{name}`: {reason}")]
+    #[error("invalid value `{value}` for batch field {name}: {reason}")]
     InvalidBatch {
         /// The batch field.
         name: &'static str,
@@ -38,7 +38,7 @@ pub enum Error {
     },
     /// A backend operand has a shape or strides its operation cannot take: it disagrees
     /// with another operand, or is strided where the operation needs consecutive elements.
-    #[error("invalid value `{value}` for backend operand `{name}`: {reason}")]
+    #[error("invalid value `{value}` for backend operand {name}: {reason}")]
     InvalidView {
         /// Which operand of the operation.
         name: &'static str,
@@ -71,7 +71,7 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// `InvalidValue` for `name` with `value` and `reason`.
-pub(crate) fn config_error(
+pub(crate) fn invalid_value(
     name: &'static str,
     value: impl ToString,
     reason: impl Into<String>,

@@ -57,7 +57,7 @@ impl std::str::FromStr for LstmImpl {
         match s {
             "fused" => Ok(LstmImpl::Fused),
             "stepwise" => Ok(LstmImpl::Stepwise),
-            other => Err(crate::error::config_error(
+            other => Err(crate::error::invalid_value(
                 "lstm",
                 other,
                 "use `fused` or `stepwise`",

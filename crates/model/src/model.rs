@@ -116,7 +116,7 @@ pub(crate) fn check_positive(field: &'static str, value: usize) -> Result<()> {
 /// Checks that every `(field, value)` size of a model config is at least 1.
 pub(crate) fn check_sizes(sizes: &[(&'static str, usize)]) -> Result<()> {
     match sizes.iter().find(|(_, value)| *value == 0) {
-        Some(&(field, value)) => Err(crate::error::config_error(
+        Some(&(field, value)) => Err(crate::error::invalid_value(
             field,
             value,
             "must be at least 1",
@@ -129,14 +129,14 @@ pub(crate) fn check_sizes(sizes: &[(&'static str, usize)]) -> Result<()> {
 /// (else an error with `init_scale_reason`), `forget_bias` finite.
 pub(crate) fn check_init(init_scale: f32, forget_bias: f32, init_scale_reason: &str) -> Result<()> {
     if !(init_scale.is_finite() && init_scale >= 0.0) {
-        return Err(crate::error::config_error(
+        return Err(crate::error::invalid_value(
             "init_scale",
             init_scale,
             init_scale_reason,
         ));
     }
     if !forget_bias.is_finite() {
-        return Err(crate::error::config_error(
+        return Err(crate::error::invalid_value(
             "forget_bias",
             forget_bias,
             "must be finite (usually 1.0)",

@@ -14,7 +14,7 @@
 
 use crate::backend::{view, view_mut, Backend, CheckedIds, CheckedTargets, InPlace, Layout};
 use crate::embedding::{Embedding, EmbeddingWork};
-use crate::error::{config_error, Result};
+use crate::error::{invalid_value, Result};
 use crate::lstm::{GradTarget, InitState, LstmImpl, LstmLayer, LstmWork};
 use crate::lstm_lm::{LstmLm, LstmLmShape, LstmLmWork};
 use crate::model::{
@@ -55,7 +55,7 @@ impl std::str::FromStr for EncoderKind {
         match s {
             "bi" => Ok(EncoderKind::Bi),
             "uni" => Ok(EncoderKind::Uni),
-            other => Err(config_error("encoder", other, "use `bi` or `uni`")),
+            other => Err(invalid_value("encoder", other, "use `bi` or `uni`")),
         }
     }
 }
@@ -113,7 +113,7 @@ impl NmtConfig {
             ("layers", self.layers),
         ])?;
         if self.encoder == EncoderKind::Bi && self.layers % 2 != 0 {
-            return Err(config_error(
+            return Err(invalid_value(
                 "layers",
                 self.layers,
                 "a bi encoder needs an even layer count (layers/2 per direction): use an even number or encoder uni",
@@ -128,7 +128,8 @@ impl NmtConfig {
 }
 
 /// One NMT batch borrowed from the caller, time-major: token (t, b) at `t * batch + b`.
-/// (`ringtrain_data::NmtBatch` is the owned, batch-major batch the data pipeline makes.)
+/// (`ringtrain_data::NmtBatch` is the owned batch the data pipeline makes, in the same
+/// layout: the trainer lends its arrays to a view without copying.)
 #[derive(Debug, Clone, Copy)]
 pub struct NmtBatchView<'a> {
     /// Sentences in the batch.

@@ -5,7 +5,7 @@ use std::ops::Range;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::error::{config_error, Result};
+use crate::error::{invalid_value, Result};
 
 /// How a tensor is initialised.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -72,7 +72,7 @@ impl ParamLayout {
     ) -> Result<usize> {
         let name = name.into();
         if self.get(&name).is_some() {
-            return Err(config_error(
+            return Err(invalid_value(
                 "parameter name",
                 &name,
                 "names must be unique",
@@ -80,7 +80,7 @@ impl ParamLayout {
         }
         let len = shape.iter().product::<usize>();
         if len == 0 {
-            return Err(config_error(
+            return Err(invalid_value(
                 "parameter shape",
                 format!("{name} {shape:?}"),
                 "every dimension must be at least 1",

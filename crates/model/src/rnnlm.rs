@@ -64,8 +64,8 @@ impl LmConfig {
 }
 
 /// One language-model batch borrowed from the caller, time-major: token (t, b) at
-/// `t * batch + b`. (`ringtrain_data::LmBatch` is the owned, batch-major batch the data
-/// pipeline makes.)
+/// `t * batch + b`. (`ringtrain_data::LmBatch` is the owned batch the data pipeline
+/// makes, in the same layout: the trainer lends its arrays to a view without copying.)
 #[derive(Debug, Clone, Copy)]
 pub struct LmBatchView<'a> {
     /// Sequences in the batch.

@@ -33,11 +33,6 @@ impl Control {
         self.comm.rank()
     }
 
-    /// Ranks in the world.
-    pub fn size(&self) -> usize {
-        self.comm.size()
-    }
-
     /// Turns a per-rank success or failure into the same outcome on every rank: a rank
     /// that failed returns its own error, the others [`Error::OtherRanksFailed`].
     ///

@@ -34,6 +34,7 @@ pub struct RunReport {
     /// The configuration that ran, as given (`auto` values unresolved).
     pub config: TrainConfig,
     /// The strategy as it ran, e.g. `replicated (overlapped with backward)`.
+    #[serde(default)]
     pub strategy: String,
     /// Model description.
     pub model: String,

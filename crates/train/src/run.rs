@@ -44,15 +44,19 @@ pub fn run_rank(
         ));
     }
     // A dedicated parameter server reads no data but needs the vocabulary sizes: it
-    // builds worker 0's pipeline only to learn them.
-    let input = InputPipeline::new(cfg, if cfg.is_worker(rank) { rank } else { 0 })?;
-    let (src_vocab, tgt_vocab) = (input.src_vocab_size, input.tgt_vocab_size);
+    // builds worker 0's pipeline only to learn them, and drops it at once.
+    let InputPipeline {
+        batches,
+        src_vocab_size,
+        tgt_vocab_size,
+    } = InputPipeline::new(cfg, if cfg.is_worker(rank) { rank } else { 0 })?;
     let mut batches: Box<dyn Iterator<Item = ringtrain_data::Result<_>>> = if cfg.is_worker(rank) {
-        Box::new(input.batches)
+        Box::new(batches)
     } else {
+        drop(batches);
         Box::new(std::iter::empty())
     };
-    let mut model = build_model(cfg, src_vocab, tgt_vocab, local.rank, threads)?;
+    let mut model = build_model(cfg, src_vocab_size, tgt_vocab_size, local.rank, threads)?;
     let outcome = train(cfg, comm, model.as_mut(), &mut batches, log)?;
     if rank == 0 {
         if let Some(path) = &cfg.config().output.json_report {

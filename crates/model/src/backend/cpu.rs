@@ -91,7 +91,7 @@ impl CpuBackend {
     /// `InvalidValue` when `threads == 0`; `ThreadPool` when the pool cannot start.
     pub fn new(threads: usize) -> Result<Self> {
         if threads == 0 {
-            return Err(crate::error::config_error(
+            return Err(crate::error::invalid_value(
                 "threads",
                 threads,
                 "the CPU backend needs at least 1 thread",

@@ -82,6 +82,22 @@ impl std::fmt::Display for GemmPrecision {
     }
 }
 
+impl std::str::FromStr for GemmPrecision {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "f32" => Ok(GemmPrecision::F32),
+            "f16" => Ok(GemmPrecision::F16),
+            "bf16" => Ok(GemmPrecision::Bf16),
+            other => Err(crate::error::invalid_value(
+                "gemm precision",
+                other,
+                "use `f32`, `f16` or `bf16`",
+            )),
+        }
+    }
+}
+
 /// Element-wise function of one operand: `dst = f(x)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unary {

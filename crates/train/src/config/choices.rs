@@ -114,26 +114,28 @@ choice! {
         /// already use its cores and a reduction thread only takes cycles from backward.
         Auto => "auto",
         /// Always overlap.
-        On => "on" | "true",
+        On => "on",
         /// Reduce after backward.
-        Off => "off" | "false",
+        Off => "off",
     }
 }
 
-/// Reads `--encoder-type`: `fused` (aliases `cudnn_lstm`, `cudnn`) or `stepwise` (alias
-/// `dynamic_rnn`).
+/// Reads `--encoder-type`: the model crate's names `fused` and `stepwise`, and the
+/// seeds' `cudnn_lstm` (or `cudnn`) and `dynamic_rnn`.
 ///
 /// # Errors
 /// `InvalidValue` naming the flag, the value and the accepted spellings.
 pub fn parse_lstm_impl(s: &str) -> Result<LstmImpl> {
     match normalized(s).as_str() {
-        "fused" | "cudnn_lstm" | "cudnn" => Ok(LstmImpl::Fused),
-        "stepwise" | "dynamic_rnn" => Ok(LstmImpl::Stepwise),
-        _ => Err(Error::invalid(
-            "--encoder-type",
-            s,
-            "expected one of: fused (alias cudnn_lstm), stepwise (alias dynamic_rnn)",
-        )),
+        "cudnn_lstm" | "cudnn" => Ok(LstmImpl::Fused),
+        "dynamic_rnn" => Ok(LstmImpl::Stepwise),
+        name => name.parse().map_err(|_| {
+            Error::invalid(
+                "--encoder-type",
+                s,
+                "expected one of: fused (aliases cudnn_lstm, cudnn), stepwise (alias dynamic_rnn)",
+            )
+        }),
     }
 }
 
@@ -142,28 +144,22 @@ pub fn parse_lstm_impl(s: &str) -> Result<LstmImpl> {
 /// # Errors
 /// `InvalidValue` naming the flag, the value and the accepted spellings.
 pub fn parse_encoder_kind(s: &str) -> Result<EncoderKind> {
-    match normalized(s).as_str() {
-        "uni" => Ok(EncoderKind::Uni),
-        "bi" => Ok(EncoderKind::Bi),
-        _ => Err(Error::invalid("--direction", s, "expected one of: uni, bi")),
-    }
+    normalized(s)
+        .parse()
+        .map_err(|_| Error::invalid("--direction", s, "expected one of: uni, bi"))
 }
 
-/// Reads `--gemm-precision`: `f32` (alias `fp32`), `f16` (alias `fp16`) or `bf16`.
+/// Reads `--gemm-precision`: `f32`, `f16` or `bf16` (also `fp32`, `fp16`).
 ///
 /// # Errors
 /// `InvalidValue` naming the flag, the value and the accepted spellings.
 pub fn parse_gemm_precision(s: &str) -> Result<GemmPrecision> {
-    match normalized(s).as_str() {
-        "f32" | "fp32" => Ok(GemmPrecision::F32),
-        "f16" | "fp16" => Ok(GemmPrecision::F16),
-        "bf16" => Ok(GemmPrecision::Bf16),
-        _ => Err(Error::invalid(
-            "--gemm-precision",
-            s,
-            "expected one of: f32, f16, bf16",
-        )),
-    }
+    let name = normalized(s);
+    let name = name
+        .strip_prefix("fp")
+        .map_or(name.clone(), |bits| format!("f{bits}"));
+    name.parse()
+        .map_err(|_| Error::invalid("--gemm-precision", s, "expected one of: f32, f16, bf16"))
 }
 
 #[cfg(test)]

@@ -43,7 +43,7 @@ pub use choices::{
     parse_encoder_kind, parse_gemm_precision, parse_lstm_impl, DeviceKind, ModelKind,
     OptimizerKind, OverlapMode, VariableUpdate,
 };
-pub use validated::{DataSource, ValidatedConfig};
+pub use validated::{DataSource, Reduction, ValidatedConfig};
 
 /// Adam's learning rate when `--learning-rate` is not given (PyTorch's default).
 pub const DEFAULT_ADAM_LEARNING_RATE: f32 = 1e-3;
@@ -311,20 +311,18 @@ pub struct TrainConfig {
 }
 
 impl TrainConfig {
-    /// crc32 of the flags every rank must share (the paths only rank 0 writes and the
-    /// per-node thread count are left out), to catch ranks started with different flags.
+    /// crc32 of the flags every rank must share, to catch ranks started with different
+    /// flags before they diverge. Left out: the paths only rank 0 writes to and the
+    /// per-node thread count; kept: whether a checkpoint is written at all (every rank
+    /// takes part in writing it).
     pub fn fingerprint(&self) -> u32 {
         let mut shared = self.clone();
         shared.output.json_report = None;
-        shared.output.checkpoint = None;
+        shared.output.checkpoint = self.output.checkpoint.as_ref().map(|_| PathBuf::new());
         shared.run.threads = 0;
-        // Serialising plain data to a string cannot fail; an empty text would still
-        // fingerprint (identically on every rank).
-        crc32fast::hash(
-            serde_json::to_string(&shared)
-                .unwrap_or_default()
-                .as_bytes(),
-        )
+        // Debug output cannot fail (serde would, on a path that is not UTF-8) and is the
+        // same on every rank of one build.
+        crc32fast::hash(format!("{shared:?}").as_bytes())
     }
 }
 
@@ -354,9 +352,16 @@ mod tests {
         let mut local = cfg.clone();
         local.run.threads = 7;
         local.output.json_report = Some("r.json".into());
+        local.output.checkpoint = None;
         assert_eq!(cfg.fingerprint(), local.fingerprint());
         let mut other = cfg.clone();
         other.data.batch_size += 1;
         assert_ne!(cfg.fingerprint(), other.fingerprint());
+        // Writing a checkpoint is collective: its presence counts, its path does not.
+        let (mut a, mut b) = (cfg.clone(), cfg.clone());
+        a.output.checkpoint = Some("/node0/run.ckpt".into());
+        b.output.checkpoint = Some("/node1/run.ckpt".into());
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        assert_ne!(a.fingerprint(), cfg.fingerprint());
     }
 }

@@ -2,6 +2,7 @@
 //! given number of ranks, with its `auto` values resolved.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use ringtrain_data::BatchSizing;
 use ringtrain_model::{EncoderKind, GemmPrecision};
@@ -46,7 +47,20 @@ pub struct ValidatedConfig {
     batch: BatchSizing,
     learning_rate: f32,
     overlap_backward: bool,
+    cycle_time: Duration,
     data: DataSource,
+}
+
+/// How the replicated strategy reduces the gradients, as the flags decide it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// Packed or aggregated the tf_cnn_benchmarks way, after backward
+    /// (`--gradient-repacking`, `--agg-small-grads-max-bytes`).
+    Packed,
+    /// The flat gradient buffer as one tensor, after backward.
+    AfterBackward,
+    /// Each range as backward finishes it, through the fusion engine.
+    Overlapped,
 }
 
 /// `Err(InvalidValue)` naming `flag` unless `value >= 1`.
@@ -76,8 +90,8 @@ impl TrainConfig {
 
         at_least_one("--num-units", model.num_units)?;
         at_least_one("--num-encoder-layers", model.num_encoder_layers)?;
+        at_least_one("--num-decoder-layers", model.num_decoder_layers)?;
         if model.model == ModelKind::Nmt {
-            at_least_one("--num-decoder-layers", model.num_decoder_layers)?;
             if model.direction == EncoderKind::Bi && model.num_encoder_layers % 2 != 0 {
                 return Err(Error::invalid(
                     "--num-encoder-layers",
@@ -109,20 +123,19 @@ impl TrainConfig {
         at_least_one("--src-max-len", data.src_max_len)?;
         let source = data_source(self)?;
 
-        if exchange.agg_small_grads_max_bytes > 0 && exchange.agg_small_grads_max_group == 0 {
-            return Err(Error::invalid(
-                "--agg-small-grads-max-group",
-                0,
-                "must be at least 1 when --agg-small-grads-max-bytes is set",
-            ));
-        }
-        if !(exchange.cycle_time_ms.is_finite() && exchange.cycle_time_ms >= 0.0) {
-            return Err(Error::invalid(
-                "--cycle-time-ms",
-                exchange.cycle_time_ms,
-                "must be a finite number >= 0",
-            ));
-        }
+        at_least_one(
+            "--agg-small-grads-max-group",
+            exchange.agg_small_grads_max_group,
+        )?;
+        at_least_one("--fusion-threshold-bytes", exchange.fusion_threshold_bytes)?;
+        let cycle_time =
+            Duration::try_from_secs_f64(exchange.cycle_time_ms / 1e3).map_err(|_| {
+                Error::invalid(
+                    "--cycle-time-ms",
+                    exchange.cycle_time_ms,
+                    "must be a finite number of milliseconds >= 0, such as 1",
+                )
+            })?;
         let parameter_server = exchange.variable_update == VariableUpdate::ParameterServer;
         if parameter_server && exchange.ps_ranks > 0 && exchange.ps_ranks >= world {
             return Err(Error::invalid(
@@ -154,6 +167,14 @@ impl TrainConfig {
             None => BatchSizing::PerRank(data.batch_size),
         };
 
+        if run.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
+            return Err(Error::invalid(
+                "--device",
+                run.device,
+                "this build has no GPU support: rebuild with `--features cuda` (needs libcuda at \
+                 link time; see scripts/build-gpu-bundle), or use --device cpu",
+            ));
+        }
         if run.device == DeviceKind::Cpu && run.gemm_precision != GemmPrecision::F32 {
             return Err(Error::invalid(
                 "--gemm-precision",
@@ -205,6 +226,7 @@ impl TrainConfig {
             batch,
             learning_rate,
             overlap_backward,
+            cycle_time,
             data: source,
         })
     }
@@ -307,6 +329,11 @@ impl ValidatedConfig {
         self.overlap_backward
     }
 
+    /// The fusion engine's cycle time.
+    pub fn cycle_time(&self) -> Duration {
+        self.cycle_time
+    }
+
     /// Where the batches come from.
     pub fn data_source(&self) -> &DataSource {
         &self.data
@@ -317,28 +344,39 @@ impl ValidatedConfig {
         self.config.run.warmup_batches + self.config.run.timed_batches
     }
 
+    /// How the replicated strategy reduces (packing wins over overlap).
+    pub fn reduction(&self) -> Reduction {
+        let exchange = &self.config.exchange;
+        if exchange.gradient_repacking > 0 || exchange.agg_small_grads_max_bytes > 0 {
+            Reduction::Packed
+        } else if self.overlap_backward {
+            Reduction::Overlapped
+        } else {
+            Reduction::AfterBackward
+        }
+    }
+
     /// The strategy as the logs and reports name it, e.g. `replicated (overlapped with
     /// backward)`.
     pub fn strategy_label(&self) -> String {
-        let exchange = &self.config.exchange;
-        match exchange.variable_update {
-            VariableUpdate::Replicated
-                if exchange.gradient_repacking > 0 || exchange.agg_small_grads_max_bytes > 0 =>
-            {
+        let ps_ranks = self.config.exchange.ps_ranks;
+        match (self.config.exchange.variable_update, self.reduction()) {
+            (VariableUpdate::Replicated, Reduction::Packed) => {
                 "replicated (packed, after backward)".to_string()
             }
-            VariableUpdate::Replicated if self.overlap_backward => {
+            (VariableUpdate::Replicated, Reduction::Overlapped) => {
                 "replicated (overlapped with backward)".to_string()
             }
-            VariableUpdate::Replicated => "replicated (after backward)".to_string(),
-            VariableUpdate::ParameterServer if exchange.ps_ranks == 0 => {
+            (VariableUpdate::Replicated, Reduction::AfterBackward) => {
+                "replicated (after backward)".to_string()
+            }
+            (VariableUpdate::ParameterServer, _) if ps_ranks == 0 => {
                 "parameter_server (a shard on every rank)".to_string()
             }
-            VariableUpdate::ParameterServer => format!(
-                "parameter_server ({} dedicated server ranks)",
-                exchange.ps_ranks
-            ),
-            VariableUpdate::Independent => "independent".to_string(),
+            (VariableUpdate::ParameterServer, _) => {
+                format!("parameter_server ({ps_ranks} dedicated server ranks)")
+            }
+            (VariableUpdate::Independent, _) => "independent".to_string(),
         }
     }
 }
@@ -400,6 +438,28 @@ mod tests {
         assert!(error(&cfg, 1).contains("--checkpoint"));
 
         let mut cfg = TrainConfig::default();
+        cfg.exchange.cycle_time_ms = 1e30;
+        assert!(error(&cfg, 1).contains("--cycle-time-ms"));
+        cfg.exchange.cycle_time_ms = -1.0;
+        assert!(error(&cfg, 1).contains("--cycle-time-ms"));
+
+        let mut cfg = TrainConfig::default();
+        cfg.exchange.fusion_threshold_bytes = 0;
+        assert!(error(&cfg, 1).contains("--fusion-threshold-bytes"));
+
+        let mut cfg = TrainConfig::default();
+        cfg.run.device = DeviceKind::Cuda;
+        assert_eq!(
+            error(&cfg, 1).contains("--features cuda"),
+            !cfg!(feature = "cuda")
+        );
+
+        let mut cfg = TrainConfig::default();
+        cfg.model.model = ModelKind::Rnnlm;
+        cfg.model.num_decoder_layers = 0;
+        assert!(error(&cfg, 1).contains("--num-decoder-layers"));
+
+        let mut cfg = TrainConfig::default();
         cfg.data.data = vec!["a.txt".into()];
         let err = error(&cfg, 1);
         assert!(err.contains("--data") && err.contains("a.txt"), "{err}");
@@ -418,7 +478,11 @@ mod tests {
         assert_eq!(run.map(ValidatedConfig::global_batch_size), Some(64));
 
         let mut cfg = TrainConfig::default();
-        cfg.run.device = DeviceKind::Cuda;
+        if cfg!(feature = "cuda") {
+            cfg.run.device = DeviceKind::Cuda;
+        } else {
+            cfg.exchange.overlap_backward = OverlapMode::On;
+        }
         cfg.run.optimizer = OptimizerKind::Sgd;
         cfg.model.model = ModelKind::Rnnlm;
         cfg.data.data = vec!["ptb.txt".into()];

@@ -47,7 +47,6 @@ pub fn greedy_placement(tensor_bytes: &[usize], servers: usize) -> Vec<usize> {
 pub struct ParameterServer {
     comm: Communicator,
     rank: usize,
-    world: usize,
     /// Ranks that own shards.
     server_ranks: Vec<usize>,
     /// Tensor indices owned by each server (by position in `server_ranks`).
@@ -79,7 +78,6 @@ impl ParameterServer {
         ParameterServer {
             comm,
             rank,
-            world,
             workers: cfg.workers(),
             server_ranks,
             owned,
@@ -93,23 +91,8 @@ impl ParameterServer {
         self.ctx = ctx;
     }
 
-    /// This rank.
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    /// Ranks in the world.
-    pub fn world(&self) -> usize {
-        self.world
-    }
-
-    /// Ranks that compute gradients.
-    pub fn workers(&self) -> usize {
-        self.workers
-    }
-
     /// Whether this rank computes gradients.
-    pub fn is_worker(&self) -> bool {
+    fn is_worker(&self) -> bool {
         self.rank < self.workers
     }
 

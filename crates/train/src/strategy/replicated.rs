@@ -15,7 +15,7 @@
 //! overflow flags, so every rank skips the same steps.
 
 use std::ops::Range;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use half::f16;
 use ringtrain_collective::{
@@ -26,7 +26,7 @@ use ringtrain_collective::{
 use super::{
     correction_factor, to_wire_f16, update_replica, StepContext, StepInputs, StepOutcome, Wire,
 };
-use crate::config::ValidatedConfig;
+use crate::config::{Reduction, ValidatedConfig};
 use crate::error::{Error, Result};
 use crate::trainable::ParamSpec;
 
@@ -58,46 +58,47 @@ impl Replicated {
     /// The collective's, when the packer's plan or the fusion engine fails.
     pub fn new(cfg: &ValidatedConfig, comm: Communicator, specs: &[ParamSpec]) -> Result<Self> {
         let exchange = &cfg.config().exchange;
-        let tf_packing = exchange.gradient_repacking > 0 || exchange.agg_small_grads_max_bytes > 0;
-        let dtype = if exchange.fp16_gradients {
-            DType::F16
-        } else {
-            DType::F32
-        };
-        let mode = if tf_packing {
-            let grad_specs = specs
-                .iter()
-                .map(|s| GradientSpec {
-                    name: s.name.clone(),
-                    dtype,
-                    len: s.range.len(),
-                })
-                .collect();
-            let packer = GradientPacker::new(
-                grad_specs,
-                PackingConfig {
-                    gradient_repacking: exchange.gradient_repacking,
-                    agg_small_grads_max_bytes: exchange.agg_small_grads_max_bytes,
-                    agg_small_grads_max_group: exchange.agg_small_grads_max_group,
-                },
-            )?;
-            Mode::Packed {
-                comm,
-                packer: Some(packer),
+        let mode = match cfg.reduction() {
+            Reduction::Packed => {
+                let dtype = if exchange.fp16_gradients {
+                    DType::F16
+                } else {
+                    DType::F32
+                };
+                let grad_specs = specs
+                    .iter()
+                    .map(|s| GradientSpec {
+                        name: s.name.clone(),
+                        dtype,
+                        len: s.range.len(),
+                    })
+                    .collect();
+                let packer = GradientPacker::new(
+                    grad_specs,
+                    PackingConfig {
+                        gradient_repacking: exchange.gradient_repacking,
+                        agg_small_grads_max_bytes: exchange.agg_small_grads_max_bytes,
+                        agg_small_grads_max_group: exchange.agg_small_grads_max_group,
+                    },
+                )?;
+                Mode::Packed {
+                    comm,
+                    packer: Some(packer),
+                }
             }
-        } else if !cfg.overlap_backward() {
-            Mode::Packed { comm, packer: None }
-        } else {
-            let config = FusionConfig {
-                threshold_bytes: exchange.fusion_threshold_bytes,
-                cycle_time: Duration::from_secs_f64(exchange.cycle_time_ms / 1000.0),
-                options: AllReduceOptions::sum(),
-                ..FusionConfig::default()
-            };
-            Mode::Overlapped {
-                engine: FusionEngine::start(comm, config)?,
-                pending: Vec::new(),
-                local_overflow: false,
+            Reduction::AfterBackward => Mode::Packed { comm, packer: None },
+            Reduction::Overlapped => {
+                let config = FusionConfig {
+                    threshold_bytes: exchange.fusion_threshold_bytes,
+                    cycle_time: cfg.cycle_time(),
+                    options: AllReduceOptions::sum(),
+                    ..FusionConfig::default()
+                };
+                Mode::Overlapped {
+                    engine: FusionEngine::start(comm, config)?,
+                    pending: Vec::new(),
+                    local_overflow: false,
+                }
             }
         };
         Ok(Replicated {

@@ -41,19 +41,24 @@ impl<'a> Session<'a> {
     ) -> Result<Self> {
         let rank = comm.rank();
         if comm.size() != cfg.world() {
-            return Err(Error::Internal(format!(
-                "the config was validated for {} ranks but the communicator has {}",
-                cfg.world(),
-                comm.size()
-            )));
+            return Err(Error::invalid(
+                "number of ranks",
+                comm.size(),
+                format!(
+                    "the config was validated for {} ranks: validate it for the communicator's size",
+                    cfg.world()
+                ),
+            ));
         }
         let specs = model.param_specs();
         let n_params = model.params()?.len();
         let covered: usize = specs.iter().map(|s| s.range.len()).sum();
         if covered != n_params {
-            return Err(Error::Internal(format!(
-                "the model's tensors cover {covered} elements but its buffer has {n_params}"
-            )));
+            return Err(Error::invalid(
+                "the model's parameter specs",
+                format!("{covered} elements"),
+                format!("must cover the flat parameter buffer of {n_params} elements exactly"),
+            ));
         }
 
         let mut control = Control::beside(&comm)?;
