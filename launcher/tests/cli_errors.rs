@@ -185,3 +185,59 @@ fn launch_without_mpirun_says_to_run_setup() {
         "{err}"
     );
 }
+
+#[test]
+fn sizes_past_the_machine_fail_at_once_with_the_accepted_range_or_the_estimate() {
+    let cases: [(&[&str], &[&str]); 5] = [
+        (
+            &["--timed-batches", "18446744073709551615"],
+            &["--timed-batches", "accepted range is 1 to"],
+        ),
+        (
+            &["--threads", "100000"],
+            &["--threads", "accepted range is 0"],
+        ),
+        (
+            &["--num-units", "2147483648"],
+            &["--num-units", "2147483648", "too big"],
+        ),
+        (
+            &["--vocab-size", "5000000", "--num-units", "4096"],
+            &["needs about", "GiB", "biggest term is", "--vocab-size"],
+        ),
+        (
+            &["--batch-size", "1000000000000", "--src-max-len", "1000000"],
+            &["needs about", "biggest term is", "--batch-size"],
+        ),
+    ];
+    for (flags, expected) in cases {
+        // TINY, with the case's flags in place of its own.
+        let mut args = vec!["train"];
+        for pair in TINY.chunks(2) {
+            if !flags.contains(&pair[0]) {
+                args.extend_from_slice(pair);
+            }
+        }
+        args.extend_from_slice(flags);
+        let started = std::time::Instant::now();
+        let out = ringtrain(&args);
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{flags:?}: {err}");
+        for needle in expected {
+            assert!(
+                err.contains(needle),
+                "{flags:?}: missing {needle:?} in {err}"
+            );
+        }
+        assert!(
+            !err.contains("panicked") && !err.contains("backtrace"),
+            "{err}"
+        );
+        // Refused before anything big was allocated: a generous bound, not a timing.
+        assert!(
+            started.elapsed().as_secs() < 60,
+            "{flags:?} took {:?}",
+            started.elapsed()
+        );
+    }
+}

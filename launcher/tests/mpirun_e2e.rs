@@ -181,3 +181,40 @@ fn sweep_prints_the_seeds_table_and_json() {
         "{stdout}"
     );
 }
+
+#[test]
+fn ranks_started_with_different_output_flags_name_each_flag_and_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let rank_args = |checkpoint: &str, display: &str| {
+        let mut args = strings(&["-np", "1", env!("CARGO_BIN_EXE_ringtrain"), "train"]);
+        args.extend(strings(TINY));
+        args.extend(strings(&["--display-every", display, "--checkpoint"]));
+        args.push(dir.path().join(checkpoint).display().to_string());
+        args
+    };
+    let mut args = rank_args("a.ckpt", "1");
+    args.push(":".into());
+    args.extend(rank_args("b.ckpt", "1"));
+    let out = Command::new("mpirun")
+        .args(&args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        .output()
+        .expect("mpirun runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("ranks were started with different flags: --checkpoint: rank 0 = ")
+            && stderr.contains("a.ckpt\", rank 1 = ")
+            && stderr.contains("b.ckpt"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("--display-every"), "{stderr}");
+    assert!(!stderr.contains("MPI_ERR"), "{stderr}");
+    assert!(
+        !dir.path().join("a.ckpt").exists() && !dir.path().join("b.ckpt").exists(),
+        "nothing was trained or written"
+    );
+}

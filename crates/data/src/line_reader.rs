@@ -6,9 +6,13 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
+/// The UTF-8 encoding of U+FEFF, the byte-order mark.
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
 /// Reads a text file one line at a time, checking UTF-8 and counting lines.
 ///
-/// Line endings `\n` and `\r\n` are both accepted and stripped. A final line without a
+/// Line endings `\n` and `\r\n` are both accepted and stripped, and so is a byte-order
+/// mark at the start of the file. A final line without a
 /// newline is returned like any other.
 pub(crate) struct LineReader {
     path: PathBuf,
@@ -67,6 +71,10 @@ impl LineReader {
             return Ok(None);
         }
         self.line += 1;
+        // A UTF-8 byte-order mark (as some Windows editors write) is not part of the text.
+        if self.line == 1 && self.buffer.starts_with(UTF8_BOM) {
+            self.buffer.drain(..UTF8_BOM.len());
+        }
         if self.buffer.last() == Some(&b'\n') {
             self.buffer.pop();
             if self.buffer.last() == Some(&b'\r') {

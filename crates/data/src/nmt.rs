@@ -357,7 +357,8 @@ impl NmtBatcher {
     /// The batcher of rank `rank` of `size`.
     ///
     /// # Errors
-    /// Invalid batch size or bucket settings, or fewer pairs than ranks.
+    /// Invalid batch size or bucket settings, or fewer pairs than one step takes over
+    /// all ranks.
     pub fn new(
         corpus: Arc<ParallelCorpus>,
         cfg: NmtBatcherConfig,
@@ -366,13 +367,15 @@ impl NmtBatcher {
     ) -> Result<Self> {
         let local_batch = cfg.batch.local_batch_size(rank, size)?;
         check_buckets(cfg.bucket_width, cfg.num_buckets)?;
-        if corpus.len() < size {
+        let global = cfg.batch.global_batch_size(size);
+        if corpus.len() < global {
             return Err(Error::invalid(
-                "number of ranks",
-                size,
+                "batch size",
+                local_batch,
                 format!(
-                    "{} has only {} sentence pairs; every rank needs at least one, so use a \
-                     larger corpus or fewer ranks",
+                    "{} has only {} sentence pairs, fewer than one step's {global} over {size} \
+                     rank(s): every batch would be smaller than asked; use a smaller batch, \
+                     fewer ranks or a larger corpus",
                     corpus.source_path().display(),
                     corpus.len()
                 ),

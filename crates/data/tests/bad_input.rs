@@ -252,3 +252,25 @@ fn lm_input_problems() {
     assert_eq!(corpus.unk_count(), 1);
     assert_eq!(corpus.tokens()[1], UNK_ID);
 }
+
+#[test]
+fn a_byte_order_mark_is_not_part_of_the_first_token() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bom = b"\xEF\xBB\xBF";
+    let with_bom = write(
+        dir.path(),
+        "v.bom",
+        &[&bom[..], b"<unk>\n<s>\n</s>\nhello\n"].concat(),
+    );
+    let vocab = Vocab::nmt_from_file(&with_bom).expect("a vocab with a BOM loads");
+    assert_eq!(vocab.tokens(), &["<unk>", "<s>", "</s>", "hello"]);
+    // Without specials, the first word is a word, not "\u{feff}hello".
+    let plain = write(dir.path(), "w.bom", &[&bom[..], b"hello\nworld\n"].concat());
+    let vocab = Vocab::nmt_from_file(&plain).expect("loads");
+    assert_eq!(vocab.id("hello"), Some(3));
+    // A corpus with a BOM reads its first word as in the vocabulary.
+    let src = write(dir.path(), "s.bom", &[&bom[..], b"a b\n"].concat());
+    let tgt = write(dir.path(), "t.bom", &[&bom[..], b"c\n"].concat());
+    let corpus = load(&src, &tgt, &LengthLimits::default()).expect("loads");
+    assert_eq!(corpus.stats().source_unk + corpus.stats().target_unk, 0);
+}

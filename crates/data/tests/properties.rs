@@ -115,7 +115,7 @@ proptest! {
         shuffle in any::<bool>(), seed in any::<u64>(), epoch in 0u64..4,
         lengths in proptest::collection::vec(1usize..60, 1..8),
     ) {
-        prop_assume!(n >= size && (per_rank || batch >= size));
+        prop_assume!(if per_rank { n >= batch * size } else { n >= batch && batch >= size });
         let corpus = id_corpus(n, &lengths);
         let sizing = if per_rank { BatchSizing::PerRank(batch) } else { BatchSizing::Total(batch) };
         let mut cfg = NmtBatcherConfig::new(sizing, seed);
@@ -156,7 +156,7 @@ proptest! {
     }
 
     #[test]
-    fn nmt_epochs_are_reproducible(n in 2usize..80, seed in any::<u64>(), epoch in 0u64..5) {
+    fn nmt_epochs_are_reproducible(n in 8usize..80, seed in any::<u64>(), epoch in 0u64..5) {
         let corpus = id_corpus(n, &[3, 15, 27]);
         let cfg = NmtBatcherConfig::new(BatchSizing::PerRank(4), seed);
         let a = NmtBatcher::new(Arc::clone(&corpus), cfg, 1, 2).map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -229,7 +229,7 @@ fn drop_partial_keeps_only_full_batches() {
     // 25 pairs per rank in three buckets cannot all be used in batches of 4.
     assert!(sizes.len() * 4 < 25);
     // A batch larger than any bucket leaves nothing: an error, not an empty stream.
-    cfg.batch = BatchSizing::PerRank(30);
+    cfg.batch = BatchSizing::PerRank(20);
     let err = NmtBatcher::new(corpus, cfg, 0, 2).expect_err("no full batch");
     assert!(err.to_string().contains("drop_partial"), "{err}");
 }
@@ -261,6 +261,28 @@ fn shuffling_changes_between_epochs_and_the_stream_continues() {
 
 #[test]
 fn too_few_pairs_for_the_ranks_is_an_error() {
+    // Also fewer than one step's batch over all ranks: batches would be smaller than
+    // the report says.
+    let corpus = id_corpus(7, &[1]);
+    let err = NmtBatcher::new(
+        Arc::clone(&corpus),
+        NmtBatcherConfig::new(BatchSizing::PerRank(4), 0),
+        0,
+        2,
+    )
+    .expect_err("7 pairs, 2 ranks of 4");
+    assert!(
+        err.to_string()
+            .contains("only 7 sentence pairs, fewer than one step's 8"),
+        "{err}"
+    );
+    assert!(NmtBatcher::new(
+        Arc::clone(&corpus),
+        NmtBatcherConfig::new(BatchSizing::Total(7), 0),
+        0,
+        2
+    )
+    .is_ok());
     let corpus = id_corpus(2, &[1]);
     let err = NmtBatcher::new(
         corpus,

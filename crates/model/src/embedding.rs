@@ -40,10 +40,17 @@ pub(crate) struct EmbeddingWork<Buf> {
 }
 
 impl<Buf> EmbeddingWork<Buf> {
+    /// The f32 lengths of `out` and `dx` (f64, for memory estimates of any size).
+    pub(crate) fn lens(rows: usize, width: usize) -> [f64; 2] {
+        let n = rows as f64 * width as f64;
+        [n, n]
+    }
+
     pub(crate) fn new<B: Backend<Buffer = Buf>>(be: &B, rows: usize, width: usize) -> Result<Self> {
+        let [out, dx] = Self::lens(rows, width).map(|n| n as usize);
         Ok(EmbeddingWork {
-            out: be.zeros(rows * width)?,
-            dx: be.zeros(rows * width)?,
+            out: be.zeros(out)?,
+            dx: be.zeros(dx)?,
         })
     }
 }
@@ -119,11 +126,19 @@ pub(crate) struct ProjectionWork<Buf> {
 }
 
 impl<Buf> ProjectionWork<Buf> {
+    /// The f32 lengths of `logits`, `loss` and `lse` (f64, for memory estimates of any
+    /// size).
+    pub(crate) fn lens(rows: usize, vocab: usize) -> [f64; 3] {
+        let r = rows as f64;
+        [r * vocab as f64, r, r]
+    }
+
     pub(crate) fn new<B: Backend<Buffer = Buf>>(be: &B, rows: usize, vocab: usize) -> Result<Self> {
+        let [logits, loss, lse] = Self::lens(rows, vocab).map(|n| n as usize);
         Ok(ProjectionWork {
-            logits: be.zeros(rows * vocab)?,
-            loss: be.zeros(rows)?,
-            lse: be.zeros(rows)?,
+            logits: be.zeros(logits)?,
+            loss: be.zeros(loss)?,
+            lse: be.zeros(lse)?,
         })
     }
 }

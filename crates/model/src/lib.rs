@@ -74,6 +74,7 @@ mod embedding;
 mod error;
 pub mod lstm;
 mod lstm_lm;
+pub mod memory;
 mod model;
 pub mod nmt;
 pub mod params;
@@ -86,6 +87,7 @@ pub use backend::{
 };
 pub use error::{Error, Result};
 pub use lstm::LstmImpl;
+pub use memory::{MemoryEstimate, MemoryTerm};
 pub use model::{GradsReady, Model, StepStats};
 pub use nmt::{EncoderKind, NmtBatchView, NmtConfig, NmtModel};
 pub use params::{ParamEntry, ParamInit, ParamLayout};

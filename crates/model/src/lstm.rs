@@ -136,7 +136,51 @@ pub(crate) struct LstmWork<Buf> {
     pub(crate) dh0: Buf,
 }
 
+#[cfg(test)]
+impl LstmWork<Vec<f32>> {
+    /// f32 values held (CPU workspaces), to check [`LstmWork::lens`] against.
+    pub(crate) fn allocated(&self) -> usize {
+        [
+            &self.gates,
+            &self.act,
+            &self.cells,
+            &self.hiddens,
+            &self.tanh_c,
+            &self.dh,
+            &self.dc,
+            &self.dc_next,
+            &self.rec,
+            &self.tmp,
+            &self.dh0,
+        ]
+        .iter()
+        .map(|b| b.len())
+        .sum()
+    }
+}
+
 impl<Buf> LstmWork<Buf> {
+    /// The f32 lengths of the buffers, in field order (`gates`, `act`, `cells`,
+    /// `hiddens`, `tanh_c`, `dh`, `dc`, `dc_next`, `rec`, `tmp`, `dh0`), in f64 so that a
+    /// memory estimate of any size can be made from them without overflow.
+    pub(crate) fn lens(hidden: usize, steps: usize, batch: usize) -> [f64; 11] {
+        let (h, b) = (hidden as f64, batch as f64);
+        let rows = steps as f64 * b;
+        [
+            rows * 4.0 * h,
+            rows * 4.0 * h,
+            (rows + b) * h,
+            (rows + b) * h,
+            rows * h,
+            rows * h,
+            b * h,
+            b * h,
+            b * 4.0 * h,
+            b * h,
+            b * h,
+        ]
+    }
+
     /// A workspace for `steps` x `batch` of a layer with `hidden` units.
     pub(crate) fn new<B: Backend<Buffer = Buf>>(
         be: &B,
@@ -144,21 +188,22 @@ impl<Buf> LstmWork<Buf> {
         steps: usize,
         batch: usize,
     ) -> Result<Self> {
-        let rows = steps * batch;
+        let [gates, act, cells, hiddens, tanh_c, dh, dc, dc_next, rec, tmp, dh0] =
+            Self::lens(hidden, steps, batch).map(|n| n as usize);
         Ok(LstmWork {
-            rows_capacity: rows,
+            rows_capacity: steps * batch,
             batch_capacity: batch,
-            gates: be.zeros(rows * 4 * hidden)?,
-            act: be.zeros(rows * 4 * hidden)?,
-            cells: be.zeros((rows + batch) * hidden)?,
-            hiddens: be.zeros((rows + batch) * hidden)?,
-            tanh_c: be.zeros(rows * hidden)?,
-            dh: be.zeros(rows * hidden)?,
-            dc: be.zeros(batch * hidden)?,
-            dc_next: be.zeros(batch * hidden)?,
-            rec: be.zeros(batch * 4 * hidden)?,
-            tmp: be.zeros(batch * hidden)?,
-            dh0: be.zeros(batch * hidden)?,
+            gates: be.zeros(gates)?,
+            act: be.zeros(act)?,
+            cells: be.zeros(cells)?,
+            hiddens: be.zeros(hiddens)?,
+            tanh_c: be.zeros(tanh_c)?,
+            dh: be.zeros(dh)?,
+            dc: be.zeros(dc)?,
+            dc_next: be.zeros(dc_next)?,
+            rec: be.zeros(rec)?,
+            tmp: be.zeros(tmp)?,
+            dh0: be.zeros(dh0)?,
         })
     }
 

@@ -17,6 +17,7 @@ use crate::embedding::{Embedding, EmbeddingWork};
 use crate::error::{invalid_value, Result};
 use crate::lstm::{GradTarget, InitState, LstmImpl, LstmLayer, LstmWork};
 use crate::lstm_lm::{LstmLm, LstmLmShape, LstmLmWork};
+use crate::memory::{self, MemoryEstimate};
 use crate::model::{
     check_init, check_len, check_positive, check_sizes, impl_model, GradsReady, Model, StepStats,
 };
@@ -84,6 +85,103 @@ pub struct NmtConfig {
 }
 
 impl NmtConfig {
+    /// Registers the model's tensors in `layout`, in backward order.
+    fn register(&self, layout: &mut ParamLayout) -> Result<(LstmLm, Vec<LstmLayer>, Embedding)> {
+        let c = self;
+        let shape = LstmLmShape {
+            vocab: c.tgt_vocab,
+            emb: c.emb,
+            hidden: c.hidden,
+            layers: c.layers,
+            init_scale: c.init_scale,
+            forget_bias: c.forget_bias,
+        };
+        let decoder = LstmLm::register(layout, "decoder", "embedding/tgt", &shape)?;
+        let (depth, stride) = c.encoder_shape();
+        let mut encoder = Vec::with_capacity(c.layers);
+        for d in (0..depth).rev() {
+            let input = if d == 0 { c.emb } else { c.hidden };
+            let mut group = Vec::with_capacity(stride);
+            for r in 0..stride {
+                let name = match c.encoder {
+                    EncoderKind::Uni => format!("encoder/layer_{d}"),
+                    EncoderKind::Bi => {
+                        format!("encoder/{}/layer_{d}", if r == 0 { "fw" } else { "bw" })
+                    }
+                };
+                group.push(LstmLayer::register(
+                    layout,
+                    &name,
+                    input,
+                    c.hidden,
+                    r == 1,
+                    c.init_scale,
+                    c.forget_bias,
+                )?);
+            }
+            encoder.push(group);
+        }
+        encoder.reverse();
+        let encoder: Vec<LstmLayer> = encoder.into_iter().flatten().collect();
+        let src_emb =
+            Embedding::register(layout, "embedding/src", c.src_vocab, c.emb, c.init_scale)?;
+        Ok((decoder, encoder, src_emb))
+    }
+
+    /// (depth, layers per depth) of the encoder.
+    fn encoder_shape(&self) -> (usize, usize) {
+        match self.encoder {
+            EncoderKind::Uni => (self.layers, 1),
+            EncoderKind::Bi => (self.layers / 2, 2),
+        }
+    }
+
+    /// The number of parameters (f32 values) of the model.
+    ///
+    /// # Errors
+    /// `InvalidValue` for a bad config, or one whose count does not fit in `usize`.
+    pub fn param_count(&self) -> Result<usize> {
+        self.validate()?;
+        let mut layout = ParamLayout::new();
+        self.register(&mut layout)?;
+        Ok(layout.total_len())
+    }
+
+    /// The memory a model of this config needs to train on batches of `batch` sentences
+    /// of at most `src_len` / `tgt_len` tokens: parameters, gradients and the forward
+    /// and backward workspaces (of the model itself: optimizer state and gradient
+    /// exchange buffers are the trainer's to add).
+    ///
+    /// # Errors
+    /// As [`NmtConfig::param_count`].
+    pub fn memory_estimate(
+        &self,
+        batch: usize,
+        src_len: usize,
+        tgt_len: usize,
+    ) -> Result<MemoryEstimate> {
+        let params = self.param_count()? as f64;
+        let (depth, stride) = self.encoder_shape();
+        let mut est = MemoryEstimate::default();
+        est.add_f32("parameters", params);
+        est.add_f32("gradients", params);
+        est.add_f32(
+            "encoder activations",
+            memory::embedding_work_elements(src_len * batch, self.emb)
+                + (depth * stride) as f64 * memory::lstm_work_elements(self.hidden, src_len, batch),
+        );
+        est.add_f32(
+            "decoder activations",
+            memory::embedding_work_elements(tgt_len * batch, self.emb)
+                + self.layers as f64 * memory::lstm_work_elements(self.hidden, tgt_len, batch),
+        );
+        est.add_f32(
+            "output logits",
+            memory::projection_work_elements(tgt_len * batch, self.tgt_vocab),
+        );
+        Ok(est)
+    }
+
     /// The CPU benchmark configuration: vocab 8000 each side, emb 256, hidden 256,
     /// 2 layers, bi encoder, fused LSTM.
     pub fn benchmark() -> Self {
@@ -190,50 +288,8 @@ impl<B: Backend> NmtModel<B> {
     /// `InvalidValue` for a bad config; backend errors.
     pub fn new(backend: B, config: NmtConfig, seed: u64) -> Result<Self> {
         config.validate()?;
-        let c = &config;
         let mut layout = ParamLayout::new();
-        let shape = LstmLmShape {
-            vocab: c.tgt_vocab,
-            emb: c.emb,
-            hidden: c.hidden,
-            layers: c.layers,
-            init_scale: c.init_scale,
-            forget_bias: c.forget_bias,
-        };
-        let decoder = LstmLm::register(&mut layout, "decoder", "embedding/tgt", &shape)?;
-        let (depth, stride) = Self::encoder_shape(c);
-        let mut encoder = Vec::with_capacity(c.layers);
-        for d in (0..depth).rev() {
-            let input = if d == 0 { c.emb } else { c.hidden };
-            let mut group = Vec::with_capacity(stride);
-            for r in 0..stride {
-                let name = match c.encoder {
-                    EncoderKind::Uni => format!("encoder/layer_{d}"),
-                    EncoderKind::Bi => {
-                        format!("encoder/{}/layer_{d}", if r == 0 { "fw" } else { "bw" })
-                    }
-                };
-                group.push(LstmLayer::register(
-                    &mut layout,
-                    &name,
-                    input,
-                    c.hidden,
-                    r == 1,
-                    c.init_scale,
-                    c.forget_bias,
-                )?);
-            }
-            encoder.push(group);
-        }
-        encoder.reverse();
-        let encoder: Vec<LstmLayer> = encoder.into_iter().flatten().collect();
-        let src_emb = Embedding::register(
-            &mut layout,
-            "embedding/src",
-            c.src_vocab,
-            c.emb,
-            c.init_scale,
-        )?;
+        let (decoder, encoder, src_emb) = config.register(&mut layout)?;
         let params = backend.zeros(layout.total_len())?;
         let grads = backend.zeros(layout.total_len())?;
         let mut model = NmtModel {
@@ -249,14 +305,6 @@ impl<B: Backend> NmtModel<B> {
         };
         model.init_params(seed)?;
         Ok(model)
-    }
-
-    /// (depth, layers per depth) of the encoder.
-    fn encoder_shape(c: &NmtConfig) -> (usize, usize) {
-        match c.encoder {
-            EncoderKind::Uni => (c.layers, 1),
-            EncoderKind::Bi => (c.layers / 2, 2),
-        }
     }
 
     /// The configuration.
@@ -328,7 +376,7 @@ impl<B: Backend> NmtModel<B> {
         let be = &self.backend;
         let imp = self.config.lstm;
         let (batch, ts, tt) = (b.batch, b.src_len, b.tgt_len);
-        let (depth, stride) = Self::encoder_shape(&self.config);
+        let (depth, stride) = self.config.encoder_shape();
         debug_assert!(w.encoder.iter().all(|lw| lw.fits(ts, batch)));
         debug_assert!(w.decoder.layers.iter().all(|lw| lw.fits(tt, batch)));
         self.src_emb
@@ -394,7 +442,7 @@ impl<B: Backend> NmtModel<B> {
         let imp = self.config.lstm;
         let (batch, ts, tt) = (b.batch, b.src_len, b.tgt_len);
         let bh = batch * self.config.hidden;
-        let (depth, stride) = Self::encoder_shape(&self.config);
+        let (depth, stride) = self.config.encoder_shape();
         self.decoder.backward(
             be,
             imp,

@@ -78,7 +78,17 @@ impl ParamLayout {
                 "names must be unique",
             ));
         }
-        let len = shape.iter().product::<usize>();
+        let len = shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .filter(|&len| self.total_len.checked_add(len).is_some())
+            .ok_or_else(|| {
+                invalid_value(
+                    "parameter shape",
+                    format!("{name} {shape:?}"),
+                    "the parameter count does not fit in memory addresses: use smaller sizes",
+                )
+            })?;
         if len == 0 {
             return Err(invalid_value(
                 "parameter shape",

@@ -5,6 +5,7 @@ use crate::backend::{Backend, CheckedIds, CheckedTargets};
 use crate::error::Result;
 use crate::lstm::LstmImpl;
 use crate::lstm_lm::{LstmLm, LstmLmShape, LstmLmWork};
+use crate::memory::{self, MemoryEstimate};
 use crate::model::{
     check_init, check_len, check_positive, check_sizes, impl_model, GradsReady, Model, StepStats,
 };
@@ -30,6 +31,53 @@ pub struct LmConfig {
 }
 
 impl LmConfig {
+    /// Registers the model's tensors in `layout`, in backward order.
+    fn register(&self, layout: &mut ParamLayout) -> Result<LstmLm> {
+        let shape = LstmLmShape {
+            vocab: self.vocab,
+            emb: self.emb,
+            hidden: self.hidden,
+            layers: self.layers,
+            init_scale: self.init_scale,
+            forget_bias: self.forget_bias,
+        };
+        LstmLm::register(layout, "lm", "embedding/lm", &shape)
+    }
+
+    /// The number of parameters (f32 values) of the model.
+    ///
+    /// # Errors
+    /// `InvalidValue` for a bad config, or one whose count does not fit in `usize`.
+    pub fn param_count(&self) -> Result<usize> {
+        self.validate()?;
+        let mut layout = ParamLayout::new();
+        self.register(&mut layout)?;
+        Ok(layout.total_len())
+    }
+
+    /// The memory a model of this config needs to train on batches of `batch` windows
+    /// of `steps` tokens: parameters, gradients and the forward and backward workspaces
+    /// (optimizer state and gradient exchange buffers are the trainer's to add).
+    ///
+    /// # Errors
+    /// As [`LmConfig::param_count`].
+    pub fn memory_estimate(&self, batch: usize, steps: usize) -> Result<MemoryEstimate> {
+        let params = self.param_count()? as f64;
+        let mut est = MemoryEstimate::default();
+        est.add_f32("parameters", params);
+        est.add_f32("gradients", params);
+        est.add_f32(
+            "LSTM activations",
+            memory::embedding_work_elements(steps * batch, self.emb)
+                + self.layers as f64 * memory::lstm_work_elements(self.hidden, steps, batch),
+        );
+        est.add_f32(
+            "output logits",
+            memory::projection_work_elements(steps * batch, self.vocab),
+        );
+        Ok(est)
+    }
+
     /// The PTB-style configuration of the users' RNNLM runs: vocab 10,001, emb and hidden
     /// 256, 2 layers, fused LSTM.
     pub fn ptb() -> Self {
@@ -114,17 +162,8 @@ impl<B: Backend> RnnLm<B> {
     /// `InvalidValue` for a bad config; backend errors.
     pub fn new(backend: B, config: LmConfig, seed: u64) -> Result<Self> {
         config.validate()?;
-        let c = &config;
         let mut layout = ParamLayout::new();
-        let shape = LstmLmShape {
-            vocab: c.vocab,
-            emb: c.emb,
-            hidden: c.hidden,
-            layers: c.layers,
-            init_scale: c.init_scale,
-            forget_bias: c.forget_bias,
-        };
-        let net = LstmLm::register(&mut layout, "lm", "embedding/lm", &shape)?;
+        let net = config.register(&mut layout)?;
         let params = backend.zeros(layout.total_len())?;
         let grads = backend.zeros(layout.total_len())?;
         let mut model = RnnLm {

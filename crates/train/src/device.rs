@@ -92,6 +92,72 @@ pub fn local_rank(comm: &Communicator) -> Result<LocalRank> {
     })
 }
 
+/// Bytes of memory the kernel says can be allocated now without swapping
+/// (`MemAvailable` of `/proc/meminfo`), or `None` where that is not known.
+pub fn available_host_memory() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_mem_available(&text)
+}
+
+fn parse_mem_available(meminfo: &str) -> Option<f64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024.0)
+}
+
+/// Fails when `estimate` (one rank's needs) times the `local_ranks` ranks of this node
+/// exceeds the host memory available now, before anything big is allocated.
+///
+/// # Errors
+/// [`Error::NotEnoughMemory`](crate::Error::NotEnoughMemory) with the estimate and its
+/// biggest term.
+pub fn check_host_memory(
+    estimate: &ringtrain_model::MemoryEstimate,
+    local_ranks: usize,
+) -> crate::Result<()> {
+    let Some(available) = available_host_memory() else {
+        return Ok(());
+    };
+    check_memory(estimate, local_ranks, available)
+}
+
+fn check_memory(
+    estimate: &ringtrain_model::MemoryEstimate,
+    local_ranks: usize,
+    available: f64,
+) -> crate::Result<()> {
+    let per_rank = available / local_ranks.max(1) as f64;
+    if estimate.total_bytes() <= per_rank {
+        return Ok(());
+    }
+    let biggest = estimate
+        .biggest()
+        .map(|t| {
+            format!(
+                "{} ({})",
+                t.what,
+                ringtrain_model::memory::format_bytes(t.bytes)
+            )
+        })
+        .unwrap_or_default();
+    Err(crate::Error::NotEnoughMemory {
+        estimate: estimate.to_string(),
+        available: ringtrain_model::memory::format_bytes(per_rank),
+        local_ranks,
+        biggest,
+    })
+}
+
+/// Threads per core `--threads` may ask for: oversubscribing a little can hide stalls,
+/// much more only adds switching (and an unbounded count spawns threads until the
+/// machine gives out).
+pub const MAX_THREADS_PER_CORE: usize = 4;
+
+/// The largest `--threads` this machine accepts: [`MAX_THREADS_PER_CORE`] per core.
+pub fn max_cpu_threads() -> usize {
+    MAX_THREADS_PER_CORE * std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 /// CPU threads a rank should use: `requested` when non-zero, else the machine's cores
 /// divided evenly over the ranks on this node (at least one).
 pub fn cpu_threads(requested: usize, local_size: usize) -> usize {
@@ -106,6 +172,27 @@ pub fn cpu_threads(requested: usize, local_size: usize) -> usize {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn too_big_a_configuration_names_its_estimate_and_biggest_term() {
+        let meminfo = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   2097152 kB\n";
+        let available = parse_mem_available(meminfo).unwrap_or_default();
+        assert_eq!(available, 2.0 * 1024.0 * 1024.0 * 1024.0);
+        let mut est = ringtrain_model::MemoryEstimate::default();
+        est.add_bytes("parameters", 0.5 * available);
+        est.add_bytes("output logits", 0.2 * available);
+        assert!(check_memory(&est, 1, available).is_ok());
+        let err = check_memory(&est, 2, available)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("1.4 GiB")
+                && err.contains("1.0 GiB")
+                && err.contains("parameters (1.0 GiB)"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn reads_each_launcher_in_order() {

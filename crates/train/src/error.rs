@@ -73,6 +73,43 @@ pub enum Error {
     /// An invariant of ringtrain itself does not hold: a bug, not a usage error.
     #[error("internal error: {0}; this is a bug in ringtrain, please report it")]
     Internal(String),
+    /// A configuration needs more memory than the machine has available.
+    #[error(
+        "this configuration needs {estimate} per rank, more than the {available} available \
+         to each of the {local_ranks} rank(s) on this node; the biggest term is {biggest}: \
+         use a smaller --vocab-size, --num-units, --batch-size or --src-max-len, or fewer \
+         ranks per node"
+    )]
+    NotEnoughMemory {
+        /// The estimate with its terms.
+        estimate: String,
+        /// Memory available per rank.
+        available: String,
+        /// Ranks sharing the node's memory.
+        local_ranks: usize,
+        /// The biggest term and its size.
+        biggest: String,
+    },
+    /// A corpus file reads mostly as `<unk>` with its vocabulary.
+    #[error(
+        "{}: {percent:.1} % of its {tokens} tokens are not in the vocabulary {} (at most \
+         {limit} % may be): check that this vocabulary belongs to this text (source and \
+         target swapped?), or raise --max-unk-percent",
+        text.display(),
+        vocab.display()
+    )]
+    TooManyUnknownTokens {
+        /// The corpus file.
+        text: std::path::PathBuf,
+        /// Its vocabulary file.
+        vocab: std::path::PathBuf,
+        /// Tokens read.
+        tokens: usize,
+        /// Percent of them unknown.
+        percent: f64,
+        /// `--max-unk-percent`.
+        limit: f32,
+    },
     /// Serialising or parsing JSON (config, report) failed.
     #[error("{action} failed: {source}")]
     Json {

@@ -3,11 +3,11 @@
 
 use ringtrain_collective::Communicator;
 
-use crate::config::ValidatedConfig;
-use crate::device::{cpu_threads, LocalRank, LocalRankSource};
+use crate::config::{DataSource, ValidatedConfig};
+use crate::device::{check_host_memory, cpu_threads, LocalRank, LocalRankSource};
 use crate::error::{Error, Result};
 use crate::input::InputPipeline;
-use crate::trainable::build_model;
+use crate::trainable::{build_model, memory_estimate};
 use crate::trainer::{train, LogSink, TrainOutcome};
 
 /// Runs one rank: picks the device from the local rank, sizes the CPU thread pools,
@@ -45,17 +45,39 @@ pub fn run_rank(
     }
     // A dedicated parameter server reads no data but needs the vocabulary sizes: it
     // builds worker 0's pipeline only to learn them, and drops it at once.
+    // Synthetic batches are as big as the flags say: check before the first is made.
+    // A corpus bounds the batch; its vocabularies are known once it is loaded.
+    let check_memory = |src_vocab, tgt_vocab| {
+        check_host_memory(
+            &memory_estimate(cfg, src_vocab, tgt_vocab, rank)?,
+            local.size,
+        )
+    };
+    let synthetic = *cfg.data_source() == DataSource::Synthetic;
+    if synthetic {
+        let vocab = cfg.config().data.vocab_size;
+        check_memory(vocab, vocab)?;
+    }
     let InputPipeline {
+        notes,
         batches,
         src_vocab_size,
         tgt_vocab_size,
     } = InputPipeline::new(cfg, if cfg.is_worker(rank) { rank } else { 0 })?;
+    if rank == 0 {
+        for note in notes {
+            log(&format!("ringtrain: {note}"));
+        }
+    }
     let mut batches: Box<dyn Iterator<Item = ringtrain_data::Result<_>>> = if cfg.is_worker(rank) {
         Box::new(batches)
     } else {
         drop(batches);
         Box::new(std::iter::empty())
     };
+    if !synthetic {
+        check_memory(src_vocab_size, tgt_vocab_size)?;
+    }
     let mut model = build_model(cfg, src_vocab_size, tgt_vocab_size, local.rank, threads)?;
     let outcome = train(cfg, comm, model.as_mut(), &mut batches, log)?;
     if rank == 0 {

@@ -171,6 +171,11 @@ options! {
         /// to it.
         #[arg(long, alias = "src_max_len")]
         src_max_len: usize = 20,
+        /// Most tokens of a corpus file, in percent, that its vocabulary may not know
+        /// (they read as `<unk>`); more fails at start, as swapped or wrong vocabulary
+        /// files do. 100 turns the check off.
+        #[arg(long, value_parser = finite)]
+        max_unk_percent: f32 = 5.0,
     }
 }
 
@@ -311,18 +316,30 @@ pub struct TrainConfig {
 }
 
 impl TrainConfig {
-    /// crc32 of the flags every rank must share, to catch ranks started with different
-    /// flags before they diverge. Left out: the paths only rank 0 writes to and the
-    /// per-node thread count; kept: whether a checkpoint is written at all (every rank
-    /// takes part in writing it).
-    pub fn fingerprint(&self) -> u32 {
-        let mut shared = self.clone();
-        shared.output.json_report = None;
-        shared.output.checkpoint = self.output.checkpoint.as_ref().map(|_| PathBuf::new());
-        shared.run.threads = 0;
-        // Debug output cannot fail (serde would, on a path that is not UTF-8) and is the
-        // same on every rank of one build.
-        crc32fast::hash(format!("{shared:?}").as_bytes())
+    /// Every flag the ranks of one run must share, as `(flag, value)` pairs in a fixed
+    /// order (values as compact JSON). Only `--threads` is left out: it is per node (its
+    /// `auto` is the node's cores over its ranks) and a node may have more cores than
+    /// another. Output paths count although rank 0 alone writes them: a rank started
+    /// with another `--checkpoint` or `--resume` was started by mistake.
+    ///
+    /// # Errors
+    /// [`Error::Json`] when a value does not serialise (validation refuses paths that
+    /// are not UTF-8, the one way that happens).
+    pub fn shared_flags(&self) -> crate::Result<Vec<(String, String)>> {
+        let json = serde_json::to_value(self).map_err(|source| crate::Error::Json {
+            action: "listing the flags ranks share",
+            source,
+        })?;
+        let serde_json::Value::Object(fields) = json else {
+            return Err(crate::Error::Internal(
+                "the config did not serialise to a JSON object".into(),
+            ));
+        };
+        Ok(fields
+            .into_iter()
+            .filter(|(name, _)| name != "threads")
+            .map(|(name, value)| (format!("--{}", name.replace('_', "-")), value.to_string()))
+            .collect())
     }
 }
 
@@ -347,21 +364,45 @@ mod tests {
     }
 
     #[test]
-    fn fingerprint_ignores_rank_local_fields_only() {
+    fn shared_flags_are_every_flag_but_threads_by_its_command_line_name() {
         let cfg = TrainConfig::default();
+        let flags = cfg.shared_flags().unwrap_or_default();
+        let value = |name: &str| {
+            flags
+                .iter()
+                .find(|(flag, _)| flag == name)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(value("--batch-size").as_deref(), Some("32"));
+        assert_eq!(value("--checkpoint").as_deref(), Some("null"));
+        assert_eq!(value("--resume").as_deref(), Some("false"));
+        assert_eq!(value("--threads"), None);
         let mut local = cfg.clone();
         local.run.threads = 7;
-        local.output.json_report = Some("r.json".into());
-        local.output.checkpoint = None;
-        assert_eq!(cfg.fingerprint(), local.fingerprint());
-        let mut other = cfg.clone();
-        other.data.batch_size += 1;
-        assert_ne!(cfg.fingerprint(), other.fingerprint());
-        // Writing a checkpoint is collective: its presence counts, its path does not.
-        let (mut a, mut b) = (cfg.clone(), cfg.clone());
-        a.output.checkpoint = Some("/node0/run.ckpt".into());
-        b.output.checkpoint = Some("/node1/run.ckpt".into());
-        assert_eq!(a.fingerprint(), b.fingerprint());
-        assert_ne!(a.fingerprint(), cfg.fingerprint());
+        assert_eq!(local.shared_flags().unwrap_or_default(), flags);
+    }
+
+    /// Every serialised field is a flag of the same name, so a mismatch message names
+    /// flags the user can find in `--help`.
+    #[cfg(feature = "cli")]
+    #[test]
+    fn shared_flag_names_are_command_line_flags() {
+        use clap::CommandFactory;
+
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            cfg: TrainConfig,
+        }
+        let cmd = Cli::command();
+        let longs: Vec<String> = cmd
+            .get_arguments()
+            .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
+            .collect();
+        let flags = TrainConfig::default().shared_flags().unwrap_or_default();
+        assert!(flags.len() > 30, "{flags:?}");
+        for (flag, _) in flags {
+            assert!(longs.contains(&flag), "{flag} is not a flag: {longs:?}");
+        }
     }
 }

@@ -48,6 +48,7 @@ pub struct ValidatedConfig {
     learning_rate: f32,
     overlap_backward: bool,
     cycle_time: Duration,
+    total_steps: usize,
     data: DataSource,
 }
 
@@ -122,6 +123,13 @@ impl TrainConfig {
         at_least_one("--batch-size", data.batch_size)?;
         at_least_one("--src-max-len", data.src_max_len)?;
         let source = data_source(self)?;
+        if !(0.0..=100.0).contains(&data.max_unk_percent) {
+            return Err(Error::invalid(
+                "--max-unk-percent",
+                data.max_unk_percent,
+                "must be a percentage from 0 to 100 (100 turns the check off)",
+            ));
+        }
 
         at_least_one(
             "--agg-small-grads-max-group",
@@ -205,7 +213,42 @@ impl TrainConfig {
             ));
         }
         at_least_one("--timed-batches", run.timed_batches)?;
+        let total_steps = run
+            .warmup_batches
+            .checked_add(run.timed_batches)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "--timed-batches",
+                    run.timed_batches,
+                    format!(
+                        "with --warmup-batches {} the step count overflows: the accepted range \
+                         is 1 to {}",
+                        run.warmup_batches,
+                        usize::MAX - run.warmup_batches
+                    ),
+                )
+            })?;
+        let max_threads = crate::device::max_cpu_threads();
+        if run.threads > max_threads {
+            return Err(Error::invalid(
+                "--threads",
+                run.threads,
+                format!(
+                    "the accepted range is 0 (auto: the cores over the ranks of the node) to \
+                     {max_threads} ({} per core of this machine)",
+                    crate::device::MAX_THREADS_PER_CORE
+                ),
+            ));
+        }
 
+        for (flag, path) in [
+            ("--checkpoint", &output.checkpoint),
+            ("--json-report", &output.json_report),
+        ] {
+            if let Some(path) = path {
+                utf8_path(flag, path)?;
+            }
+        }
         if output.resume && output.checkpoint.is_none() {
             return Err(Error::invalid(
                 "--resume",
@@ -227,17 +270,28 @@ impl TrainConfig {
             learning_rate,
             overlap_backward,
             cycle_time,
+            total_steps,
             data: source,
         })
     }
 }
 
+/// `Err(InvalidValue)` naming `flag` when `path` is not UTF-8: reports and checkpoints
+/// record the flags as JSON, and ranks compare them as text.
+fn utf8_path(flag: &'static str, path: &std::path::Path) -> Result<()> {
+    if path.to_str().is_none() {
+        return Err(Error::invalid(
+            flag,
+            path.display(),
+            "the path is not valid UTF-8: rename the file or pick another path",
+        ));
+    }
+    Ok(())
+}
+
 /// The input `--use-synthetic-data` and `--data` ask for.
 fn data_source(cfg: &TrainConfig) -> Result<DataSource> {
     let files = &cfg.data.data;
-    if cfg.data.use_synthetic_data.unwrap_or(files.is_empty()) {
-        return Ok(DataSource::Synthetic);
-    }
     let shown = || {
         if files.is_empty() {
             "(none)".to_string()
@@ -249,6 +303,21 @@ fn data_source(cfg: &TrainConfig) -> Result<DataSource> {
                 .join(",")
         }
     };
+    for path in files {
+        utf8_path("--data", path)?;
+    }
+    match (cfg.data.use_synthetic_data, files.is_empty()) {
+        (Some(true), false) => {
+            return Err(Error::invalid(
+                "--data",
+                shown(),
+                "--use-synthetic-data trains on random ids and would ignore these files: \
+                 give one or the other",
+            ))
+        }
+        (Some(true), true) | (None, true) => return Ok(DataSource::Synthetic),
+        _ => {}
+    }
     match (cfg.model.model, files.as_slice()) {
         (ModelKind::Nmt, [source, target, source_vocab, target_vocab]) => {
             Ok(DataSource::Translation {
@@ -341,7 +410,7 @@ impl ValidatedConfig {
 
     /// Steps run: warm-up plus timed.
     pub fn total_steps(&self) -> usize {
-        self.config.run.warmup_batches + self.config.run.timed_batches
+        self.total_steps
     }
 
     /// How the replicated strategy reduces (packing wins over overlap).
@@ -463,6 +532,56 @@ mod tests {
         cfg.data.data = vec!["a.txt".into()];
         let err = error(&cfg, 1);
         assert!(err.contains("--data") && err.contains("a.txt"), "{err}");
+        // One file too many is an error too, not ignored.
+        cfg.model.model = ModelKind::Rnnlm;
+        cfg.data.data = vec!["a.txt".into(), "v.txt".into(), "extra.txt".into()];
+        let err = error(&cfg, 1);
+        assert!(err.contains("extra.txt"), "{err}");
+
+        let mut cfg = TrainConfig::default();
+        cfg.data.use_synthetic_data = Some(true);
+        cfg.model.model = ModelKind::Rnnlm;
+        cfg.data.data = vec!["a.txt".into()];
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--data") && err.contains("--use-synthetic-data"),
+            "{err}"
+        );
+
+        let mut cfg = TrainConfig::default();
+        cfg.run.timed_batches = usize::MAX;
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--timed-batches") && err.contains("accepted range is 1 to"),
+            "{err}"
+        );
+
+        let mut cfg = TrainConfig::default();
+        cfg.run.threads = 100_000;
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--threads") && err.contains("accepted range is 0"),
+            "{err}"
+        );
+        cfg.run.threads = crate::device::max_cpu_threads();
+        assert!(cfg.validate(1).is_ok());
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn paths_that_are_not_utf8_are_refused_by_flag() {
+        use std::os::unix::ffi::OsStrExt;
+        let bad = std::path::PathBuf::from(std::ffi::OsStr::from_bytes(b"run\xff.ckpt"));
+        let mut cfg = TrainConfig::default();
+        cfg.output.checkpoint = Some(bad.clone());
+        assert!(error(&cfg, 1).contains("--checkpoint"));
+        let mut cfg = TrainConfig::default();
+        cfg.output.json_report = Some(bad.clone());
+        assert!(error(&cfg, 1).contains("--json-report"));
+        let mut cfg = TrainConfig::default();
+        cfg.model.model = ModelKind::Rnnlm;
+        cfg.data.data = vec![bad];
+        assert!(error(&cfg, 1).contains("--data"));
     }
 
     #[test]

@@ -1,9 +1,9 @@
 //! The model a configuration asks for, built on its device.
 
-use ringtrain_model::{CpuBackend, LmConfig, NmtConfig, NmtModel, RnnLm};
+use ringtrain_model::{CpuBackend, LmConfig, MemoryEstimate, NmtConfig, NmtModel, RnnLm};
 
 use super::{CpuTrainable, TrainableModel};
-use crate::config::{DeviceKind, ModelKind, ValidatedConfig};
+use crate::config::{DeviceKind, ModelKind, OptimizerKind, ValidatedConfig, VariableUpdate};
 use crate::error::Result;
 
 /// Builds the model `cfg` asks for with the given vocabulary sizes, on the CPU with
@@ -38,6 +38,45 @@ pub fn build_model(
         }
         DeviceKind::Cuda => on_gpu(cfg, shape, local_rank),
     }
+}
+
+/// The memory worker `worker` needs to train `cfg`'s model with these vocabulary sizes:
+/// the model's parameters, gradients and workspaces at the longest batch, the
+/// optimizer's state, and a host copy of the gradients for the exchange.
+///
+/// # Errors
+/// `InvalidValue` naming the size flags when the model's parameter count overflows.
+pub fn memory_estimate(
+    cfg: &ValidatedConfig,
+    src_vocab: usize,
+    tgt_vocab: usize,
+    worker: usize,
+) -> Result<MemoryEstimate> {
+    let batch = cfg.local_batch_size(worker).max(1);
+    // Targets carry <s> or </s> besides the cut sentence.
+    let len = cfg.config().data.src_max_len.saturating_add(1);
+    let estimate = match ModelShape::new(cfg, src_vocab, tgt_vocab) {
+        ModelShape::Nmt(nmt, _) => nmt.memory_estimate(batch, len, len),
+        ModelShape::Lm(lm, _) => lm.memory_estimate(batch, len),
+    };
+    let mut estimate = estimate.map_err(|e| {
+        crate::error::Error::invalid(
+            "--num-units",
+            cfg.config().model.num_units,
+            format!(
+                "with --vocab-size / the vocabularies ({src_vocab}, {tgt_vocab}) the model is \
+                 too big to address ({e}): use smaller sizes"
+            ),
+        )
+    })?;
+    let params = estimate.terms.first().map_or(0.0, |t| t.bytes);
+    if cfg.config().run.optimizer == OptimizerKind::Adam {
+        estimate.add_bytes("Adam moments", 2.0 * params);
+    }
+    if cfg.config().exchange.variable_update != VariableUpdate::Independent {
+        estimate.add_bytes("gradient exchange", params);
+    }
+    Ok(estimate)
 }
 
 /// The model crate's configuration of the model `cfg` selects, and its description.

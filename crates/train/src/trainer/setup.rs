@@ -62,10 +62,7 @@ impl<'a> Session<'a> {
         }
 
         let mut control = Control::beside(&comm)?;
-        control.check_same(
-            "the training flags (fingerprint)",
-            f64::from(cfg.config().fingerprint()),
-        )?;
+        control.check_same_values("flags", &cfg.config().shared_flags()?)?;
         control.check_same("parameter count", n_params as f64)?;
 
         // Resume before the broadcast: rank 0's loaded parameters then reach everyone.

@@ -1,0 +1,190 @@
+//! What a model needs in memory before it is built: parameters and gradients (counted
+//! exactly from the parameter layout) and the forward/backward workspaces at a batch
+//! shape (from the same sizes the workspaces are allocated with), so that a
+//! configuration too big for the machine fails with the estimate instead of an
+//! allocation abort.
+//!
+//! ```
+//! use ringtrain_model::NmtConfig;
+//!
+//! let est = NmtConfig::benchmark().memory_estimate(64, 30, 30)?;
+//! assert!(est.total_bytes() > 4.0 * 2.0 * NmtConfig::benchmark().param_count()? as f64);
+//! println!("{est}"); // "about 0.1 GiB: parameters ..., gradients ..., ..."
+//! # Ok::<(), ringtrain_model::Error>(())
+//! ```
+
+use std::fmt;
+
+use crate::embedding::{EmbeddingWork, ProjectionWork};
+use crate::lstm::LstmWork;
+
+/// Bytes of one f32.
+const F32_BYTES: f64 = 4.0;
+
+/// One part of an estimate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryTerm {
+    /// What it holds, e.g. `"parameters"`.
+    pub what: String,
+    /// Its size in bytes (f64: a size that would overflow `usize` is still reported).
+    pub bytes: f64,
+}
+
+/// An estimate of the memory a run needs, by term.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct MemoryEstimate {
+    /// The terms, in the order they were added.
+    pub terms: Vec<MemoryTerm>,
+}
+
+impl MemoryEstimate {
+    /// Adds `elements` f32 values for `what`.
+    pub fn add_f32(&mut self, what: impl Into<String>, elements: f64) {
+        self.add_bytes(what, elements * F32_BYTES);
+    }
+
+    /// Adds `bytes` for `what`.
+    pub fn add_bytes(&mut self, what: impl Into<String>, bytes: f64) {
+        self.terms.push(MemoryTerm {
+            what: what.into(),
+            bytes,
+        });
+    }
+
+    /// The sum of the terms.
+    pub fn total_bytes(&self) -> f64 {
+        self.terms.iter().map(|t| t.bytes).sum()
+    }
+
+    /// The biggest term.
+    pub fn biggest(&self) -> Option<&MemoryTerm> {
+        self.terms.iter().max_by(|a, b| a.bytes.total_cmp(&b.bytes))
+    }
+}
+
+/// `12.3 GiB` (or MiB below one GiB).
+pub fn format_bytes(bytes: f64) -> String {
+    const MIB: f64 = 1024.0 * 1024.0;
+    if bytes >= 1024.0 * MIB {
+        format!("{:.1} GiB", bytes / (1024.0 * MIB))
+    } else {
+        format!("{:.1} MiB", bytes / MIB)
+    }
+}
+
+impl fmt::Display for MemoryEstimate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "about {}:", format_bytes(self.total_bytes()))?;
+        for (i, term) in self.terms.iter().enumerate() {
+            let sep = if i == 0 { " " } else { ", " };
+            write!(f, "{sep}{} {}", term.what, format_bytes(term.bytes))?;
+        }
+        Ok(())
+    }
+}
+
+/// f32 elements of one LSTM layer's workspace (as [`LstmWork::new`] allocates them).
+pub(crate) fn lstm_work_elements(hidden: usize, steps: usize, batch: usize) -> f64 {
+    LstmWork::<()>::lens(hidden, steps, batch)
+        .iter()
+        .map(|&n| n as f64)
+        .sum()
+}
+
+/// f32 elements of an embedding lookup's workspace.
+pub(crate) fn embedding_work_elements(rows: usize, width: usize) -> f64 {
+    EmbeddingWork::<()>::lens(rows, width)
+        .iter()
+        .map(|&n| n as f64)
+        .sum()
+}
+
+/// f32 elements of the projection and loss workspace.
+pub(crate) fn projection_work_elements(rows: usize, vocab: usize) -> f64 {
+    ProjectionWork::<()>::lens(rows, vocab)
+        .iter()
+        .map(|&n| n as f64)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CpuBackend, EncoderKind, LmConfig, LstmImpl, Model, NmtConfig, NmtModel, RnnLm};
+
+    #[test]
+    fn workspace_lengths_are_what_is_allocated() {
+        let Ok(be) = CpuBackend::new(1) else {
+            panic!("no CPU backend");
+        };
+        let Ok(w) = LstmWork::new(&be, 5, 7, 3) else {
+            panic!("no workspace");
+        };
+        let allocated = w.allocated();
+        assert_eq!(lstm_work_elements(5, 7, 3), allocated as f64);
+        let Ok(e) = EmbeddingWork::new(&be, 11, 4) else {
+            panic!("no workspace");
+        };
+        assert_eq!(
+            embedding_work_elements(11, 4),
+            (e.out.len() + e.dx.len()) as f64
+        );
+        assert_eq!(projection_work_elements(11, 9), (11 * 9 + 2 * 11) as f64);
+    }
+
+    #[test]
+    fn parameter_counts_are_the_models_and_sizes_never_overflow() {
+        let nmt = NmtConfig {
+            src_vocab: 31,
+            tgt_vocab: 29,
+            emb: 6,
+            hidden: 5,
+            layers: 2,
+            encoder: EncoderKind::Bi,
+            lstm: LstmImpl::Stepwise,
+            ..NmtConfig::benchmark()
+        };
+        let Ok(be) = CpuBackend::new(1) else {
+            panic!("no CPU backend");
+        };
+        let built = NmtModel::new(be, nmt.clone(), 1).map(|m| m.params().len());
+        assert_eq!(nmt.param_count().ok(), built.ok());
+        let lm = LmConfig {
+            vocab: 40,
+            emb: 6,
+            hidden: 5,
+            layers: 2,
+            ..LmConfig::ptb()
+        };
+        let Ok(be) = CpuBackend::new(1) else {
+            panic!("no CPU backend");
+        };
+        let built = RnnLm::new(be, lm.clone(), 1).map(|m| m.params().len());
+        assert_eq!(lm.param_count().ok(), built.ok());
+
+        let est = lm.memory_estimate(8, 10).unwrap_or_default();
+        let params = lm.param_count().unwrap_or_default() as f64 * 4.0;
+        assert_eq!(est.terms[0].bytes, params);
+        assert!(est.to_string().starts_with("about "), "{est}");
+        assert_eq!(
+            est.biggest().map(|t| t.what.as_str()),
+            Some("LSTM activations")
+        );
+
+        // Sizes far past any machine: an error or a finite estimate, never a panic.
+        let huge = NmtConfig {
+            emb: 1 << 31,
+            hidden: 1 << 31,
+            ..nmt
+        };
+        assert!(huge.param_count().is_err());
+        let wide = LmConfig {
+            vocab: 5_000_000,
+            emb: 4096,
+            hidden: 4096,
+            ..lm
+        };
+        let est = wide.memory_estimate(1 << 40, 1 << 20).unwrap_or_default();
+        assert!(est.total_bytes().is_finite() && est.total_bytes() > 1e20);
+    }
+}
