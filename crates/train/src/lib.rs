@@ -59,7 +59,9 @@ pub use config::{
 };
 pub use device::{local_rank, local_rank_from_env, LocalRank, LocalRankSource};
 pub use error::{Error, Result};
-pub use input::InputPipeline;
+pub use input::{
+    BatchSource, InputBatches, InputKind, InputPipeline, InputPosition, StreamPosition,
+};
 pub use optimizer::{LossScaler, Optimizer, OptimizerState};
 pub use report::{RankFigures, RunReport};
 pub use ringtrain_model::{EncoderKind, GemmPrecision, LstmImpl};

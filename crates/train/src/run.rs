@@ -6,7 +6,7 @@ use ringtrain_collective::Communicator;
 use crate::config::ValidatedConfig;
 use crate::device::{cpu_threads, LocalRank, LocalRankSource};
 use crate::error::{Error, Result};
-use crate::input::InputPipeline;
+use crate::input::{BatchSource, InputPipeline};
 use crate::trainable::build_model;
 use crate::trainer::{train, LogSink, TrainOutcome};
 
@@ -45,19 +45,20 @@ pub fn run_rank(
     }
     // A dedicated parameter server reads no data but needs the vocabulary sizes: it
     // builds worker 0's pipeline only to learn them, and drops it at once.
+    // The pipeline's thread starts at the first batch, after a resume has moved it.
     let InputPipeline {
-        batches,
+        mut batches,
         src_vocab_size,
         tgt_vocab_size,
     } = InputPipeline::new(cfg, if cfg.is_worker(rank) { rank } else { 0 })?;
-    let mut batches: Box<dyn Iterator<Item = ringtrain_data::Result<_>>> = if cfg.is_worker(rank) {
-        Box::new(batches)
+    let mut no_batches = std::iter::empty();
+    let source: &mut dyn BatchSource = if cfg.is_worker(rank) {
+        &mut batches
     } else {
-        drop(batches);
-        Box::new(std::iter::empty())
+        &mut no_batches
     };
     let mut model = build_model(cfg, src_vocab_size, tgt_vocab_size, local.rank, threads)?;
-    let outcome = train(cfg, comm, model.as_mut(), &mut batches, log)?;
+    let outcome = train(cfg, comm, model.as_mut(), source, log)?;
     if rank == 0 {
         if let Some(path) = &cfg.config().output.json_report {
             outcome.report.write_json(path)?;
