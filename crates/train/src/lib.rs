@@ -13,7 +13,8 @@
 //! The [`ThroughputMeter`] follows the seeds' rule (warm-up batches excluded, words =
 //! source + target over all ranks, jitter = 1.4826 × MAD), and the run ends in a
 //! [`RunReport`] that rank 0 prints and writes as JSON. [`Checkpoint`]s are written
-//! atomically with a magic number, version, config and crc32.
+//! atomically with a magic number, version, config and crc32, and hold every rank's
+//! [`InputPosition`], so that a resumed run reads on where the checkpointed one stopped.
 //!
 //! ```
 //! use std::time::Duration;
