@@ -73,7 +73,10 @@ fn check(data: &[String]) {
     assert_eq!((a.step, b.step), (6, 6));
     let bits = |ck: &Checkpoint| ck.params.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert!(bits(&a) == bits(&b), "{data:?}: parameters differ");
-    assert_eq!(a.optimizer, b.optimizer, "{data:?}: optimizer state differs");
+    assert_eq!(
+        a.optimizer, b.optimizer,
+        "{data:?}: optimizer state differs"
+    );
     assert_eq!(a.input, b.input, "{data:?}: input positions differ");
     assert_eq!(a.input.len(), 2);
 }

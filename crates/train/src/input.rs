@@ -272,9 +272,14 @@ impl BatchSource for InputBatches {
             }
             _ => {
                 let then = saved_of_kind[0];
+                let seed = if then.seed == now.seed {
+                    ""
+                } else {
+                    " and another --seed"
+                };
                 let change = format!(
-                    "the checkpoint's input was sharded over {} worker(s) with batch {} and seed {}, this run uses {} with batch {} and seed {}",
-                    then.workers, then.batch_size, then.seed, now.workers, now.batch_size, now.seed
+                    "the checkpoint's input was sharded over {} worker(s) with batch {}, this run uses {} with batch {}{seed}",
+                    then.workers, then.batch_size, now.workers, now.batch_size
                 );
                 match now.stream {
                     StreamPosition::Synthetic(_) => {
