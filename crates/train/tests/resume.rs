@@ -260,3 +260,26 @@ fn at_another_rank_count_synthetic_ranks_continue_their_own_streams() {
     let batches: Vec<u64> = after.iter().map(|p| synthetic_of(p).batches).collect();
     assert_eq!(batches, [5, 5, 2], "ranks 0 and 1 continue, rank 2 starts");
 }
+
+#[test]
+fn another_seed_restarts_the_epoch_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("run.ckpt");
+    let base = config(
+        ModelKind::Nmt,
+        Data::Corpus,
+        OptimizerKind::Sgd,
+        VariableUpdate::Replicated,
+    );
+    run(&part(&base, 4, &path, false), 2);
+    let mut reseeded = part(&base, 2, &path, true);
+    reseeded.run.seed += 1;
+    let (lines, _) = run(&reseeded, 2);
+    let log = lines.join("\n");
+    assert!(
+        log.contains("another --seed") && log.contains("epoch 1 restarts"),
+        "{log}"
+    );
+    let after = Checkpoint::load(&path).unwrap().input;
+    assert_eq!(epoch_of(&after[1]), EpochPosition { epoch: 1, batch: 2 });
+}
