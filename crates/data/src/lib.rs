@@ -47,6 +47,7 @@ mod error;
 mod line_reader;
 pub mod lm;
 pub mod nmt;
+mod position;
 mod prefetch;
 mod sharding;
 mod synthetic;
@@ -61,6 +62,7 @@ pub use nmt::{
     CorpusStats, LengthLimits, NmtBatcher, NmtBatcherConfig, NmtEpoch, NmtStream, OverLimit,
     ParallelCorpus,
 };
+pub use position::{EpochPosition, SyntheticPosition};
 pub use prefetch::Prefetcher;
 pub use sharding::{rank_range, rank_share, BatchSizing};
 pub use synthetic::{SyntheticLm, SyntheticLmConfig, SyntheticNmt, SyntheticNmtConfig};

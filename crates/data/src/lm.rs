@@ -21,6 +21,7 @@ use std::sync::Arc;
 use crate::batch::LmBatch;
 use crate::error::{Error, Result};
 use crate::line_reader::for_each_line;
+use crate::position::EpochPosition;
 use crate::sharding::BatchSizing;
 use crate::vocab::{Vocab, LM_EOS, LM_SPECIALS};
 
@@ -199,7 +200,22 @@ impl LmBatcher {
     /// Endless batches: the epoch repeated.
     pub fn stream(&self) -> LmStream {
         LmStream {
+            epoch: 0,
             current: self.epoch(),
+        }
+    }
+
+    /// Endless batches from `position` (from [`LmStream::position`] of a batcher with the
+    /// same corpus, batch sizing, steps, rank and size): the window after the last one that
+    /// stream handed out. A window past the epoch's end starts the next epoch.
+    pub fn stream_at(&self, position: EpochPosition) -> LmStream {
+        let window = usize::try_from(position.batch).unwrap_or(usize::MAX);
+        LmStream {
+            epoch: position.epoch,
+            current: LmEpoch {
+                batcher: self.clone(),
+                window: window.min(self.batches_per_epoch()),
+            },
         }
     }
 
@@ -264,7 +280,18 @@ impl ExactSizeIterator for LmEpoch {}
 /// Endless language-model batches (from [`LmBatcher::stream`]).
 #[derive(Clone, Debug)]
 pub struct LmStream {
+    epoch: u64,
     current: LmEpoch,
+}
+
+impl LmStream {
+    /// Where the stream stands: its epoch and the windows of it handed out.
+    pub fn position(&self) -> EpochPosition {
+        EpochPosition {
+            epoch: self.epoch,
+            batch: self.current.window as u64,
+        }
+    }
 }
 
 impl Iterator for LmStream {
@@ -274,6 +301,7 @@ impl Iterator for LmStream {
         if let Some(batch) = self.current.next() {
             return Some(batch);
         }
+        self.epoch += 1;
         self.current.window = 0;
         self.current.next()
     }

@@ -45,6 +45,7 @@ use crate::batch::NmtBatch;
 use crate::bucketing::{bucket_of, check_buckets};
 use crate::error::{Error, Result};
 use crate::line_reader::LineReader;
+use crate::position::EpochPosition;
 use crate::sharding::{rank_range, BatchSizing};
 use crate::vocab::Vocab;
 
@@ -448,9 +449,11 @@ impl NmtBatcher {
 
     /// This rank's batches of `epoch`.
     pub fn epoch(&self, epoch: u64) -> NmtEpoch {
+        let plan = self.epoch_plan(epoch);
         NmtEpoch {
             corpus: Arc::clone(&self.corpus),
-            plan: self.epoch_plan(epoch).into_iter(),
+            planned: plan.len(),
+            plan: plan.into_iter(),
         }
     }
 
@@ -462,12 +465,26 @@ impl NmtBatcher {
             current: self.epoch(start_epoch),
         }
     }
+
+    /// Endless batches from `position` (from [`NmtStream::position`] of a batcher with
+    /// the same corpus, configuration, rank and size): the batch after the last one that
+    /// stream handed out. A batch count past the epoch's end starts the next epoch.
+    pub fn stream_at(&self, position: EpochPosition) -> NmtStream {
+        let mut stream = self.stream(position.epoch);
+        let skip = usize::try_from(position.batch).unwrap_or(usize::MAX);
+        // Only the plan's index lists are skipped; no batch is built for them.
+        for _ in 0..skip.min(stream.current.planned) {
+            stream.current.plan.next();
+        }
+        stream
+    }
 }
 
 /// One epoch of one rank's batches (from [`NmtBatcher::epoch`]).
 #[derive(Clone, Debug)]
 pub struct NmtEpoch {
     corpus: Arc<ParallelCorpus>,
+    planned: usize,
     plan: std::vec::IntoIter<Vec<usize>>,
 }
 
@@ -503,6 +520,14 @@ impl NmtStream {
     /// The epoch the next batch comes from (or the one just finished).
     pub fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// Where the stream stands: its epoch and the batches of it handed out.
+    pub fn position(&self) -> EpochPosition {
+        EpochPosition {
+            epoch: self.epoch,
+            batch: (self.current.planned - self.current.plan.len()) as u64,
+        }
     }
 }
 

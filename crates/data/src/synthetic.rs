@@ -10,6 +10,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::batch::{LmBatch, NmtBatch};
 use crate::error::{Error, Result};
+use crate::position::SyntheticPosition;
 
 /// Shape of synthetic translation batches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +44,7 @@ pub struct SyntheticNmtConfig {
 pub struct SyntheticNmt {
     cfg: SyntheticNmtConfig,
     rng: ChaCha8Rng,
+    produced: u64,
 }
 
 impl SyntheticNmt {
@@ -59,7 +61,23 @@ impl SyntheticNmt {
         Ok(SyntheticNmt {
             cfg,
             rng: rank_rng(cfg.seed, rank),
+            produced: 0,
         })
+    }
+
+    /// Where the stream stands: the batches handed out and the generator's state.
+    pub fn position(&self) -> SyntheticPosition {
+        SyntheticPosition {
+            batches: self.produced,
+            word_pos: self.rng.get_word_pos(),
+        }
+    }
+
+    /// Moves the stream to `position` (from [`SyntheticNmt::position`] of a generator of
+    /// the same seed and rank): the next batch is the one that generator made next.
+    pub fn seek(&mut self, position: SyntheticPosition) {
+        self.rng.set_word_pos(position.word_pos);
+        self.produced = position.batches;
     }
 
     /// The next batch.
@@ -75,6 +93,7 @@ impl SyntheticNmt {
         let source = uniform_ids(&mut self.rng, batch_size, seq_len, src_vocab_size);
         let target_input = uniform_ids(&mut self.rng, batch_size, seq_len, tgt_vocab_size);
         let target_output = uniform_ids(&mut self.rng, batch_size, seq_len, tgt_vocab_size);
+        self.produced += 1;
         NmtBatch {
             batch_size,
             src_len: seq_len,
@@ -131,6 +150,21 @@ impl SyntheticLm {
             rng: rank_rng(cfg.seed, rank),
             produced: 0,
         })
+    }
+
+    /// Where the stream stands: the batches handed out and the generator's state.
+    pub fn position(&self) -> SyntheticPosition {
+        SyntheticPosition {
+            batches: self.produced,
+            word_pos: self.rng.get_word_pos(),
+        }
+    }
+
+    /// Moves the stream to `position` (from [`SyntheticLm::position`] of a generator of
+    /// the same seed and rank): the next batch is the one that generator made next.
+    pub fn seek(&mut self, position: SyntheticPosition) {
+        self.rng.set_word_pos(position.word_pos);
+        self.produced = position.batches;
     }
 
     /// The next batch.
@@ -265,5 +299,35 @@ mod tests {
         assert!(!batches[1].first_in_epoch && !batches[2].first_in_epoch);
         assert_eq!(batches[0].words(), 8);
         assert!(batches[1].inputs.iter().all(|&id| id < 10));
+    }
+
+    #[test]
+    fn a_generator_moved_to_a_saved_position_continues_the_stream() {
+        let mut straight = SyntheticNmt::new(cfg(), 1).expect("valid");
+        for _ in 0..3 {
+            straight.next_batch();
+        }
+        let saved = straight.position();
+        assert_eq!(saved.batches, 3);
+        let mut resumed = SyntheticNmt::new(cfg(), 1).expect("valid");
+        resumed.seek(saved);
+        for _ in 0..2 {
+            assert_eq!(resumed.next_batch(), straight.next_batch());
+        }
+        assert_eq!(resumed.position(), straight.position());
+
+        let lm = SyntheticLmConfig {
+            vocab_size: 10,
+            steps: 3,
+            batch_size: 2,
+            seed: 4,
+        };
+        let mut straight = SyntheticLm::new(lm, 0).expect("valid");
+        straight.next_batch();
+        let mut resumed = SyntheticLm::new(lm, 0).expect("valid");
+        resumed.seek(straight.position());
+        let (a, b) = (resumed.next_batch(), straight.next_batch());
+        assert_eq!(a, b);
+        assert!(!a.first_in_epoch);
     }
 }

@@ -5,13 +5,19 @@
 //! magic   8 bytes  b"RTCKPT\r\n"
 //! version u32      CHECKPOINT_VERSION
 //! len     u64      length of the JSON header
-//! header  len      JSON: config, step, parameter count, optimizer kind, loss scaler
+//! header  len      JSON: config, step, parameter count, optimizer kind, loss scaler,
+//!                  every rank's input position
 //! params  4·n      f32 parameters
 //! state   4·2n     Adam's m then v (absent for SGD)
 //! crc32   u32      crc32 (IEEE) of every byte before it
 //! ```
 //! Writes go to `FILE.tmp`, are fsynced, then renamed over `FILE`, so a crash leaves the
 //! old checkpoint or the new one, never half of one.
+//!
+//! Version 3 added the input positions ([`InputPosition`], one per rank: the batch after
+//! the last one each rank trained on), so that a resumed run reads on where the
+//! checkpointed one stopped; older versions are refused with
+//! [`Error::CheckpointVersion`].
 
 use std::fs;
 use std::io::Write;
@@ -21,12 +27,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
+use crate::input::InputPosition;
 use crate::optimizer::{LossScaler, OptimizerState};
 
 /// First bytes of every checkpoint.
 pub const CHECKPOINT_MAGIC: [u8; 8] = *b"RTCKPT\r\n";
 /// Format version this build writes and reads.
-pub const CHECKPOINT_VERSION: u32 = 2;
+pub const CHECKPOINT_VERSION: u32 = 3;
 
 /// Everything needed to continue a run.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,6 +48,9 @@ pub struct Checkpoint {
     pub optimizer: OptimizerState,
     /// Loss scaler (fp16 gradients only).
     pub loss_scaler: Option<LossScaler>,
+    /// Every rank's input position after the last batch it trained on, by rank (`None`
+    /// for a rank that reads no data or an input that knows no position).
+    pub input: Vec<Option<InputPosition>>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -50,6 +60,7 @@ struct Header {
     param_count: u64,
     adam_step: Option<u32>,
     loss_scaler: Option<LossScaler>,
+    input: Vec<Option<InputPosition>>,
 }
 
 fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
@@ -83,6 +94,7 @@ impl Checkpoint {
             param_count: self.params.len() as u64,
             adam_step,
             loss_scaler: self.loss_scaler,
+            input: self.input.clone(),
         };
         let json = serde_json::to_vec(&header).map_err(|source| Error::Json {
             action: "serialising the checkpoint header",
@@ -126,16 +138,19 @@ impl Checkpoint {
         let (body, crc_bytes) = bytes.split_at(bytes.len() - 4);
         let stored = u32::from_le_bytes([crc_bytes[0], crc_bytes[1], crc_bytes[2], crc_bytes[3]]);
         let version = u32::from_le_bytes([body[8], body[9], body[10], body[11]]);
-        if version != CHECKPOINT_VERSION {
-            return Err(corrupt(format!(
-                "format version {version} is not the version {CHECKPOINT_VERSION} this build reads"
-            )));
-        }
         let computed = crc32fast::hash(body);
         if computed != stored {
             return Err(corrupt(format!(
                 "checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): the file was damaged or truncated"
             )));
+        }
+        // After the checksum: a damaged version field is damage, not an old file.
+        if version != CHECKPOINT_VERSION {
+            return Err(Error::CheckpointVersion {
+                path: path.to_path_buf(),
+                found: version,
+                expected: CHECKPOINT_VERSION,
+            });
         }
         let mut len_bytes = [0u8; 8];
         len_bytes.copy_from_slice(&body[12..20]);
@@ -179,6 +194,7 @@ impl Checkpoint {
             params,
             optimizer,
             loss_scaler: header.loss_scaler,
+            input: header.input,
         })
     }
 
@@ -297,6 +313,33 @@ mod tests {
                 step: 12,
             },
             loss_scaler: Some(LossScaler::default()),
+            input: vec![
+                Some(InputPosition {
+                    kind: crate::input::InputKind::Translation,
+                    seed: 5,
+                    workers: 2,
+                    rank: 0,
+                    batch_size: 4,
+                    stream: crate::input::StreamPosition::Epoch(ringtrain_data::EpochPosition {
+                        epoch: 1,
+                        batch: 7,
+                    }),
+                }),
+                None,
+                Some(InputPosition {
+                    kind: crate::input::InputKind::SyntheticNmt,
+                    seed: u64::MAX,
+                    workers: 3,
+                    rank: 2,
+                    batch_size: 1,
+                    stream: crate::input::StreamPosition::Synthetic(
+                        ringtrain_data::SyntheticPosition {
+                            batches: 9,
+                            word_pos: (1u128 << 66) + 5,
+                        },
+                    ),
+                }),
+            ],
         }
     }
 
@@ -320,6 +363,26 @@ mod tests {
         }
         let err = Checkpoint::from_bytes(&bytes[..bytes.len() / 2], &path).unwrap_err();
         assert!(err.to_string().contains("corrupt"), "{err}");
+    }
+
+    #[test]
+    fn an_older_version_is_refused_naming_both_versions() {
+        let ck = sample();
+        let mut bytes = ck.to_bytes().unwrap();
+        bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+        let body = bytes.len() - 4;
+        let crc = crc32fast::hash(&bytes[..body]);
+        bytes[body..].copy_from_slice(&crc.to_le_bytes());
+        let err = Checkpoint::from_bytes(&bytes, Path::new("old.ckpt")).unwrap_err();
+        assert!(
+            matches!(err, Error::CheckpointVersion { found: 2, .. }),
+            "{err}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("old.ckpt") && msg.contains("version 2") && msg.contains("version 3"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -36,6 +36,20 @@ pub enum Error {
         /// What check failed.
         reason: String,
     },
+    /// A checkpoint in a format version this build does not read.
+    #[error(
+        "checkpoint `{path}` has format version {found}, but this build reads version {expected} only \
+         (version {expected} adds the input position and the step a resumed run continues from); \
+         resume it with the ringtrain that wrote it, or start a new run without --resume"
+    )]
+    CheckpointVersion {
+        /// The file concerned.
+        path: PathBuf,
+        /// The version in the file.
+        found: u32,
+        /// The version this build reads.
+        expected: u32,
+    },
     /// A valid checkpoint that was written for a different model or run shape.
     #[error(
         "checkpoint `{path}` does not match this run: {field} is {found} in the checkpoint but {expected} now; \

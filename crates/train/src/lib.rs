@@ -13,7 +13,8 @@
 //! The [`ThroughputMeter`] follows the seeds' rule (warm-up batches excluded, words =
 //! source + target over all ranks, jitter = 1.4826 × MAD), and the run ends in a
 //! [`RunReport`] that rank 0 prints and writes as JSON. [`Checkpoint`]s are written
-//! atomically with a magic number, version, config and crc32.
+//! atomically with a magic number, version, config and crc32, and hold every rank's
+//! [`InputPosition`], so that a resumed run reads on where the checkpointed one stopped.
 //!
 //! ```
 //! use std::time::Duration;
@@ -59,7 +60,9 @@ pub use config::{
 };
 pub use device::{local_rank, local_rank_from_env, LocalRank, LocalRankSource};
 pub use error::{Error, Result};
-pub use input::InputPipeline;
+pub use input::{
+    BatchSource, InputBatches, InputKind, InputPipeline, InputPosition, StreamPosition,
+};
 pub use optimizer::{LossScaler, Optimizer, OptimizerState};
 pub use report::{RankFigures, RunReport};
 pub use ringtrain_model::{EncoderKind, GemmPrecision, LstmImpl};

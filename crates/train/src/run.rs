@@ -3,10 +3,10 @@
 
 use ringtrain_collective::Communicator;
 
-use crate::config::{DataSource, ValidatedConfig};
+use crate::config::ValidatedConfig;
 use crate::device::{check_host_memory, cpu_threads, LocalRank, LocalRankSource};
 use crate::error::{Error, Result};
-use crate::input::InputPipeline;
+use crate::input::{BatchSource, InputPipeline};
 use crate::trainable::{build_model, memory_estimate};
 use crate::trainer::{train, LogSink, TrainOutcome};
 
@@ -45,22 +45,11 @@ pub fn run_rank(
     }
     // A dedicated parameter server reads no data but needs the vocabulary sizes: it
     // builds worker 0's pipeline only to learn them, and drops it at once.
-    // Synthetic batches are as big as the flags say: check before the first is made.
-    // A corpus bounds the batch; its vocabularies are known once it is loaded.
-    let check_memory = |src_vocab, tgt_vocab| {
-        check_host_memory(
-            &memory_estimate(cfg, src_vocab, tgt_vocab, rank)?,
-            local.size,
-        )
-    };
-    let synthetic = *cfg.data_source() == DataSource::Synthetic;
-    if synthetic {
-        let vocab = cfg.config().data.vocab_size;
-        check_memory(vocab, vocab)?;
-    }
+    // The pipeline's thread starts at the first batch, after a resume has moved it
+    // and after the memory check below.
     let InputPipeline {
         notes,
-        batches,
+        mut batches,
         src_vocab_size,
         tgt_vocab_size,
     } = InputPipeline::new(cfg, if cfg.is_worker(rank) { rank } else { 0 })?;
@@ -69,17 +58,18 @@ pub fn run_rank(
             log(&format!("ringtrain: {note}"));
         }
     }
-    let mut batches: Box<dyn Iterator<Item = ringtrain_data::Result<_>>> = if cfg.is_worker(rank) {
-        Box::new(batches)
+    let mut no_batches = std::iter::empty();
+    let source: &mut dyn BatchSource = if cfg.is_worker(rank) {
+        &mut batches
     } else {
-        drop(batches);
-        Box::new(std::iter::empty())
+        &mut no_batches
     };
-    if !synthetic {
-        check_memory(src_vocab_size, tgt_vocab_size)?;
-    }
+    check_host_memory(
+        &memory_estimate(cfg, src_vocab_size, tgt_vocab_size, rank)?,
+        local.size,
+    )?;
     let mut model = build_model(cfg, src_vocab_size, tgt_vocab_size, local.rank, threads)?;
-    let outcome = train(cfg, comm, model.as_mut(), &mut batches, log)?;
+    let outcome = train(cfg, comm, model.as_mut(), source, log)?;
     if rank == 0 {
         if let Some(path) = &cfg.config().output.json_report {
             outcome.report.write_json(path)?;

@@ -250,10 +250,12 @@ options! {
         /// Clip gradients to this global norm (0 = no clipping).
         #[arg(long, alias = "max_gradient_norm", allow_hyphen_values = true, value_parser = finite)]
         max_gradient_norm: f32 = 5.0,
-        /// Batches run before timing starts (not counted).
+        /// Batches run before timing starts (not counted). After --resume the first
+        /// batches of the new process are warm-up again.
         #[arg(long, alias = "warmup_batches")]
         warmup_batches: usize = 10,
-        /// Batches timed after the warm-up.
+        /// Batches timed after the warm-up. After --resume: this many more (step numbers
+        /// go on from the checkpoint's).
         #[arg(long, alias = "timed_batches", alias = "num_batches")]
         timed_batches: usize = 20,
         /// Seed for the initial parameters and synthetic data.
@@ -276,7 +278,12 @@ options! {
         /// Also write the checkpoint every N steps (0 = only at the end).
         #[arg(long)]
         checkpoint_every: usize = 0,
-        /// Load --checkpoint before training and continue from it.
+        /// Load --checkpoint before training and continue from it: parameters, optimizer
+        /// state, step and every rank's input position. With the same number of workers,
+        /// batch size and seed each rank reads on after its last trained batch (the run
+        /// ends with the bits of an uninterrupted one); with another number, the shards are
+        /// re-cut and a corpus restarts the checkpoint's epoch from its first batch, while
+        /// synthetic ranks continue their own streams (new ranks start theirs).
         #[arg(long)]
         resume: bool,
         /// Write the run report (config, words/s over all ranks, per-rank figures, time

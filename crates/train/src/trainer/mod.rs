@@ -12,10 +12,11 @@ use ringtrain_collective::Communicator;
 
 use crate::config::ValidatedConfig;
 use crate::error::Result;
+use crate::input::BatchSource;
 use crate::report::RunReport;
 use crate::strategy::StepStats;
 use crate::throughput::{format_step_line, rate_stats, ThroughputMeter};
-use crate::trainable::{Batch, TrainableModel};
+use crate::trainable::TrainableModel;
 
 mod setup;
 mod step;
@@ -39,6 +40,14 @@ pub type LogSink<'a> = dyn FnMut(&str) + 'a;
 /// `--variable-update` over `comm`. Every rank calls it with the same config. Rank 0's
 /// log lines go to `log`.
 ///
+/// With `--resume` the run continues the checkpoint's: parameters, optimizer state and
+/// loss scale are restored, `batches` moves to the input position each rank saved
+/// ([`BatchSource::resume`]; an iterator of batches is positioned by its caller), step
+/// numbers go on from the checkpoint's step, and rank 0 logs "resumed from step N of
+/// FILE". `--warmup-batches W --timed-batches N` then run W + N more steps, the first W
+/// of them warm-up again: a new process allocates and starts up anew, which is what the
+/// warm-up keeps out of the measurement.
+///
 /// # Errors
 /// Everything the steps can fail with; ranks started with different flags, and failures
 /// of one rank to load or write a checkpoint, fail every rank.
@@ -46,10 +55,10 @@ pub fn train(
     cfg: &ValidatedConfig,
     comm: Communicator,
     model: &mut dyn TrainableModel,
-    batches: &mut dyn Iterator<Item = ringtrain_data::Result<Batch>>,
+    batches: &mut dyn BatchSource,
     log: &mut LogSink<'_>,
 ) -> Result<TrainOutcome> {
-    let mut session = Session::start(cfg, comm, model)?;
+    let mut session = Session::start(cfg, comm, model, batches)?;
     let rank = session.rank;
     let run = &cfg.config().run;
     let output = &cfg.config().output;
@@ -65,6 +74,9 @@ pub fn train(
             cfg.global_batch_size(),
             run.optimizer
         ));
+        if let Some(note) = &session.resumed {
+            log(&format!("ringtrain: {note}"));
+        }
         log("  step\twords/sec: mean +/- jitter\tloss");
     }
 
@@ -73,7 +85,9 @@ pub fn train(
     let mut last = StepStats::default();
     let total = cfg.total_steps();
     for i in 1..=total {
-        let done = session.step(i, model, batches)?;
+        let done = session.step(model, batches)?;
+        // Step numbers go on from a resumed checkpoint's; warm-up counts this process's.
+        let step = session.step as usize;
         let global_words = if session.strategy.averages_globally() {
             done.outcome.stats.words
         } else {
@@ -81,18 +95,19 @@ pub fn train(
         };
         last = done.outcome.stats;
         let loss = last.mean_loss();
-        if meter.record_step(i, done.elapsed, global_words, loss, done.breakdown) {
+        if meter.record_step(step, done.elapsed, global_words, loss, done.breakdown) {
             timed.words += done.local.words;
             timed.launches += done.launches as f64;
         }
-        if rank == 0 && output.display_every > 0 && (i % output.display_every == 0 || i == total) {
+        if rank == 0 && output.display_every > 0 && (step % output.display_every == 0 || i == total)
+        {
             let warmup = i <= run.warmup_batches;
             let stats = if warmup {
                 rate_stats(&[global_words / done.elapsed.as_secs_f64().max(1e-12)])
             } else {
                 meter.current()
             };
-            let mut line = format_step_line(i, stats, loss);
+            let mut line = format_step_line(step, stats, loss);
             if warmup {
                 line.push_str("\t(warm-up)");
             }

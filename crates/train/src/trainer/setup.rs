@@ -9,6 +9,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::ValidatedConfig;
 use crate::control::Control;
 use crate::error::{Error, Result};
+use crate::input::{BatchSource, InputPosition};
 use crate::optimizer::{LossScaler, Optimizer};
 use crate::strategy::Strategy;
 use crate::trainable::TrainableModel;
@@ -26,6 +27,10 @@ pub(super) struct Session<'a> {
     pub(super) step: u64,
     /// This rank's examples per step (0 for a dedicated parameter server).
     pub(super) batch_size: usize,
+    /// Where this rank's input stands after the last batch trained on.
+    pub(super) input: Option<InputPosition>,
+    /// What resuming did (`None`: the run did not resume): a line for the log.
+    pub(super) resumed: Option<String>,
 }
 
 impl<'a> Session<'a> {
@@ -38,6 +43,7 @@ impl<'a> Session<'a> {
         cfg: &'a ValidatedConfig,
         mut comm: Communicator,
         model: &mut dyn TrainableModel,
+        batches: &mut dyn BatchSource,
     ) -> Result<Self> {
         let rank = comm.rank();
         if comm.size() != cfg.world() {
@@ -87,7 +93,19 @@ impl<'a> Session<'a> {
         let fp16 = cfg.config().exchange.fp16_gradients;
         let mut scaler = fp16.then(LossScaler::default);
         let mut step = 0;
+        let mut resume_note = None;
         if let Some(ck) = resumed {
+            let moved = batches.resume(&ck.input);
+            let note = control.agree("to move the input to the checkpoint's position", moved)?;
+            let path = output.checkpoint.as_deref().unwrap_or(Path::new(""));
+            resume_note = Some(match note {
+                Some(note) => format!(
+                    "resumed from step {} of {}; {note}",
+                    ck.step,
+                    path.display()
+                ),
+                None => format!("resumed from step {} of {}", ck.step, path.display()),
+            });
             step = ck.step;
             optimizer.load_state(ck.optimizer)?;
             strategy.localize_optimizer_state(&mut optimizer);
@@ -109,6 +127,8 @@ impl<'a> Session<'a> {
             scaler,
             step,
             batch_size,
+            input: batches.position(),
+            resumed: resume_note,
         })
     }
 
@@ -123,6 +143,7 @@ impl<'a> Session<'a> {
         model: &dyn TrainableModel,
     ) -> Result<()> {
         let state = self.strategy.gather_optimizer_state(&self.optimizer)?;
+        let input = self.control.gather(&self.input)?;
         let local = if self.rank == 0 {
             model.params().and_then(|params| {
                 Checkpoint {
@@ -131,6 +152,7 @@ impl<'a> Session<'a> {
                     params: params.to_vec(),
                     optimizer: state,
                     loss_scaler: self.scaler,
+                    input,
                 }
                 .save(path)
             })

@@ -5,9 +5,10 @@ use std::time::{Duration, Instant};
 
 use super::setup::Session;
 use crate::error::{Error, Result};
+use crate::input::BatchSource;
 use crate::strategy::{StepContext, StepInputs, StepOutcome, StepStats, Wire};
 use crate::throughput::StepBreakdown;
-use crate::trainable::{Batch, TrainableModel};
+use crate::trainable::TrainableModel;
 
 /// What one step did on this rank.
 pub(super) struct StepResult {
@@ -40,16 +41,15 @@ impl Session<'_> {
         StepContext { wire }
     }
 
-    /// Runs step `i` (1-based) on `model` with the next batch of `batches`.
+    /// Runs the run's step `self.step + 1` on `model` with the next batch of `batches`.
     ///
     /// # Errors
     /// [`Error::InputEnded`] when the input runs dry; the model's, the strategy's and the
     /// input's errors.
     pub(super) fn step(
         &mut self,
-        i: usize,
         model: &mut dyn TrainableModel,
-        batches: &mut dyn Iterator<Item = ringtrain_data::Result<Batch>>,
+        batches: &mut dyn BatchSource,
     ) -> Result<StepResult> {
         let start = Instant::now();
         let mut breakdown = StepBreakdown::default();
@@ -58,10 +58,12 @@ impl Session<'_> {
         let mut launches = 0;
         if self.batch_size > 0 {
             let wait = Instant::now();
-            let batch = batches.next().ok_or(Error::InputEnded {
+            let batch = batches.next_batch().ok_or(Error::InputEnded {
                 rank: self.rank,
-                step: i,
+                step: self.step as usize + 1,
             })??;
+            // The batch is consumed: a checkpoint from here on resumes after it.
+            self.input = batches.position();
             breakdown.data_wait = wait.elapsed().as_secs_f64();
             let strategy = &mut self.strategy;
             let pass = model
