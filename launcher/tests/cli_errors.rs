@@ -185,3 +185,46 @@ fn launch_without_mpirun_says_to_run_setup() {
         "{err}"
     );
 }
+
+#[test]
+fn bench_allreduce_skips_sizes_below_one_element() {
+    let out = ringtrain(&[
+        "bench",
+        "allreduce",
+        "--min-bytes",
+        "1",
+        "--max-bytes",
+        "3",
+        "--small-tensors",
+        "0",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}\n{text}", stderr(&out));
+    assert!(
+        text.contains("skipped sizes below one f32 element") && text.contains("1, 2"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bench_allreduce_refuses_zero_iterations() {
+    let out = ringtrain(&["bench", "allreduce", "--iters", "0"]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("--iters") && err.contains("`0`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bench_allreduce_checks_memory_before_allocating() {
+    // 1 TiB per buffer: more than any test machine has, refused before any allocation.
+    let out = ringtrain(&["bench", "allreduce", "--max-bytes", "1024G"]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success()
+            && err.contains("--max-bytes 1099511627776")
+            && err.contains("GiB are available"),
+        "{err}"
+    );
+}
