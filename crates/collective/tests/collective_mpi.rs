@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
-use ringtrain::collective::{
+use ringtrain_collective::{
     Algorithm, AllReduceOptions, Communicator, DType, Element, Error, FusionConfig, FusionEngine,
     GradientPacker, GradientSpec, PackingConfig, ReduceOp, Tensor, TensorMut,
 };

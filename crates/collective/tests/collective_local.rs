@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use half::{bf16, f16};
 use proptest::prelude::*;
-use ringtrain::collective::{
+use ringtrain_collective::{
     ring_chunk_range, Algorithm, AllReduceOptions, Communicator, DType, Element, Error,
     FusionConfig, FusionEngine, GradientPacker, GradientSpec, PackingConfig, ReduceOp, Tensor,
     TensorMut, WireCompression,
@@ -458,7 +458,7 @@ fn fusion_timeline_is_chrome_trace_json_with_every_phase() {
     })
     .expect("run");
     for rank in 0..2 {
-        let file = ringtrain::collective::timeline_path_for_rank(&path, rank);
+        let file = ringtrain_collective::timeline_path_for_rank(&path, rank);
         let text = std::fs::read_to_string(&file).expect("timeline written");
         let json: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
         let events = json["traceEvents"].as_array().expect("traceEvents");
