@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use half::{bf16, f16};
-use mpi::collective::{CommunicatorCollectives as _, SystemOperation};
+use std::ffi::{c_int, c_void};
+
+use mpi::collective::{CommunicatorCollectives as _, SystemOperation, UnsafeUserOperation};
 use mpi::environment::Universe;
 use mpi::point_to_point::{Destination, Source};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
@@ -31,8 +33,10 @@ unsafe impl Send for Comm {}
 /// communicator while the trainer's control messages use a duplicate
 /// ([`Transport::duplicate`]). Started without mpirun, the world has one rank.
 pub struct MpiTransport {
-    // Declared before `universe` so that the communicator is freed before MPI_Finalize.
+    // Declared before `universe` so that the communicator and the operations are freed
+    // before MPI_Finalize.
     comm: Comm,
+    nan_ops: NanOps,
     universe: Arc<Universe>,
     rank: usize,
     size: usize,
@@ -77,6 +81,7 @@ impl MpiTransport {
         let size = usize::try_from(comm.size()).unwrap_or(1);
         MpiTransport {
             comm: Comm(comm),
+            nan_ops: NanOps::create(),
             universe,
             rank,
             size,
@@ -125,6 +130,105 @@ impl MpiTransport {
 }
 
 use mpi::datatype::Equivalence;
+
+/// Min and max as user-defined MPI operations that propagate NaN like the other
+/// algorithms do (`MPI_MIN` and `MPI_MAX` are C comparisons, which drop a NaN whenever
+/// it is compared second). Each calls the same kernel the ring and recursive doubling
+/// reduce with, so every algorithm gives the same answer for NaN and infinities.
+struct NanOps {
+    min_f32: UnsafeUserOperation,
+    max_f32: UnsafeUserOperation,
+    min_f64: UnsafeUserOperation,
+    max_f64: UnsafeUserOperation,
+}
+
+// SAFETY: an `MPI_Op` handle is an opaque reference into the MPI library, valid on every
+// thread under `MPI_THREAD_MULTIPLE` (see `Comm`); the operations are only read.
+unsafe impl Send for NanOps {}
+
+/// The body of an `MPI_User_function`: `inoutvec[i] = op(inoutvec[i], invec[i])`.
+///
+/// # Safety
+/// `invec` and `inoutvec` point to `*len` valid, distinct elements of `T` (MPI calls it
+/// only with the datatype the operation was used with, which the caller fixes per `T`).
+unsafe fn combine<T: ringtrain_kernels::ReduceElement>(
+    invec: *mut c_void,
+    inoutvec: *mut c_void,
+    len: *mut c_int,
+    pick: fn(&mut [T], &[T]) -> ringtrain_kernels::Result<()>,
+) {
+    let n = usize::try_from(*len).unwrap_or(0);
+    if n == 0 || invec.is_null() || inoutvec.is_null() {
+        return;
+    }
+    let src = std::slice::from_raw_parts(invec as *const T, n);
+    let acc = std::slice::from_raw_parts_mut(inoutvec as *mut T, n);
+    // The lengths are equal by construction, so the kernel cannot fail; a user function
+    // must not unwind into MPI either way.
+    let _ = pick(acc, src);
+}
+
+macro_rules! nan_op {
+    ($name:ident, $t:ty, $method:ident) => {
+        unsafe extern "C" fn $name(
+            invec: *mut c_void,
+            inoutvec: *mut c_void,
+            len: *mut c_int,
+            _datatype: *mut mpi::ffi::MPI_Datatype,
+        ) {
+            // SAFETY: MPI passes `*len` elements of the datatype this operation is used
+            // with, which `native_all_reduce` fixes to `$t`.
+            unsafe {
+                combine::<$t>(
+                    invec,
+                    inoutvec,
+                    len,
+                    <$t as ringtrain_kernels::ReduceElement>::$method,
+                )
+            }
+        }
+    };
+}
+
+nan_op!(nan_min_f32, f32, min_into);
+nan_op!(nan_max_f32, f32, max_into);
+nan_op!(nan_min_f64, f64, min_into);
+nan_op!(nan_max_f64, f64, max_into);
+
+impl NanOps {
+    fn create() -> NanOps {
+        // SAFETY: each function reads and writes exactly the `*len` elements MPI passes,
+        // of the type it is used with below (f32 operations only on f32 buffers, f64 on
+        // f64), and never unwinds.
+        unsafe {
+            NanOps {
+                min_f32: UnsafeUserOperation::commutative(nan_min_f32),
+                max_f32: UnsafeUserOperation::commutative(nan_max_f32),
+                min_f64: UnsafeUserOperation::commutative(nan_min_f64),
+                max_f64: UnsafeUserOperation::commutative(nan_max_f64),
+            }
+        }
+    }
+}
+
+/// Runs `MPI_Allreduce` with the sum, or with this transport's NaN-propagating min/max.
+fn all_reduce_with<T>(
+    world: &SimpleCommunicator,
+    ops: (&UnsafeUserOperation, &UnsafeUserOperation),
+    op: ReduceOp,
+    send: &[T],
+    recv: &mut [T],
+) where
+    T: Equivalence,
+{
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => {
+            world.all_reduce_into(send, recv, SystemOperation::sum())
+        }
+        ReduceOp::Min => world.all_reduce_into(send, recv, ops.0),
+        ReduceOp::Max => world.all_reduce_into(send, recv, ops.1),
+    }
+}
 
 impl Transport for MpiTransport {
     fn rank(&self) -> usize {
@@ -286,11 +390,8 @@ impl Transport for MpiTransport {
             ));
         }
         let world = self.world();
-        let mpi_op = match op {
-            ReduceOp::Sum | ReduceOp::Average => SystemOperation::sum(),
-            ReduceOp::Min => SystemOperation::min(),
-            ReduceOp::Max => SystemOperation::max(),
-        };
+        let f32_ops = (&self.nan_ops.min_f32, &self.nan_ops.max_f32);
+        let f64_ops = (&self.nan_ops.min_f64, &self.nan_ops.max_f64);
         let cast_err = |e: bytemuck::PodCastError| Error::Transport {
             rank: self.rank,
             detail: format!("buffer is not whole aligned {dtype} elements: {e}"),
@@ -299,19 +400,19 @@ impl Transport for MpiTransport {
             DType::F32 => {
                 let s: &[f32] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
                 let r: &mut [f32] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
-                world.all_reduce_into(s, r, mpi_op);
+                all_reduce_with(world, f32_ops, op, s, r);
             }
             DType::F64 => {
                 let s: &[f64] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
                 let r: &mut [f64] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
-                world.all_reduce_into(s, r, mpi_op);
+                all_reduce_with(world, f64_ops, op, s, r);
             }
             // MPI has no half types: reduce in f32 and round once at the end.
             DType::F16 => {
                 let s: &[f16] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
                 let wide: Vec<f32> = s.iter().map(|x| x.to_f32()).collect();
                 let mut out = vec![0f32; wide.len()];
-                world.all_reduce_into(&wide[..], &mut out[..], mpi_op);
+                all_reduce_with(world, f32_ops, op, &wide[..], &mut out[..]);
                 let r: &mut [f16] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
                 for (d, x) in r.iter_mut().zip(out) {
                     *d = f16::from_f32(x);
@@ -321,7 +422,7 @@ impl Transport for MpiTransport {
                 let s: &[bf16] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
                 let wide: Vec<f32> = s.iter().map(|x| x.to_f32()).collect();
                 let mut out = vec![0f32; wide.len()];
-                world.all_reduce_into(&wide[..], &mut out[..], mpi_op);
+                all_reduce_with(world, f32_ops, op, &wide[..], &mut out[..]);
                 let r: &mut [bf16] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
                 for (d, x) in r.iter_mut().zip(out) {
                     *d = bf16::from_f32(x);

@@ -44,6 +44,105 @@ fn expected<T: Element>(opts: &AllReduceOptions, size: usize, len: usize, salt: 
     v
 }
 
+/// An input with NaN and infinities among small exact values, at rank `rank` and
+/// element `i`: about one element in six of each rank is NaN or infinite.
+fn non_finite_input(rank: usize, i: usize, salt: usize) -> f64 {
+    const VALUES: [f64; 17] = [
+        f64::NAN,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        0.25,
+        -1.0,
+        2.0,
+        0.5,
+        -0.25,
+        3.0,
+        -2.0,
+        1.0,
+        0.75,
+        -0.5,
+        1.5,
+        -3.0,
+        0.125,
+        4.0,
+    ];
+    VALUES[(i * 7 + rank * 13 + salt * 11) % VALUES.len()]
+}
+
+/// The documented result for one element: NaN when any input is NaN (and for a sum of
+/// +inf and -inf), else the exact sum, minimum or maximum.
+fn non_finite_reference(op: ReduceOp, vals: impl Iterator<Item = f64> + Clone) -> f64 {
+    if vals.clone().any(f64::is_nan) {
+        return f64::NAN;
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => vals.sum(),
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+    }
+}
+
+/// Equal values, or NaN on both sides (NaN payloads may differ between algorithms).
+fn same_value<T: Element>(a: &[T], b: &[T]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            let (x, y) = (x.to_f64(), y.to_f64());
+            (x.is_nan() && y.is_nan()) || x == y
+        })
+}
+
+fn check_non_finite<T: Element>(
+    size: usize,
+    len: usize,
+    op: ReduceOp,
+    algorithm: Algorithm,
+    segment: usize,
+    salt: usize,
+) -> Result<(), TestCaseError> {
+    let opts = AllReduceOptions::with_op(op).algorithm(algorithm);
+    let outs = Communicator::run_local(size, |mut comm| {
+        comm.set_segment_bytes(segment);
+        let r = comm.rank();
+        let mut v: Vec<T> = (0..len)
+            .map(|i| T::from_f64(non_finite_input(r, i, salt)))
+            .collect();
+        comm.all_reduce(&mut v, &opts).map(|_| v)
+    })
+    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let mut want: Vec<T> = (0..len)
+        .map(|i| {
+            T::from_f64(non_finite_reference(
+                op,
+                (0..size).map(|r| non_finite_input(r, i, salt)),
+            ))
+        })
+        .collect();
+    if op == ReduceOp::Average {
+        T::scale(&mut want, 1.0 / size as f64);
+    }
+    let first = outs[0]
+        .as_ref()
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    for (rank, out) in outs.iter().enumerate() {
+        let out = out
+            .as_ref()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(bits(out), bits(first), "rank {} differs from rank 0", rank);
+    }
+    prop_assert!(
+        same_value(first, &want),
+        "{} {} {} size {} len {}: {:?} instead of {:?}",
+        T::NAME,
+        op,
+        algorithm,
+        size,
+        len,
+        first,
+        want
+    );
+    Ok(())
+}
+
 fn bits<T: Element>(v: &[T]) -> Vec<u8> {
     T::into_tensor(v.to_vec()).as_bytes().to_vec()
 }
@@ -132,6 +231,24 @@ proptest! {
             DType::F64 => check_all_reduce::<f64>(size, len, opts, segment, salt)?,
             DType::F16 => check_all_reduce::<f16>(size, len, opts, segment, salt)?,
             DType::BF16 => check_all_reduce::<bf16>(size, len, opts, segment, salt)?,
+        }
+    }
+
+    #[test]
+    fn nan_and_infinities_give_the_documented_result_with_every_algorithm(
+        size in 1usize..=9,
+        len in lengths(),
+        dtype in proptest::sample::select(DType::ALL.to_vec()),
+        op in ops(),
+        algorithm in algorithms(),
+        segment in prop_oneof![Just(8usize), 16usize..2048, Just(256 * 1024)],
+        salt in 0usize..17,
+    ) {
+        match dtype {
+            DType::F32 => check_non_finite::<f32>(size, len, op, algorithm, segment, salt)?,
+            DType::F64 => check_non_finite::<f64>(size, len, op, algorithm, segment, salt)?,
+            DType::F16 => check_non_finite::<f16>(size, len, op, algorithm, segment, salt)?,
+            DType::BF16 => check_non_finite::<bf16>(size, len, op, algorithm, segment, salt)?,
         }
     }
 

@@ -134,6 +134,88 @@ fn check_algorithms<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
     Ok(())
 }
 
+/// NaN, infinities and finite values at rank `rank`, element `i`. Element 0 is NaN on
+/// rank 0 and 0.25 elsewhere (the case `MPI_MIN` used to lose), element 1 the same with
+/// the NaN on the last rank.
+fn non_finite_input(rank: usize, size: usize, i: usize) -> f64 {
+    const VALUES: [f64; 7] = [
+        f64::NAN,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        0.25,
+        -1.0,
+        2.0,
+        f64::NAN,
+    ];
+    match i {
+        0 => [f64::NAN, 0.25][usize::from(rank != 0)],
+        1 => [f64::NAN, 0.25][usize::from(rank != size - 1)],
+        _ => VALUES[(i * 5 + rank * 3) % VALUES.len()],
+    }
+}
+
+fn non_finite_reference(op: ReduceOp, size: usize, i: usize) -> f64 {
+    let vals = (0..size).map(|r| non_finite_input(r, size, i));
+    if vals.clone().any(f64::is_nan) {
+        return f64::NAN;
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => {
+            vals.sum::<f64>()
+                / if op == ReduceOp::Average {
+                    size as f64
+                } else {
+                    1.0
+                }
+        }
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+    }
+}
+
+/// Every algorithm, and `native_all_reduce_into`, gives the documented result for NaN
+/// and infinities: NaN when any rank has NaN.
+fn check_non_finite<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
+    let (r, n) = (comm.rank(), comm.size());
+    for &len in &[2usize, 3, 17, 1000] {
+        let input: Vec<T> = (0..len)
+            .map(|i| T::from_f64(non_finite_input(r, n, i)))
+            .collect();
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Average,
+            ReduceOp::Min,
+            ReduceOp::Max,
+        ] {
+            let want: Vec<f64> = (0..len).map(|i| non_finite_reference(op, n, i)).collect();
+            let check = |what: &str, got: &[T]| {
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let g = g.to_f64();
+                    assert!(
+                        (g.is_nan() && w.is_nan()) || g == *w,
+                        "rank {r}: {} {op} {what} len {len}: element {i} is {g}, expected {w}",
+                        T::NAME
+                    );
+                }
+            };
+            for alg in [
+                Algorithm::Ring,
+                Algorithm::RecursiveDoubling,
+                Algorithm::Auto,
+                Algorithm::Mpi,
+            ] {
+                let mut v = input.clone();
+                comm.all_reduce(&mut v, &AllReduceOptions::with_op(op).algorithm(alg))?;
+                check(alg.name(), &v);
+            }
+            let mut out = input.clone();
+            comm.native_all_reduce_into(&input, &mut out, op)?;
+            check("native_all_reduce_into", &out);
+        }
+    }
+    Ok(())
+}
+
 #[test]
 #[ignore = "MPI worker: run by the mpirun tests below"]
 fn mpi_worker_collectives() {
@@ -146,6 +228,10 @@ fn mpi_worker_collectives() {
     check_algorithms::<f64>(&mut comm).expect("f64");
     check_algorithms::<f16>(&mut comm).expect("f16");
     check_algorithms::<bf16>(&mut comm).expect("bf16");
+    check_non_finite::<f32>(&mut comm).expect("f32 non-finite");
+    check_non_finite::<f64>(&mut comm).expect("f64 non-finite");
+    check_non_finite::<f16>(&mut comm).expect("f16 non-finite");
+    check_non_finite::<bf16>(&mut comm).expect("bf16 non-finite");
 
     // Broadcast from every root, all-gather with per-rank sizes, reduce-scatter, barrier.
     for root in 0..n {
