@@ -210,8 +210,59 @@ fn lengths() -> impl Strategy<Value = usize> {
     ]
 }
 
+/// Cases per property: `PROPTEST_CASES` when set (a long soak), else `quick`, this
+/// file's default, sized for CI.
+fn cases(quick: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(quick)
+}
+
+/// `PROPTEST_CASES` sets the number of cases (checked in a child process, so the
+/// variable never changes under other tests running in this one).
+#[test]
+fn proptest_cases_follows_the_environment() {
+    if let Ok(expected) = std::env::var("RINGTRAIN_EXPECT_CASES") {
+        let runs = std::cell::Cell::new(0u32);
+        let mut runner =
+            proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(cases(5)));
+        runner
+            .run(&(0u32..10), |_| {
+                runs.set(runs.get() + 1);
+                Ok(())
+            })
+            .expect("the property holds");
+        assert_eq!(runs.get().to_string(), expected, "cases run");
+        return;
+    }
+    for (env, expected) in [(Some("3"), "3"), (None, "5")] {
+        let mut child =
+            std::process::Command::new(std::env::current_exe().expect("test executable"));
+        child
+            .args([
+                "--exact",
+                "proptest_cases_follows_the_environment",
+                "--test-threads",
+                "1",
+            ])
+            .env("RINGTRAIN_EXPECT_CASES", expected)
+            .env_remove("PROPTEST_CASES");
+        if let Some(v) = env {
+            child.env("PROPTEST_CASES", v);
+        }
+        let out = child.output().expect("the test executable runs");
+        assert!(
+            out.status.success(),
+            "PROPTEST_CASES={env:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig::with_cases(cases(64)))]
 
     #[test]
     fn all_reduce_is_exact_and_identical_on_every_rank(
@@ -392,7 +443,7 @@ fn fill_expected(t: &mut Tensor, size: usize, salt: usize) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig::with_cases(cases(24)))]
 
     #[test]
     fn fusion_reduces_every_tensor_in_any_submission_order(
@@ -450,7 +501,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(12))]
+    #![proptest_config(ProptestConfig::with_cases(cases(12)))]
 
     /// Duplicates (taken in the same order on every rank, possibly of duplicates) carry
     /// their own messages: a control all-reduce on a duplicate while the fusion engine
