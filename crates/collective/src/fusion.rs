@@ -583,7 +583,7 @@ impl Engine {
                 announcements: std::mem::take(&mut self.fresh),
                 fail,
             };
-            let gathered = comm.all_gather_bytes(&msg.encode())?;
+            let gathered = comm.negotiate(&msg.encode())?;
             let mut messages = Vec::with_capacity(size);
             for bytes in &gathered {
                 messages.push(CycleMessage::decode(bytes, self.rank)?);

@@ -97,6 +97,7 @@ mod mpi_transport;
 mod negotiation;
 mod options;
 mod packing;
+pub mod stall;
 mod timeline;
 mod transport;
 
@@ -113,5 +114,6 @@ pub use fusion::{FusionConfig, FusionEngine, Handle};
 pub use mpi_transport::MpiTransport;
 pub use options::{Algorithm, AllReduceOptions, ReduceOp, WireCompression};
 pub use packing::{GradientPacker, GradientSpec, PackingConfig, ReductionUnit, UnitPiece};
+pub use stall::{StallWatch, DEFAULT_STALL_TIMEOUT, STALL_EXIT_CODE};
 pub use timeline::timeline_path_for_rank;
 pub use transport::{LocalTransport, NodeRank, Transport};

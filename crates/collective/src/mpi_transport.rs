@@ -8,13 +8,15 @@ use std::ffi::{c_int, c_void};
 
 use mpi::collective::{CommunicatorCollectives as _, SystemOperation, UnsafeUserOperation};
 use mpi::environment::Universe;
-use mpi::point_to_point::{Destination, Source};
+use mpi::point_to_point::{Destination, MatchedReceiveVec as _, Source, Status};
+use mpi::request::{Request, Scope};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::Threading;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::options::ReduceOp;
+use crate::stall::{StallWatch, Wait, STALL_EXIT_CODE};
 use crate::transport::{segment_count, segment_range, NodeRank, Transport};
 
 /// An MPI communicator handle that may move to another thread.
@@ -37,6 +39,7 @@ pub struct MpiTransport {
     // before MPI_Finalize.
     comm: Comm,
     nan_ops: NanOps,
+    watch: StallWatch,
     universe: Arc<Universe>,
     rank: usize,
     size: usize,
@@ -73,15 +76,20 @@ impl MpiTransport {
                 ),
             });
         }
-        Ok(Self::over(universe.world(), Arc::new(universe)))
+        Ok(Self::over(
+            universe.world(),
+            Arc::new(universe),
+            StallWatch::default(),
+        ))
     }
 
-    fn over(comm: SimpleCommunicator, universe: Arc<Universe>) -> MpiTransport {
+    fn over(comm: SimpleCommunicator, universe: Arc<Universe>, watch: StallWatch) -> MpiTransport {
         let rank = usize::try_from(comm.rank()).unwrap_or(0);
         let size = usize::try_from(comm.size()).unwrap_or(1);
         MpiTransport {
             comm: Comm(comm),
             nan_ops: NanOps::create(),
+            watch,
             universe,
             rank,
             size,
@@ -90,6 +98,69 @@ impl MpiTransport {
 
     fn world(&self) -> &SimpleCommunicator {
         &self.comm.0
+    }
+
+    /// Prints the stall and aborts the job: a blocked MPI call cannot be cancelled, and
+    /// the other ranks would wait for this one next.
+    fn abort_stalled(&self, error: Error) -> ! {
+        eprintln!("ringtrain-collective: ERROR: {error}; aborting the job (MPI_Abort)");
+        // Let the other waiting ranks print their own view before MPI_Abort ends them.
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        self.world().abort(STALL_EXIT_CODE)
+    }
+
+    /// Polls `requests` (each with the peer it waits for, `usize::MAX` when unknown)
+    /// until all complete; returns their statuses in order. Aborts the job when the
+    /// stall timeout runs out.
+    fn complete<'a, D: ?Sized, S: Scope<'a>>(
+        &self,
+        requests: Vec<(usize, Request<'a, D, S>)>,
+    ) -> Vec<Status> {
+        let mut pending: Vec<(usize, Option<Request<'a, D, S>>)> =
+            requests.into_iter().map(|(p, r)| (p, Some(r))).collect();
+        let mut statuses: Vec<Option<Status>> = vec![None; pending.len()];
+        let mut wait = Wait::new(&self.watch, self.rank);
+        loop {
+            let mut open = 0;
+            for (k, (_, slot)) in pending.iter_mut().enumerate() {
+                if let Some(req) = slot.take() {
+                    match req.test() {
+                        Ok(status) => statuses[k] = Some(status),
+                        Err(req) => {
+                            *slot = Some(req);
+                            open += 1;
+                        }
+                    }
+                }
+            }
+            if open == 0 {
+                return statuses.into_iter().flatten().collect();
+            }
+            let peers = || {
+                pending
+                    .iter()
+                    .filter(|(p, r)| r.is_some() && *p != usize::MAX)
+                    .map(|(p, _)| *p)
+                    .collect()
+            };
+            if let Err(e) = wait.pause(peers) {
+                self.abort_stalled(e);
+            }
+        }
+    }
+
+    /// Receives the next message from `peer`, of any length, within the stall timeout.
+    fn receive_any_length(&self, peer: usize) -> Vec<u8> {
+        let source = self.world().process_at_rank(peer as i32);
+        let mut wait = Wait::new(&self.watch, self.rank);
+        loop {
+            if let Some(probed) = source.immediate_matched_probe() {
+                return probed.matched_receive_vec::<u8>().0;
+            }
+            if let Err(e) = wait.pause(|| vec![peer]) {
+                self.abort_stalled(e);
+            }
+        }
     }
 
     fn check(&self, peer: usize, bytes: usize) -> Result<()> {
@@ -211,22 +282,30 @@ impl NanOps {
     }
 }
 
-/// Runs `MPI_Allreduce` with the sum, or with this transport's NaN-propagating min/max.
-fn all_reduce_with<T>(
-    world: &SimpleCommunicator,
-    ops: (&UnsafeUserOperation, &UnsafeUserOperation),
-    op: ReduceOp,
-    send: &[T],
-    recv: &mut [T],
-) where
-    T: Equivalence,
-{
-    match op {
-        ReduceOp::Sum | ReduceOp::Average => {
-            world.all_reduce_into(send, recv, SystemOperation::sum())
-        }
-        ReduceOp::Min => world.all_reduce_into(send, recv, ops.0),
-        ReduceOp::Max => world.all_reduce_into(send, recv, ops.1),
+impl MpiTransport {
+    /// `MPI_Iallreduce`, polled within the stall timeout, with the sum or with this
+    /// transport's NaN-propagating min/max.
+    fn all_reduce_with<T>(
+        &self,
+        ops: (&UnsafeUserOperation, &UnsafeUserOperation),
+        op: ReduceOp,
+        send: &[T],
+        recv: &mut [T],
+    ) where
+        T: Equivalence,
+    {
+        let world = self.world();
+        mpi::request::scope(|scope| {
+            let request = match op {
+                ReduceOp::Sum | ReduceOp::Average => {
+                    world.immediate_all_reduce_into(scope, send, recv, SystemOperation::sum())
+                }
+                ReduceOp::Min => world.immediate_all_reduce_into(scope, send, recv, ops.0),
+                ReduceOp::Max => world.immediate_all_reduce_into(scope, send, recv, ops.1),
+            };
+            // MPI does not say which ranks a collective waits for.
+            self.complete(vec![(usize::MAX, request)]);
+        });
     }
 }
 
@@ -241,22 +320,34 @@ impl Transport for MpiTransport {
         "mpi"
     }
 
+    fn stall_watch(&self) -> &StallWatch {
+        &self.watch
+    }
+
     fn send(&self, peer: usize, data: &[u8]) -> Result<()> {
         self.check(peer, data.len())?;
-        self.world().process_at_rank(peer as i32).send(data);
+        let dst = self.world().process_at_rank(peer as i32);
+        mpi::request::scope(|scope| {
+            self.complete(vec![(peer, dst.immediate_send(scope, data))]);
+        });
         Ok(())
     }
 
     fn recv(&self, peer: usize, buf: &mut [u8]) -> Result<()> {
         self.check(peer, buf.len())?;
-        let status = self.world().process_at_rank(peer as i32).receive_into(buf);
-        self.check_status(status, peer, buf.len())
+        let src = self.world().process_at_rank(peer as i32);
+        let len = buf.len();
+        let status = mpi::request::scope(|scope| {
+            self.complete(vec![(peer, src.immediate_receive_into(scope, buf))])[0]
+        });
+        self.check_status(status, peer, len)
     }
 
     fn duplicate(&self) -> Result<Box<dyn Transport>> {
         Ok(Box::new(Self::over(
             self.world().duplicate(),
             Arc::clone(&self.universe),
+            self.watch.duplicate(),
         )))
     }
 
@@ -270,11 +361,7 @@ impl Transport for MpiTransport {
 
     fn recv_vec(&self, peer: usize) -> Result<Vec<u8>> {
         self.check(peer, 0)?;
-        let (data, _status) = self
-            .world()
-            .process_at_rank(peer as i32)
-            .receive_vec::<u8>();
-        Ok(data)
+        Ok(self.receive_any_length(peer))
     }
 
     /// Non-blocking sends to every peer, then receives of unknown length (matched probe).
@@ -286,19 +373,20 @@ impl Transport for MpiTransport {
         mpi::request::scope(|scope| {
             let sends: Vec<_> = (1..n)
                 .map(|k| {
-                    world
-                        .process_at_rank(((r + k) % n) as i32)
-                        .immediate_send(scope, data)
+                    let peer = (r + k) % n;
+                    (
+                        peer,
+                        world
+                            .process_at_rank(peer as i32)
+                            .immediate_send(scope, data),
+                    )
                 })
                 .collect();
             for k in 1..n {
                 let peer = (r + n - k) % n;
-                let (v, _status) = world.process_at_rank(peer as i32).receive_vec::<u8>();
-                out[peer] = v;
+                out[peer] = self.receive_any_length(peer);
             }
-            for s in sends {
-                s.wait();
-            }
+            self.complete(sends);
         });
         out[r] = data.to_vec();
         Ok(out)
@@ -308,13 +396,15 @@ impl Transport for MpiTransport {
         self.check(to, send.len())?;
         self.check(from, recv.len())?;
         let world = self.world();
-        let status = mpi::point_to_point::send_receive_into(
-            send,
-            &world.process_at_rank(to as i32),
-            recv,
-            &world.process_at_rank(from as i32),
-        );
-        self.check_status(status, from, recv.len())
+        let len = recv.len();
+        let status = mpi::request::scope(|scope| {
+            let rreq = world
+                .process_at_rank(from as i32)
+                .immediate_receive_into(scope, recv);
+            let sreq = world.process_at_rank(to as i32).immediate_send(scope, send);
+            self.complete(vec![(from, rreq), (to, sreq)])[0]
+        });
+        self.check_status(status, from, len)
     }
 
     /// Non-blocking segments: segment k is received and sent while segment k - 1 is
@@ -356,10 +446,16 @@ impl Transport for MpiTransport {
                     Some(p) => on_segment(p.start, &done[p]),
                     None => Ok(()),
                 };
-                let status = rreq.map(|q| q.wait());
-                if let Some(q) = sreq {
-                    q.wait();
+                let mut requests = Vec::with_capacity(2);
+                let has_recv = rreq.is_some();
+                if let Some(q) = rreq {
+                    requests.push((from, q));
                 }
+                if let Some(q) = sreq {
+                    requests.push((to, q));
+                }
+                let statuses = self.complete(requests);
+                let status = has_recv.then(|| statuses[0]);
                 (processed, status)
             });
             let (processed, status) = result;
@@ -389,7 +485,6 @@ impl Transport for MpiTransport {
                 "pass a receive buffer as long as the send buffer",
             ));
         }
-        let world = self.world();
         let f32_ops = (&self.nan_ops.min_f32, &self.nan_ops.max_f32);
         let f64_ops = (&self.nan_ops.min_f64, &self.nan_ops.max_f64);
         let cast_err = |e: bytemuck::PodCastError| Error::Transport {
@@ -400,19 +495,19 @@ impl Transport for MpiTransport {
             DType::F32 => {
                 let s: &[f32] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
                 let r: &mut [f32] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
-                all_reduce_with(world, f32_ops, op, s, r);
+                self.all_reduce_with(f32_ops, op, s, r);
             }
             DType::F64 => {
                 let s: &[f64] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
                 let r: &mut [f64] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
-                all_reduce_with(world, f64_ops, op, s, r);
+                self.all_reduce_with(f64_ops, op, s, r);
             }
             // MPI has no half types: reduce in f32 and round once at the end.
             DType::F16 => {
                 let s: &[f16] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
                 let wide: Vec<f32> = s.iter().map(|x| x.to_f32()).collect();
                 let mut out = vec![0f32; wide.len()];
-                all_reduce_with(world, f32_ops, op, &wide[..], &mut out[..]);
+                self.all_reduce_with(f32_ops, op, &wide[..], &mut out[..]);
                 let r: &mut [f16] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
                 for (d, x) in r.iter_mut().zip(out) {
                     *d = f16::from_f32(x);
@@ -422,7 +517,7 @@ impl Transport for MpiTransport {
                 let s: &[bf16] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
                 let wide: Vec<f32> = s.iter().map(|x| x.to_f32()).collect();
                 let mut out = vec![0f32; wide.len()];
-                all_reduce_with(world, f32_ops, op, &wide[..], &mut out[..]);
+                self.all_reduce_with(f32_ops, op, &wide[..], &mut out[..]);
                 let r: &mut [bf16] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
                 for (d, x) in r.iter_mut().zip(out) {
                     *d = bf16::from_f32(x);

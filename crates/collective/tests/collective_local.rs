@@ -696,3 +696,58 @@ fn unwritable_timeline_path_fails_at_start_naming_the_file() {
     let msg = err.to_string();
     assert!(msg.contains("/nonexistent-dir/trace.rank0.json"), "{msg}");
 }
+
+/// A rank that stops taking part: the others' waits end with an error naming it after the
+/// stall timeout, instead of blocking for ever.
+#[test]
+fn a_stalled_rank_is_named_by_the_waiting_ranks() {
+    for algorithm in [Algorithm::Ring, Algorithm::RecursiveDoubling] {
+        let outs = Communicator::run_local(3, |mut comm| {
+            comm.set_stall_timeout(Some(Duration::from_millis(300)));
+            comm.set_stall_context("step 7");
+            if comm.rank() == 2 {
+                // Stuck: alive (its endpoints stay open) but not taking part.
+                std::thread::sleep(Duration::from_secs(3));
+                return Ok(());
+            }
+            let mut v = vec![1.0f32; 100];
+            comm.all_reduce(&mut v, &AllReduceOptions::sum().algorithm(algorithm))
+        })
+        .expect("threads");
+        let mut named = false;
+        for out in &outs[..2] {
+            let err = out.as_ref().expect_err("a stalled rank must fail the wait");
+            let msg = err.to_string();
+            match err {
+                Error::StallTimeout { .. } => {
+                    assert!(
+                        msg.contains("step 7") && msg.contains("all-reduce"),
+                        "{msg}"
+                    );
+                    named |= msg.contains("waiting for rank 2");
+                }
+                // A rank whose wait ended first has left; its partners see that at once.
+                Error::Transport { .. } => assert!(msg.contains("gone away"), "{msg}"),
+                other => panic!("unexpected error: {other}"),
+            }
+        }
+        assert!(named, "{algorithm}: no rank named rank 2: {outs:?}");
+    }
+}
+
+#[test]
+fn stall_timeout_off_waits_for_a_slow_rank() {
+    let outs = Communicator::run_local(2, |mut comm| {
+        comm.set_stall_timeout(None);
+        assert_eq!(comm.stall_timeout(), None);
+        if comm.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        let mut v = vec![1.0f32; 10];
+        comm.all_reduce(&mut v, &AllReduceOptions::sum()).map(|_| v)
+    })
+    .expect("threads");
+    for out in outs {
+        assert_eq!(out.expect("no stall error when off"), vec![2.0f32; 10]);
+    }
+}

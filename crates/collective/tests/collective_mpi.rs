@@ -18,6 +18,11 @@ const TIMEOUT: Duration = Duration::from_secs(90);
 
 /// Runs `worker` under `mpirun -np ranks`; returns (success, combined output).
 fn mpirun(ranks: usize, worker: &str) -> (bool, String) {
+    mpirun_env(ranks, worker, &[])
+}
+
+/// [`mpirun`] with extra environment variables for the workers.
+fn mpirun_env(ranks: usize, worker: &str, env: &[(&str, &str)]) -> (bool, String) {
     let exe = std::env::current_exe().expect("test executable path");
     let mut child = Command::new("mpirun")
         .arg("-np")
@@ -36,6 +41,7 @@ fn mpirun(ranks: usize, worker: &str) -> (bool, String) {
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
         .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         .env("RINGTRAIN_MPI_WORKER", "1")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -419,5 +425,98 @@ fn mpirun_mismatch_fails_on_every_rank_in_seconds() {
             "mismatch took {:?}",
             start.elapsed()
         );
+    }
+}
+
+/// Stall timeout of the stall test: short, so that the test is quick.
+const STALL_TIMEOUT: Duration = Duration::from_secs(4);
+
+#[test]
+#[ignore = "MPI worker: run by the mpirun tests below"]
+fn mpi_worker_stall() {
+    if std::env::var_os("RINGTRAIN_MPI_WORKER").is_none() {
+        return;
+    }
+    let mode = std::env::var("RINGTRAIN_STALL_MODE").expect("mode");
+    let pid_dir = std::env::var("RINGTRAIN_STALL_PID_DIR").expect("pid dir");
+    let comm = Communicator::mpi().expect("MPI init");
+    comm.set_stall_timeout(Some(STALL_TIMEOUT));
+    let (r, n) = (comm.rank(), comm.size());
+    let stop_here = |step: usize| {
+        if r == n - 1 && step == 5 {
+            // Leave the pid for the test to kill, then stop this whole process, as a
+            // stopped or stuck rank would.
+            let pid = std::process::id().to_string();
+            std::fs::write(format!("{pid_dir}/rank{r}.pid"), &pid).expect("pid file");
+            let _ = Command::new("kill").args(["-STOP", &pid]).status();
+        }
+    };
+    match mode.as_str() {
+        "fusion" => {
+            let engine = FusionEngine::start(comm, FusionConfig::default()).expect("engine");
+            for step in 0.. {
+                stop_here(step);
+                let h = engine.submit("grad", vec![1.0f32; 1000]).expect("submit");
+                h.wait().expect("reduce");
+            }
+        }
+        _ => {
+            let mut comm = comm;
+            let alg: Algorithm = mode.parse().expect("algorithm");
+            for step in 0.. {
+                stop_here(step);
+                comm.set_stall_context(format!("step {step}"));
+                let mut v = vec![1.0f32; 1000];
+                comm.all_reduce(&mut v, &AllReduceOptions::sum().algorithm(alg))
+                    .expect("all-reduce");
+            }
+        }
+    }
+}
+
+/// A rank stopped with SIGSTOP: every other rank reports it within the stall timeout
+/// and the job ends with a failure, whichever algorithm waits for it.
+#[test]
+fn mpirun_stopped_rank_aborts_the_job_naming_it() {
+    for (ranks, mode) in [(2, "ring"), (3, "rd"), (2, "mpi"), (3, "fusion")] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let dir_text = dir.path().display().to_string();
+        let start = Instant::now();
+        let (ok, output) = mpirun_env(
+            ranks,
+            "mpi_worker_stall",
+            &[
+                ("RINGTRAIN_STALL_MODE", mode),
+                ("RINGTRAIN_STALL_PID_DIR", &dir_text),
+            ],
+        );
+        let took = start.elapsed();
+        // Whatever happened, leave no stopped process behind.
+        if let Ok(pid) = std::fs::read_to_string(dir.path().join(format!("rank{}.pid", ranks - 1)))
+        {
+            let _ = Command::new("kill").args(["-KILL", pid.trim()]).status();
+        }
+        assert!(!ok, "{mode} at {ranks} ranks: mpirun succeeded:\n{output}");
+        assert!(
+            took < STALL_TIMEOUT + Duration::from_secs(30),
+            "{mode} at {ranks} ranks: took {took:?}:\n{output}"
+        );
+        assert!(
+            output.contains("stalled for") && output.contains("aborting the job"),
+            "{mode} at {ranks} ranks: no stall error:\n{output}"
+        );
+        assert!(
+            output.contains("WARNING: no progress for"),
+            "{mode} at {ranks} ranks: no warning at half the timeout:\n{output}"
+        );
+        let stopped = format!("rank {}", ranks - 1);
+        if mode == "mpi" {
+            assert!(output.contains("MPI does not say which"), "{output}");
+        } else {
+            assert!(
+                output.contains(&format!("waiting for {stopped}")),
+                "{mode} at {ranks} ranks: the stopped {stopped} is not named:\n{output}"
+            );
+        }
     }
 }
