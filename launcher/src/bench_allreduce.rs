@@ -55,6 +55,30 @@ pub struct AllreduceBenchArgs {
     /// Write a Chrome-trace timeline of the fused case (`FILE` becomes `FILE.rank<R>.json`).
     #[arg(long)]
     pub timeline: Option<PathBuf>,
+    /// Seconds a collective may wait on other ranks without progress before the job is
+    /// aborted (a warning names them at half); `0` or `off` waits for ever.
+    #[arg(long, default_value_t = ringtrain_collective::DEFAULT_STALL_TIMEOUT.as_secs_f64(), value_parser = parse_seconds)]
+    pub stall_timeout: f64,
+}
+
+/// Seconds, or `off` (0).
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    if s.trim().eq_ignore_ascii_case("off") {
+        return Ok(0.0);
+    }
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 && v <= (1u64 << 32) as f64 => Ok(v),
+        _ => Err("expected seconds from 0 to 2^32 such as 60, or `off`".into()),
+    }
+}
+
+impl AllreduceBenchArgs {
+    /// `--stall-timeout` as the collective takes it (`None`: off).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    fn stall_timeout(&self) -> Option<std::time::Duration> {
+        let d = std::time::Duration::from_secs_f64(self.stall_timeout);
+        (!d.is_zero()).then(|| d.max(std::time::Duration::from_millis(1)))
+    }
 }
 
 /// Parses `4096`, `4K`, `4KiB`, `64M`, `1G` (powers of 1024).
@@ -124,6 +148,7 @@ pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
         );
     }
     let mut comm = Communicator::mpi()?;
+    comm.set_stall_timeout(args.stall_timeout());
     comm.set_segment_bytes(args.segment_bytes);
     check_memory(&mut comm, args, dtype.size_bytes())?;
     let rows = match dtype {

@@ -216,7 +216,9 @@ impl<'a> Wait<'a> {
         if waited < timeout / 2 || (self.warned && waited < timeout) {
             return Ok(());
         }
-        let waiting_for = pending();
+        let mut waiting_for = pending();
+        waiting_for.sort_unstable();
+        waiting_for.dedup();
         if waited < timeout {
             self.warned = true;
             eprintln!(

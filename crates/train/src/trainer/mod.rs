@@ -73,6 +73,7 @@ pub fn train(
     let mut last = StepStats::default();
     let total = cfg.total_steps();
     for i in 1..=total {
+        session.control.set_step(i);
         let done = session.step(i, model, batches)?;
         let global_words = if session.strategy.averages_globally() {
             done.outcome.stats.words
