@@ -228,3 +228,25 @@ fn bench_allreduce_checks_memory_before_allocating() {
         "{err}"
     );
 }
+
+#[test]
+fn stall_timeout_out_of_range_names_the_flag() {
+    for value in ["-1", "99999999999", "soon"] {
+        let flag = format!("--stall-timeout={value}");
+        let out = train(&[&flag]);
+        let err = stderr(&out);
+        assert!(
+            !out.status.success() && err.contains("--stall-timeout") && err.contains(value),
+            "{value}: {err}"
+        );
+        let out = ringtrain(&["bench", "allreduce", &flag]);
+        let err = stderr(&out);
+        assert!(
+            !out.status.success() && err.contains("--stall-timeout") && err.contains(value),
+            "bench {value}: {err}"
+        );
+    }
+    // `off` is accepted and a run completes.
+    let out = train(&["--stall-timeout", "off"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}

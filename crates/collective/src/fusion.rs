@@ -573,8 +573,12 @@ impl Engine {
             }
             let now = Instant::now();
             let fail = if self.rank == 0 {
-                self.table
-                    .expired(now, self.config.stall_warning + self.config.stall_error)
+                self.table.expired(
+                    now,
+                    self.config
+                        .stall_warning
+                        .saturating_add(self.config.stall_error),
+                )
             } else {
                 Vec::new()
             };
