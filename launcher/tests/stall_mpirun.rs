@@ -22,7 +22,7 @@ fn find_rank(tag: &str, value: &str, rank: usize) -> Option<u32> {
             continue;
         };
         let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
-        let has = |s: &str| vars.iter().any(|v| *v == s.as_bytes());
+        let has = |s: &str| vars.contains(&s.as_bytes());
         if has(&want_tag) && has(&want_rank) {
             return Some(pid);
         }
