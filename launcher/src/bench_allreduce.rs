@@ -30,7 +30,8 @@ pub struct AllreduceBenchArgs {
     /// Untimed iterations per size and algorithm.
     #[arg(long, default_value_t = 3)]
     pub warmup: usize,
-    /// Timed iterations per size and algorithm (default: about 1 GiB of data, 3 to 200).
+    /// Timed iterations per size and algorithm (default: about 1 GiB of data, 3 to 200;
+    /// at least 1).
     #[arg(long)]
     pub iters: Option<usize>,
     /// Ring pipeline segment size.
@@ -54,6 +55,30 @@ pub struct AllreduceBenchArgs {
     /// Write a Chrome-trace timeline of the fused case (`FILE` becomes `FILE.rank<R>.json`).
     #[arg(long)]
     pub timeline: Option<PathBuf>,
+    /// Seconds a collective may wait on other ranks without progress before the job is
+    /// aborted (a warning names them at half); `0` or `off` waits for ever.
+    #[arg(long, default_value_t = ringtrain_collective::DEFAULT_STALL_TIMEOUT.as_secs_f64(), value_parser = parse_seconds)]
+    pub stall_timeout: f64,
+}
+
+/// Seconds, or `off` (0).
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    if s.trim().eq_ignore_ascii_case("off") {
+        return Ok(0.0);
+    }
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 && v <= (1u64 << 32) as f64 => Ok(v),
+        _ => Err("expected seconds from 0 to 2^32 such as 60, or `off`".into()),
+    }
+}
+
+impl AllreduceBenchArgs {
+    /// `--stall-timeout` as the collective takes it (`None`: off).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    fn stall_timeout(&self) -> Option<std::time::Duration> {
+        let d = std::time::Duration::from_secs_f64(self.stall_timeout);
+        (!d.is_zero()).then(|| d.max(std::time::Duration::from_millis(1)))
+    }
 }
 
 /// Parses `4096`, `4K`, `4KiB`, `64M`, `1G` (powers of 1024).
@@ -115,8 +140,17 @@ pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
         )
         .into());
     }
+    if args.iters == Some(0) {
+        return Err(
+            "invalid value `0` for --iters: a time needs at least one timed iteration; pass \
+             --iters 1 or more, or leave it out for about 1 GiB of data per size"
+                .into(),
+        );
+    }
     let mut comm = Communicator::mpi()?;
+    comm.set_stall_timeout(args.stall_timeout());
     comm.set_segment_bytes(args.segment_bytes);
+    check_memory(&mut comm, args, dtype.size_bytes())?;
     let rows = match dtype {
         DType::F32 => measure::table::<f32>(&mut comm, args, &algorithms)?,
         DType::F64 => measure::table::<f64>(&mut comm, args, &algorithms)?,
@@ -146,6 +180,83 @@ pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
         return Err(format!("{wrong} elements differed from the exact result").into());
     }
     Ok(())
+}
+
+/// The bytes one rank allocates: the input, the expected result and the working copy at
+/// the largest size, the communicator's receive scratch of the same size, and the
+/// many-small-tensors case (its tensors, the fusion buffer and the engine's copies).
+#[cfg(feature = "mpi")]
+fn bench_bytes_per_rank(args: &AllreduceBenchArgs, element_bytes: usize) -> Option<u128> {
+    let max = (args.max_bytes / element_bytes.max(1) * element_bytes) as u128;
+    let small_len = (args.small_tensor_bytes / 4).max(1) as u128 * 4;
+    let small = if args.small_tensors > 0 {
+        (args.small_tensors as u128)
+            .checked_mul(small_len)?
+            .checked_mul(3)?
+    } else {
+        0
+    };
+    max.checked_mul(4)?.checked_add(small)
+}
+
+/// `MemAvailable` of `/proc/meminfo` in bytes, where the system has one.
+#[cfg(feature = "mpi")]
+fn available_memory() -> Option<u128> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Refuses, on every rank alike, when the ranks of one node would allocate more than
+/// the node has available.
+#[cfg(feature = "mpi")]
+fn check_memory(
+    comm: &mut ringtrain_collective::Communicator,
+    args: &AllreduceBenchArgs,
+    element_bytes: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use ringtrain_collective::{Algorithm, AllReduceOptions, ReduceOp};
+
+    let node = comm.node_rank()?;
+    let per_rank = bench_bytes_per_rank(args, element_bytes);
+    let on_node = per_rank.and_then(|b| b.checked_mul(node.size as u128));
+    let available = available_memory();
+    let too_big = match (on_node, available) {
+        (None, _) => true,
+        (Some(need), Some(avail)) => need > avail,
+        (Some(_), None) => false,
+    };
+    // Every rank must take the same decision, or the refusing ones leave the others
+    // waiting in the first collective.
+    let mut flag = [u8::from(too_big) as f64];
+    comm.all_reduce(
+        &mut flag,
+        &AllReduceOptions::with_op(ReduceOp::Max).algorithm(Algorithm::RecursiveDoubling),
+    )?;
+    if flag[0] == 0.0 {
+        return Ok(());
+    }
+    let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
+    Err(match (per_rank, available) {
+        (Some(per_rank), Some(avail)) => format!(
+            "--max-bytes {} needs about {:.2} GiB per rank ({} bytes: 4 buffers of the largest \
+             size plus the small-tensor case), {:.2} GiB for the {} ranks on this node, but \
+             {:.2} GiB are available: lower --max-bytes or run fewer ranks per node",
+            args.max_bytes,
+            gib(per_rank),
+            per_rank,
+            gib(per_rank * node.size as u128),
+            node.size,
+            gib(avail)
+        ),
+        _ => format!(
+            "--max-bytes {} and --small-tensors {} x --small-tensor-bytes {} are too large to \
+             allocate on one node: lower them",
+            args.max_bytes, args.small_tensors, args.small_tensor_bytes
+        ),
+    }
+    .into())
 }
 
 /// Without MPI there is nothing to compare against.
@@ -227,8 +338,18 @@ mod measure {
         let mut buf = input.clone();
         let mut rows = Vec::new();
         let mut bytes = args.min_bytes;
+        let mut skipped = Vec::new();
         while bytes <= args.max_bytes {
-            let count = (bytes / T::BYTES).max(1);
+            let count = bytes / T::BYTES;
+            if count == 0 {
+                // Below one element: nothing to reduce.
+                skipped.push(bytes);
+                match bytes.checked_mul(args.step_factor as usize) {
+                    Some(next) => bytes = next,
+                    None => break,
+                }
+                continue;
+            }
             let bytes_exact = count * T::BYTES;
             let iters = args
                 .iters
@@ -321,6 +442,15 @@ mod measure {
                 Some(next) => bytes = next,
                 None => break,
             }
+        }
+        if rank == 0 && !skipped.is_empty() {
+            let list: Vec<String> = skipped.iter().map(|b| b.to_string()).collect();
+            println!(
+                "# skipped sizes below one {} element ({} bytes): {}",
+                T::NAME,
+                T::BYTES,
+                list.join(", ")
+            );
         }
         Ok(rows)
     }

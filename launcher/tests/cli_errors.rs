@@ -241,3 +241,68 @@ fn sizes_past_the_machine_fail_at_once_with_the_accepted_range_or_the_estimate()
         );
     }
 }
+
+#[test]
+fn bench_allreduce_skips_sizes_below_one_element() {
+    let out = ringtrain(&[
+        "bench",
+        "allreduce",
+        "--min-bytes",
+        "1",
+        "--max-bytes",
+        "3",
+        "--small-tensors",
+        "0",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}\n{text}", stderr(&out));
+    assert!(
+        text.contains("skipped sizes below one f32 element") && text.contains("1, 2"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bench_allreduce_refuses_zero_iterations() {
+    let out = ringtrain(&["bench", "allreduce", "--iters", "0"]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("--iters") && err.contains("`0`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bench_allreduce_checks_memory_before_allocating() {
+    // 1 TiB per buffer: more than any test machine has, refused before any allocation.
+    let out = ringtrain(&["bench", "allreduce", "--max-bytes", "1024G"]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success()
+            && err.contains("--max-bytes 1099511627776")
+            && err.contains("GiB are available"),
+        "{err}"
+    );
+}
+
+#[test]
+fn stall_timeout_out_of_range_names_the_flag() {
+    for value in ["-1", "99999999999", "soon"] {
+        let flag = format!("--stall-timeout={value}");
+        let out = train(&[&flag]);
+        let err = stderr(&out);
+        assert!(
+            !out.status.success() && err.contains("--stall-timeout") && err.contains(value),
+            "{value}: {err}"
+        );
+        let out = ringtrain(&["bench", "allreduce", &flag]);
+        let err = stderr(&out);
+        assert!(
+            !out.status.success() && err.contains("--stall-timeout") && err.contains(value),
+            "bench {value}: {err}"
+        );
+    }
+    // `off` is accepted and a run completes.
+    let out = train(&["--stall-timeout", "off"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}

@@ -7,6 +7,7 @@ use half::{bf16, f16};
 use crate::dtype::{DType, Element, TensorMut};
 use crate::error::{Error, Result};
 use crate::options::{Algorithm, AllReduceOptions, ReduceOp, WireCompression};
+use crate::stall::Operation;
 use crate::transport::{LocalTransport, NodeRank, Transport};
 
 /// Default ring pipeline segment: small enough that a received segment is still in cache
@@ -215,6 +216,38 @@ impl Communicator {
         self.transport.name()
     }
 
+    /// Sets how long a collective may wait on other ranks without progress before it
+    /// fails (`None`: wait for ever); see [`crate::stall`]. The default is
+    /// [`crate::DEFAULT_STALL_TIMEOUT`]. Applies to this communicator and every duplicate
+    /// made of it, before or after.
+    pub fn set_stall_timeout(&self, timeout: Option<std::time::Duration>) {
+        self.transport.stall_watch().set_timeout(timeout);
+    }
+
+    /// The stall timeout (`None`: off).
+    pub fn stall_timeout(&self) -> Option<std::time::Duration> {
+        self.transport.stall_watch().timeout()
+    }
+
+    /// Says what the program is doing (for example `training step 12`), for stall
+    /// warnings and errors. Shared with every duplicate.
+    pub fn set_stall_context(&self, context: impl Into<String>) {
+        self.transport.stall_watch().set_context(context.into());
+    }
+
+    fn begin(&self, name: &'static str, dtype: Option<DType>, bytes: usize) {
+        self.transport
+            .stall_watch()
+            .begin(Operation { name, dtype, bytes });
+    }
+
+    /// One negotiation round of the fusion engine: [`Communicator::all_gather_bytes`],
+    /// named as such in stall messages.
+    pub(crate) fn negotiate(&mut self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.begin("fusion negotiation", None, send.len());
+        self.transport.exchange_all(send)
+    }
+
     /// Sets the ring pipeline segment size (rounded up to a multiple of 8 bytes).
     pub fn set_segment_bytes(&mut self, bytes: usize) {
         self.segment_bytes = bytes.max(8).div_ceil(8) * 8;
@@ -258,7 +291,14 @@ impl Communicator {
         }
         if self.size > 1 && !buf.is_empty() {
             let bytes = std::mem::size_of_val(buf);
-            match self.resolve_algorithm(opts.algorithm, bytes) {
+            let algorithm = self.resolve_algorithm(opts.algorithm, bytes);
+            let name = match algorithm {
+                Algorithm::Ring | Algorithm::Auto => "ring all-reduce",
+                Algorithm::RecursiveDoubling => "recursive-doubling all-reduce",
+                Algorithm::Mpi => "MPI_Allreduce",
+            };
+            self.begin(name, Some(T::DTYPE), bytes);
+            match algorithm {
                 // resolve_algorithm turns Auto into one of the others.
                 Algorithm::Ring | Algorithm::Auto => self.ring_all_reduce(buf, opts.op)?,
                 Algorithm::RecursiveDoubling => self.recursive_doubling_all_reduce(buf, opts.op)?,
@@ -464,6 +504,7 @@ impl Communicator {
                 "pass a receive buffer as long as the send buffer",
             ));
         }
+        self.begin("MPI_Allreduce", Some(T::DTYPE), std::mem::size_of_val(send));
         self.transport
             .native_all_reduce(bytes_of(send), bytes_of_mut(recv), T::DTYPE, op)?;
         if op == ReduceOp::Average {
@@ -491,6 +532,11 @@ impl Communicator {
         if opts.prescale != 1.0 {
             T::scale(buf, opts.prescale);
         }
+        self.begin(
+            "ring reduce-scatter",
+            Some(T::DTYPE),
+            std::mem::size_of_val(buf),
+        );
         self.ring_reduce_scatter(buf, opts.op)?;
         let range = ring_chunk_range(buf.len(), self.size, self.rank);
         let post = opts.effective_postscale(self.size);
@@ -510,6 +556,7 @@ impl Communicator {
                 "pick a rank below the communicator size",
             ));
         }
+        self.begin("broadcast", None, std::mem::size_of_val(buf));
         let vrank = (self.rank + n - root) % n;
         let mut mask = 1;
         while mask < n {
@@ -531,6 +578,7 @@ impl Communicator {
     /// order. Every rank sends its data straight to every other rank: one message step,
     /// which suits the small, latency-bound gathers (negotiation, metadata) it serves.
     pub fn all_gather<T: bytemuck::Pod>(&mut self, send: &[T]) -> Result<Vec<Vec<T>>> {
+        self.begin("all-gather", None, std::mem::size_of_val(send));
         let gathered = self.transport.exchange_all(bytes_of(send))?;
         let rank = self.rank;
         gathered
@@ -556,12 +604,14 @@ impl Communicator {
 
     /// The raw bytes every rank contributed, in rank order (no copies into typed vectors).
     pub fn all_gather_bytes(&mut self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.begin("all-gather", None, send.len());
         self.transport.exchange_all(send)
     }
 
     /// Returns once every rank has entered the barrier (dissemination algorithm).
     pub fn barrier(&mut self) -> Result<()> {
         let (n, r) = (self.size, self.rank);
+        self.begin("barrier", None, 0);
         let mut token = [0u8; 1];
         let mut dist = 1;
         while dist < n {

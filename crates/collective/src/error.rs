@@ -53,6 +53,21 @@ pub enum Error {
         /// How long the submitting ranks waited.
         waited: Duration,
     },
+    /// A wait on other ranks made no progress for the stall timeout (a rank stopped,
+    /// stuck or gone). Over MPI the job is aborted instead (see `stall` in the crate docs).
+    #[error("rank {rank}: stalled for {waited:.1?} in {operation}{context}, waiting for {waiting_for}: that rank is stopped, stuck or gone (or far behind); check it, or raise the stall timeout if such waits are expected")]
+    StallTimeout {
+        /// The rank that waited.
+        rank: usize,
+        /// The ranks it waited for, described.
+        waiting_for: String,
+        /// The collective it was in.
+        operation: String,
+        /// What the program was doing (` (step 3)`), or empty.
+        context: String,
+        /// How long it waited.
+        waited: Duration,
+    },
     /// The same name was submitted twice on one rank before the first completed.
     #[error("tensor `{name}` is already in flight on rank {rank}: wait for its handle before submitting the name again")]
     DuplicateName {

@@ -573,8 +573,12 @@ impl Engine {
             }
             let now = Instant::now();
             let fail = if self.rank == 0 {
-                self.table
-                    .expired(now, self.config.stall_warning + self.config.stall_error)
+                self.table.expired(
+                    now,
+                    self.config
+                        .stall_warning
+                        .saturating_add(self.config.stall_error),
+                )
             } else {
                 Vec::new()
             };
@@ -583,7 +587,7 @@ impl Engine {
                 announcements: std::mem::take(&mut self.fresh),
                 fail,
             };
-            let gathered = comm.all_gather_bytes(&msg.encode())?;
+            let gathered = comm.negotiate(&msg.encode())?;
             let mut messages = Vec::with_capacity(size);
             for bytes in &gathered {
                 messages.push(CycleMessage::decode(bytes, self.rank)?);

@@ -12,6 +12,11 @@
 //!   process per rank under `mpirun`. It also offers `MPI_Allreduce` itself as
 //!   [`Algorithm::Mpi`], the baseline the benchmarks compare with.
 //!
+//! Every wait on other ranks is bounded by a stall timeout
+//! ([`Communicator::set_stall_timeout`], default 60 s): a rank that stops responding is
+//! named by the ranks waiting for it, and the job is aborted instead of hanging (see
+//! [`stall`]).
+//!
 //! [`Communicator::duplicate`] gives a second communicator over the same ranks
 //! (`MPI_Comm_dup`) for control messages beside the data path, and
 //! [`Communicator::node_rank`] says which ranks share a node (the device a rank uses).
@@ -97,6 +102,7 @@ mod mpi_transport;
 mod negotiation;
 mod options;
 mod packing;
+pub mod stall;
 mod timeline;
 mod transport;
 
@@ -113,5 +119,6 @@ pub use fusion::{FusionConfig, FusionEngine, Handle};
 pub use mpi_transport::MpiTransport;
 pub use options::{Algorithm, AllReduceOptions, ReduceOp, WireCompression};
 pub use packing::{GradientPacker, GradientSpec, PackingConfig, ReductionUnit, UnitPiece};
+pub use stall::{StallWatch, DEFAULT_STALL_TIMEOUT, STALL_EXIT_CODE};
 pub use timeline::timeline_path_for_rank;
 pub use transport::{LocalTransport, NodeRank, Transport};

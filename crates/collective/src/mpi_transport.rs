@@ -4,15 +4,19 @@
 use std::sync::Arc;
 
 use half::{bf16, f16};
-use mpi::collective::{CommunicatorCollectives as _, SystemOperation};
+use std::ffi::{c_int, c_void};
+
+use mpi::collective::{CommunicatorCollectives as _, SystemOperation, UnsafeUserOperation};
 use mpi::environment::Universe;
-use mpi::point_to_point::{Destination, Source};
+use mpi::point_to_point::{Destination, MatchedReceiveVec as _, Source, Status};
+use mpi::request::{Request, Scope};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::Threading;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::options::ReduceOp;
+use crate::stall::{StallWatch, Wait, STALL_EXIT_CODE};
 use crate::transport::{segment_count, segment_range, NodeRank, Transport};
 
 /// An MPI communicator handle that may move to another thread.
@@ -31,8 +35,11 @@ unsafe impl Send for Comm {}
 /// communicator while the trainer's control messages use a duplicate
 /// ([`Transport::duplicate`]). Started without mpirun, the world has one rank.
 pub struct MpiTransport {
-    // Declared before `universe` so that the communicator is freed before MPI_Finalize.
+    // Declared before `universe` so that the communicator and the operations are freed
+    // before MPI_Finalize.
     comm: Comm,
+    nan_ops: NanOps,
+    watch: StallWatch,
     universe: Arc<Universe>,
     rank: usize,
     size: usize,
@@ -69,14 +76,20 @@ impl MpiTransport {
                 ),
             });
         }
-        Ok(Self::over(universe.world(), Arc::new(universe)))
+        Ok(Self::over(
+            universe.world(),
+            Arc::new(universe),
+            StallWatch::default(),
+        ))
     }
 
-    fn over(comm: SimpleCommunicator, universe: Arc<Universe>) -> MpiTransport {
+    fn over(comm: SimpleCommunicator, universe: Arc<Universe>, watch: StallWatch) -> MpiTransport {
         let rank = usize::try_from(comm.rank()).unwrap_or(0);
         let size = usize::try_from(comm.size()).unwrap_or(1);
         MpiTransport {
             comm: Comm(comm),
+            nan_ops: NanOps::create(),
+            watch,
             universe,
             rank,
             size,
@@ -85,6 +98,69 @@ impl MpiTransport {
 
     fn world(&self) -> &SimpleCommunicator {
         &self.comm.0
+    }
+
+    /// Prints the stall and aborts the job: a blocked MPI call cannot be cancelled, and
+    /// the other ranks would wait for this one next.
+    fn abort_stalled(&self, error: Error) -> ! {
+        eprintln!("ringtrain-collective: ERROR: {error}; aborting the job (MPI_Abort)");
+        // Let the other waiting ranks print their own view before MPI_Abort ends them.
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        self.world().abort(STALL_EXIT_CODE)
+    }
+
+    /// Polls `requests` (each with the peer it waits for, `usize::MAX` when unknown)
+    /// until all complete; returns their statuses in order. Aborts the job when the
+    /// stall timeout runs out.
+    fn complete<'a, D: ?Sized, S: Scope<'a>>(
+        &self,
+        requests: Vec<(usize, Request<'a, D, S>)>,
+    ) -> Vec<Status> {
+        let mut pending: Vec<(usize, Option<Request<'a, D, S>>)> =
+            requests.into_iter().map(|(p, r)| (p, Some(r))).collect();
+        let mut statuses: Vec<Option<Status>> = vec![None; pending.len()];
+        let mut wait = Wait::new(&self.watch, self.rank);
+        loop {
+            let mut open = 0;
+            for (k, (_, slot)) in pending.iter_mut().enumerate() {
+                if let Some(req) = slot.take() {
+                    match req.test() {
+                        Ok(status) => statuses[k] = Some(status),
+                        Err(req) => {
+                            *slot = Some(req);
+                            open += 1;
+                        }
+                    }
+                }
+            }
+            if open == 0 {
+                return statuses.into_iter().flatten().collect();
+            }
+            let peers = || {
+                pending
+                    .iter()
+                    .filter(|(p, r)| r.is_some() && *p != usize::MAX)
+                    .map(|(p, _)| *p)
+                    .collect()
+            };
+            if let Err(e) = wait.pause(peers) {
+                self.abort_stalled(e);
+            }
+        }
+    }
+
+    /// Receives the next message from `peer`, of any length, within the stall timeout.
+    fn receive_any_length(&self, peer: usize) -> Vec<u8> {
+        let source = self.world().process_at_rank(peer as i32);
+        let mut wait = Wait::new(&self.watch, self.rank);
+        loop {
+            if let Some(probed) = source.immediate_matched_probe() {
+                return probed.matched_receive_vec::<u8>().0;
+            }
+            if let Err(e) = wait.pause(|| vec![peer]) {
+                self.abort_stalled(e);
+            }
+        }
     }
 
     fn check(&self, peer: usize, bytes: usize) -> Result<()> {
@@ -126,6 +202,113 @@ impl MpiTransport {
 
 use mpi::datatype::Equivalence;
 
+/// Min and max as user-defined MPI operations that propagate NaN like the other
+/// algorithms do (`MPI_MIN` and `MPI_MAX` are C comparisons, which drop a NaN whenever
+/// it is compared second). Each calls the same kernel the ring and recursive doubling
+/// reduce with, so every algorithm gives the same answer for NaN and infinities.
+struct NanOps {
+    min_f32: UnsafeUserOperation,
+    max_f32: UnsafeUserOperation,
+    min_f64: UnsafeUserOperation,
+    max_f64: UnsafeUserOperation,
+}
+
+// SAFETY: an `MPI_Op` handle is an opaque reference into the MPI library, valid on every
+// thread under `MPI_THREAD_MULTIPLE` (see `Comm`); the operations are only read.
+unsafe impl Send for NanOps {}
+
+/// The body of an `MPI_User_function`: `inoutvec[i] = op(inoutvec[i], invec[i])`.
+///
+/// # Safety
+/// `invec` and `inoutvec` point to `*len` valid, distinct elements of `T` (MPI calls it
+/// only with the datatype the operation was used with, which the caller fixes per `T`).
+unsafe fn combine<T: ringtrain_kernels::ReduceElement>(
+    invec: *mut c_void,
+    inoutvec: *mut c_void,
+    len: *mut c_int,
+    pick: fn(&mut [T], &[T]) -> ringtrain_kernels::Result<()>,
+) {
+    let n = usize::try_from(*len).unwrap_or(0);
+    if n == 0 || invec.is_null() || inoutvec.is_null() {
+        return;
+    }
+    let src = std::slice::from_raw_parts(invec as *const T, n);
+    let acc = std::slice::from_raw_parts_mut(inoutvec as *mut T, n);
+    // The lengths are equal by construction, so the kernel cannot fail; a user function
+    // must not unwind into MPI either way.
+    let _ = pick(acc, src);
+}
+
+macro_rules! nan_op {
+    ($name:ident, $t:ty, $method:ident) => {
+        unsafe extern "C" fn $name(
+            invec: *mut c_void,
+            inoutvec: *mut c_void,
+            len: *mut c_int,
+            _datatype: *mut mpi::ffi::MPI_Datatype,
+        ) {
+            // SAFETY: MPI passes `*len` elements of the datatype this operation is used
+            // with, which `native_all_reduce` fixes to `$t`.
+            unsafe {
+                combine::<$t>(
+                    invec,
+                    inoutvec,
+                    len,
+                    <$t as ringtrain_kernels::ReduceElement>::$method,
+                )
+            }
+        }
+    };
+}
+
+nan_op!(nan_min_f32, f32, min_into);
+nan_op!(nan_max_f32, f32, max_into);
+nan_op!(nan_min_f64, f64, min_into);
+nan_op!(nan_max_f64, f64, max_into);
+
+impl NanOps {
+    fn create() -> NanOps {
+        // SAFETY: each function reads and writes exactly the `*len` elements MPI passes,
+        // of the type it is used with below (f32 operations only on f32 buffers, f64 on
+        // f64), and never unwinds.
+        unsafe {
+            NanOps {
+                min_f32: UnsafeUserOperation::commutative(nan_min_f32),
+                max_f32: UnsafeUserOperation::commutative(nan_max_f32),
+                min_f64: UnsafeUserOperation::commutative(nan_min_f64),
+                max_f64: UnsafeUserOperation::commutative(nan_max_f64),
+            }
+        }
+    }
+}
+
+impl MpiTransport {
+    /// `MPI_Iallreduce`, polled within the stall timeout, with the sum or with this
+    /// transport's NaN-propagating min/max.
+    fn all_reduce_with<T>(
+        &self,
+        ops: (&UnsafeUserOperation, &UnsafeUserOperation),
+        op: ReduceOp,
+        send: &[T],
+        recv: &mut [T],
+    ) where
+        T: Equivalence,
+    {
+        let world = self.world();
+        mpi::request::scope(|scope| {
+            let request = match op {
+                ReduceOp::Sum | ReduceOp::Average => {
+                    world.immediate_all_reduce_into(scope, send, recv, SystemOperation::sum())
+                }
+                ReduceOp::Min => world.immediate_all_reduce_into(scope, send, recv, ops.0),
+                ReduceOp::Max => world.immediate_all_reduce_into(scope, send, recv, ops.1),
+            };
+            // MPI does not say which ranks a collective waits for.
+            self.complete(vec![(usize::MAX, request)]);
+        });
+    }
+}
+
 impl Transport for MpiTransport {
     fn rank(&self) -> usize {
         self.rank
@@ -137,22 +320,34 @@ impl Transport for MpiTransport {
         "mpi"
     }
 
+    fn stall_watch(&self) -> &StallWatch {
+        &self.watch
+    }
+
     fn send(&self, peer: usize, data: &[u8]) -> Result<()> {
         self.check(peer, data.len())?;
-        self.world().process_at_rank(peer as i32).send(data);
+        let dst = self.world().process_at_rank(peer as i32);
+        mpi::request::scope(|scope| {
+            self.complete(vec![(peer, dst.immediate_send(scope, data))]);
+        });
         Ok(())
     }
 
     fn recv(&self, peer: usize, buf: &mut [u8]) -> Result<()> {
         self.check(peer, buf.len())?;
-        let status = self.world().process_at_rank(peer as i32).receive_into(buf);
-        self.check_status(status, peer, buf.len())
+        let src = self.world().process_at_rank(peer as i32);
+        let len = buf.len();
+        let status = mpi::request::scope(|scope| {
+            self.complete(vec![(peer, src.immediate_receive_into(scope, buf))])[0]
+        });
+        self.check_status(status, peer, len)
     }
 
     fn duplicate(&self) -> Result<Box<dyn Transport>> {
         Ok(Box::new(Self::over(
             self.world().duplicate(),
             Arc::clone(&self.universe),
+            self.watch.duplicate(),
         )))
     }
 
@@ -166,11 +361,7 @@ impl Transport for MpiTransport {
 
     fn recv_vec(&self, peer: usize) -> Result<Vec<u8>> {
         self.check(peer, 0)?;
-        let (data, _status) = self
-            .world()
-            .process_at_rank(peer as i32)
-            .receive_vec::<u8>();
-        Ok(data)
+        Ok(self.receive_any_length(peer))
     }
 
     /// Non-blocking sends to every peer, then receives of unknown length (matched probe).
@@ -182,19 +373,20 @@ impl Transport for MpiTransport {
         mpi::request::scope(|scope| {
             let sends: Vec<_> = (1..n)
                 .map(|k| {
-                    world
-                        .process_at_rank(((r + k) % n) as i32)
-                        .immediate_send(scope, data)
+                    let peer = (r + k) % n;
+                    (
+                        peer,
+                        world
+                            .process_at_rank(peer as i32)
+                            .immediate_send(scope, data),
+                    )
                 })
                 .collect();
             for k in 1..n {
                 let peer = (r + n - k) % n;
-                let (v, _status) = world.process_at_rank(peer as i32).receive_vec::<u8>();
-                out[peer] = v;
+                out[peer] = self.receive_any_length(peer);
             }
-            for s in sends {
-                s.wait();
-            }
+            self.complete(sends);
         });
         out[r] = data.to_vec();
         Ok(out)
@@ -204,13 +396,15 @@ impl Transport for MpiTransport {
         self.check(to, send.len())?;
         self.check(from, recv.len())?;
         let world = self.world();
-        let status = mpi::point_to_point::send_receive_into(
-            send,
-            &world.process_at_rank(to as i32),
-            recv,
-            &world.process_at_rank(from as i32),
-        );
-        self.check_status(status, from, recv.len())
+        let len = recv.len();
+        let status = mpi::request::scope(|scope| {
+            let rreq = world
+                .process_at_rank(from as i32)
+                .immediate_receive_into(scope, recv);
+            let sreq = world.process_at_rank(to as i32).immediate_send(scope, send);
+            self.complete(vec![(from, rreq), (to, sreq)])[0]
+        });
+        self.check_status(status, from, len)
     }
 
     /// Non-blocking segments: segment k is received and sent while segment k - 1 is
@@ -252,10 +446,16 @@ impl Transport for MpiTransport {
                     Some(p) => on_segment(p.start, &done[p]),
                     None => Ok(()),
                 };
-                let status = rreq.map(|q| q.wait());
-                if let Some(q) = sreq {
-                    q.wait();
+                let mut requests = Vec::with_capacity(2);
+                let has_recv = rreq.is_some();
+                if let Some(q) = rreq {
+                    requests.push((from, q));
                 }
+                if let Some(q) = sreq {
+                    requests.push((to, q));
+                }
+                let statuses = self.complete(requests);
+                let status = has_recv.then(|| statuses[0]);
                 (processed, status)
             });
             let (processed, status) = result;
@@ -285,12 +485,8 @@ impl Transport for MpiTransport {
                 "pass a receive buffer as long as the send buffer",
             ));
         }
-        let world = self.world();
-        let mpi_op = match op {
-            ReduceOp::Sum | ReduceOp::Average => SystemOperation::sum(),
-            ReduceOp::Min => SystemOperation::min(),
-            ReduceOp::Max => SystemOperation::max(),
-        };
+        let f32_ops = (&self.nan_ops.min_f32, &self.nan_ops.max_f32);
+        let f64_ops = (&self.nan_ops.min_f64, &self.nan_ops.max_f64);
         let cast_err = |e: bytemuck::PodCastError| Error::Transport {
             rank: self.rank,
             detail: format!("buffer is not whole aligned {dtype} elements: {e}"),
@@ -299,19 +495,19 @@ impl Transport for MpiTransport {
             DType::F32 => {
                 let s: &[f32] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
                 let r: &mut [f32] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
-                world.all_reduce_into(s, r, mpi_op);
+                self.all_reduce_with(f32_ops, op, s, r);
             }
             DType::F64 => {
                 let s: &[f64] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
                 let r: &mut [f64] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
-                world.all_reduce_into(s, r, mpi_op);
+                self.all_reduce_with(f64_ops, op, s, r);
             }
             // MPI has no half types: reduce in f32 and round once at the end.
             DType::F16 => {
                 let s: &[f16] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
                 let wide: Vec<f32> = s.iter().map(|x| x.to_f32()).collect();
                 let mut out = vec![0f32; wide.len()];
-                world.all_reduce_into(&wide[..], &mut out[..], mpi_op);
+                self.all_reduce_with(f32_ops, op, &wide[..], &mut out[..]);
                 let r: &mut [f16] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
                 for (d, x) in r.iter_mut().zip(out) {
                     *d = f16::from_f32(x);
@@ -321,7 +517,7 @@ impl Transport for MpiTransport {
                 let s: &[bf16] = bytemuck::try_cast_slice(send).map_err(cast_err)?;
                 let wide: Vec<f32> = s.iter().map(|x| x.to_f32()).collect();
                 let mut out = vec![0f32; wide.len()];
-                world.all_reduce_into(&wide[..], &mut out[..], mpi_op);
+                self.all_reduce_with(f32_ops, op, &wide[..], &mut out[..]);
                 let r: &mut [bf16] = bytemuck::try_cast_slice_mut(recv).map_err(cast_err)?;
                 for (d, x) in r.iter_mut().zip(out) {
                     *d = bf16::from_f32(x);

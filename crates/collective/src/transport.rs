@@ -6,11 +6,12 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crossbeam_channel::{unbounded, Receiver, Sender};
+use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::options::ReduceOp;
+use crate::stall::{StallWatch, Wait};
 
 /// Point-to-point byte transport between `size` ranks.
 ///
@@ -23,6 +24,9 @@ pub trait Transport: Send {
     fn size(&self) -> usize;
     /// A short name for messages (`local`, `mpi`).
     fn name(&self) -> &'static str;
+    /// The stall timeout of this transport's waits and what it is doing now (see
+    /// [`crate::stall`]).
+    fn stall_watch(&self) -> &StallWatch;
     /// Sends `data` to `peer`.
     fn send(&self, peer: usize, data: &[u8]) -> Result<()>;
     /// Receives exactly `buf.len()` bytes from `peer`.
@@ -138,7 +142,9 @@ pub struct NodeRank {
 ///
 /// Sends never block (the channels are unbounded), so any send/recv order that is correct
 /// over MPI is also correct here. A peer whose thread has ended turns a receive into an
-/// [`Error::Transport`] instead of a hang.
+/// [`Error::Transport`] instead of a hang, and a receive that waits longer than the stall
+/// timeout returns [`Error::StallTimeout`] naming the peer (threads cannot abort the
+/// process the way the MPI transport aborts the job).
 #[derive(Debug)]
 pub struct LocalTransport {
     rank: usize,
@@ -153,6 +159,8 @@ pub struct LocalTransport {
     duplicates: AtomicUsize,
     /// Shared by every endpoint descended from one [`LocalTransport::create`].
     groups: Arc<Mutex<LocalGroups>>,
+    /// Stall timeout and current operation (shared with this rank's duplicates).
+    watch: StallWatch,
 }
 
 /// The endpoints of duplicated groups not yet taken by their ranks.
@@ -206,9 +214,29 @@ impl LocalTransport {
                 group,
                 duplicates: AtomicUsize::new(0),
                 groups: Arc::clone(groups),
+                watch: StallWatch::default(),
             });
         }
         out
+    }
+
+    /// The next message from `peer`, waiting at most the stall timeout.
+    fn receive(&self, peer: usize) -> Result<Vec<u8>> {
+        let mut wait = Wait::new(&self.watch, self.rank);
+        loop {
+            match self.from_peer[peer].recv_timeout(wait.slice()) {
+                Ok(msg) => return Ok(msg),
+                Err(RecvTimeoutError::Timeout) => wait.check(|| vec![peer])?,
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(Error::Transport {
+                        rank: self.rank,
+                        detail: format!(
+                            "rank {peer} has gone away before sending the expected message"
+                        ),
+                    })
+                }
+            }
+        }
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
@@ -232,6 +260,9 @@ impl Transport for LocalTransport {
     fn name(&self) -> &'static str {
         "local"
     }
+    fn stall_watch(&self) -> &StallWatch {
+        &self.watch
+    }
 
     fn send(&self, peer: usize, data: &[u8]) -> Result<()> {
         self.check_peer(peer)?;
@@ -245,10 +276,7 @@ impl Transport for LocalTransport {
 
     fn recv(&self, peer: usize, buf: &mut [u8]) -> Result<()> {
         self.check_peer(peer)?;
-        let msg = self.from_peer[peer].recv().map_err(|_| Error::Transport {
-            rank: self.rank,
-            detail: format!("rank {peer} has gone away before sending the expected message"),
-        })?;
+        let msg = self.receive(peer)?;
         if msg.len() != buf.len() {
             return Err(Error::Transport {
                 rank: self.rank,
@@ -270,10 +298,7 @@ impl Transport for LocalTransport {
 
     fn recv_vec(&self, peer: usize) -> Result<Vec<u8>> {
         self.check_peer(peer)?;
-        self.from_peer[peer].recv().map_err(|_| Error::Transport {
-            rank: self.rank,
-            detail: format!("rank {peer} has gone away before sending the expected message"),
-        })
+        self.receive(peer)
     }
 
     /// The first rank to ask for the k-th duplicate of this group creates every rank's
@@ -295,7 +320,7 @@ impl Transport for LocalTransport {
                 )
             }
         };
-        let mine = endpoints[self.rank]
+        let mut mine = endpoints[self.rank]
             .take()
             .ok_or_else(|| Error::Transport {
                 rank: self.rank,
@@ -304,6 +329,7 @@ impl Transport for LocalTransport {
         if endpoints.iter().all(Option::is_none) {
             groups.pending.remove(&(self.group, k));
         }
+        mine.watch = self.watch.duplicate();
         Ok(Box::new(mine))
     }
 

@@ -11,8 +11,17 @@ use ringtrain_data::{
     SyntheticNmtConfig, BOS_ID, EOS_ID,
 };
 
+/// Cases per property: `PROPTEST_CASES` when set (a long soak), else `quick`, this
+/// file's default, sized for CI.
+fn cases(quick: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(quick)
+}
+
 fn config() -> ProptestConfig {
-    ProptestConfig::with_cases(48)
+    ProptestConfig::with_cases(cases(48))
 }
 
 proptest! {

@@ -259,8 +259,17 @@ fn par_errors_match_serial() {
     assert!(par::f32_to_f16_scaled(&[1.0; 3], 1.0, &mut [f16::ZERO; 2]).is_err());
 }
 
+/// Cases per property: `PROPTEST_CASES` when set (a long soak), else `quick`, this
+/// file's default, sized for CI.
+fn cases(quick: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(quick)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(24))]
+    #![proptest_config(ProptestConfig::with_cases(cases(24)))]
 
     #[test]
     fn par_equals_serial_for_any_shape(

@@ -139,8 +139,17 @@ fn length_mismatch_names_dst() {
     assert!(bf16_to_f32_unscaled(&[bf16::ONE; 2], 1.0, &mut [0.0; 1]).is_err());
 }
 
+/// Cases per property: `PROPTEST_CASES` when set (a long soak), else `quick`, this
+/// file's default, sized for CI.
+fn cases(quick: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(quick)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
+    #![proptest_config(ProptestConfig::with_cases(cases(64)))]
 
     /// Bit-for-bit equal to half's portable software conversion of `x * scale`, and
     /// within half an f16 ulp of the f64 value.

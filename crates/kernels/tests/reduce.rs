@@ -136,8 +136,17 @@ fn length_mismatch_names_src() {
     }
 }
 
+/// Cases per property: `PROPTEST_CASES` when set (a long soak), else `quick`, this
+/// file's default, sized for CI.
+fn cases(quick: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(quick)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
+    #![proptest_config(ProptestConfig::with_cases(cases(48)))]
 
     #[test]
     fn half_sums_equal_the_f32_definition(

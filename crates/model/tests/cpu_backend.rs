@@ -64,8 +64,17 @@ fn buffer_for(l: &Layout, seed: u32) -> Vec<f32> {
     values(l.span().map_or(0, |s| s.end), seed)
 }
 
+/// Cases per property: `PROPTEST_CASES` when set (a long soak), else `quick`, this
+/// file's default, sized for CI.
+fn cases(quick: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(quick)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
+    #![proptest_config(ProptestConfig::with_cases(cases(48)))]
     #[test]
     fn gemm_matches_reference_for_every_transpose(
         m in 1usize..40, n in 1usize..40, k in 1usize..40,

@@ -23,8 +23,17 @@ fn layouts() -> impl Strategy<Value = Layout> {
     )
 }
 
+/// Cases per property: `PROPTEST_CASES` when set (a long soak), else `quick`, this
+/// file's default, sized for CI.
+fn cases(quick: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(quick)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(ProptestConfig::with_cases(cases(256)))]
 
     #[test]
     fn the_span_covers_exactly_the_first_to_the_last_element(l in layouts()) {

@@ -28,6 +28,12 @@ impl Control {
         })
     }
 
+    /// Names the training step in stall warnings and errors of every communicator of
+    /// this rank (the control plane shares it with the data path).
+    pub fn set_step(&self, step: usize) {
+        self.comm.set_stall_context(format!("training step {step}"));
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.comm.rank()

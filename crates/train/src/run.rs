@@ -21,6 +21,8 @@ pub fn run_rank(
     local: LocalRank,
     log: &mut LogSink<'_>,
 ) -> Result<TrainOutcome> {
+    // Every collective from here on, the control plane's included, waits at most this.
+    comm.set_stall_timeout(cfg.stall_timeout());
     let threads = cpu_threads(cfg.config().run.threads, local.size);
     // The optimizer and casts use rayon's global pool; the model has its own.
     // An already-initialised pool (a second run in one process) is fine to keep.

@@ -33,6 +33,7 @@
 use std::path::PathBuf;
 
 use ringtrain_collective::fusion::{DEFAULT_CYCLE_TIME, DEFAULT_THRESHOLD_BYTES};
+use ringtrain_collective::DEFAULT_STALL_TIMEOUT;
 use ringtrain_model::{EncoderKind, GemmPrecision, LstmImpl};
 use serde::{Deserialize, Serialize};
 
@@ -80,6 +81,18 @@ fn finite(s: &str) -> Result<f32, String> {
     match s.trim().parse::<f32>() {
         Ok(v) if v.is_finite() => Ok(v),
         _ => Err("expected a finite number such as 0.001".into()),
+    }
+}
+
+/// Seconds, or `off` (the same as 0); range checks come with [`TrainConfig::validate`].
+#[cfg(feature = "cli")]
+fn seconds_or_off(s: &str) -> Result<f64, String> {
+    if s.trim().eq_ignore_ascii_case("off") {
+        return Ok(0.0);
+    }
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        _ => Err("expected a number of seconds such as 60, or `off`".into()),
     }
 }
 
@@ -221,6 +234,13 @@ options! {
         /// skip the step on overflow, double after 2000 clean steps).
         #[arg(long, alias = "fp16_gradients")]
         fp16_gradients: bool,
+        /// Seconds a collective may wait on other ranks without progress (a rank
+        /// stopped, stuck or on a dead node): at half, a warning names the ranks waited
+        /// for and the operation and step; at the timeout every waiting rank prints an
+        /// error and the job is aborted (`MPI_Abort`, exit status 3). `0` or `off`
+        /// waits for ever.
+        #[arg(long, value_parser = seconds_or_off)]
+        stall_timeout: f64 = DEFAULT_STALL_TIMEOUT.as_secs_f64(),
     }
 }
 

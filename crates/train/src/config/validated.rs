@@ -49,6 +49,7 @@ pub struct ValidatedConfig {
     overlap_backward: bool,
     cycle_time: Duration,
     total_steps: usize,
+    stall_timeout: Option<Duration>,
     data: DataSource,
 }
 
@@ -144,6 +145,18 @@ impl TrainConfig {
                     "must be a finite number of milliseconds >= 0, such as 1",
                 )
             })?;
+        let stall_timeout = match Duration::try_from_secs_f64(exchange.stall_timeout) {
+            Ok(d) if d.is_zero() => None,
+            // Below a millisecond every wait would look like a stall.
+            Ok(d) if d >= Duration::from_millis(1) && d <= Duration::from_secs(1 << 32) => Some(d),
+            _ => {
+                return Err(Error::invalid(
+                    "--stall-timeout",
+                    exchange.stall_timeout,
+                    "must be 0 or `off` (no check), or seconds from 0.001 to 2^32, such as 60",
+                ))
+            }
+        };
         let parameter_server = exchange.variable_update == VariableUpdate::ParameterServer;
         if parameter_server && exchange.ps_ranks > 0 && exchange.ps_ranks >= world {
             return Err(Error::invalid(
@@ -271,6 +284,7 @@ impl TrainConfig {
             overlap_backward,
             cycle_time,
             total_steps,
+            stall_timeout,
             data: source,
         })
     }
@@ -403,6 +417,12 @@ impl ValidatedConfig {
         self.cycle_time
     }
 
+    /// How long a collective may wait on other ranks without progress (`None`: for
+    /// ever).
+    pub fn stall_timeout(&self) -> Option<Duration> {
+        self.stall_timeout
+    }
+
     /// Where the batches come from.
     pub fn data_source(&self) -> &DataSource {
         &self.data
@@ -511,6 +531,19 @@ mod tests {
         assert!(error(&cfg, 1).contains("--cycle-time-ms"));
         cfg.exchange.cycle_time_ms = -1.0;
         assert!(error(&cfg, 1).contains("--cycle-time-ms"));
+
+        let mut cfg = TrainConfig::default();
+        cfg.exchange.stall_timeout = -1.0;
+        assert!(error(&cfg, 1).contains("--stall-timeout"));
+        cfg.exchange.stall_timeout = 1e30;
+        assert!(error(&cfg, 1).contains("--stall-timeout"));
+        cfg.exchange.stall_timeout = 0.0;
+        assert_eq!(cfg.validate(1).map(|v| v.stall_timeout()).ok(), Some(None));
+        cfg.exchange.stall_timeout = 4.0;
+        assert_eq!(
+            cfg.validate(1).map(|v| v.stall_timeout()).ok(),
+            Some(Some(Duration::from_secs(4)))
+        );
 
         let mut cfg = TrainConfig::default();
         cfg.exchange.fusion_threshold_bytes = 0;

@@ -15,7 +15,7 @@
 //! overflow flags, so every rank skips the same steps.
 
 use std::ops::Range;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use half::f16;
 use ringtrain_collective::{
@@ -92,6 +92,10 @@ impl Replicated {
                     threshold_bytes: exchange.fusion_threshold_bytes,
                     cycle_time: cfg.cycle_time(),
                     options: AllReduceOptions::sum(),
+                    // A gradient submitted on some ranks only: warned about at half the
+                    // stall timeout, failed on every rank at the timeout.
+                    stall_warning: cfg.stall_timeout().map_or(Duration::MAX, |t| t / 2),
+                    stall_error: cfg.stall_timeout().map_or(Duration::MAX, |t| t - t / 2),
                     ..FusionConfig::default()
                 };
                 Mode::Overlapped {

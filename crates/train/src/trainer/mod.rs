@@ -85,6 +85,7 @@ pub fn train(
     let mut last = StepStats::default();
     let total = cfg.total_steps();
     for i in 1..=total {
+        session.control.set_step(session.step as usize + 1);
         let done = session.step(model, batches)?;
         // Step numbers go on from a resumed checkpoint's; warm-up counts this process's.
         let step = session.step as usize;

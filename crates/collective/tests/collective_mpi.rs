@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
-use ringtrain::collective::{
+use ringtrain_collective::{
     Algorithm, AllReduceOptions, Communicator, DType, Element, Error, FusionConfig, FusionEngine,
     GradientPacker, GradientSpec, PackingConfig, ReduceOp, Tensor, TensorMut,
 };
@@ -18,6 +18,11 @@ const TIMEOUT: Duration = Duration::from_secs(90);
 
 /// Runs `worker` under `mpirun -np ranks`; returns (success, combined output).
 fn mpirun(ranks: usize, worker: &str) -> (bool, String) {
+    mpirun_env(ranks, worker, &[])
+}
+
+/// [`mpirun`] with extra environment variables for the workers.
+fn mpirun_env(ranks: usize, worker: &str, env: &[(&str, &str)]) -> (bool, String) {
     let exe = std::env::current_exe().expect("test executable path");
     let mut child = Command::new("mpirun")
         .arg("-np")
@@ -36,6 +41,7 @@ fn mpirun(ranks: usize, worker: &str) -> (bool, String) {
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
         .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         .env("RINGTRAIN_MPI_WORKER", "1")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -134,6 +140,88 @@ fn check_algorithms<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
     Ok(())
 }
 
+/// NaN, infinities and finite values at rank `rank`, element `i`. Element 0 is NaN on
+/// rank 0 and 0.25 elsewhere (the case `MPI_MIN` used to lose), element 1 the same with
+/// the NaN on the last rank.
+fn non_finite_input(rank: usize, size: usize, i: usize) -> f64 {
+    const VALUES: [f64; 7] = [
+        f64::NAN,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        0.25,
+        -1.0,
+        2.0,
+        f64::NAN,
+    ];
+    match i {
+        0 => [f64::NAN, 0.25][usize::from(rank != 0)],
+        1 => [f64::NAN, 0.25][usize::from(rank != size - 1)],
+        _ => VALUES[(i * 5 + rank * 3) % VALUES.len()],
+    }
+}
+
+fn non_finite_reference(op: ReduceOp, size: usize, i: usize) -> f64 {
+    let vals = (0..size).map(|r| non_finite_input(r, size, i));
+    if vals.clone().any(f64::is_nan) {
+        return f64::NAN;
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => {
+            vals.sum::<f64>()
+                / if op == ReduceOp::Average {
+                    size as f64
+                } else {
+                    1.0
+                }
+        }
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+    }
+}
+
+/// Every algorithm, and `native_all_reduce_into`, gives the documented result for NaN
+/// and infinities: NaN when any rank has NaN.
+fn check_non_finite<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
+    let (r, n) = (comm.rank(), comm.size());
+    for &len in &[2usize, 3, 17, 1000] {
+        let input: Vec<T> = (0..len)
+            .map(|i| T::from_f64(non_finite_input(r, n, i)))
+            .collect();
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Average,
+            ReduceOp::Min,
+            ReduceOp::Max,
+        ] {
+            let want: Vec<f64> = (0..len).map(|i| non_finite_reference(op, n, i)).collect();
+            let check = |what: &str, got: &[T]| {
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let g = g.to_f64();
+                    assert!(
+                        (g.is_nan() && w.is_nan()) || g == *w,
+                        "rank {r}: {} {op} {what} len {len}: element {i} is {g}, expected {w}",
+                        T::NAME
+                    );
+                }
+            };
+            for alg in [
+                Algorithm::Ring,
+                Algorithm::RecursiveDoubling,
+                Algorithm::Auto,
+                Algorithm::Mpi,
+            ] {
+                let mut v = input.clone();
+                comm.all_reduce(&mut v, &AllReduceOptions::with_op(op).algorithm(alg))?;
+                check(alg.name(), &v);
+            }
+            let mut out = input.clone();
+            comm.native_all_reduce_into(&input, &mut out, op)?;
+            check("native_all_reduce_into", &out);
+        }
+    }
+    Ok(())
+}
+
 #[test]
 #[ignore = "MPI worker: run by the mpirun tests below"]
 fn mpi_worker_collectives() {
@@ -146,6 +234,10 @@ fn mpi_worker_collectives() {
     check_algorithms::<f64>(&mut comm).expect("f64");
     check_algorithms::<f16>(&mut comm).expect("f16");
     check_algorithms::<bf16>(&mut comm).expect("bf16");
+    check_non_finite::<f32>(&mut comm).expect("f32 non-finite");
+    check_non_finite::<f64>(&mut comm).expect("f64 non-finite");
+    check_non_finite::<f16>(&mut comm).expect("f16 non-finite");
+    check_non_finite::<bf16>(&mut comm).expect("bf16 non-finite");
 
     // Broadcast from every root, all-gather with per-rank sizes, reduce-scatter, barrier.
     for root in 0..n {
@@ -333,5 +425,98 @@ fn mpirun_mismatch_fails_on_every_rank_in_seconds() {
             "mismatch took {:?}",
             start.elapsed()
         );
+    }
+}
+
+/// Stall timeout of the stall test: short, so that the test is quick.
+const STALL_TIMEOUT: Duration = Duration::from_secs(4);
+
+#[test]
+#[ignore = "MPI worker: run by the mpirun tests below"]
+fn mpi_worker_stall() {
+    if std::env::var_os("RINGTRAIN_MPI_WORKER").is_none() {
+        return;
+    }
+    let mode = std::env::var("RINGTRAIN_STALL_MODE").expect("mode");
+    let pid_dir = std::env::var("RINGTRAIN_STALL_PID_DIR").expect("pid dir");
+    let comm = Communicator::mpi().expect("MPI init");
+    comm.set_stall_timeout(Some(STALL_TIMEOUT));
+    let (r, n) = (comm.rank(), comm.size());
+    let stop_here = |step: usize| {
+        if r == n - 1 && step == 5 {
+            // Leave the pid for the test to kill, then stop this whole process, as a
+            // stopped or stuck rank would.
+            let pid = std::process::id().to_string();
+            std::fs::write(format!("{pid_dir}/rank{r}.pid"), &pid).expect("pid file");
+            let _ = Command::new("kill").args(["-STOP", &pid]).status();
+        }
+    };
+    match mode.as_str() {
+        "fusion" => {
+            let engine = FusionEngine::start(comm, FusionConfig::default()).expect("engine");
+            for step in 0.. {
+                stop_here(step);
+                let h = engine.submit("grad", vec![1.0f32; 1000]).expect("submit");
+                h.wait().expect("reduce");
+            }
+        }
+        _ => {
+            let mut comm = comm;
+            let alg: Algorithm = mode.parse().expect("algorithm");
+            for step in 0.. {
+                stop_here(step);
+                comm.set_stall_context(format!("step {step}"));
+                let mut v = vec![1.0f32; 1000];
+                comm.all_reduce(&mut v, &AllReduceOptions::sum().algorithm(alg))
+                    .expect("all-reduce");
+            }
+        }
+    }
+}
+
+/// A rank stopped with SIGSTOP: every other rank reports it within the stall timeout
+/// and the job ends with a failure, whichever algorithm waits for it.
+#[test]
+fn mpirun_stopped_rank_aborts_the_job_naming_it() {
+    for (ranks, mode) in [(2, "ring"), (3, "rd"), (2, "mpi"), (3, "fusion")] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let dir_text = dir.path().display().to_string();
+        let start = Instant::now();
+        let (ok, output) = mpirun_env(
+            ranks,
+            "mpi_worker_stall",
+            &[
+                ("RINGTRAIN_STALL_MODE", mode),
+                ("RINGTRAIN_STALL_PID_DIR", &dir_text),
+            ],
+        );
+        let took = start.elapsed();
+        // Whatever happened, leave no stopped process behind.
+        if let Ok(pid) = std::fs::read_to_string(dir.path().join(format!("rank{}.pid", ranks - 1)))
+        {
+            let _ = Command::new("kill").args(["-KILL", pid.trim()]).status();
+        }
+        assert!(!ok, "{mode} at {ranks} ranks: mpirun succeeded:\n{output}");
+        assert!(
+            took < STALL_TIMEOUT + Duration::from_secs(30),
+            "{mode} at {ranks} ranks: took {took:?}:\n{output}"
+        );
+        assert!(
+            output.contains("stalled for") && output.contains("aborting the job"),
+            "{mode} at {ranks} ranks: no stall error:\n{output}"
+        );
+        assert!(
+            output.contains("WARNING: no progress for"),
+            "{mode} at {ranks} ranks: no warning at half the timeout:\n{output}"
+        );
+        let stopped = format!("rank {}", ranks - 1);
+        if mode == "mpi" {
+            assert!(output.contains("MPI does not say which"), "{output}");
+        } else {
+            assert!(
+                output.contains(&format!("waiting for {stopped}")),
+                "{mode} at {ranks} ranks: the stopped {stopped} is not named:\n{output}"
+            );
+        }
     }
 }

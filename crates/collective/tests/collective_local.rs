@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use half::{bf16, f16};
 use proptest::prelude::*;
-use ringtrain::collective::{
+use ringtrain_collective::{
     ring_chunk_range, Algorithm, AllReduceOptions, Communicator, DType, Element, Error,
     FusionConfig, FusionEngine, GradientPacker, GradientSpec, PackingConfig, ReduceOp, Tensor,
     TensorMut, WireCompression,
@@ -42,6 +42,105 @@ fn expected<T: Element>(opts: &AllReduceOptions, size: usize, len: usize, salt: 
         T::scale(&mut v, post);
     }
     v
+}
+
+/// An input with NaN and infinities among small exact values, at rank `rank` and
+/// element `i`: about one element in six of each rank is NaN or infinite.
+fn non_finite_input(rank: usize, i: usize, salt: usize) -> f64 {
+    const VALUES: [f64; 17] = [
+        f64::NAN,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        0.25,
+        -1.0,
+        2.0,
+        0.5,
+        -0.25,
+        3.0,
+        -2.0,
+        1.0,
+        0.75,
+        -0.5,
+        1.5,
+        -3.0,
+        0.125,
+        4.0,
+    ];
+    VALUES[(i * 7 + rank * 13 + salt * 11) % VALUES.len()]
+}
+
+/// The documented result for one element: NaN when any input is NaN (and for a sum of
+/// +inf and -inf), else the exact sum, minimum or maximum.
+fn non_finite_reference(op: ReduceOp, vals: impl Iterator<Item = f64> + Clone) -> f64 {
+    if vals.clone().any(f64::is_nan) {
+        return f64::NAN;
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => vals.sum(),
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+    }
+}
+
+/// Equal values, or NaN on both sides (NaN payloads may differ between algorithms).
+fn same_value<T: Element>(a: &[T], b: &[T]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            let (x, y) = (x.to_f64(), y.to_f64());
+            (x.is_nan() && y.is_nan()) || x == y
+        })
+}
+
+fn check_non_finite<T: Element>(
+    size: usize,
+    len: usize,
+    op: ReduceOp,
+    algorithm: Algorithm,
+    segment: usize,
+    salt: usize,
+) -> Result<(), TestCaseError> {
+    let opts = AllReduceOptions::with_op(op).algorithm(algorithm);
+    let outs = Communicator::run_local(size, |mut comm| {
+        comm.set_segment_bytes(segment);
+        let r = comm.rank();
+        let mut v: Vec<T> = (0..len)
+            .map(|i| T::from_f64(non_finite_input(r, i, salt)))
+            .collect();
+        comm.all_reduce(&mut v, &opts).map(|_| v)
+    })
+    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let mut want: Vec<T> = (0..len)
+        .map(|i| {
+            T::from_f64(non_finite_reference(
+                op,
+                (0..size).map(|r| non_finite_input(r, i, salt)),
+            ))
+        })
+        .collect();
+    if op == ReduceOp::Average {
+        T::scale(&mut want, 1.0 / size as f64);
+    }
+    let first = outs[0]
+        .as_ref()
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    for (rank, out) in outs.iter().enumerate() {
+        let out = out
+            .as_ref()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(bits(out), bits(first), "rank {} differs from rank 0", rank);
+    }
+    prop_assert!(
+        same_value(first, &want),
+        "{} {} {} size {} len {}: {:?} instead of {:?}",
+        T::NAME,
+        op,
+        algorithm,
+        size,
+        len,
+        first,
+        want
+    );
+    Ok(())
 }
 
 fn bits<T: Element>(v: &[T]) -> Vec<u8> {
@@ -111,8 +210,59 @@ fn lengths() -> impl Strategy<Value = usize> {
     ]
 }
 
+/// Cases per property: `PROPTEST_CASES` when set (a long soak), else `quick`, this
+/// file's default, sized for CI.
+fn cases(quick: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(quick)
+}
+
+/// `PROPTEST_CASES` sets the number of cases (checked in a child process, so the
+/// variable never changes under other tests running in this one).
+#[test]
+fn proptest_cases_follows_the_environment() {
+    if let Ok(expected) = std::env::var("RINGTRAIN_EXPECT_CASES") {
+        let runs = std::cell::Cell::new(0u32);
+        let mut runner =
+            proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(cases(5)));
+        runner
+            .run(&(0u32..10), |_| {
+                runs.set(runs.get() + 1);
+                Ok(())
+            })
+            .expect("the property holds");
+        assert_eq!(runs.get().to_string(), expected, "cases run");
+        return;
+    }
+    for (env, expected) in [(Some("3"), "3"), (None, "5")] {
+        let mut child =
+            std::process::Command::new(std::env::current_exe().expect("test executable"));
+        child
+            .args([
+                "--exact",
+                "proptest_cases_follows_the_environment",
+                "--test-threads",
+                "1",
+            ])
+            .env("RINGTRAIN_EXPECT_CASES", expected)
+            .env_remove("PROPTEST_CASES");
+        if let Some(v) = env {
+            child.env("PROPTEST_CASES", v);
+        }
+        let out = child.output().expect("the test executable runs");
+        assert!(
+            out.status.success(),
+            "PROPTEST_CASES={env:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig::with_cases(cases(64)))]
 
     #[test]
     fn all_reduce_is_exact_and_identical_on_every_rank(
@@ -132,6 +282,24 @@ proptest! {
             DType::F64 => check_all_reduce::<f64>(size, len, opts, segment, salt)?,
             DType::F16 => check_all_reduce::<f16>(size, len, opts, segment, salt)?,
             DType::BF16 => check_all_reduce::<bf16>(size, len, opts, segment, salt)?,
+        }
+    }
+
+    #[test]
+    fn nan_and_infinities_give_the_documented_result_with_every_algorithm(
+        size in 1usize..=9,
+        len in lengths(),
+        dtype in proptest::sample::select(DType::ALL.to_vec()),
+        op in ops(),
+        algorithm in algorithms(),
+        segment in prop_oneof![Just(8usize), 16usize..2048, Just(256 * 1024)],
+        salt in 0usize..17,
+    ) {
+        match dtype {
+            DType::F32 => check_non_finite::<f32>(size, len, op, algorithm, segment, salt)?,
+            DType::F64 => check_non_finite::<f64>(size, len, op, algorithm, segment, salt)?,
+            DType::F16 => check_non_finite::<f16>(size, len, op, algorithm, segment, salt)?,
+            DType::BF16 => check_non_finite::<bf16>(size, len, op, algorithm, segment, salt)?,
         }
     }
 
@@ -275,7 +443,7 @@ fn fill_expected(t: &mut Tensor, size: usize, salt: usize) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig::with_cases(cases(24)))]
 
     #[test]
     fn fusion_reduces_every_tensor_in_any_submission_order(
@@ -333,7 +501,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(12))]
+    #![proptest_config(ProptestConfig::with_cases(cases(12)))]
 
     /// Duplicates (taken in the same order on every rank, possibly of duplicates) carry
     /// their own messages: a control all-reduce on a duplicate while the fusion engine
@@ -458,7 +626,7 @@ fn fusion_timeline_is_chrome_trace_json_with_every_phase() {
     })
     .expect("run");
     for rank in 0..2 {
-        let file = ringtrain::collective::timeline_path_for_rank(&path, rank);
+        let file = ringtrain_collective::timeline_path_for_rank(&path, rank);
         let text = std::fs::read_to_string(&file).expect("timeline written");
         let json: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
         let events = json["traceEvents"].as_array().expect("traceEvents");
@@ -527,4 +695,59 @@ fn unwritable_timeline_path_fails_at_start_naming_the_file() {
     let err = FusionEngine::start(comm, config).expect_err("unwritable");
     let msg = err.to_string();
     assert!(msg.contains("/nonexistent-dir/trace.rank0.json"), "{msg}");
+}
+
+/// A rank that stops taking part: the others' waits end with an error naming it after the
+/// stall timeout, instead of blocking for ever.
+#[test]
+fn a_stalled_rank_is_named_by_the_waiting_ranks() {
+    for algorithm in [Algorithm::Ring, Algorithm::RecursiveDoubling] {
+        let outs = Communicator::run_local(3, |mut comm| {
+            comm.set_stall_timeout(Some(Duration::from_millis(300)));
+            comm.set_stall_context("step 7");
+            if comm.rank() == 2 {
+                // Stuck: alive (its endpoints stay open) but not taking part.
+                std::thread::sleep(Duration::from_secs(3));
+                return Ok(());
+            }
+            let mut v = vec![1.0f32; 100];
+            comm.all_reduce(&mut v, &AllReduceOptions::sum().algorithm(algorithm))
+        })
+        .expect("threads");
+        let mut named = false;
+        for out in &outs[..2] {
+            let err = out.as_ref().expect_err("a stalled rank must fail the wait");
+            let msg = err.to_string();
+            match err {
+                Error::StallTimeout { .. } => {
+                    assert!(
+                        msg.contains("step 7") && msg.contains("all-reduce"),
+                        "{msg}"
+                    );
+                    named |= msg.contains("waiting for rank 2");
+                }
+                // A rank whose wait ended first has left; its partners see that at once.
+                Error::Transport { .. } => assert!(msg.contains("gone away"), "{msg}"),
+                other => panic!("unexpected error: {other}"),
+            }
+        }
+        assert!(named, "{algorithm}: no rank named rank 2: {outs:?}");
+    }
+}
+
+#[test]
+fn stall_timeout_off_waits_for_a_slow_rank() {
+    let outs = Communicator::run_local(2, |mut comm| {
+        comm.set_stall_timeout(None);
+        assert_eq!(comm.stall_timeout(), None);
+        if comm.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        let mut v = vec![1.0f32; 10];
+        comm.all_reduce(&mut v, &AllReduceOptions::sum()).map(|_| v)
+    })
+    .expect("threads");
+    for out in outs {
+        assert_eq!(out.expect("no stall error when off"), vec![2.0f32; 10]);
+    }
 }
