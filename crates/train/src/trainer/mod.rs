@@ -12,6 +12,7 @@ use ringtrain_collective::Communicator;
 
 use crate::config::ValidatedConfig;
 use crate::error::Result;
+use crate::interrupt;
 use crate::report::RunReport;
 use crate::strategy::StepStats;
 use crate::throughput::{format_step_line, rate_stats, ThroughputMeter};
@@ -23,6 +24,26 @@ mod summary;
 
 use setup::Session;
 use summary::TimedTotals;
+
+/// Writes the checkpoint after step `i` of `total`; a stop seen while writing becomes an
+/// [`crate::Error::Interrupted`] that names the checkpoint still in place.
+fn save(
+    session: &mut Session<'_>,
+    path: &std::path::Path,
+    model: &dyn TrainableModel,
+    i: usize,
+    total: usize,
+) -> Result<()> {
+    session
+        .save_checkpoint(path, model)
+        .map_err(|e| match interrupt::requested() {
+            Some(signal) => session.interrupted(
+                signal,
+                format!("while writing the checkpoint after step {i} of {total}"),
+            ),
+            None => e,
+        })
+}
 
 /// What a finished run hands back.
 pub struct TrainOutcome {
@@ -73,6 +94,15 @@ pub fn train(
     let mut last = StepStats::default();
     let total = cfg.total_steps();
     for i in 1..=total {
+        // A stop (SIGINT/SIGTERM) is honoured between steps, never inside one.
+        if let Some(signal) = interrupt::requested() {
+            let during = if i == 1 {
+                format!("in setup, before step 1 of {total}")
+            } else {
+                format!("after step {} of {total}", i - 1)
+            };
+            return Err(session.interrupted(signal, during));
+        }
         let done = session.step(i, model, batches)?;
         let global_words = if session.strategy.averages_globally() {
             done.outcome.stats.words
@@ -107,14 +137,14 @@ pub fn train(
         if let Some(path) = output.checkpoint.as_deref() {
             let every = output.checkpoint_every as u64;
             if every > 0 && session.step % every == 0 {
-                session.save_checkpoint(path, &*model)?;
+                save(&mut session, path, &*model, i, total)?;
             }
         }
     }
     if let Some(path) = output.checkpoint.as_deref() {
         let every = output.checkpoint_every as u64;
         if every == 0 || session.step % every != 0 {
-            session.save_checkpoint(path, &*model)?;
+            save(&mut session, path, &*model, total, total)?;
         }
     }
     let report = session.report(&*model, &meter.summary(), timed, last)?;
