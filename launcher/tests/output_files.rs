@@ -216,3 +216,34 @@ fn sweep_checks_its_outputs_before_the_first_count() {
         "{stderr}"
     );
 }
+
+#[test]
+fn bench_checks_its_output_files_before_measuring() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing");
+    for (flag, file) in [("--json", "rows.json"), ("--timeline", "trace.json")] {
+        let mut cmd = ringtrain();
+        cmd.args(["launch", "--np", "2", "--", "bench", "allreduce"])
+            .args([
+                "--min-bytes",
+                "4K",
+                "--max-bytes",
+                "8K",
+                "--small-tensors",
+                "4",
+            ])
+            .arg(flag)
+            .arg(missing.join(file));
+        let out = output_within(cmd, LIMIT, "ringtrain bench allreduce");
+        let (stdout, stderr) = texts(&out);
+        assert!(!out.status.success(), "{stdout}");
+        assert!(
+            stderr.contains(flag) && stderr.contains("missing") && stderr.contains("mkdir -p"),
+            "{flag}: {stderr}"
+        );
+        assert!(
+            !stdout.contains(" ring ") && !stdout.contains(" mpi "),
+            "{flag}: measured first:\n{stdout}"
+        );
+    }
+}
