@@ -163,3 +163,57 @@ fn sigterm_to_a_rank_names_the_last_good_checkpoint_and_leaves_no_temporary_file
         .collect();
     assert_eq!(names, ["run.ckpt"], "no temporary file is left");
 }
+
+#[test]
+fn sigterm_to_one_rank_of_two_ends_the_job_instead_of_hanging_the_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("run.ckpt");
+    let mut cmd = ringtrain();
+    cmd.args(["launch", "--np", "2", "--", "train"])
+        .args(tiny_with_steps("1000000000"))
+        .args([
+            "--display-every",
+            "0",
+            "--checkpoint-every",
+            "1",
+            "--checkpoint",
+        ])
+        .arg(&ck)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut launcher = cmd.spawn().unwrap();
+    let mut stderr = launcher.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+        text
+    });
+    wait_for_file(&ck, &mut launcher);
+    let started = descendants(launcher.id());
+    let rank = started
+        .iter()
+        .copied()
+        .filter(|&p| cmdline(p).contains(" train "))
+        .max()
+        .expect("a rank is running");
+    signal(rank, "TERM");
+    // A stopped rank that finalized MPI would wait for the other rank forever.
+    let status = wait_within(&mut launcher, Duration::from_secs(60), "the launcher");
+    let start = Instant::now();
+    let mut left = started.clone();
+    while !left.is_empty() && start.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(100));
+        left.retain(|&p| alive(p));
+    }
+    for &p in &left {
+        signal(p, "KILL");
+    }
+    let stderr = reader.join().unwrap();
+    assert!(left.is_empty(), "processes outlived the job: {left:?}");
+    assert!(!status.success(), "{status}");
+    assert!(
+        stderr.contains("interrupted by SIGTERM after step")
+            && stderr.contains("the last good checkpoint is"),
+        "{stderr}"
+    );
+}

@@ -11,7 +11,7 @@
 use ringtrain_collective::Communicator;
 
 use crate::config::ValidatedConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::interrupt;
 use crate::report::RunReport;
 use crate::strategy::StepStats;
@@ -43,6 +43,19 @@ fn save(
             ),
             None => e,
         })
+}
+
+/// Ends the session with `error`. A stop is this rank's alone (a signal to one rank, or
+/// one seen a step earlier than the others): the other ranks wait for it in the next
+/// collective, and shutting the communicators down (`MPI_Finalize` waits for every rank)
+/// would wait for them in turn, forever. A stopped rank of a multi-rank run therefore
+/// leaves its communicators as they are; it exits without finalizing, and mpirun ends
+/// the job.
+fn leave(session: Session<'_>, error: Error) -> Error {
+    if matches!(error, Error::Interrupted { .. }) && session.cfg.world() > 1 {
+        std::mem::forget(session);
+    }
+    error
 }
 
 /// What a finished run hands back.
@@ -101,7 +114,8 @@ pub fn train(
             } else {
                 format!("after step {} of {total}", i - 1)
             };
-            return Err(session.interrupted(signal, during));
+            let e = session.interrupted(signal, during);
+            return Err(leave(session, e));
         }
         let done = session.step(i, model, batches)?;
         let global_words = if session.strategy.averages_globally() {
@@ -137,14 +151,18 @@ pub fn train(
         if let Some(path) = output.checkpoint.as_deref() {
             let every = output.checkpoint_every as u64;
             if every > 0 && session.step % every == 0 {
-                save(&mut session, path, &*model, i, total)?;
+                if let Err(e) = save(&mut session, path, &*model, i, total) {
+                    return Err(leave(session, e));
+                }
             }
         }
     }
     if let Some(path) = output.checkpoint.as_deref() {
         let every = output.checkpoint_every as u64;
         if every == 0 || session.step % every != 0 {
-            save(&mut session, path, &*model, total, total)?;
+            if let Err(e) = save(&mut session, path, &*model, total, total) {
+                return Err(leave(session, e));
+            }
         }
     }
     let report = session.report(&*model, &meter.summary(), timed, last)?;
