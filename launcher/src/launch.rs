@@ -14,8 +14,8 @@
 //! and SIGHUP sent to the launcher (Ctrl-C, `timeout`, a job scheduler) are passed on to
 //! mpirun once, which stops every rank; the launcher waits for it and exits with its
 //! status (128 + the signal when it was killed, or when it ended cleanly although asked
-//! to stop). mpirun that has not ended 10 s after the signal, and anything left in its
-//! process group after it ended, is killed.
+//! to stop). mpirun that has not ended 10 s after the signal is killed with its process
+//! group (Open MPI puts each rank in a group of its own and stops them itself).
 
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
