@@ -149,6 +149,7 @@ pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
     }
     let mut comm = Communicator::mpi()?;
     comm.set_stall_timeout(args.stall_timeout());
+    check_outputs(&mut comm, args)?;
     comm.set_segment_bytes(args.segment_bytes);
     check_memory(&mut comm, args, dtype.size_bytes())?;
     let rows = match dtype {
@@ -164,8 +165,11 @@ pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
     if comm.rank() == 0 {
         if let Some(path) = &args.json {
             let text = serde_json::to_string_pretty(&rows)?;
-            std::fs::write(path, text)
-                .map_err(|e| format!("cannot write --json {}: {e}", path.display()))?;
+            ringtrain_train::outputs::write_atomically(
+                path,
+                text.as_bytes(),
+                "writing the --json table",
+            )?;
             println!("# rows written to {}", path.display());
         }
     }
@@ -257,6 +261,37 @@ fn check_memory(
         ),
     }
     .into())
+}
+
+/// Checks, before anything is measured, the files each rank will write (`--json` on rank
+/// 0, its own `--timeline` file on every rank); every rank fails when one cannot write.
+#[cfg(feature = "mpi")]
+fn check_outputs(
+    comm: &mut ringtrain_collective::Communicator,
+    args: &AllreduceBenchArgs,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use ringtrain_train::outputs::check_output_file;
+
+    let rank = comm.rank();
+    let mut local = Ok(());
+    if let (0, Some(path)) = (rank, &args.json) {
+        local = check_output_file("--json", path, "allreduce.json");
+    }
+    if let (Ok(()), Some(path)) = (&local, &args.timeline) {
+        let own = ringtrain_collective::timeline_path_for_rank(path, rank);
+        local = check_output_file("--timeline", &own, "timeline.json");
+    }
+    let mut failed = [f64::from(u8::from(local.is_err()))];
+    comm.all_reduce(&mut failed, &ringtrain_collective::AllReduceOptions::sum())?;
+    match local {
+        Err(e) => Err(e.into()),
+        Ok(()) if failed[0] > 0.0 => Err(format!(
+            "{} rank(s) cannot write their output files; see their error messages",
+            failed[0]
+        )
+        .into()),
+        Ok(()) => Ok(()),
+    }
 }
 
 /// Without MPI there is nothing to compare against.

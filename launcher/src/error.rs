@@ -29,21 +29,43 @@ pub enum LauncherError {
     RanksFailed {
         /// Exit status.
         status: String,
+        /// The status to exit with: mpirun's exit code, or 128 + the signal that killed it.
+        code: i32,
         /// The command that ran.
         command: String,
     },
-    /// Writing an output file failed.
-    #[error("writing `{path}` failed: {source}")]
-    Write {
-        /// The file.
-        path: std::path::PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
+    /// The launcher was asked to stop; it passed the signal on to mpirun and waited.
+    #[error("stopped by {signal}: passed it on to mpirun, which ended with {status}")]
+    Interrupted {
+        /// The signal received.
+        signal: &'static str,
+        /// How mpirun ended.
+        status: String,
+        /// The status to exit with (mpirun's, or 128 + the signal).
+        code: i32,
     },
+    /// A signal handler could not be installed.
+    #[error("installing the signal handlers failed: {0}")]
+    Signals(#[source] std::io::Error),
     /// A benchmark failed.
     #[error("benchmark failed: {0}")]
     Bench(String),
+}
+
+impl LauncherError {
+    /// The process's exit status for this error: mpirun's own for failed or stopped runs,
+    /// 128 + the signal for a rank stopped by SIGINT/SIGTERM, 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            LauncherError::RanksFailed { code, .. } | LauncherError::Interrupted { code, .. } => {
+                *code
+            }
+            LauncherError::Train(ringtrain_train::Error::Interrupted { signal, .. }) => {
+                128 + signal
+            }
+            _ => 1,
+        }
+    }
 }
 
 /// `Result` with [`LauncherError`].

@@ -9,9 +9,22 @@
 //!   `OMPI_MCA_btl_vader_single_copy_mechanism=none`;
 //! - the gradient-reduction thread overlaps backward on the same cores, so MPI should
 //!   yield while it waits: `OMPI_MCA_mpi_yield_when_idle=1`.
+//!
+//! mpirun runs in a process group of its own, with no standard input. SIGINT, SIGTERM
+//! and SIGHUP sent to the launcher (Ctrl-C, `timeout`, a job scheduler) are passed on to
+//! mpirun once, which stops every rank; the launcher waits for it and exits with its
+//! status (128 + the signal when it was killed, or when it ended cleanly although asked
+//! to stop). mpirun that has not ended 10 s after the signal is killed with its process
+//! group (Open MPI puts each rank in a group of its own and stops them itself).
 
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use signal_hook::consts::{SIGHUP, SIGINT, SIGKILL, SIGTERM};
 
 use clap::Args;
 
@@ -214,24 +227,112 @@ pub fn execute(plan: &LaunchPlan) -> Result<()> {
     for n in &plan.notes {
         eprintln!("ringtrain launch:   ({n})");
     }
-    let status = Command::new(&program)
+    // Handlers first: a signal that arrives while mpirun starts is passed on too.
+    let received = Arc::new(AtomicUsize::new(0));
+    let mut handlers = Vec::new();
+    for signal in [SIGINT, SIGTERM, SIGHUP] {
+        let id = signal_hook::flag::register_usize(signal, received.clone(), signal as usize)
+            .map_err(LauncherError::Signals)?;
+        handlers.push(id);
+    }
+    let result = run_and_forward(&program, plan, &received);
+    for id in handlers {
+        signal_hook::low_level::unregister(id);
+    }
+    let (status, forwarded) = result?;
+    let code = exit_code(status);
+    match forwarded {
+        Some(signal) => Err(LauncherError::Interrupted {
+            signal: ringtrain_train::interrupt::signal_name(signal),
+            status: describe(status),
+            code: if code == 0 { 128 + signal } else { code },
+        }),
+        None if status.success() => Ok(()),
+        None => Err(LauncherError::RanksFailed {
+            status: describe(status),
+            code,
+            command: plan.shell_line(),
+        }),
+    }
+}
+
+/// `kill(2)`; a process that is already gone is not an error here.
+fn send(pid: i32, signal: i32) {
+    // SAFETY: kill has no memory-safety preconditions; `pid` is mpirun's pid or, negated,
+    // its process group, both created by this process.
+    unsafe {
+        libc::kill(pid, signal);
+    }
+}
+
+/// Runs mpirun in its own process group, passing on the first signal `received`
+/// records; returns how it ended and the signal passed on, if any.
+fn run_and_forward(
+    program: &Path,
+    plan: &LaunchPlan,
+    received: &AtomicUsize,
+) -> Result<(ExitStatus, Option<i32>)> {
+    let mut child = Command::new(program)
         .args(&plan.args)
         .envs(plan.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .status()
+        .stdin(Stdio::null())
+        .process_group(0)
+        .spawn()
         .map_err(|source| LauncherError::Spawn {
             program: program.display().to_string(),
             source,
         })?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(LauncherError::RanksFailed {
-            status: status.code().map_or_else(
-                || "killed by a signal".to_string(),
-                |c| format!("exit code {c}"),
-            ),
-            command: plan.shell_line(),
-        })
+    let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
+    let mut forwarded: Option<(i32, Instant)> = None;
+    let mut killed = false;
+    let status = loop {
+        let waited = child.try_wait().map_err(|source| LauncherError::Spawn {
+            program: program.display().to_string(),
+            source,
+        })?;
+        if let Some(status) = waited {
+            break status;
+        }
+        let signal = i32::try_from(received.swap(0, Ordering::SeqCst)).unwrap_or(SIGTERM);
+        match forwarded {
+            None if signal != 0 => {
+                eprintln!(
+                    "ringtrain launch: {} received: passing it on to mpirun (pid {pid}) and waiting for the ranks to stop",
+                    ringtrain_train::interrupt::signal_name(signal)
+                );
+                send(pid, signal);
+                forwarded = Some((signal, Instant::now()));
+            }
+            Some((_, since)) if !killed && since.elapsed() > Duration::from_secs(10) => {
+                eprintln!("ringtrain launch: mpirun did not stop within 10 s: killing it");
+                send(-pid, SIGKILL);
+                killed = true;
+            }
+            _ => {}
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Whatever mpirun left in its group (ranks it could not stop) goes with it.
+    send(-pid, SIGKILL);
+    Ok((status, forwarded.map(|(s, _)| s)))
+}
+
+/// mpirun's exit code, or 128 + the signal that killed it.
+fn exit_code(status: ExitStatus) -> i32 {
+    status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+}
+
+/// "exit code 3", "signal 15".
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!(
+            "signal {s} ({})",
+            ringtrain_train::interrupt::signal_name(s)
+        ),
+        (None, None) => "an unknown status".to_string(),
     }
 }
 

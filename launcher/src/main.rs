@@ -69,6 +69,6 @@ fn main() {
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("ringtrain: error: {e}");
-        std::process::exit(1);
+        std::process::exit(e.exit_code());
     }
 }

@@ -1,11 +1,17 @@
 //! `ringtrain sweep`: the same training at several rank counts, summarised in the seeds'
 //! table (ranks | batch size | time for the timed batches | words/s | speedup).
+//!
+//! `--json` and `--report-dir` are checked before the first count runs. When a count
+//! fails (or the sweep is stopped), the table of the counts that finished is printed
+//! (and written to `--json`) before the error.
 
 use std::path::PathBuf;
 
 use clap::Args;
 use ringtrain_train::RunReport;
 use serde::{Deserialize, Serialize};
+
+use ringtrain_train::outputs::check_output_file;
 
 use crate::error::{LauncherError, Result};
 use crate::launch::{self, LaunchArgs, Machine};
@@ -29,7 +35,7 @@ pub struct SweepArgs {
     #[arg(long = "mpi-arg", allow_hyphen_values = true)]
     pub mpi_args: Vec<String>,
 
-    /// Also write the table as JSON to this file.
+    /// Also write the table as JSON to this file (an existing one is replaced).
     #[arg(long)]
     pub json: Option<PathBuf>,
 
@@ -133,43 +139,92 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         program: "ringtrain (own executable path)".to_string(),
         source,
     })?;
+    if let Some(path) = &args.json {
+        check_output_file("--json", path, "sweep.json")?;
+    }
     let dir = args.report_dir.clone().unwrap_or_else(std::env::temp_dir);
     let base_cmd = without_json_report(&args.command);
     let mut reports = Vec::new();
+    let mut failure = None;
     for &np in &args.np {
         let report_path = dir.join(format!(
             "ringtrain-sweep-{}-np{np}.json",
             std::process::id()
         ));
-        let mut command = base_cmd.clone();
-        command.push("--json-report".to_string());
-        command.push(report_path.display().to_string());
-        let launch_args = LaunchArgs {
-            np,
-            hostfile: args.hostfile.clone(),
-            mpirun: args.mpirun.clone(),
-            mpi_args: args.mpi_args.clone(),
-            dry_run: false,
-            command,
-        };
-        let plan = launch::plan(&launch_args, Machine::current(), &exe);
-        launch::execute(&plan)?;
-        let report = RunReport::read_json(&report_path)?;
-        if args.report_dir.is_none() {
-            let _ = std::fs::remove_file(&report_path);
+        if reports.is_empty() {
+            check_output_file("--report-dir", &report_path, "report.json")?;
         }
-        reports.push(report);
+        match run_count(args, &exe, &base_cmd, np, &report_path) {
+            Ok(report) => reports.push(report),
+            Err(e) => {
+                failure = Some((np, e));
+                break;
+            }
+        }
     }
-    let rows = rows(&reports);
-    println!("\n{}", markdown(&rows));
+    if !reports.is_empty() {
+        print_rows(args, &rows(&reports))?;
+    }
+    match failure {
+        None => Ok(()),
+        Some((np, e)) => {
+            let done: Vec<String> = reports.iter().map(|r| r.ranks.to_string()).collect();
+            eprintln!(
+                "ringtrain sweep: stopped at {np} ranks; {}",
+                if done.is_empty() {
+                    "no rank count finished".to_string()
+                } else {
+                    format!(
+                        "the table above has the counts that finished ({})",
+                        done.join(", ")
+                    )
+                }
+            );
+            Err(e)
+        }
+    }
+}
+
+/// One rank count: launches it and reads its report.
+fn run_count(
+    args: &SweepArgs,
+    exe: &std::path::Path,
+    base_cmd: &[String],
+    np: usize,
+    report_path: &std::path::Path,
+) -> Result<RunReport> {
+    let mut command = base_cmd.to_vec();
+    command.push("--json-report".to_string());
+    command.push(report_path.display().to_string());
+    let launch_args = LaunchArgs {
+        np,
+        hostfile: args.hostfile.clone(),
+        mpirun: args.mpirun.clone(),
+        mpi_args: args.mpi_args.clone(),
+        dry_run: false,
+        command,
+    };
+    let plan = launch::plan(&launch_args, Machine::current(), exe);
+    launch::execute(&plan)?;
+    let report = RunReport::read_json(report_path)?;
+    if args.report_dir.is_none() {
+        let _ = std::fs::remove_file(report_path);
+    }
+    Ok(report)
+}
+
+/// Prints the table and its JSON, and writes the JSON to `--json`.
+fn print_rows(args: &SweepArgs, rows: &[SweepRow]) -> Result<()> {
+    println!("\n{}", markdown(rows));
     let json =
-        serde_json::to_string_pretty(&rows).map_err(|e| LauncherError::Bench(e.to_string()))?;
+        serde_json::to_string_pretty(rows).map_err(|e| LauncherError::Bench(e.to_string()))?;
     println!("{json}");
     if let Some(path) = &args.json {
-        std::fs::write(path, json + "\n").map_err(|source| LauncherError::Write {
-            path: path.clone(),
-            source,
-        })?;
+        ringtrain_train::outputs::write_atomically(
+            path,
+            (json + "\n").as_bytes(),
+            "writing the sweep table",
+        )?;
     }
     Ok(())
 }

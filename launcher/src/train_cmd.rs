@@ -26,6 +26,9 @@ fn world() -> Result<Communicator> {
 pub fn run(cfg: &TrainConfig) -> Result<()> {
     let comm = world()?;
     let cfg = cfg.validate(comm.size())?;
+    // SIGINT/SIGTERM stop the run at the next step boundary with one line saying what
+    // was interrupted and which checkpoint is the last good one.
+    ringtrain_train::interrupt::install()?;
     let local = ringtrain_train::local_rank(&comm)?;
     let rank = comm.rank();
     let outcome = ringtrain_train::run_rank(&cfg, comm, local, &mut |line: &str| {

@@ -11,8 +11,9 @@
 //! state   4·2n     Adam's m then v (absent for SGD)
 //! crc32   u32      crc32 (IEEE) of every byte before it
 //! ```
-//! Writes go to `FILE.tmp`, are fsynced, then renamed over `FILE`, so a crash leaves the
-//! old checkpoint or the new one, never half of one.
+//! Writes go through [`crate::outputs::write_atomically`] (a temporary file of the
+//! writer's own, fsync, rename over `FILE`), so a crash or a stop leaves the old
+//! checkpoint or the new one, never half of one, and concurrent writers never mix.
 //!
 //! Version 3 added the input positions ([`InputPosition`], one per rank: the batch after
 //! the last one each rank trained on), so that a resumed run reads on where the
@@ -20,8 +21,8 @@
 //! [`Error::CheckpointVersion`].
 
 use std::fs;
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::io::Read;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
@@ -198,25 +199,60 @@ impl Checkpoint {
         })
     }
 
-    /// Writes atomically: `FILE.tmp`, fsync, rename over `FILE`, fsync of the directory.
+    /// Writes atomically (see [`crate::outputs::write_atomically`]).
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the file; [`Error::Interrupted`] on SIGINT/SIGTERM.
     pub fn save(&self, path: &Path) -> Result<()> {
         let bytes = self.to_bytes()?;
-        let tmp = temp_path(path);
-        {
-            let mut f = fs::File::create(&tmp).map_err(io_err("creating checkpoint", &tmp))?;
-            f.write_all(&bytes)
-                .map_err(io_err("writing checkpoint", &tmp))?;
-            f.sync_all().map_err(io_err("syncing checkpoint", &tmp))?;
+        crate::outputs::write_atomically(path, &bytes, "writing checkpoint")
+    }
+
+    /// Reads only the header of a checkpoint file: the config of the run that wrote it and
+    /// its step (the tensors and the checksum are not read).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the file cannot be read, [`Error::CheckpointCorrupt`] when it
+    /// does not start like a checkpoint of this version.
+    pub fn read_header(path: &Path) -> Result<(TrainConfig, u64)> {
+        let corrupt = |reason: String| Error::CheckpointCorrupt {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let mut file = fs::File::open(path).map_err(io_err("reading checkpoint", path))?;
+        let mut start = [0u8; 20];
+        file.read_exact(&mut start)
+            .map_err(|_| corrupt("it is shorter than a checkpoint header".into()))?;
+        if start[..8] != CHECKPOINT_MAGIC {
+            return Err(corrupt(
+                "it does not start with the ringtrain checkpoint magic number".into(),
+            ));
         }
-        fs::rename(&tmp, path).map_err(io_err("renaming checkpoint into place", path))?;
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            // Persist the rename itself; some filesystems do not allow opening a
-            // directory, and the data is already synced, so failure here is harmless.
-            if let Ok(d) = fs::File::open(dir) {
-                let _ = d.sync_all();
-            }
+        let version = u32::from_le_bytes([start[8], start[9], start[10], start[11]]);
+        if version != CHECKPOINT_VERSION {
+            return Err(corrupt(format!(
+                "format version {version} is not the version {CHECKPOINT_VERSION} this build reads"
+            )));
         }
-        Ok(())
+        let mut len_bytes = [0u8; 8];
+        len_bytes.copy_from_slice(&start[12..20]);
+        let json_len = u64::from_le_bytes(len_bytes);
+        let file_len = file
+            .metadata()
+            .map_err(io_err("reading checkpoint", path))?
+            .len();
+        if json_len > file_len {
+            return Err(corrupt(format!(
+                "header length {json_len} exceeds the file"
+            )));
+        }
+        let mut json = Vec::new();
+        file.take(json_len)
+            .read_to_end(&mut json)
+            .map_err(io_err("reading checkpoint", path))?;
+        let header: Header = serde_json::from_slice(&json)
+            .map_err(|e| corrupt(format!("header is not valid: {e}")))?;
+        Ok((header.config, header.step))
     }
 
     /// Reads and verifies a checkpoint file.
@@ -286,16 +322,6 @@ impl Checkpoint {
     }
 }
 
-/// The temporary file a checkpoint is written to before the rename.
-pub fn temp_path(path: &Path) -> PathBuf {
-    let mut name = path
-        .file_name()
-        .map(|n| n.to_os_string())
-        .unwrap_or_default();
-    name.push(".tmp");
-    path.with_file_name(name)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -349,8 +375,16 @@ mod tests {
         let path = dir.path().join("model.ckpt");
         let ck = sample();
         ck.save(&path).unwrap();
-        assert!(!temp_path(&path).exists());
+        assert_eq!(
+            fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "no temporary file left"
+        );
         assert_eq!(Checkpoint::load(&path).unwrap(), ck);
+        assert_eq!(
+            Checkpoint::read_header(&path).unwrap(),
+            (ck.config.clone(), ck.step)
+        );
         let bytes = fs::read(&path).unwrap();
         for i in (0..bytes.len()).step_by(7) {
             let mut bad = bytes.clone();

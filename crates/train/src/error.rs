@@ -65,6 +65,36 @@ pub enum Error {
         /// The value stored in the checkpoint.
         found: String,
     },
+    /// An existing checkpoint would be replaced by a run that does not resume it.
+    #[error(
+        "checkpoint `{path}` already exists ({holds}); pass --resume to continue from it, \
+         --overwrite-checkpoint to replace it, or choose another --checkpoint path"
+    )]
+    CheckpointExists {
+        /// The file concerned.
+        path: PathBuf,
+        /// What its header says it holds (step and flags), or why it cannot be read.
+        holds: String,
+    },
+    /// SIGINT or SIGTERM stopped the run.
+    #[error("interrupted by {} {during}; {checkpoint}", crate::interrupt::signal_name(*signal))]
+    Interrupted {
+        /// The signal's number (the process exits with 128 + it).
+        signal: i32,
+        /// What was interrupted ("after step 7 of 20", "in setup, before step 1 of 20").
+        during: String,
+        /// The last good checkpoint, or that there is none.
+        checkpoint: String,
+    },
+    /// A signal handler could not be installed.
+    #[error("installing the {signal} handler failed: {source}")]
+    SignalHandler {
+        /// The signal.
+        signal: &'static str,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
     /// Ranks hold different values of something they must share (flags, sizes).
     #[error("ranks disagree: {0}")]
     RankMismatch(String),

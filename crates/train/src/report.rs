@@ -73,23 +73,17 @@ pub struct RunReport {
 }
 
 impl RunReport {
-    /// Writes the report as pretty JSON (atomically: temp file, then rename).
+    /// Writes the report as pretty JSON, atomically (see
+    /// [`crate::outputs::write_atomically`]); an existing report is replaced.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the file; [`Error::Interrupted`] on SIGINT/SIGTERM.
     pub fn write_json(&self, path: &Path) -> Result<()> {
         let text = serde_json::to_string_pretty(self).map_err(|source| Error::Json {
             action: "serialising the run report",
             source,
         })?;
-        let tmp = crate::checkpoint::temp_path(path);
-        fs::write(&tmp, text + "\n").map_err(|source| Error::Io {
-            action: "writing the JSON report",
-            path: tmp.clone(),
-            source,
-        })?;
-        fs::rename(&tmp, path).map_err(|source| Error::Io {
-            action: "renaming the JSON report into place",
-            path: path.to_path_buf(),
-            source,
-        })
+        crate::outputs::write_atomically(path, (text + "\n").as_bytes(), "writing the JSON report")
     }
 
     /// Reads a report written by [`RunReport::write_json`].

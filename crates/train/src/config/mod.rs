@@ -292,7 +292,8 @@ options! {
         #[arg(long, alias = "display_every")]
         display_every: usize = 10,
         /// Checkpoint file: written atomically at the end (and every --checkpoint-every
-        /// steps).
+        /// steps). Its directory must exist and be writable (checked before the first
+        /// step); an existing file is refused unless --resume or --overwrite-checkpoint.
         #[arg(long)]
         checkpoint: Option<PathBuf>,
         /// Also write the checkpoint every N steps (0 = only at the end).
@@ -306,8 +307,14 @@ options! {
         /// synthetic ranks continue their own streams (new ranks start theirs).
         #[arg(long)]
         resume: bool,
+        /// Replace an existing --checkpoint file without resuming from it (without this
+        /// flag or --resume, an existing checkpoint is refused before training).
+        #[arg(long)]
+        overwrite_checkpoint: bool,
         /// Write the run report (config, words/s over all ranks, per-rank figures, time
-        /// breakdown, launches per batch) as JSON to this file (rank 0).
+        /// breakdown, launches per batch) as JSON to this file (rank 0). Its directory
+        /// must exist and be writable (checked before the first step); an existing
+        /// report is replaced, as each run's report is that run's output.
         #[arg(long, alias = "json_report")]
         json_report: Option<PathBuf>,
     }

@@ -269,6 +269,13 @@ impl TrainConfig {
                 "needs --checkpoint FILE naming the checkpoint to load",
             ));
         }
+        if output.overwrite_checkpoint && output.checkpoint.is_none() {
+            return Err(Error::invalid(
+                "--overwrite-checkpoint",
+                "true",
+                "needs --checkpoint FILE naming the checkpoint to replace",
+            ));
+        }
 
         let overlap_backward = match exchange.overlap_backward {
             OverlapMode::On => true,
@@ -525,6 +532,13 @@ mod tests {
         let mut cfg = TrainConfig::default();
         cfg.output.resume = true;
         assert!(error(&cfg, 1).contains("--checkpoint"));
+        let mut cfg = TrainConfig::default();
+        cfg.output.overwrite_checkpoint = true;
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--overwrite-checkpoint") && err.contains("--checkpoint FILE"),
+            "{err}"
+        );
 
         let mut cfg = TrainConfig::default();
         cfg.exchange.cycle_time_ms = 1e30;

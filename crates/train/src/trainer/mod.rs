@@ -11,8 +11,9 @@
 use ringtrain_collective::Communicator;
 
 use crate::config::ValidatedConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::input::BatchSource;
+use crate::interrupt;
 use crate::report::RunReport;
 use crate::strategy::StepStats;
 use crate::throughput::{format_step_line, rate_stats, ThroughputMeter};
@@ -24,6 +25,39 @@ mod summary;
 
 use setup::Session;
 use summary::TimedTotals;
+
+/// Writes the checkpoint after step `i` of `total`; a stop seen while writing becomes an
+/// [`crate::Error::Interrupted`] that names the checkpoint still in place.
+fn save(
+    session: &mut Session<'_>,
+    path: &std::path::Path,
+    model: &dyn TrainableModel,
+    i: usize,
+    total: usize,
+) -> Result<()> {
+    session
+        .save_checkpoint(path, model)
+        .map_err(|e| match interrupt::requested() {
+            Some(signal) => session.interrupted(
+                signal,
+                format!("while writing the checkpoint after step {i} of {total}"),
+            ),
+            None => e,
+        })
+}
+
+/// Ends the session with `error`. A stop is this rank's alone (a signal to one rank, or
+/// one seen a step earlier than the others): the other ranks wait for it in the next
+/// collective, and shutting the communicators down (`MPI_Finalize` waits for every rank)
+/// would wait for them in turn, forever. A stopped rank of a multi-rank run therefore
+/// leaves its communicators as they are; it exits without finalizing, and mpirun ends
+/// the job.
+fn leave(session: Session<'_>, error: Error) -> Error {
+    if matches!(error, Error::Interrupted { .. }) && session.cfg.world() > 1 {
+        std::mem::forget(session);
+    }
+    error
+}
 
 /// What a finished run hands back.
 pub struct TrainOutcome {
@@ -85,9 +119,21 @@ pub fn train(
     let mut last = StepStats::default();
     let total = cfg.total_steps();
     for i in 1..=total {
+        // A stop (SIGINT/SIGTERM) is honoured between steps, never inside one. Step
+        // numbers go on from a resumed checkpoint's.
+        if let Some(signal) = interrupt::requested() {
+            let last = session.step + total as u64 - (i as u64 - 1);
+            let during = if i == 1 {
+                format!("in setup, before step {} of {last}", session.step + 1)
+            } else {
+                format!("after step {} of {last}", session.step)
+            };
+            let e = session.interrupted(signal, during);
+            return Err(leave(session, e));
+        }
         session.control.set_step(session.step as usize + 1);
         let done = session.step(model, batches)?;
-        // Step numbers go on from a resumed checkpoint's; warm-up counts this process's.
+        // Warm-up counts this process's steps.
         let step = session.step as usize;
         let global_words = if session.strategy.averages_globally() {
             done.outcome.stats.words
@@ -123,14 +169,18 @@ pub fn train(
         if let Some(path) = output.checkpoint.as_deref() {
             let every = output.checkpoint_every as u64;
             if every > 0 && session.step % every == 0 {
-                session.save_checkpoint(path, &*model)?;
+                if let Err(e) = save(&mut session, path, &*model, i, total) {
+                    return Err(leave(session, e));
+                }
             }
         }
     }
     if let Some(path) = output.checkpoint.as_deref() {
         let every = output.checkpoint_every as u64;
         if every == 0 || session.step % every != 0 {
-            session.save_checkpoint(path, &*model)?;
+            if let Err(e) = save(&mut session, path, &*model, total, total) {
+                return Err(leave(session, e));
+            }
         }
     }
     let report = session.report(&*model, &meter.summary(), timed, last)?;

@@ -1,7 +1,7 @@
-//! Before the first step: ranks agree on the flags and the model, a checkpoint is
-//! resumed, rank 0's parameters reach every rank, and the strategy and optimizer start.
+//! Before the first step: ranks agree on the flags and the model, the output files are
+//! checked (on the rank that writes them), a checkpoint is resumed, rank 0's parameters reach every rank, and the strategy and optimizer start.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use ringtrain_collective::Communicator;
 
@@ -31,6 +31,8 @@ pub(super) struct Session<'a> {
     pub(super) input: Option<InputPosition>,
     /// What resuming did (`None`: the run did not resume): a line for the log.
     pub(super) resumed: Option<String>,
+    /// The last checkpoint known to be whole (resumed or written by this run), and its step.
+    pub(super) last_checkpoint: Option<(PathBuf, u64)>,
 }
 
 impl<'a> Session<'a> {
@@ -70,6 +72,13 @@ impl<'a> Session<'a> {
         let mut control = Control::beside(&comm)?;
         control.check_same_values("flags", &cfg.config().shared_flags()?)?;
         control.check_same("parameter count", n_params as f64)?;
+        // Rank 0 writes every output file: it checks them before any step is spent.
+        let outputs = if rank == 0 {
+            crate::outputs::check_run_outputs(cfg.config())
+        } else {
+            Ok(())
+        };
+        control.agree("to check the output files", outputs)?;
 
         // Resume before the broadcast: rank 0's loaded parameters then reach everyone.
         let output = &cfg.config().output;
@@ -94,6 +103,7 @@ impl<'a> Session<'a> {
         let mut scaler = fp16.then(LossScaler::default);
         let mut step = 0;
         let mut resume_note = None;
+        let mut last_checkpoint = None;
         if let Some(ck) = resumed {
             let moved = batches.resume(&ck.input);
             let note = control.agree("to move the input to the checkpoint's position", moved)?;
@@ -107,6 +117,7 @@ impl<'a> Session<'a> {
                 None => format!("resumed from step {} of {}", ck.step, path.display()),
             });
             step = ck.step;
+            last_checkpoint = output.checkpoint.clone().map(|p| (p, ck.step));
             optimizer.load_state(ck.optimizer)?;
             strategy.localize_optimizer_state(&mut optimizer);
             if fp16 {
@@ -129,6 +140,7 @@ impl<'a> Session<'a> {
             batch_size,
             input: batches.position(),
             resumed: resume_note,
+            last_checkpoint,
         })
     }
 
@@ -159,6 +171,28 @@ impl<'a> Session<'a> {
         } else {
             Ok(())
         };
-        self.control.agree("to write the checkpoint", local)
+        self.control.agree("to write the checkpoint", local)?;
+        self.last_checkpoint = Some((path.to_path_buf(), self.step));
+        Ok(())
+    }
+
+    /// The error for a stop by `signal` during `during`, naming the last good checkpoint.
+    pub(super) fn interrupted(&self, signal: i32, during: String) -> Error {
+        let checkpoint = match (&self.last_checkpoint, &self.cfg.config().output.checkpoint) {
+            (Some((path, step)), _) => format!(
+                "the last good checkpoint is `{}` (step {step})",
+                path.display()
+            ),
+            (None, Some(path)) => format!(
+                "no checkpoint was written (`{}` was not written by this run)",
+                path.display()
+            ),
+            (None, None) => "no checkpoint was written (no --checkpoint was given)".to_string(),
+        };
+        Error::Interrupted {
+            signal,
+            during,
+            checkpoint,
+        }
     }
 }
