@@ -15,6 +15,7 @@ fn checkpoint(seed: u64, n: usize) -> Checkpoint {
         params: (0..n).map(|i| (i as f32) * seed as f32).collect(),
         optimizer: OptimizerState::Sgd,
         loss_scaler: None,
+        input: Vec::new(),
     }
 }
 

@@ -13,6 +13,7 @@ fn a_stop_while_writing_keeps_the_old_checkpoint_and_removes_the_temporary_file(
         params: vec![0.5; 1000],
         optimizer: OptimizerState::Sgd,
         loss_scaler: None,
+        input: Vec::new(),
     };
     ck.save(&path).unwrap();
     let before = std::fs::read(&path).unwrap();
