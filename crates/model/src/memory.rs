@@ -85,26 +85,17 @@ impl fmt::Display for MemoryEstimate {
 
 /// f32 elements of one LSTM layer's workspace (as [`LstmWork::new`] allocates them).
 pub(crate) fn lstm_work_elements(hidden: usize, steps: usize, batch: usize) -> f64 {
-    LstmWork::<()>::lens(hidden, steps, batch)
-        .iter()
-        .map(|&n| n as f64)
-        .sum()
+    LstmWork::<()>::lens(hidden, steps, batch).iter().sum()
 }
 
 /// f32 elements of an embedding lookup's workspace.
 pub(crate) fn embedding_work_elements(rows: usize, width: usize) -> f64 {
-    EmbeddingWork::<()>::lens(rows, width)
-        .iter()
-        .map(|&n| n as f64)
-        .sum()
+    EmbeddingWork::<()>::lens(rows, width).iter().sum()
 }
 
 /// f32 elements of the projection and loss workspace.
 pub(crate) fn projection_work_elements(rows: usize, vocab: usize) -> f64 {
-    ProjectionWork::<()>::lens(rows, vocab)
-        .iter()
-        .map(|&n| n as f64)
-        .sum()
+    ProjectionWork::<()>::lens(rows, vocab).iter().sum()
 }
 
 #[cfg(test)]
