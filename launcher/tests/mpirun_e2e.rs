@@ -1,15 +1,13 @@
 //! End to end under mpirun: `ringtrain launch` at 2 and 3 ranks and `ringtrain sweep`,
 //! checking the printed table and the JSON report.
 
-use std::process::{Command, Output};
+mod support;
+
+use std::process::Output;
 
 fn ringtrain(args: &[String]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ringtrain"))
+    support::with_mpi_env(env!("CARGO_BIN_EXE_ringtrain"))
         .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         .output()
         .expect("the ringtrain binary runs")
 }
@@ -195,12 +193,8 @@ fn ranks_started_with_different_output_flags_name_each_flag_and_value() {
     let mut args = rank_args("a.ckpt", "1");
     args.push(":".into());
     args.extend(rank_args("b.ckpt", "1"));
-    let out = Command::new("mpirun")
+    let out = support::with_mpi_env("mpirun")
         .args(&args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         .output()
         .expect("mpirun runs");
     let stderr = String::from_utf8_lossy(&out.stderr);

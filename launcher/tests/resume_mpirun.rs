@@ -3,18 +3,16 @@
 //! corpus (shuffled, bucketed, sharded over 2 ranks) and on synthetic data; rank 0 says
 //! it resumed.
 
+mod support;
+
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use ringtrain_train::Checkpoint;
 
 fn ringtrain(args: &[String]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ringtrain"))
+    support::with_mpi_env(env!("CARGO_BIN_EXE_ringtrain"))
         .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         .output()
         .expect("the ringtrain binary runs")
 }

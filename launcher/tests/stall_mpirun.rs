@@ -2,6 +2,8 @@
 //! it and the job ends with a failure instead of hanging, for training and for
 //! `bench allreduce`.
 
+mod support;
+
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -39,13 +41,9 @@ fn signal(pid: u32, sig: &str) {
 /// mpirun's exit, output). The stopped rank is killed afterwards whatever happened.
 fn stop_rank_one(args: &[&str], started: &str) -> (bool, Duration, String) {
     let tag = format!("{}-{}", std::process::id(), started.len());
-    let mut child: Child = Command::new("mpirun")
+    let mut child: Child = support::with_mpi_env("mpirun")
         .args(["-np", "2", env!("CARGO_BIN_EXE_ringtrain")])
         .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         .env("RINGTRAIN_STALL_TEST", &tag)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

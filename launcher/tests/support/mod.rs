@@ -34,15 +34,21 @@ pub fn tiny_with_steps(steps: &str) -> Vec<String> {
     args
 }
 
-/// The `ringtrain` binary, ready to run mpirun as root on a small machine.
-pub fn ringtrain() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ringtrain"));
+/// `program` with Open MPI's variables for running as root, more ranks than cores, and
+/// containers without cross-memory attach.
+pub fn with_mpi_env(program: &str) -> Command {
+    let mut cmd = Command::new(program);
     cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-        .env("RUST_LOG", "off")
-        .stdin(Stdio::null());
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
+    cmd
+}
+
+/// The `ringtrain` binary, ready to run mpirun as root on a small machine.
+pub fn ringtrain() -> Command {
+    let mut cmd = with_mpi_env(env!("CARGO_BIN_EXE_ringtrain"));
+    cmd.env("RUST_LOG", "off").stdin(Stdio::null());
     cmd
 }
 
