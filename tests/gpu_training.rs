@@ -82,3 +82,39 @@ fn parameter_server_on_the_gpu_trains_like_the_cpu() {
     );
     check(cfg, "nmt parameter_server");
 }
+
+#[test]
+fn a_model_too_big_for_the_gpu_is_refused_before_it_is_built() {
+    use ringtrain::collective::Communicator;
+    use ringtrain::train::{run_rank, LocalRank, LocalRankSource};
+
+    let mut cfg = TrainConfig::default();
+    cfg.run.device = DeviceKind::Cuda;
+    cfg.run.threads = 1;
+    cfg.data.vocab_size = 5_000_000;
+    cfg.model.num_units = 4096;
+    let cfg = cfg.validate(1).expect("valid flags");
+    let errors = Communicator::run_local(1, |comm| {
+        let local = LocalRank {
+            rank: 0,
+            size: 1,
+            source: LocalRankSource::Default,
+        };
+        Ok::<_, ringtrain::train::Error>(
+            run_rank(&cfg, comm, local, &mut |_| {})
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default(),
+        )
+    })
+    .expect("the local transport runs");
+    let err = errors
+        .into_iter()
+        .next()
+        .and_then(|r| r.ok())
+        .unwrap_or_default();
+    assert!(
+        err.contains("on GPU 0") && err.contains("biggest term is") && err.contains("GiB"),
+        "{err}"
+    );
+}

@@ -189,6 +189,15 @@ impl Gpu {
         self.inner.device.bind()
     }
 
+    /// Free and total memory of the device in bytes, as the driver reports them now.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        cust::memory::mem_get_info().map_err(driver("reading free device memory"))
+    }
+
     /// The device index.
     pub fn ordinal(&self) -> usize {
         self.inner.device.ordinal()

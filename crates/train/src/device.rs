@@ -118,14 +118,18 @@ pub fn check_host_memory(
     let Some(available) = available_host_memory() else {
         return Ok(());
     };
-    check_memory(estimate, local_ranks, available)
+    check_memory(estimate, local_ranks, available, "this node")
 }
 
-fn check_memory(
+/// Fails when `estimate` times the `sharing` ranks that share `available` bytes of
+/// `place` (a node's host memory, a GPU) exceeds them.
+pub(crate) fn check_memory(
     estimate: &ringtrain_model::MemoryEstimate,
-    local_ranks: usize,
+    sharing: usize,
     available: f64,
+    place: &str,
 ) -> crate::Result<()> {
+    let local_ranks = sharing;
     let per_rank = available / local_ranks.max(1) as f64;
     if estimate.total_bytes() <= per_rank {
         return Ok(());
@@ -143,6 +147,7 @@ fn check_memory(
     Err(crate::Error::NotEnoughMemory {
         estimate: estimate.to_string(),
         available: ringtrain_model::memory::format_bytes(per_rank),
+        place: place.to_string(),
         local_ranks,
         biggest,
     })
@@ -181,8 +186,8 @@ mod tests {
         let mut est = ringtrain_model::MemoryEstimate::default();
         est.add_bytes("parameters", 0.5 * available);
         est.add_bytes("output logits", 0.2 * available);
-        assert!(check_memory(&est, 1, available).is_ok());
-        let err = check_memory(&est, 2, available)
+        assert!(check_memory(&est, 1, available, "this node").is_ok());
+        let err = check_memory(&est, 2, available, "GPU 0")
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();

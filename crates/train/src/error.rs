@@ -120,7 +120,7 @@ pub enum Error {
     /// A configuration needs more memory than the machine has available.
     #[error(
         "this configuration needs {estimate} per rank, more than the {available} available \
-         to each of the {local_ranks} rank(s) on this node; the biggest term is {biggest}: \
+         to each of the {local_ranks} rank(s) on {place}; the biggest term is {biggest}: \
          use a smaller --vocab-size, --num-units, --batch-size or --src-max-len, or fewer \
          ranks per node"
     )]
@@ -129,7 +129,9 @@ pub enum Error {
         estimate: String,
         /// Memory available per rank.
         available: String,
-        /// Ranks sharing the node's memory.
+        /// Where: `this node` (host memory) or `GPU N`.
+        place: String,
+        /// Ranks sharing that memory.
         local_ranks: usize,
         /// The biggest term and its size.
         biggest: String,

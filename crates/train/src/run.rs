@@ -4,10 +4,10 @@
 use ringtrain_collective::Communicator;
 
 use crate::config::ValidatedConfig;
-use crate::device::{check_host_memory, cpu_threads, LocalRank, LocalRankSource};
+use crate::device::{cpu_threads, LocalRank, LocalRankSource};
 use crate::error::{Error, Result};
 use crate::input::{BatchSource, InputPipeline};
-use crate::trainable::{build_model, memory_estimate};
+use crate::trainable::{build_model, check_memory};
 use crate::trainer::{train, LogSink, TrainOutcome};
 
 /// Runs one rank: picks the device from the local rank, sizes the CPU thread pools,
@@ -66,10 +66,7 @@ pub fn run_rank(
     } else {
         &mut no_batches
     };
-    check_host_memory(
-        &memory_estimate(cfg, src_vocab_size, tgt_vocab_size, rank)?,
-        local.size,
-    )?;
+    check_memory(cfg, src_vocab_size, tgt_vocab_size, rank, &local)?;
     let mut model = build_model(cfg, src_vocab_size, tgt_vocab_size, local.rank, threads)?;
     let outcome = train(cfg, comm, model.as_mut(), source, log)?;
     if rank == 0 {

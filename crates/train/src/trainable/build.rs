@@ -4,6 +4,7 @@ use ringtrain_model::{CpuBackend, LmConfig, MemoryEstimate, NmtConfig, NmtModel,
 
 use super::{CpuTrainable, TrainableModel};
 use crate::config::{DeviceKind, ModelKind, OptimizerKind, ValidatedConfig, VariableUpdate};
+use crate::device::{check_host_memory, LocalRank};
 use crate::error::Result;
 
 /// Builds the model `cfg` asks for with the given vocabulary sizes, on the CPU with
@@ -40,13 +41,12 @@ pub fn build_model(
     }
 }
 
-/// The memory worker `worker` needs to train `cfg`'s model with these vocabulary sizes:
-/// the model's parameters, gradients and workspaces at the longest batch, the
-/// optimizer's state, and a host copy of the gradients for the exchange.
+/// The memory worker `worker`'s model needs on its device: parameters, gradients and
+/// workspaces at the longest batch.
 ///
 /// # Errors
 /// `InvalidValue` naming the size flags when the model's parameter count overflows.
-pub fn memory_estimate(
+fn model_estimate(
     cfg: &ValidatedConfig,
     src_vocab: usize,
     tgt_vocab: usize,
@@ -59,7 +59,7 @@ pub fn memory_estimate(
         ModelShape::Nmt(nmt, _) => nmt.memory_estimate(batch, len, len),
         ModelShape::Lm(lm, _) => lm.memory_estimate(batch, len),
     };
-    let mut estimate = estimate.map_err(|e| {
+    estimate.map_err(|e| {
         crate::error::Error::invalid(
             "--num-units",
             cfg.config().model.num_units,
@@ -68,15 +68,63 @@ pub fn memory_estimate(
                  too big to address ({e}): use smaller sizes"
             ),
         )
-    })?;
-    let params = estimate.terms.first().map_or(0.0, |t| t.bytes);
+    })
+}
+
+/// Fails, before the model is built, when worker `worker` would need more memory than
+/// its node has available: on the host, the model (on the CPU), the optimizer's state
+/// and the gradient exchange's copy, for each of the node's `local.size` ranks; with
+/// `--device cuda`, also the model on its GPU, shared by the ranks that pick that GPU.
+///
+/// # Errors
+/// [`Error::NotEnoughMemory`](crate::Error::NotEnoughMemory) with the estimate and its
+/// biggest term; `InvalidValue` for a model too big to address; GPU errors.
+pub fn check_memory(
+    cfg: &ValidatedConfig,
+    src_vocab: usize,
+    tgt_vocab: usize,
+    worker: usize,
+    local: &LocalRank,
+) -> Result<()> {
+    let model = model_estimate(cfg, src_vocab, tgt_vocab, worker)?;
+    let params = model.terms.first().map_or(0.0, |t| t.bytes);
+    let mut host = MemoryEstimate::default();
+    match cfg.config().run.device {
+        DeviceKind::Cpu => host.terms.extend(model.terms.iter().cloned()),
+        DeviceKind::Cuda => {
+            // The pinned host mirrors of the parameters and the gradients.
+            host.add_bytes("host parameters", params);
+            host.add_bytes("host gradients", params);
+            check_device_memory(&model, local)?;
+        }
+    }
     if cfg.config().run.optimizer == OptimizerKind::Adam {
-        estimate.add_bytes("Adam moments", 2.0 * params);
+        host.add_bytes("Adam moments", 2.0 * params);
     }
     if cfg.config().exchange.variable_update != VariableUpdate::Independent {
-        estimate.add_bytes("gradient exchange", params);
+        host.add_bytes("gradient exchange", params);
     }
-    Ok(estimate)
+    check_host_memory(&host, local.size)
+}
+
+#[cfg(feature = "cuda")]
+fn check_device_memory(model: &MemoryEstimate, local: &LocalRank) -> Result<()> {
+    use ringtrain_model::CudaBackend;
+
+    let count = CudaBackend::device_count()?;
+    if count == 0 {
+        return Ok(()); // building the model says there is no GPU
+    }
+    let device = local.rank % count;
+    let sharing = local.size / count + usize::from(device < local.size % count);
+    let gpu = ringtrain_cuda::Gpu::new(device).map_err(ringtrain_model::Error::from)?;
+    let (free, _) = gpu.memory_info().map_err(ringtrain_model::Error::from)?;
+    crate::device::check_memory(model, sharing.max(1), free as f64, &format!("GPU {device}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn check_device_memory(_: &MemoryEstimate, _: &LocalRank) -> Result<()> {
+    Ok(()) // validation refuses --device cuda in this build
 }
 
 /// The model crate's configuration of the model `cfg` selects, and its description.

@@ -26,7 +26,7 @@ mod gpu;
 pub mod pass;
 pub mod staging;
 
-pub use build::{build_model, memory_estimate};
+pub use build::{build_model, check_memory};
 pub use cpu::CpuTrainable;
 #[cfg(feature = "cuda")]
 pub use gpu::GpuTrainable;
