@@ -10,6 +10,8 @@
 //!   disjoint part of every epoch, bucketed by target length, shuffled with a seed.
 //! * [`LmCorpus`] + [`LmBatcher`]: one token stream cut into columns, rank by rank.
 //! * [`Prefetcher`]: any of the above on a background thread with a bounded queue.
+//! * [`nmt_eval_batches`] / [`lm_eval_batches`]: a held-out set once, in full, split
+//!   over the ranks (see [`held_out`]).
 //!
 //! Batches ([`NmtBatch`], [`LmBatch`]) are time-major `[len, batch]` arrays of `u32` ids with
 //! a 1.0/0.0 mask, the layout the models read; [`NmtBatch::words`] counts source + target words for the throughput meter
@@ -44,6 +46,7 @@ pub mod batch;
 mod bucketing;
 mod bundled;
 mod error;
+pub mod held_out;
 mod line_reader;
 pub mod lm;
 pub mod nmt;
@@ -57,6 +60,7 @@ pub use batch::{LmBatch, NmtBatch};
 pub use bucketing::bucket_of;
 pub use bundled::BundledCorpus;
 pub use error::{Error, Result};
+pub use held_out::{lm_eval_batches, nmt_eval_batches};
 pub use lm::{LmBatcher, LmCorpus, LmEpoch, LmStream};
 pub use nmt::{
     CorpusStats, LengthLimits, NmtBatcher, NmtBatcherConfig, NmtEpoch, NmtStream, OverLimit,

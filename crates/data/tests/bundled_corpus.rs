@@ -109,3 +109,40 @@ fn lm_splits_load_and_batch() {
         batcher.batches_per_epoch() + 1
     );
 }
+
+/// The held-out files (README's default `--eval-data`) share no sentence with the
+/// training files: a held-out perplexity measures generalisation, not recall. Lines are
+/// compared with their whitespace normalised, as the corpus readers split them; for
+/// NMT a pair counts as seen when either side occurs in training.
+#[test]
+fn held_out_files_share_no_line_with_the_training_files() {
+    let files = BundledCorpus::in_repo();
+    let normal = |path: &std::path::Path| -> std::collections::HashSet<String> {
+        lines(path)
+            .iter()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .filter(|l| !l.is_empty())
+            .collect()
+    };
+    for (train, held_out) in [
+        (&files.nmt_train_src, &files.nmt_dev_src),
+        (&files.nmt_train_tgt, &files.nmt_dev_tgt),
+        (&files.nmt_train_src, &files.nmt_test_src),
+        (&files.nmt_train_tgt, &files.nmt_test_tgt),
+        (&files.lm_train, &files.lm_valid),
+        (&files.lm_train, &files.lm_test),
+    ] {
+        let seen = normal(train);
+        let held = normal(held_out);
+        assert!(!held.is_empty(), "{} is empty", held_out.display());
+        let shared: Vec<&String> = held.intersection(&seen).collect();
+        assert!(
+            shared.is_empty(),
+            "{} shares {} line(s) with {}, e.g. {:?}",
+            held_out.display(),
+            shared.len(),
+            train.display(),
+            shared.first()
+        );
+    }
+}

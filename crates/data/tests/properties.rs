@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use ringtrain_data::{
-    bucket_of, rank_range, rank_share, BatchSizing, LmBatcher, LmCorpus, NmtBatcher,
+    bucket_of, lm_eval_batches, nmt_eval_batches, rank_range, rank_share, BatchSizing, LmBatcher,
+    LmCorpus, NmtBatcher,
     NmtBatcherConfig, ParallelCorpus, SyntheticLm, SyntheticLmConfig, SyntheticNmt,
     SyntheticNmtConfig, BOS_ID, EOS_ID,
 };
@@ -301,4 +302,55 @@ fn too_few_pairs_for_the_ranks_is_an_error() {
     )
     .expect_err("2 pairs, 3 ranks");
     assert!(err.to_string().contains("only 2 sentence pairs"), "{err}");
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// Over all ranks, the held-out translation batches hold every pair exactly once, in
+    /// batches of at most the batch size; masked positions are exactly the targets + 1.
+    #[test]
+    fn nmt_eval_batches_hold_every_pair_once(
+        pairs in 1usize..60, size in 1usize..6, batch in 1usize..9,
+    ) {
+        let corpus = ParallelCorpus::from_id_pairs(
+            (0..pairs).map(|i| (vec![7u32; 1 + i % 4], vec![100 + i as u32; 1 + i % 3])),
+            "p",
+        ).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let mut seen = Vec::new();
+        let mut tokens = 0.0;
+        for rank in 0..size {
+            for b in nmt_eval_batches(&corpus, rank, size, batch) {
+                prop_assert!(b.batch_size >= 1 && b.batch_size <= batch);
+                seen.extend_from_slice(&b.target_output[..b.batch_size]);
+                tokens += b.target_mask.iter().map(|&m| f64::from(m)).sum::<f64>();
+            }
+        }
+        seen.sort_unstable();
+        prop_assert_eq!(seen, (0..pairs).map(|i| 100 + i as u32).collect::<Vec<_>>());
+        let expected: usize = (0..pairs).map(|i| 1 + i % 3 + 1).sum();
+        prop_assert_eq!(tokens, expected as f64);
+    }
+
+    /// Over all ranks, the held-out LM batches predict every next token exactly once.
+    #[test]
+    fn lm_eval_batches_predict_every_token_once(
+        len in 2usize..300, size in 1usize..6, batch in 1usize..9, steps in 1usize..12,
+    ) {
+        let corpus = LmCorpus::from_ids((0..len as u32).collect(), "t");
+        let mut predicted = Vec::new();
+        for rank in 0..size {
+            for b in lm_eval_batches(&corpus, rank, size, batch, steps) {
+                prop_assert!(b.batch_size <= batch && b.steps <= steps);
+                for i in 0..b.mask.len() {
+                    if b.mask[i] == 1.0 {
+                        prop_assert_eq!(b.targets[i], b.inputs[i] + 1);
+                        predicted.push(b.targets[i]);
+                    }
+                }
+            }
+        }
+        predicted.sort_unstable();
+        prop_assert_eq!(predicted, (1..len as u32).collect::<Vec<_>>());
+    }
 }
