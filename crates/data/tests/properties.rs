@@ -7,9 +7,8 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use ringtrain_data::{
     bucket_of, lm_eval_batches, nmt_eval_batches, rank_range, rank_share, BatchSizing, LmBatcher,
-    LmCorpus, NmtBatcher,
-    NmtBatcherConfig, ParallelCorpus, SyntheticLm, SyntheticLmConfig, SyntheticNmt,
-    SyntheticNmtConfig, BOS_ID, EOS_ID,
+    LmCorpus, NmtBatcher, NmtBatcherConfig, ParallelCorpus, SyntheticLm, SyntheticLmConfig,
+    SyntheticNmt, SyntheticNmtConfig, BOS_ID, EOS_ID,
 };
 
 /// Cases per property: `PROPTEST_CASES` when set (a long soak), else `quick`, this

@@ -25,14 +25,15 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ringtrain_data::{
-    EpochPosition, LengthLimits, LmBatcher, LmCorpus, LmStream, NmtBatcher, NmtBatcherConfig,
-    NmtStream, OverLimit, ParallelCorpus, Prefetcher, SyntheticLm, SyntheticLmConfig, SyntheticNmt,
-    SyntheticNmtConfig, SyntheticPosition, Vocab,
+    lm_eval_batches, nmt_eval_batches, EpochPosition, LengthLimits, LmBatcher, LmCorpus, LmStream,
+    NmtBatcher, NmtBatcherConfig, NmtStream, OverLimit, ParallelCorpus, Prefetcher, SyntheticLm,
+    SyntheticLmConfig, SyntheticNmt, SyntheticNmtConfig, SyntheticPosition, Vocab,
 };
 use serde::{Deserialize, Serialize};
 
-use crate::config::{DataSource, ValidatedConfig};
+use crate::config::{DataSource, HeldOutSource, ValidatedConfig};
 use crate::error::{Error, Result};
+use crate::evaluation::HeldOut;
 use crate::trainable::Batch;
 
 /// Batches queued ahead of the training loop.
@@ -324,6 +325,9 @@ pub struct InputPipeline {
     pub src_vocab_size: usize,
     /// Target vocabulary size (NMT; equals the source size for the LM).
     pub tgt_vocab_size: usize,
+    /// This worker's part of the `--eval-data` held-out set, read with the training
+    /// vocabularies (`None` without `--eval-data`).
+    pub held_out: Option<HeldOut>,
 }
 
 impl InputPipeline {
@@ -364,6 +368,7 @@ impl InputPipeline {
                     batches: batches(Stream::SyntheticNmt(gen), InputKind::SyntheticNmt),
                     src_vocab_size: data.vocab_size,
                     tgt_vocab_size: data.vocab_size,
+                    held_out: None,
                 })
             }
             DataSource::Synthetic => {
@@ -381,6 +386,7 @@ impl InputPipeline {
                     batches: batches(Stream::SyntheticLm(gen), InputKind::SyntheticLm),
                     src_vocab_size: data.vocab_size,
                     tgt_vocab_size: data.vocab_size,
+                    held_out: None,
                 })
             }
             DataSource::Translation {
@@ -391,19 +397,14 @@ impl InputPipeline {
             } => {
                 let src_vocab = Vocab::nmt_from_file(source_vocab)?;
                 let tgt_vocab = Vocab::nmt_from_file(target_vocab)?;
-                let corpus = ParallelCorpus::load(
-                    source,
-                    target,
-                    &src_vocab,
-                    &tgt_vocab,
-                    &LengthLimits {
-                        src_max_len: Some(data.src_max_len),
-                        tgt_max_len: Some(data.src_max_len),
-                        over_limit: OverLimit::Truncate,
-                    },
-                )?;
+                let limits = LengthLimits {
+                    src_max_len: Some(data.src_max_len),
+                    tgt_max_len: Some(data.src_max_len),
+                    over_limit: OverLimit::Truncate,
+                };
+                let corpus = ParallelCorpus::load(source, target, &src_vocab, &tgt_vocab, &limits)?;
                 let stats = corpus.stats();
-                let notes = vec![
+                let mut notes = vec![
                     unknown_rate(
                         source,
                         source_vocab,
@@ -419,6 +420,41 @@ impl InputPipeline {
                         data.max_unk_percent,
                     )?,
                 ];
+                let held_out = match cfg.held_out_source() {
+                    Some(HeldOutSource::Translation { source, target }) => {
+                        let held =
+                            ParallelCorpus::load(source, target, &src_vocab, &tgt_vocab, &limits)?;
+                        let stats = held.stats();
+                        notes.push(unknown_rate(
+                            source,
+                            source_vocab,
+                            stats.source_unk,
+                            stats.source_tokens,
+                            data.max_unk_percent,
+                        )?);
+                        notes.push(unknown_rate(
+                            target,
+                            target_vocab,
+                            stats.target_unk,
+                            stats.target_tokens,
+                            data.max_unk_percent,
+                        )?);
+                        notes.push(format!(
+                            "held-out {}: {} sentence pairs ({} cut to --src-max-len {}, {} with an empty side skipped), {} per worker per batch",
+                            source.display(),
+                            stats.pairs_kept,
+                            stats.truncated,
+                            data.src_max_len,
+                            stats.skipped_empty,
+                            local
+                        ));
+                        let batches = nmt_eval_batches(&held, worker, workers, local);
+                        Some(HeldOut::from_batches(
+                            batches.into_iter().map(Batch::Nmt).collect(),
+                        ))
+                    }
+                    _ => None,
+                };
                 let batcher = NmtBatcher::new(
                     Arc::new(corpus),
                     NmtBatcherConfig {
@@ -441,10 +477,12 @@ impl InputPipeline {
                     ),
                     src_vocab_size: src_vocab.len(),
                     tgt_vocab_size: tgt_vocab.len(),
+                    held_out,
                 })
             }
             DataSource::Text { text, vocab } => {
-                let (corpus, vocab, notes) = match vocab {
+                let vocab_path = vocab.clone();
+                let (corpus, vocab, mut notes) = match vocab {
                     Some(path) => {
                         let vocab = Vocab::lm_from_file(path)?;
                         let corpus = LmCorpus::load(text, &vocab)?;
@@ -464,6 +502,29 @@ impl InputPipeline {
                         (corpus, vocab, Vec::new())
                     }
                 };
+                let held_out = match cfg.held_out_source() {
+                    Some(HeldOutSource::Text { text: held_path }) => {
+                        let held = LmCorpus::load(held_path, &vocab)?;
+                        let words = held.tokens().len() - held.lines();
+                        let vocab_name = match &vocab_path {
+                            Some(path) => path.display().to_string(),
+                            None => format!("the vocabulary built from {}", text.display()),
+                        };
+                        notes.push(unknown_rate(
+                            held_path,
+                            std::path::Path::new(&vocab_name),
+                            held.unk_count(),
+                            words,
+                            data.max_unk_percent,
+                        )?);
+                        let batches =
+                            lm_eval_batches(&held, worker, workers, local, data.src_max_len);
+                        Some(HeldOut::from_batches(
+                            batches.into_iter().map(Batch::Lm).collect(),
+                        ))
+                    }
+                    _ => None,
+                };
                 let batcher =
                     LmBatcher::new(Arc::new(corpus), sizing, data.src_max_len, worker, workers)?;
                 let stream = batcher.stream();
@@ -472,6 +533,7 @@ impl InputPipeline {
                     batches: batches(Stream::Text { batcher, stream }, InputKind::Text),
                     src_vocab_size: vocab.len(),
                     tgt_vocab_size: vocab.len(),
+                    held_out,
                 })
             }
         }

@@ -44,6 +44,7 @@ pub mod config;
 pub mod control;
 pub mod device;
 pub mod error;
+pub mod evaluation;
 pub mod input;
 pub mod interrupt;
 pub mod optimizer;
@@ -57,11 +58,13 @@ pub mod trainer;
 
 pub use checkpoint::{Checkpoint, CHECKPOINT_MAGIC, CHECKPOINT_VERSION};
 pub use config::{
-    DataOptions, DataSource, DeviceKind, ExchangeOptions, ModelKind, ModelOptions, OptimizerKind,
-    OutputOptions, OverlapMode, RunOptions, TrainConfig, ValidatedConfig, VariableUpdate,
+    DataOptions, DataSource, DeviceKind, ExchangeOptions, HeldOutSource, ModelKind, ModelOptions,
+    OptimizerKind, OutputOptions, OverlapMode, RunOptions, TrainConfig, ValidatedConfig,
+    VariableUpdate,
 };
 pub use device::{local_rank, local_rank_from_env, LocalRank, LocalRankSource};
 pub use error::{Error, Result};
+pub use evaluation::{EvalRecord, HeldOut, TimeToQuality};
 pub use input::{
     BatchSource, InputBatches, InputKind, InputPipeline, InputPosition, StreamPosition,
 };
@@ -72,4 +75,4 @@ pub use run::run_rank;
 pub use strategy::{greedy_placement, StepContext, StepOutcome, StepStats, Strategy, Wire};
 pub use throughput::{RateStats, StepBreakdown, ThroughputMeter, ThroughputSummary};
 pub use trainable::{build_model, Batch, ParamSpec, PassOutput, TrainableModel};
-pub use trainer::{train, TrainOutcome};
+pub use trainer::{train, train_evaluating, TrainOutcome};

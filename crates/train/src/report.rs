@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
+use crate::evaluation::{EvalRecord, TimeToQuality};
 use crate::throughput::{RateStats, StepBreakdown};
 
 /// One rank's own figures over the timed batches.
@@ -70,6 +71,13 @@ pub struct RunReport {
     pub skipped_steps: u64,
     /// Final loss scale (fp16 gradients only).
     pub loss_scale: Option<f32>,
+    /// The held-out evaluations (`--eval-data`), in step order; their time is not in
+    /// the throughput figures.
+    #[serde(default)]
+    pub eval: Vec<EvalRecord>,
+    /// When `--target-perplexity` was reached (`None`: no target was set).
+    #[serde(default)]
+    pub time_to_quality: Option<TimeToQuality>,
 }
 
 impl RunReport {
@@ -154,6 +162,20 @@ impl RunReport {
             self.launches_per_batch,
             self.final_loss
         ));
+        if let Some(e) = self.eval.last() {
+            let seconds: f64 = self.eval.iter().map(|e| e.seconds).sum();
+            s.push_str(&format!(
+                "held-out after step {}: loss {:.4}, perplexity {:.2} ({} evaluation(s), {seconds:.2} s, not in words/s)\n",
+                e.step,
+                e.loss,
+                e.perplexity,
+                self.eval.len()
+            ));
+        }
+        if let Some(q) = &self.time_to_quality {
+            s.push_str(&q.log_line().replace("ringtrain: ", ""));
+            s.push('\n');
+        }
         s.push_str(&format!("total words/s: {:.1}\n", self.words_per_sec));
         s
     }

@@ -8,7 +8,7 @@ use crate::device::{cpu_threads, LocalRank, LocalRankSource};
 use crate::error::{Error, Result};
 use crate::input::{BatchSource, InputPipeline};
 use crate::trainable::{build_model, check_memory};
-use crate::trainer::{train, LogSink, TrainOutcome};
+use crate::trainer::{train_evaluating, LogSink, TrainOutcome};
 
 /// Runs one rank: picks the device from the local rank, sizes the CPU thread pools,
 /// builds the input pipeline and the model, trains, and (on rank 0) writes the JSON report.
@@ -54,6 +54,7 @@ pub fn run_rank(
         mut batches,
         src_vocab_size,
         tgt_vocab_size,
+        held_out,
     } = InputPipeline::new(cfg, if cfg.is_worker(rank) { rank } else { 0 })?;
     if rank == 0 {
         for note in notes {
@@ -68,13 +69,20 @@ pub fn run_rank(
     };
     check_memory(cfg, src_vocab_size, tgt_vocab_size, rank, &local)?;
     let mut model = build_model(cfg, src_vocab_size, tgt_vocab_size, local.rank, threads)?;
-    let outcome = train(cfg, comm, model.as_mut(), source, log)?;
+    // A dedicated parameter server holds no part of the held-out set either.
+    let held_out = held_out.filter(|_| cfg.is_worker(rank));
+    let outcome = train_evaluating(cfg, comm, model.as_mut(), source, held_out.as_ref(), log)?;
     if rank == 0 {
         if let Some(path) = &cfg.config().output.json_report {
             outcome.report.write_json(path)?;
         }
     }
-    if outcome.report.words_per_sec.is_nan() {
+    // A run stopped at its target perplexity during the warm-up timed no batch.
+    let stopped_early = outcome
+        .report
+        .time_to_quality
+        .is_some_and(|q| q.reached && outcome.report.timed_batches == 0);
+    if outcome.report.words_per_sec.is_nan() && !stopped_early {
         return Err(Error::Internal("the run measured no words".into()));
     }
     Ok(outcome)

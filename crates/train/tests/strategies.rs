@@ -132,6 +132,12 @@ impl TrainableModel for TokenRegression {
         self.grads = grads;
         result.map(|()| out)
     }
+    fn evaluate(&mut self, batch: &Batch) -> ringtrain_train::Result<PassOutput> {
+        let saved = self.grads.clone();
+        let out = self.forward_backward(batch, &mut |_, _| Ok(()));
+        self.grads = saved;
+        out
+    }
     fn describe(&self) -> String {
         format!("token regression v{} d{}", self.vocab, self.dim)
     }

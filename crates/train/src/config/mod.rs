@@ -44,7 +44,7 @@ pub use choices::{
     parse_encoder_kind, parse_gemm_precision, parse_lstm_impl, DeviceKind, ModelKind,
     OptimizerKind, OverlapMode, VariableUpdate,
 };
-pub use validated::{DataSource, Reduction, ValidatedConfig};
+pub use validated::{DataSource, HeldOutSource, Reduction, ValidatedConfig};
 
 /// Adam's learning rate when `--learning-rate` is not given (PyTorch's default).
 pub const DEFAULT_ADAM_LEARNING_RATE: f32 = 1e-3;
@@ -81,6 +81,16 @@ fn finite(s: &str) -> Result<f32, String> {
     match s.trim().parse::<f32>() {
         Ok(v) if v.is_finite() => Ok(v),
         _ => Err("expected a finite number such as 0.001".into()),
+    }
+}
+
+/// A number, as the flag's text says it (f64); range checks come with
+/// [`TrainConfig::validate`]. `nan` and `inf` are not numbers here.
+#[cfg(feature = "cli")]
+fn finite_f64(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        _ => Err("expected a finite number such as 150".into()),
     }
 }
 
@@ -161,6 +171,8 @@ options! {
 options! {
     /// What the model reads: synthetic ids or a corpus, and the batch shape.
     #[cfg_attr(feature = "cli", command(next_help_heading = "Data"))]
+    // Files written before a field existed read it as its default.
+    #[serde(default)]
     pub struct DataOptions {
         /// Train on uniform random token ids (the default when no --data is given).
         #[arg(long, alias = "use_synthetic_data", num_args = 0..=1, default_missing_value = "true")]
@@ -189,6 +201,12 @@ options! {
         /// files do. 100 turns the check off.
         #[arg(long, value_parser = finite)]
         max_unk_percent: f32 = 5.0,
+        /// Held-out files, comma-separated: NMT `SRC,TGT` (read with --data's
+        /// vocabularies), RNNLM `TEXT` (read with the training vocabulary). Evaluated
+        /// every --eval-every steps and once at the end: loss per target token and
+        /// perplexity over the whole set, without updating anything.
+        #[arg(long, value_delimiter = ',')]
+        eval_data: Vec<PathBuf>,
     }
 }
 
@@ -247,6 +265,8 @@ options! {
 options! {
     /// How the run trains: device, threads, optimizer, steps, seed.
     #[cfg_attr(feature = "cli", command(next_help_heading = "Run"))]
+    // Files written before a field existed read it as its default.
+    #[serde(default)]
     pub struct RunOptions {
         /// Device: `cpu`, or `cuda` (needs a build with `--features cuda`; the GPU is the
         /// local rank).
@@ -281,6 +301,15 @@ options! {
         /// Seed for the initial parameters and synthetic data.
         #[arg(long)]
         seed: u64 = 1,
+        /// Evaluate on --eval-data every N steps (step numbers go on after --resume), and
+        /// once at the end; 0 = only at the end.
+        #[arg(long)]
+        eval_every: usize = 0,
+        /// Stop when the held-out perplexity reaches this value (<=) at an evaluation,
+        /// and report the steps, words and time it took (needs --eval-data; a number
+        /// above 1).
+        #[arg(long, value_parser = finite_f64)]
+        target_perplexity: Option<f64>,
     }
 }
 

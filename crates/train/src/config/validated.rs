@@ -36,6 +36,23 @@ pub enum DataSource {
     },
 }
 
+/// The held-out set `--eval-data` names (read with the training vocabularies).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeldOutSource {
+    /// Held-out sentence pairs of a translation corpus.
+    Translation {
+        /// Source sentences.
+        source: PathBuf,
+        /// Target sentences (one per source line).
+        target: PathBuf,
+    },
+    /// A held-out language-model text.
+    Text {
+        /// The text.
+        text: PathBuf,
+    },
+}
+
 /// A [`TrainConfig`] checked for a world of [`ValidatedConfig::world`] ranks, with its
 /// `auto` values resolved: the trainer accepts nothing else, so no part of it checks a
 /// flag again. Made by [`TrainConfig::validate`].
@@ -51,6 +68,7 @@ pub struct ValidatedConfig {
     total_steps: usize,
     stall_timeout: Option<Duration>,
     data: DataSource,
+    held_out: Option<HeldOutSource>,
 }
 
 /// How the replicated strategy reduces the gradients, as the flags decide it.
@@ -124,6 +142,7 @@ impl TrainConfig {
         at_least_one("--batch-size", data.batch_size)?;
         at_least_one("--src-max-len", data.src_max_len)?;
         let source = data_source(self)?;
+        let held_out = held_out_source(self, &source)?;
         if !(0.0..=100.0).contains(&data.max_unk_percent) {
             return Err(Error::invalid(
                 "--max-unk-percent",
@@ -293,6 +312,7 @@ impl TrainConfig {
             total_steps,
             stall_timeout,
             data: source,
+            held_out,
         })
     }
 }
@@ -308,6 +328,77 @@ fn utf8_path(flag: &'static str, path: &std::path::Path) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// The held-out set `--eval-data` names, checked with `--eval-every` and
+/// `--target-perplexity`, which need it.
+fn held_out_source(cfg: &TrainConfig, training: &DataSource) -> Result<Option<HeldOutSource>> {
+    let files = &cfg.data.eval_data;
+    let run = &cfg.run;
+    if let Some(target) = run.target_perplexity {
+        if !(target.is_finite() && target > 1.0) {
+            return Err(Error::invalid(
+                "--target-perplexity",
+                target,
+                "must be a finite number above 1 (a perplexity is at least 1, reached only \
+                 by a model that is always certain and right), such as 150",
+            ));
+        }
+    }
+    if files.is_empty() {
+        if run.eval_every > 0 {
+            return Err(Error::invalid(
+                "--eval-every",
+                run.eval_every,
+                "needs --eval-data naming the held-out files to evaluate on",
+            ));
+        }
+        if let Some(target) = run.target_perplexity {
+            return Err(Error::invalid(
+                "--target-perplexity",
+                target,
+                "is measured on a held-out set: give --eval-data (e.g. the corpus's dev or \
+                 valid files)",
+            ));
+        }
+        return Ok(None);
+    }
+    for path in files {
+        utf8_path("--eval-data", path)?;
+    }
+    let shown = || {
+        files
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    match (training, files.as_slice()) {
+        (DataSource::Synthetic, _) => Err(Error::invalid(
+            "--eval-data",
+            shown(),
+            "held-out files are read with the training corpus's vocabulary: give --data too \
+             (synthetic data has no vocabulary)",
+        )),
+        (DataSource::Translation { .. }, [source, target]) => {
+            Ok(Some(HeldOutSource::Translation {
+                source: source.clone(),
+                target: target.clone(),
+            }))
+        }
+        (DataSource::Text { .. }, [text]) => Ok(Some(HeldOutSource::Text { text: text.clone() })),
+        (DataSource::Translation { .. }, _) => Err(Error::invalid(
+            "--eval-data",
+            shown(),
+            "NMT needs two held-out files: --eval-data SRC,TGT (read with --data's \
+             vocabularies), e.g. data/nmt/dev.en,data/nmt/dev.xx",
+        )),
+        (DataSource::Text { .. }, _) => Err(Error::invalid(
+            "--eval-data",
+            shown(),
+            "the RNNLM needs one held-out text: --eval-data TEXT, e.g. data/lm/valid.txt",
+        )),
+    }
 }
 
 /// The input `--use-synthetic-data` and `--data` ask for.
@@ -433,6 +524,19 @@ impl ValidatedConfig {
     /// Where the batches come from.
     pub fn data_source(&self) -> &DataSource {
         &self.data
+    }
+
+    /// The held-out set (`None`: no `--eval-data`).
+    pub fn held_out_source(&self) -> Option<&HeldOutSource> {
+        self.held_out.as_ref()
+    }
+
+    /// Whether the run evaluates after step `step` (counted from the start of training,
+    /// a resumed checkpoint's steps included) when `last` is its final step: every
+    /// `--eval-every` steps and at the end, given `--eval-data`.
+    pub fn evaluates_after(&self, step: u64, last: bool) -> bool {
+        let every = self.config.run.eval_every as u64;
+        self.held_out.is_some() && (last || (every > 0 && step % every == 0))
     }
 
     /// Steps run: warm-up plus timed.

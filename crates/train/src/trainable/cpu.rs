@@ -2,7 +2,7 @@
 
 use ringtrain_model::{Backend, Model};
 
-use super::pass::{run_pass, AtOnce};
+use super::pass::{run_forward, run_pass, AtOnce};
 use super::staging::TrainsOnBatch;
 use super::{param_specs, Batch, ParamSpec, PassOutput, ReadyCallback, TrainableModel};
 use crate::error::Result;
@@ -56,6 +56,10 @@ where
     ) -> Result<PassOutput> {
         let model = &mut self.model;
         run_pass(|ready| model.train_on(batch, ready), &mut AtOnce, on_ready)
+    }
+    fn evaluate(&mut self, batch: &Batch) -> Result<PassOutput> {
+        let model = &mut self.model;
+        run_forward(|| model.loss_on(batch))
     }
     fn describe(&self) -> String {
         self.description.clone()

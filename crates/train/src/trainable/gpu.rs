@@ -26,7 +26,7 @@ use std::ops::Range;
 use ringtrain_cuda::PinnedBuffer;
 use ringtrain_model::{Backend, CudaBackend, Model};
 
-use super::pass::{run_pass, Delivery};
+use super::pass::{run_forward, run_pass, Delivery};
 use super::staging::TrainsOnBatch;
 use super::{param_specs, Batch, ParamSpec, PassOutput, ReadyCallback, TrainableModel};
 use crate::error::{Error, Result};
@@ -135,8 +135,9 @@ impl<M: Model<Backend = CudaBackend>> GpuTrainable<M> {
 }
 
 impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
-    /// One pass; copies may still be in flight when it returns early with an error.
-    fn pass(&mut self, batch: &Batch, on_ready: &mut ReadyCallback<'_>) -> Result<PassOutput> {
+    /// Queues the copy of the host parameters to the device when they changed since
+    /// the last one (ahead of the next kernels on the compute stream).
+    fn upload_params(&mut self) -> Result<()> {
         if self.params_dirty {
             let n = self.params_host.len();
             self.params_host
@@ -144,6 +145,12 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
                 .map_err(gpu_err)?;
             self.params_dirty = false;
         }
+        Ok(())
+    }
+
+    /// One pass; copies may still be in flight when it returns early with an error.
+    fn pass(&mut self, batch: &Batch, on_ready: &mut ReadyCallback<'_>) -> Result<PassOutput> {
+        self.upload_params()?;
         self.grads.pending.clear();
         let model = &mut self.model;
         run_pass(
@@ -196,6 +203,20 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> TrainableModel for GpuTrain
             .wait_all()
             .and_then(|()| self.params_host.wait_all())
             .map_err(gpu_err);
+        let output = result?;
+        settled?;
+        Ok(output)
+    }
+    /// Forward only, after the parameter copy a change of the host parameters needs;
+    /// the loss comes back to the host with the forward kernels.
+    fn evaluate(&mut self, batch: &Batch) -> Result<PassOutput> {
+        let uploaded = self.upload_params();
+        let result = uploaded.and_then(|()| {
+            let model = &mut self.model;
+            run_forward(|| model.loss_on(batch))
+        });
+        // The parameter copy must have landed before the trainer writes the mirror again.
+        let settled = self.params_host.wait_all().map_err(gpu_err);
         let output = result?;
         settled?;
         Ok(output)

@@ -140,6 +140,14 @@ pub trait TrainableModel: Send {
         batch: &Batch,
         on_ready: &mut ReadyCallback<'_>,
     ) -> Result<PassOutput>;
+    /// Forward only on `batch`: the summed token loss and the tokens it covers, for a
+    /// held-out evaluation. Leaves the parameters as they are and the gradient buffer
+    /// unspecified until the next [`TrainableModel::forward_backward`] overwrites it;
+    /// `backward_seconds` is 0.
+    ///
+    /// # Errors
+    /// The model's or the device's.
+    fn evaluate(&mut self, batch: &Batch) -> Result<PassOutput>;
     /// A short description for logs (`nmt fused uni 2+2 layers, 64 units, ...`).
     fn describe(&self) -> String;
 }

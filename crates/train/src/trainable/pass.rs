@@ -94,6 +94,22 @@ pub fn run_pass<Buf>(
     })
 }
 
+/// Runs `forward` (a model's forward-only loss) and times it.
+///
+/// # Errors
+/// `forward`'s.
+pub fn run_forward(forward: impl FnOnce() -> Result<StepStats>) -> Result<PassOutput> {
+    let start = Instant::now();
+    let stats = forward()?;
+    Ok(PassOutput {
+        loss_sum: stats.loss_sum,
+        target_tokens: stats.tokens,
+        forward_seconds: start.elapsed().as_secs_f64(),
+        backward_seconds: 0.0,
+        launches: stats.launches,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,6 +18,12 @@ pub trait TrainsOnBatch: Model {
         batch: &Batch,
         on_grads_ready: &mut GradsReady<'_, <Self::Backend as Backend>::Buffer>,
     ) -> Result<StepStats>;
+
+    /// [`Model::forward_loss`] on `batch` (no gradients), viewed as the model's batch.
+    ///
+    /// # Errors
+    /// As [`TrainsOnBatch::train_on`].
+    fn loss_on(&mut self, batch: &Batch) -> Result<StepStats>;
 }
 
 impl<B: Backend> TrainsOnBatch for NmtModel<B> {
@@ -29,16 +35,27 @@ impl<B: Backend> TrainsOnBatch for NmtModel<B> {
         let Batch::Nmt(b) = batch else {
             return Err(wrong_batch("nmt"));
         };
-        let view = ringtrain_model::NmtBatchView {
-            batch: b.batch_size,
-            src_len: b.src_len,
-            tgt_len: b.tgt_len,
-            src: &b.source,
-            tgt_in: &b.target_input,
-            tgt_out: &b.target_output,
-            tgt_mask: &b.target_mask,
+        Ok(self.forward_backward(&nmt_view(b), on_grads_ready)?)
+    }
+
+    fn loss_on(&mut self, batch: &Batch) -> Result<StepStats> {
+        let Batch::Nmt(b) = batch else {
+            return Err(wrong_batch("nmt"));
         };
-        Ok(self.forward_backward(&view, on_grads_ready)?)
+        Ok(self.forward_loss(&nmt_view(b))?)
+    }
+}
+
+/// `b` as the translation model's batch.
+fn nmt_view(b: &ringtrain_data::NmtBatch) -> ringtrain_model::NmtBatchView<'_> {
+    ringtrain_model::NmtBatchView {
+        batch: b.batch_size,
+        src_len: b.src_len,
+        tgt_len: b.tgt_len,
+        src: &b.source,
+        tgt_in: &b.target_input,
+        tgt_out: &b.target_output,
+        tgt_mask: &b.target_mask,
     }
 }
 
@@ -51,14 +68,25 @@ impl<B: Backend> TrainsOnBatch for RnnLm<B> {
         let Batch::Lm(b) = batch else {
             return Err(wrong_batch("rnnlm"));
         };
-        let view = ringtrain_model::LmBatchView {
-            batch: b.batch_size,
-            len: b.steps,
-            inputs: &b.inputs,
-            targets: &b.targets,
-            mask: &b.mask,
+        Ok(self.forward_backward(&lm_view(b), on_grads_ready)?)
+    }
+
+    fn loss_on(&mut self, batch: &Batch) -> Result<StepStats> {
+        let Batch::Lm(b) = batch else {
+            return Err(wrong_batch("rnnlm"));
         };
-        Ok(self.forward_backward(&view, on_grads_ready)?)
+        Ok(self.forward_loss(&lm_view(b))?)
+    }
+}
+
+/// `b` as the language model's batch.
+fn lm_view(b: &ringtrain_data::LmBatch) -> ringtrain_model::LmBatchView<'_> {
+    ringtrain_model::LmBatchView {
+        batch: b.batch_size,
+        len: b.steps,
+        inputs: &b.inputs,
+        targets: &b.targets,
+        mask: &b.mask,
     }
 }
 

@@ -10,8 +10,11 @@
 
 use ringtrain_collective::Communicator;
 
+use std::time::Instant;
+
 use crate::config::ValidatedConfig;
 use crate::error::{Error, Result};
+use crate::evaluation::{evaluate, EvalRecord, HeldOut, TimeToQuality};
 use crate::input::BatchSource;
 use crate::interrupt;
 use crate::report::RunReport;
@@ -92,6 +95,24 @@ pub fn train(
     batches: &mut dyn BatchSource,
     log: &mut LogSink<'_>,
 ) -> Result<TrainOutcome> {
+    train_evaluating(cfg, comm, model, batches, None, log)
+}
+
+/// [`train`], evaluating on `held_out` (this rank's part of `--eval-data`; `None` for a
+/// rank that holds none) every `--eval-every` steps and after the last step, and
+/// stopping early at `--target-perplexity` (see [`crate::evaluation`]). Rank 0 logs a
+/// line per evaluation; the report lists them and the time to quality.
+///
+/// # Errors
+/// As [`train`]; a held-out set without any token over all ranks.
+pub fn train_evaluating(
+    cfg: &ValidatedConfig,
+    comm: Communicator,
+    model: &mut dyn TrainableModel,
+    batches: &mut dyn BatchSource,
+    held_out: Option<&HeldOut>,
+    log: &mut LogSink<'_>,
+) -> Result<TrainOutcome> {
     let mut session = Session::start(cfg, comm, model, batches)?;
     let rank = session.rank;
     let run = &cfg.config().run;
@@ -118,6 +139,12 @@ pub fn train(
     let mut timed = TimedTotals::default();
     let mut last = StepStats::default();
     let total = cfg.total_steps();
+    let target = run.target_perplexity;
+    let mut evals: Vec<EvalRecord> = Vec::new();
+    let mut quality = target.map(|t| TimeToQuality::not_reached(t, None));
+    // Words of every rank and step time since this process's first step.
+    let (mut trained_words, mut training_seconds) = (0.0, 0.0);
+    let started = Instant::now();
     for i in 1..=total {
         // A stop (SIGINT/SIGTERM) is honoured between steps, never inside one. Step
         // numbers go on from a resumed checkpoint's.
@@ -141,6 +168,8 @@ pub fn train(
             done.local.words * cfg.workers() as f64
         };
         last = done.outcome.stats;
+        trained_words += global_words;
+        training_seconds += done.elapsed.as_secs_f64();
         let loss = last.mean_loss();
         if meter.record_step(step, done.elapsed, global_words, loss, done.breakdown) {
             timed.words += done.local.words;
@@ -166,6 +195,34 @@ pub fn train(
             }
             log(&line);
         }
+        let mut reached = false;
+        if cfg.evaluates_after(session.step, i == total) {
+            let record = evaluate(model, held_out, &mut session.control, session.step)?;
+            if rank == 0 {
+                log(&record.log_line());
+            }
+            evals.push(record);
+            if let Some(q) = quality.as_mut() {
+                // Every rank holds the same record, so every rank decides alike.
+                if record.perplexity <= q.target {
+                    *q = TimeToQuality {
+                        target: q.target,
+                        reached: true,
+                        step: Some(session.step),
+                        perplexity: Some(record.perplexity),
+                        words: Some(trained_words),
+                        training_seconds: Some(training_seconds),
+                        seconds: Some(started.elapsed().as_secs_f64()),
+                    };
+                    reached = true;
+                } else {
+                    let best = q
+                        .perplexity
+                        .map_or(record.perplexity, |b| b.min(record.perplexity));
+                    q.perplexity = Some(best);
+                }
+            }
+        }
         if let Some(path) = output.checkpoint.as_deref() {
             let every = output.checkpoint_every as u64;
             if every > 0 && session.step % every == 0 {
@@ -174,6 +231,12 @@ pub fn train(
                 }
             }
         }
+        if reached {
+            break;
+        }
+    }
+    if let (Some(q), 0) = (&quality, rank) {
+        log(&q.log_line());
     }
     if let Some(path) = output.checkpoint.as_deref() {
         let every = output.checkpoint_every as u64;
@@ -183,7 +246,9 @@ pub fn train(
             }
         }
     }
-    let report = session.report(&*model, &meter.summary(), timed, last)?;
+    let mut report = session.report(&*model, &meter.summary(), timed, last)?;
+    report.eval = evals;
+    report.time_to_quality = quality;
     let comm = session.strategy.shutdown()?;
     Ok(TrainOutcome { report, comm })
 }

@@ -80,6 +80,8 @@ impl Session<'_> {
             final_loss: last.mean_loss(),
             skipped_steps: self.scaler.map_or(0, |s| s.skipped_steps),
             loss_scale: self.scaler.map(|s| s.scale),
+            eval: Vec::new(),
+            time_to_quality: None,
         })
     }
 }
