@@ -72,6 +72,8 @@ pub struct EvalRecord {
     pub loss: f64,
     /// exp(loss).
     pub perplexity: f64,
+    /// Target tokens the loss is over (the whole set: every rank's part).
+    pub tokens: f64,
     /// Wall time of the evaluation (slowest rank, as every rank waits for the sum).
     pub seconds: f64,
 }
@@ -203,6 +205,7 @@ pub fn evaluate(
         step,
         loss,
         perplexity: loss.exp(),
+        tokens,
         seconds,
     })
 }
