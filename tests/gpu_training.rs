@@ -118,3 +118,64 @@ fn a_model_too_big_for_the_gpu_is_refused_before_it_is_built() {
         "{err}"
     );
 }
+
+/// Held-out evaluation on the GPU: the forward-only loss after each update (the new
+/// parameters uploaded first) matches the CPU run's, for both models, two ranks each
+/// evaluating its part of the shipped dev/valid set.
+#[test]
+fn held_out_evaluation_on_the_gpu_matches_the_cpu() {
+    use ringtrain::collective::Communicator;
+    use ringtrain::data::BundledCorpus;
+    use ringtrain::train::{local_rank, run_rank};
+
+    let files = BundledCorpus::in_repo();
+    for model in [ModelKind::Nmt, ModelKind::Rnnlm] {
+        let mut cfg = TrainConfig::default();
+        cfg.model.model = model;
+        cfg.model.num_units = 8;
+        cfg.run.threads = 1;
+        cfg.run.warmup_batches = 1;
+        cfg.run.timed_batches = 2;
+        cfg.run.eval_every = 1;
+        cfg.output.display_every = 0;
+        cfg.data.src_max_len = 6;
+        cfg.data.batch_size = 8;
+        if model == ModelKind::Nmt {
+            cfg.data.data = vec![
+                files.nmt_train_src.clone(),
+                files.nmt_train_tgt.clone(),
+                files.nmt_vocab_src.clone(),
+                files.nmt_vocab_tgt.clone(),
+            ];
+            cfg.data.eval_data = vec![files.nmt_dev_src.clone(), files.nmt_dev_tgt.clone()];
+        } else {
+            cfg.data.data = vec![files.lm_train.clone(), files.lm_vocab.clone()];
+            cfg.data.eval_data = vec![files.lm_valid.clone()];
+        }
+        let losses = |device: DeviceKind| -> Vec<f64> {
+            let cfg = with(&cfg, |c| c.run.device = device)
+                .validate(2)
+                .expect("valid flags");
+            let reports = Communicator::run_local(2, |comm| {
+                let local = local_rank(&comm)?;
+                run_rank(&cfg, comm, local, &mut |_| {}).map(|o| o.report)
+            })
+            .expect("the local transport runs");
+            let report = reports.into_iter().next().expect("rank 0").expect("trains");
+            report.eval.iter().map(|e| e.loss).collect()
+        };
+        let (cpu, gpu) = (losses(DeviceKind::Cpu), losses(DeviceKind::Cuda));
+        assert_eq!(cpu.len(), 3, "{model}");
+        assert_eq!(gpu.len(), 3, "{model}");
+        for (c, g) in cpu.iter().zip(&gpu) {
+            assert!(
+                (c - g).abs() <= 1e-4 * c.abs(),
+                "{model}: held-out loss {g} on the GPU, {c} on the CPU ({gpu:?} vs {cpu:?})"
+            );
+        }
+        assert!(
+            gpu[0] != gpu[2],
+            "{model}: the updates did not reach the evaluation"
+        );
+    }
+}

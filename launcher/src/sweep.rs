@@ -1,5 +1,9 @@
 //! `ringtrain sweep`: the same training at several rank counts, summarised in the seeds'
 //! table (ranks | batch size | time for the timed batches | words/s | speedup).
+//! When the runs have `--target-perplexity`, the table adds their time to quality: the
+//! steps, words and time each rank count took to reach the held-out perplexity (training
+//! time, and wall time with the evaluations), so that fixed total batch and fixed batch
+//! per rank can be compared by how soon they reach a quality, not by words/s alone.
 //!
 //! `--json` and `--report-dir` are checked before the first count runs. When a count
 //! fails (or the sweep is stopped), the table of the counts that finished is printed
@@ -8,7 +12,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use ringtrain_train::RunReport;
+use ringtrain_train::{RunReport, TimeToQuality};
 use serde::{Deserialize, Serialize};
 
 use ringtrain_train::outputs::check_output_file;
@@ -70,6 +74,9 @@ pub struct SweepRow {
     pub speedup: f64,
     /// words/s per rank relative to the first row's per rank (1.0 = linear scaling).
     pub efficiency: f64,
+    /// When the run reached `--target-perplexity` (absent without a target).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_to_quality: Option<TimeToQuality>,
 }
 
 /// Builds the rows from reports in run order.
@@ -92,24 +99,69 @@ pub fn rows(reports: &[RunReport]) -> Vec<SweepRow> {
                 words_per_sec: r.words_per_sec,
                 speedup,
                 efficiency: speedup * base_ranks / r.ranks as f64,
+                time_to_quality: r.time_to_quality,
             }
         })
         .collect()
 }
 
-/// The markdown table the seeds' reports use.
+/// The markdown table the seeds' reports use, with the time-to-quality columns when a
+/// run had a target perplexity.
 pub fn markdown(rows: &[SweepRow]) -> String {
     let batches = rows.first().map_or(0, |r| r.timed_batches);
+    let target = rows
+        .iter()
+        .find_map(|r| r.time_to_quality.map(|q| q.target));
     let mut s = format!(
-        "| ranks | batch size | total time for {batches} batches (s) | words/s | speedup |\n|---|---|---|---|---|\n"
+        "| ranks | batch size | total time for {batches} batches (s) | words/s | speedup |"
     );
+    let mut rule = "|---|---|---|---|---|".to_string();
+    if let Some(target) = target {
+        s.push_str(&format!(
+            " steps to perplexity {target} | words to {target} | training time to {target} (s) | time with evaluations (s) |"
+        ));
+        rule.push_str("---|---|---|---|");
+    }
+    s.push('\n');
+    s.push_str(&rule);
+    s.push('\n');
     for r in rows {
         s.push_str(&format!(
-            "| {} | {} | {:.3} | {:.1} | {:.2} |\n",
+            "| {} | {} | {:.3} | {:.1} | {:.2} |",
             r.ranks, r.batch_size, r.timed_seconds, r.words_per_sec, r.speedup
         ));
+        if target.is_some() {
+            s.push_str(&quality_cells(r.time_to_quality.as_ref()));
+        }
+        s.push('\n');
     }
     s
+}
+
+/// The four time-to-quality cells of a row.
+fn quality_cells(q: Option<&TimeToQuality>) -> String {
+    match q {
+        Some(TimeToQuality {
+            reached: true,
+            step: Some(step),
+            words,
+            training_seconds,
+            seconds,
+            ..
+        }) => format!(
+            " {step} | {:.0} | {:.3} | {:.3} |",
+            words.unwrap_or(0.0),
+            training_seconds.unwrap_or(0.0),
+            seconds.unwrap_or(0.0)
+        ),
+        Some(q) => {
+            let best = q
+                .perplexity
+                .map_or_else(|| "none".to_string(), |p| format!("{p:.2}"));
+            format!(" not reached (best {best}) | - | - | - |")
+        }
+        None => " (no target) | - | - | - |".to_string(),
+    }
 }
 
 /// Removes `--json-report X` / `--json-report=X` from a command (the sweep sets its own).
@@ -232,6 +284,52 @@ fn print_rows(args: &SweepArgs, rows: &[SweepRow]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn row(ranks: usize, q: Option<TimeToQuality>) -> SweepRow {
+        SweepRow {
+            ranks,
+            batch_size: "8".into(),
+            timed_seconds: 1.0,
+            timed_batches: 4,
+            words_per_sec: 100.0,
+            speedup: 1.0,
+            efficiency: 1.0,
+            time_to_quality: q,
+        }
+    }
+
+    #[test]
+    fn time_to_quality_columns_appear_with_a_target() {
+        let plain = markdown(&[row(1, None)]);
+        assert!(!plain.contains("perplexity"), "{plain}");
+        let json = serde_json::to_string(&row(1, None)).unwrap_or_default();
+        assert!(!json.contains("time_to_quality"), "{json}");
+
+        let reached = TimeToQuality {
+            target: 50.0,
+            reached: true,
+            step: Some(120),
+            perplexity: Some(48.5),
+            words: Some(9000.0),
+            training_seconds: Some(3.5),
+            seconds: Some(4.25),
+        };
+        let missed = TimeToQuality::not_reached(50.0, Some(61.0));
+        let table = markdown(&[row(1, Some(reached)), row(2, Some(missed))]);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].contains("steps to perplexity 50"), "{table}");
+        assert_eq!(lines[0].matches('|').count(), lines[1].matches('|').count());
+        assert!(
+            lines[2].contains("| 120 | 9000 | 3.500 | 4.250 |"),
+            "{table}"
+        );
+        assert!(lines[3].contains("not reached (best 61.00)"), "{table}");
+        let json = serde_json::to_string(&row(1, Some(reached))).unwrap_or_default();
+        assert!(
+            json.contains("\"time_to_quality\":{\"target\":50.0,\"reached\":true,\"step\":120"),
+            "{json}"
+        );
+    }
 
     #[test]
     fn json_report_flags_are_replaced() {

@@ -107,7 +107,10 @@ fn every_ranks_part_adds_up_to_the_whole_held_out_set() {
             let steps: Vec<u64> = report.eval.iter().map(|e| e.step).collect();
             assert_eq!(steps, [2, 4], "{model} on {ranks} ranks: {lines:?}");
             for e in &report.eval {
-                assert_eq!(e.tokens, expected, "{model} on {ranks} ranks ({ps_ranks} ps)");
+                assert_eq!(
+                    e.tokens, expected,
+                    "{model} on {ranks} ranks ({ps_ranks} ps)"
+                );
                 assert!(e.loss.is_finite() && e.loss > 0.0, "{e:?}");
                 assert!((e.perplexity - e.loss.exp()).abs() < 1e-9 * e.perplexity);
             }
@@ -118,8 +121,10 @@ fn every_ranks_part_adds_up_to_the_whole_held_out_set() {
             let logged = lines.iter().filter(|l| l.contains("eval\tstep")).count();
             assert_eq!(logged, 2, "{lines:?}");
             assert!(
-                lines.iter().any(|l| l.contains("held-out") && l.contains("dev.en")
-                    || l.contains("valid.txt")),
+                lines
+                    .iter()
+                    .any(|l| l.contains("held-out") && l.contains("dev.en")
+                        || l.contains("valid.txt")),
                 "{lines:?}"
             );
         }
@@ -177,7 +182,10 @@ fn the_target_perplexity_stops_every_rank_at_the_same_step() {
         let q = report.time_to_quality.expect("a target was set");
         assert!(q.reached && q.step == Some(2), "{q:?}");
         assert!(q.words.is_some_and(|w| w > 0.0), "{q:?}");
-        let (train, wall) = (q.training_seconds.unwrap_or(-1.0), q.seconds.unwrap_or(-1.0));
+        let (train, wall) = (
+            q.training_seconds.unwrap_or(-1.0),
+            q.seconds.unwrap_or(-1.0),
+        );
         assert!(train > 0.0 && wall >= train, "{q:?}");
         assert_eq!(report.eval.len(), 1);
     }
@@ -204,10 +212,7 @@ fn the_target_perplexity_stops_every_rank_at_the_same_step() {
         .map(|e| e.perplexity)
         .fold(f64::INFINITY, f64::min);
     assert_eq!(q.perplexity, Some(best));
-    assert!(
-        lines.iter().any(|l| l.contains("not reached")),
-        "{lines:?}"
-    );
+    assert!(lines.iter().any(|l| l.contains("not reached")), "{lines:?}");
 }
 
 #[test]

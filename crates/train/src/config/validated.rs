@@ -718,6 +718,91 @@ mod tests {
         assert!(cfg.validate(1).is_ok());
     }
 
+    #[test]
+    fn held_out_flags_are_checked_before_any_work() {
+        let corpus = |model: ModelKind| {
+            let mut cfg = TrainConfig::default();
+            cfg.model.model = model;
+            cfg.data.data = match model {
+                ModelKind::Nmt => vec!["s".into(), "t".into(), "sv".into(), "tv".into()],
+                ModelKind::Rnnlm => vec!["train.txt".into()],
+            };
+            cfg
+        };
+        // --eval-every and --target-perplexity need --eval-data.
+        let mut cfg = corpus(ModelKind::Nmt);
+        cfg.run.eval_every = 5;
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--eval-every") && err.contains("--eval-data"),
+            "{err}"
+        );
+        let mut cfg = corpus(ModelKind::Nmt);
+        cfg.run.target_perplexity = Some(100.0);
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--target-perplexity") && err.contains("--eval-data"),
+            "{err}"
+        );
+        // A perplexity is above 1: 1, below and non-finite targets are refused.
+        for bad in [1.0, 0.5, -3.0, f64::NAN, f64::INFINITY] {
+            let mut cfg = corpus(ModelKind::Rnnlm);
+            cfg.data.eval_data = vec!["valid.txt".into()];
+            cfg.run.target_perplexity = Some(bad);
+            let err = error(&cfg, 1);
+            assert!(
+                err.contains("--target-perplexity") && err.contains("above 1"),
+                "{bad}: {err}"
+            );
+        }
+        // The file count follows the model; synthetic data has no vocabulary to read with.
+        let mut cfg = corpus(ModelKind::Nmt);
+        cfg.data.eval_data = vec!["dev.en".into()];
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--eval-data") && err.contains("SRC,TGT"),
+            "{err}"
+        );
+        let mut cfg = corpus(ModelKind::Rnnlm);
+        cfg.data.eval_data = vec!["a.txt".into(), "b.txt".into()];
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--eval-data") && err.contains("b.txt"),
+            "{err}"
+        );
+        let mut cfg = TrainConfig::default();
+        cfg.data.eval_data = vec!["dev.en".into(), "dev.xx".into()];
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--eval-data") && err.contains("--data"),
+            "{err}"
+        );
+
+        // 0 = only at the end; N = every N steps and at the end.
+        let mut cfg = corpus(ModelKind::Nmt);
+        cfg.data.eval_data = vec!["dev.en".into(), "dev.xx".into()];
+        cfg.run.target_perplexity = Some(1.5);
+        let run = cfg.validate(2).ok();
+        let at = |run: &Option<ValidatedConfig>, step, last| {
+            run.as_ref().map(|r| r.evaluates_after(step, last))
+        };
+        assert_eq!(
+            run.as_ref().and_then(|r| r.held_out_source().cloned()),
+            Some(HeldOutSource::Translation {
+                source: "dev.en".into(),
+                target: "dev.xx".into()
+            })
+        );
+        assert_eq!(at(&run, 5, false), Some(false));
+        assert_eq!(at(&run, 5, true), Some(true));
+        cfg.run.eval_every = 4;
+        let run = cfg.validate(2).ok();
+        assert_eq!(at(&run, 8, false), Some(true));
+        assert_eq!(at(&run, 9, false), Some(false));
+        let run = corpus(ModelKind::Nmt).validate(1).ok();
+        assert_eq!(at(&run, 9, true), Some(false));
+    }
+
     #[cfg(unix)]
     #[test]
     fn paths_that_are_not_utf8_are_refused_by_flag() {
