@@ -306,3 +306,92 @@ fn stall_timeout_out_of_range_names_the_flag() {
     let out = train(&["--stall-timeout", "off"]);
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+/// Held-out input that cannot be evaluated fails at start, naming the file or the flag,
+/// before a step is trained (no progress line is printed).
+#[test]
+fn bad_held_out_input_fails_before_training() {
+    let corpus = ringtrain_data::BundledCorpus::in_repo();
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let empty = dir.path().join("empty.xx");
+    std::fs::write(&empty, "").expect("writable");
+    let foreign = dir.path().join("foreign.txt");
+    std::fs::write(&foreign, "zorp blit quax\nvum zorp\n").expect("writable");
+    let path = |p: &std::path::Path| p.display().to_string();
+    let nmt_data = [
+        path(&corpus.nmt_train_src),
+        path(&corpus.nmt_train_tgt),
+        path(&corpus.nmt_vocab_src),
+        path(&corpus.nmt_vocab_tgt),
+    ]
+    .join(",");
+    let lm_data = [path(&corpus.lm_train), path(&corpus.lm_vocab)].join(",");
+    let missing = dir.path().join("missing.en");
+    let cases: Vec<(Vec<String>, Vec<String>)> = vec![
+        (
+            vec![
+                "--data".into(),
+                nmt_data.clone(),
+                "--eval-data".into(),
+                format!("{},{}", path(&missing), path(&corpus.nmt_dev_tgt)),
+            ],
+            vec!["missing.en".into()],
+        ),
+        (
+            vec![
+                "--data".into(),
+                nmt_data.clone(),
+                "--eval-data".into(),
+                format!("{},{}", path(&corpus.nmt_dev_src), path(&empty)),
+            ],
+            vec!["empty.xx".into()],
+        ),
+        (
+            vec![
+                "--model".into(),
+                "rnnlm".into(),
+                "--data".into(),
+                lm_data.clone(),
+                "--eval-data".into(),
+                path(&foreign),
+            ],
+            vec!["foreign.txt".into(), "--max-unk-percent".into()],
+        ),
+        (
+            vec!["--data".into(), nmt_data.clone(), "--eval-every".into(), "3".into()],
+            vec!["--eval-every".into(), "--eval-data".into()],
+        ),
+        (
+            vec![
+                "--model".into(),
+                "rnnlm".into(),
+                "--data".into(),
+                lm_data.clone(),
+                "--eval-data".into(),
+                path(&corpus.lm_valid),
+                "--target-perplexity".into(),
+                "1".into(),
+            ],
+            vec!["--target-perplexity".into(), "above 1".into()],
+        ),
+        (
+            vec!["--target-perplexity".into(), "inf".into()],
+            vec!["--target-perplexity".into(), "finite".into()],
+        ),
+        (
+            vec!["--eval-data".into(), path(&corpus.nmt_dev_src)],
+            vec!["--eval-data".into(), "--data".into()],
+        ),
+    ];
+    for (args, expected) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = train(&args);
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        for text in &expected {
+            assert!(err.contains(text.as_str()), "{args:?}: {err}");
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(!stdout.contains("words/sec"), "{args:?} trained: {stdout}");
+    }
+}
