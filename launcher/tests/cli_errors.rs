@@ -358,7 +358,12 @@ fn bad_held_out_input_fails_before_training() {
             vec!["foreign.txt".into(), "--max-unk-percent".into()],
         ),
         (
-            vec!["--data".into(), nmt_data.clone(), "--eval-every".into(), "3".into()],
+            vec![
+                "--data".into(),
+                nmt_data.clone(),
+                "--eval-every".into(),
+                "3".into(),
+            ],
             vec!["--eval-every".into(), "--eval-data".into()],
         ),
         (

@@ -212,3 +212,79 @@ fn ranks_started_with_different_output_flags_name_each_flag_and_value() {
         "nothing was trained or written"
     );
 }
+
+/// Under mpirun, `--eval-data` and `--target-perplexity` reach the JSON report (`eval`
+/// entries, `time_to_quality`) and the sweep's time-to-quality columns: the first
+/// evaluation (step 2) reaches a target every model reaches, on every rank count.
+#[test]
+fn sweep_with_a_target_perplexity_reports_time_to_quality() {
+    let corpus = ringtrain_data::BundledCorpus::in_repo();
+    let dir = tempfile::tempdir().unwrap();
+    let json_path = dir.path().join("sweep.json");
+    let reports = dir.path().join("reports");
+    std::fs::create_dir(&reports).unwrap();
+    let mut args = strings(&[
+        "sweep",
+        "--np",
+        "1,2",
+        "--json",
+        &json_path.display().to_string(),
+        "--report-dir",
+        &reports.display().to_string(),
+        "--",
+        "train",
+    ]);
+    args.extend(strings(TINY));
+    args.extend(strings(&[
+        "--model",
+        "rnnlm",
+        "--batch-size",
+        "4",
+        "--eval-every",
+        "2",
+        "--target-perplexity",
+        "1e9",
+        "--data",
+    ]));
+    args.push(format!(
+        "{},{}",
+        corpus.lm_train.display(),
+        corpus.lm_vocab.display()
+    ));
+    args.push("--eval-data".into());
+    args.push(corpus.lm_valid.display().to_string());
+    let out = ringtrain(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("steps to perplexity 1000000000")
+            && stdout.contains("eval\tstep 2")
+            && stdout.contains("reached at step 2"),
+        "{stdout}"
+    );
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    for row in rows.as_array().unwrap() {
+        let q = &row["time_to_quality"];
+        assert_eq!(q["reached"], true, "{row}");
+        assert_eq!(q["step"], 2, "{row}");
+        assert!(q["words"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&reports).unwrap() {
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(entry.unwrap().path()).unwrap()).unwrap();
+        let eval = report["eval"].as_array().unwrap();
+        assert_eq!(eval.len(), 1, "{report}");
+        for key in ["step", "loss", "perplexity", "seconds"] {
+            assert!(eval[0][key].is_number(), "{key}: {report}");
+        }
+        assert_eq!(report["steps"], 2);
+        seen += 1;
+    }
+    assert_eq!(seen, 2);
+}
