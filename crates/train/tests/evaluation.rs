@@ -8,14 +8,18 @@
 //!   input position: the checkpoint of a run that evaluates every step has the bits of
 //!   one that never does);
 //! - the target perplexity stops every rank at the same step and reports it;
-//! - after `--resume` the schedule goes on at the same step numbers.
+//! - after `--resume` the schedule goes on at the same step numbers;
+//! - the evaluations' time is not in the words/s figures.
 
 use std::path::Path;
+use std::time::Duration;
 
 use ringtrain_collective::Communicator;
 use ringtrain_data::BundledCorpus;
+use ringtrain_train::trainable::ReadyCallback;
 use ringtrain_train::{
-    local_rank, run_rank, Checkpoint, ModelKind, RunReport, TrainConfig, VariableUpdate,
+    build_model, local_rank, run_rank, train_evaluating, Batch, Checkpoint, HeldOut, InputPipeline,
+    ModelKind, ParamSpec, PassOutput, RunReport, TrainConfig, TrainableModel, VariableUpdate,
 };
 
 const MAX_LEN: usize = 6;
@@ -229,4 +233,84 @@ fn after_resume_the_schedule_keeps_its_step_numbers() {
     let second = run(&cfg, 2);
     let steps: Vec<u64> = second[0].1.eval.iter().map(|e| e.step).collect();
     assert_eq!(steps, [6, 8]);
+}
+
+/// A model whose evaluation takes at least `pause`: the rest is the real model's.
+struct SlowEvaluation {
+    inner: Box<dyn TrainableModel>,
+    pause: Duration,
+}
+
+impl TrainableModel for SlowEvaluation {
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        self.inner.param_specs()
+    }
+    fn params(&self) -> ringtrain_train::Result<&[f32]> {
+        self.inner.params()
+    }
+    fn params_mut(&mut self) -> ringtrain_train::Result<&mut [f32]> {
+        self.inner.params_mut()
+    }
+    fn params_and_grads_mut(&mut self) -> ringtrain_train::Result<(&mut [f32], &mut [f32])> {
+        self.inner.params_and_grads_mut()
+    }
+    fn forward_backward(
+        &mut self,
+        batch: &Batch,
+        on_ready: &mut ReadyCallback<'_>,
+    ) -> ringtrain_train::Result<PassOutput> {
+        self.inner.forward_backward(batch, on_ready)
+    }
+    fn evaluate(&mut self, batch: &Batch) -> ringtrain_train::Result<PassOutput> {
+        std::thread::sleep(self.pause);
+        self.inner.evaluate(batch)
+    }
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+}
+
+/// The evaluations' time stays out of the timed steps: two evaluations of at least a
+/// second each, around steps that take milliseconds, leave the timed seconds (the words/s
+/// denominator) under a second and are reported on their own.
+#[test]
+fn evaluation_time_is_kept_out_of_the_throughput() {
+    let mut cfg = config(ModelKind::Nmt);
+    cfg.run.warmup_batches = 0;
+    cfg.run.timed_batches = 4;
+    cfg.run.eval_every = 2;
+    let run = cfg.validate(1).expect("a valid test config");
+    let report = Communicator::run_local(1, |comm| {
+        let pipeline = InputPipeline::new(&run, 0)?;
+        let held_out = pipeline.held_out.expect("--eval-data was given");
+        // One batch per evaluation: the pause is paid once per evaluation.
+        let held_out = HeldOut::from_batches(held_out.batches()[..1].to_vec());
+        let inner = build_model(&run, pipeline.src_vocab_size, pipeline.tgt_vocab_size, 0, 1)?;
+        let mut model = SlowEvaluation {
+            inner,
+            pause: Duration::from_secs(1),
+        };
+        let mut batches = pipeline.batches;
+        train_evaluating(
+            &run,
+            comm,
+            &mut model,
+            &mut batches,
+            Some(&held_out),
+            &mut |_| {},
+        )
+        .map(|o| o.report)
+    })
+    .expect("the local transport runs")
+    .remove(0)
+    .expect("trains");
+    assert_eq!(report.eval.len(), 2);
+    for e in &report.eval {
+        assert!(e.seconds >= 1.0, "{e:?}");
+    }
+    assert!(
+        report.timed_seconds < 1.0,
+        "the timed steps took {} s: the evaluations' 2 s were counted",
+        report.timed_seconds
+    );
 }
