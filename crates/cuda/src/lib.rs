@@ -139,6 +139,7 @@ mod pinned;
 mod runtime;
 #[cfg(feature = "cuda")]
 mod timing;
+mod transfer;
 
 pub use error::{Error, Result};
 pub use gemm::Transpose;
@@ -156,6 +157,7 @@ pub use pinned::PinnedBuffer;
 pub use runtime::{Gpu, KernelArg, LaunchConfig};
 #[cfg(feature = "cuda")]
 pub use timing::GpuTimer;
+pub use transfer::TransferBytes;
 
 /// Every PTX module of the crate, in `ptx/` file-name order.
 pub const MODULES: [&PtxModule; 6] = [

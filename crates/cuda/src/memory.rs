@@ -187,6 +187,7 @@ impl DeviceContext {
             )
         };
         check(result, "copying device memory to the host")?;
+        crate::transfer::count_to_host(bytes.len());
         self.synchronize()
     }
 
@@ -217,6 +218,7 @@ impl DeviceContext {
             )
         };
         check(result, "copying host memory to the device")?;
+        crate::transfer::count_to_device(bytes.len());
         self.synchronize()
     }
 }
@@ -261,6 +263,7 @@ impl<T: Element> GpuBuffer<T> {
             )
         };
         check(result, "copying host memory to the device")?;
+        crate::transfer::count_to_device(bytes.len());
         self.device.synchronize()
     }
 
@@ -283,6 +286,7 @@ impl<T: Element> GpuBuffer<T> {
             )
         };
         check(result, "copying device memory to the host")?;
+        crate::transfer::count_to_host(bytes.len());
         self.device.synchronize()
     }
 
