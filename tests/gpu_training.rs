@@ -9,8 +9,11 @@
 
 mod training_runs;
 
-use ringtrain::train::{DeviceKind, LstmImpl, ModelKind, OverlapMode, TrainConfig, VariableUpdate};
-use training_runs::{config, initial_model, max_diff, run, with};
+use ringtrain::collective::Communicator;
+use ringtrain::train::{
+    train, DeviceKind, LstmImpl, ModelKind, OverlapMode, RunReport, TrainConfig, VariableUpdate,
+};
+use training_runs::{batches, config, initial_model, max_diff, run, with};
 
 /// CPU and GPU differ in GEMM summation order and in the approximate exponentials of the
 /// activations (about 1e-6 relative per operation); four SGD steps of this small model keep
@@ -117,4 +120,47 @@ fn a_model_too_big_for_the_gpu_is_refused_before_it_is_built() {
         err.contains("on GPU 0") && err.contains("biggest term is") && err.contains("GiB"),
         "{err}"
     );
+}
+
+/// One rank's run of `cfg`, returning its report.
+fn report_of(cfg: &TrainConfig) -> RunReport {
+    let run = cfg.validate(1).expect("a valid test config");
+    let mut reports = Communicator::run_local(1, |comm| {
+        let mut model = initial_model(cfg, 100);
+        let mut data = batches(&run, 0).into_iter();
+        train(&run, comm, model.as_mut(), &mut data, &mut |_| {})
+            .unwrap()
+            .report
+    })
+    .unwrap();
+    reports.remove(0)
+}
+
+#[test]
+fn the_report_counts_host_device_bytes_per_timed_step_on_cuda_only() {
+    let cfg = with(&config(ModelKind::Nmt, VariableUpdate::Replicated), |c| {
+        c.data.batch_size = 3;
+    });
+    let cpu = report_of(&with(&cfg, |c| c.run.device = DeviceKind::Cpu));
+    assert_eq!(cpu.host_device_bytes_per_step, None);
+    let json = serde_json::to_value(&cpu).unwrap();
+    assert!(json.get("host_device_bytes_per_step").is_none(), "{json}");
+
+    let gpu = report_of(&with(&cfg, |c| c.run.device = DeviceKind::Cuda));
+    let bytes = gpu
+        .host_device_bytes_per_step
+        .expect("a cuda run reports its host<->device bytes");
+    // Every step sends its batch (token ids) to the device and reads scalars (the loss)
+    // back; the counts come from the copy calls, one rank here, so they are this rank's.
+    assert!(bytes.to_device > 0.0 && bytes.to_host > 0.0, "{bytes:?}");
+    assert_eq!(gpu.per_rank[0].host_device_bytes_per_step, Some(bytes));
+    let json = serde_json::to_value(&gpu).unwrap();
+    assert_eq!(
+        json["host_device_bytes_per_step"]["to_device"].as_f64(),
+        Some(bytes.to_device),
+        "{json}"
+    );
+    assert!(json["host_device_bytes_per_step"]["to_host"]
+        .as_f64()
+        .is_some());
 }

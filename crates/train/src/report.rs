@@ -9,6 +9,18 @@ use crate::config::TrainConfig;
 use crate::error::{Error, Result};
 use crate::throughput::{RateStats, StepBreakdown};
 
+/// Bytes copied between host and device memory per timed step (the mean over the timed
+/// steps), counted by the copy calls the step actually made (ringtrain-cuda's copy
+/// functions), not computed from sizes. Runs on `--device cuda` only; a process counts
+/// all of its copies, so ranks run as threads of one process share the count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct HostDeviceBytes {
+    /// Host -> device.
+    pub to_device: f64,
+    /// Device -> host.
+    pub to_host: f64,
+}
+
 /// One rank's own figures over the timed batches.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankFigures {
@@ -26,6 +38,9 @@ pub struct RankFigures {
     pub breakdown: StepBreakdown,
     /// Kernel launches (CPU: kernel calls) per batch.
     pub launches_per_batch: f64,
+    /// Host <-> device bytes per timed step (absent on cpu).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_device_bytes_per_step: Option<HostDeviceBytes>,
 }
 
 /// Everything a run measured, as written by `--json-report`.
@@ -64,6 +79,9 @@ pub struct RunReport {
     pub breakdown: StepBreakdown,
     /// Mean kernel launches per batch over the workers.
     pub launches_per_batch: f64,
+    /// Mean host <-> device bytes per timed step over the workers (absent on cpu).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_device_bytes_per_step: Option<HostDeviceBytes>,
     /// Loss per target token of the last step.
     pub final_loss: f64,
     /// Steps skipped for f16 overflow.
@@ -154,6 +172,12 @@ impl RunReport {
             self.launches_per_batch,
             self.final_loss
         ));
+        if let Some(bytes) = self.host_device_bytes_per_step {
+            s.push_str(&format!(
+                "host<->device per step: {:.0} bytes to the device, {:.0} to the host\n",
+                bytes.to_device, bytes.to_host
+            ));
+        }
         s.push_str(&format!("total words/s: {:.1}\n", self.words_per_sec));
         s
     }
