@@ -137,12 +137,13 @@ fn report_of(cfg: &TrainConfig) -> RunReport {
 }
 
 #[test]
-fn the_report_counts_host_device_bytes_per_timed_step_on_cuda_only() {
+fn the_report_counts_host_device_bytes_and_peak_memory_on_cuda_only() {
     let cfg = with(&config(ModelKind::Nmt, VariableUpdate::Replicated), |c| {
         c.data.batch_size = 3;
     });
     let cpu = report_of(&with(&cfg, |c| c.run.device = DeviceKind::Cpu));
     assert_eq!(cpu.host_device_bytes_per_step, None);
+    assert_eq!(cpu.peak_device_bytes, None);
     let json = serde_json::to_value(&cpu).unwrap();
     assert!(json.get("host_device_bytes_per_step").is_none(), "{json}");
 
@@ -163,4 +164,14 @@ fn the_report_counts_host_device_bytes_per_timed_step_on_cuda_only() {
     assert!(json["host_device_bytes_per_step"]["to_host"]
         .as_f64()
         .is_some());
+    // The parameters alone are on the device (f32) during the run.
+    let peak = gpu
+        .peak_device_bytes
+        .expect("a cuda run reports its peak device memory");
+    assert!(
+        peak >= 4 * gpu.parameters as u64,
+        "{peak} < 4 x {} parameters",
+        gpu.parameters
+    );
+    assert_eq!(json["peak_device_bytes"].as_u64(), Some(peak));
 }

@@ -150,7 +150,9 @@ pub use signature::{
 #[cfg(feature = "cuda")]
 pub use fp16::NonFiniteFlag;
 #[cfg(feature = "cuda")]
-pub use memory::{AsDevSlice, AsDevSliceMut, DevSlice, DevSliceMut, Element, GpuBuffer};
+pub use memory::{
+    AsDevSlice, AsDevSliceMut, DevSlice, DevSliceMut, DeviceMemoryUse, Element, GpuBuffer,
+};
 #[cfg(feature = "cuda")]
 pub use pinned::PinnedBuffer;
 #[cfg(feature = "cuda")]

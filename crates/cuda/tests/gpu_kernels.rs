@@ -14,8 +14,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain_cuda::model_ops::RowIds;
 use ringtrain_cuda::{
-    fp16, gemm, lstm, model_ops, optim, softmax, AsDevSlice, Error, Gpu, GpuBuffer, GpuTimer,
-    KernelArg, LaunchConfig, NonFiniteFlag, TransferBytes, Transpose,
+    fp16, gemm, lstm, model_ops, optim, softmax, AsDevSlice, DeviceMemoryUse, Error, Gpu,
+    GpuBuffer, GpuTimer, KernelArg, LaunchConfig, NonFiniteFlag, TransferBytes, Transpose,
 };
 use ringtrain_kernels as cpu;
 
@@ -1561,4 +1561,23 @@ fn transfer_counters_add_exactly_the_bytes_each_copy_moves() {
     );
     let process = TransferBytes::process();
     assert!(process.to_device >= moved.to_device && process.to_host >= moved.to_host);
+}
+
+#[test]
+fn the_allocator_high_water_mark_follows_the_buffers_held() {
+    let gpu = gpu();
+    let start = DeviceMemoryUse::process();
+    let a = gpu.alloc::<f32>(1 << 20).unwrap(); // 4 MiB
+    let b = gpu.zeros::<f16>(1 << 20).unwrap(); // 2 MiB
+    let both = DeviceMemoryUse::process();
+    drop(a);
+    let after = DeviceMemoryUse::process();
+    drop(b);
+    let end = DeviceMemoryUse::process();
+    // Other tests run one at a time (--test-threads=1 in the GPU scripts): exact.
+    assert_eq!(both.held, start.held + (6 << 20));
+    assert!(both.peak >= start.held + (6 << 20));
+    assert_eq!(after.held, start.held + (2 << 20));
+    assert_eq!(end.held, start.held);
+    assert!(end.peak >= both.peak);
 }

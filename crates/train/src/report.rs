@@ -41,6 +41,10 @@ pub struct RankFigures {
     /// Host <-> device bytes per timed step (absent on cpu).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_device_bytes_per_step: Option<HostDeviceBytes>,
+    /// The most device memory its process held in buffers at once (the allocator's
+    /// high-water mark, without the driver's context; absent on cpu).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_device_bytes: Option<u64>,
 }
 
 /// Everything a run measured, as written by `--json-report`.
@@ -82,6 +86,10 @@ pub struct RunReport {
     /// Mean host <-> device bytes per timed step over the workers (absent on cpu).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_device_bytes_per_step: Option<HostDeviceBytes>,
+    /// The largest rank's peak device memory in buffers (see [`RankFigures`]; absent on
+    /// cpu).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_device_bytes: Option<u64>,
     /// Loss per target token of the last step.
     pub final_loss: f64,
     /// Steps skipped for f16 overflow.
@@ -176,6 +184,12 @@ impl RunReport {
             s.push_str(&format!(
                 "host<->device per step: {:.0} bytes to the device, {:.0} to the host\n",
                 bytes.to_device, bytes.to_host
+            ));
+        }
+        if let Some(peak) = self.peak_device_bytes {
+            s.push_str(&format!(
+                "peak device memory in buffers: {:.1} MiB (largest rank)\n",
+                peak as f64 / (1u64 << 20) as f64
             ));
         }
         s.push_str(&format!("total words/s: {:.1}\n", self.words_per_sec));

@@ -33,6 +33,17 @@ pub(super) fn copied_bytes(device: DeviceKind) -> Option<(u64, u64)> {
     None
 }
 
+/// The most device memory this process has held in buffers at once (ringtrain-cuda's
+/// allocator high-water mark). `None` on cpu.
+fn peak_device_bytes(device: DeviceKind) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if device == DeviceKind::Cuda {
+        return Some(ringtrain_cuda::DeviceMemoryUse::process().peak);
+    }
+    let _ = device;
+    None
+}
+
 impl TimedTotals {
     /// Adds the bytes copied between the counts `before` and `after` of one timed step.
     pub(super) fn add_copied(&mut self, before: Option<(u64, u64)>, after: Option<(u64, u64)>) {
@@ -65,6 +76,7 @@ impl Session<'_> {
                     to_host: to_host as f64 / steps,
                 }
             }),
+            peak_device_bytes: peak_device_bytes(self.cfg.config().run.device),
         }
     }
 
@@ -105,6 +117,7 @@ impl Session<'_> {
                 to_host: counted.iter().map(|b| b.to_host).sum::<f64>() / k,
             }
         });
+        let peak_device_bytes = per_rank.iter().filter_map(|r| r.peak_device_bytes).max();
         let timed_seconds = per_rank.iter().map(|r| r.seconds).fold(0.0, f64::max);
         let timed_words: f64 = per_rank.iter().map(|r| r.words).sum();
         Ok(RunReport {
@@ -125,6 +138,7 @@ impl Session<'_> {
             breakdown,
             launches_per_batch,
             host_device_bytes_per_step,
+            peak_device_bytes,
             final_loss: last.mean_loss(),
             skipped_steps: self.scaler.map_or(0, |s| s.skipped_steps),
             loss_scale: self.scaler.map(|s| s.scale),
