@@ -8,11 +8,18 @@ hidden 512, 4 encoder layers (2 per direction) + 4 decoder layers, length 100, b
 dynamic loss scale via GradScaler). Timing brackets the timed steps with
 ``torch.cuda.synchronize()``.
 
+Memory: ``peak_memory_bytes`` is ``torch.cuda.max_memory_allocated()`` over the run
+(reset before it). ``--find-max-batch`` then searches the largest batch size that trains
+(one step, Adam) without running out of device memory: doubling from ``--batch-size``,
+then bisecting down to a multiple of 32; it is reported as ``max_batch_size``.
+
 Run ``python3 benches/torch_nmt_gpu.py --json``: the last line is one JSON object with
 ``words_per_sec``.
 """
 
 import argparse
+import copy
+import gc
 import os
 import sys
 
@@ -34,6 +41,11 @@ def main():
         help="autocast precision for the forward pass (default: none, fp32)",
     )
     parser.add_argument("--device", type=int, default=0, help="CUDA device index")
+    parser.add_argument(
+        "--find-max-batch",
+        action="store_true",
+        help="also search the largest batch size that fits (reported as max_batch_size)",
+    )
     args = parser.parse_args()
     check_args(args)
     if not torch.cuda.is_available():
@@ -52,13 +64,51 @@ def main():
     device = torch.device("cuda", args.device)
     torch.cuda.set_device(device)
     dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    torch.cuda.reset_peak_memory_stats(device)
     result = run_benchmark(
         args, device, autocast_dtype=dtype, synchronize=torch.cuda.synchronize
     )
+    result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    if args.find_max_batch:
+        result["max_batch_size"] = find_max_batch(args, device, dtype)
     result["device"] = torch.cuda.get_device_name(device)
     result["amp"] = args.amp
     result["cudnn_version"] = torch.backends.cudnn.version()
     report(result, f"pytorch cuda ({args.amp})", args.json)
+
+
+def fits(args, device, dtype, batch):
+    """True when one training step at `batch` runs without running out of memory."""
+    trial = copy.copy(args)
+    trial.batch_size, trial.warmup_batches, trial.timed_batches = batch, 0, 1
+    try:
+        run_benchmark(trial, device, autocast_dtype=dtype, synchronize=torch.cuda.synchronize)
+        return True
+    except torch.cuda.OutOfMemoryError:
+        return False
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def find_max_batch(args, device, dtype, step=32):
+    """The largest batch (a multiple of `step`, or the start) that fits; 0 if none."""
+    good, bad = 0, None
+    batch = max(args.batch_size, step)
+    while bad is None:
+        if fits(args, device, dtype, batch):
+            good, batch = batch, batch * 2
+        else:
+            bad = batch
+    while bad - good > step:
+        mid = (good + bad) // 2 // step * step
+        if mid <= good:
+            break
+        if fits(args, device, dtype, mid):
+            good = mid
+        else:
+            bad = mid
+    return good
 
 
 if __name__ == "__main__":

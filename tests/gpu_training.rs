@@ -9,8 +9,11 @@
 
 mod training_runs;
 
-use ringtrain::train::{DeviceKind, LstmImpl, ModelKind, OverlapMode, TrainConfig, VariableUpdate};
-use training_runs::{config, initial_model, max_diff, run, with};
+use ringtrain::collective::Communicator;
+use ringtrain::train::{
+    train, DeviceKind, LstmImpl, ModelKind, OverlapMode, RunReport, TrainConfig, VariableUpdate,
+};
+use training_runs::{batches, config, initial_model, max_diff, run, with};
 
 /// CPU and GPU differ in GEMM summation order and in the approximate exponentials of the
 /// activations (about 1e-6 relative per operation); four SGD steps of this small model keep
@@ -124,7 +127,6 @@ fn a_model_too_big_for_the_gpu_is_refused_before_it_is_built() {
 /// evaluating its part of the shipped dev/valid set.
 #[test]
 fn held_out_evaluation_on_the_gpu_matches_the_cpu() {
-    use ringtrain::collective::Communicator;
     use ringtrain::data::BundledCorpus;
     use ringtrain::train::{local_rank, run_rank};
 
@@ -178,4 +180,58 @@ fn held_out_evaluation_on_the_gpu_matches_the_cpu() {
             "{model}: the updates did not reach the evaluation"
         );
     }
+}
+
+/// One rank's run of `cfg`, returning its report.
+fn report_of(cfg: &TrainConfig) -> RunReport {
+    let run = cfg.validate(1).expect("a valid test config");
+    let mut reports = Communicator::run_local(1, |comm| {
+        let mut model = initial_model(cfg, 100);
+        let mut data = batches(&run, 0).into_iter();
+        train(&run, comm, model.as_mut(), &mut data, &mut |_| {})
+            .unwrap()
+            .report
+    })
+    .unwrap();
+    reports.remove(0)
+}
+
+#[test]
+fn the_report_counts_host_device_bytes_and_peak_memory_on_cuda_only() {
+    let cfg = with(&config(ModelKind::Nmt, VariableUpdate::Replicated), |c| {
+        c.data.batch_size = 3;
+    });
+    let cpu = report_of(&with(&cfg, |c| c.run.device = DeviceKind::Cpu));
+    assert_eq!(cpu.host_device_bytes_per_step, None);
+    assert_eq!(cpu.peak_device_bytes, None);
+    let json = serde_json::to_value(&cpu).unwrap();
+    assert!(json.get("host_device_bytes_per_step").is_none(), "{json}");
+
+    let gpu = report_of(&with(&cfg, |c| c.run.device = DeviceKind::Cuda));
+    let bytes = gpu
+        .host_device_bytes_per_step
+        .expect("a cuda run reports its host<->device bytes");
+    // Every step sends its batch (token ids) to the device and reads scalars (the loss)
+    // back; the counts come from the copy calls, one rank here, so they are this rank's.
+    assert!(bytes.to_device > 0.0 && bytes.to_host > 0.0, "{bytes:?}");
+    assert_eq!(gpu.per_rank[0].host_device_bytes_per_step, Some(bytes));
+    let json = serde_json::to_value(&gpu).unwrap();
+    assert_eq!(
+        json["host_device_bytes_per_step"]["to_device"].as_f64(),
+        Some(bytes.to_device),
+        "{json}"
+    );
+    assert!(json["host_device_bytes_per_step"]["to_host"]
+        .as_f64()
+        .is_some());
+    // The parameters alone are on the device (f32) during the run.
+    let peak = gpu
+        .peak_device_bytes
+        .expect("a cuda run reports its peak device memory");
+    assert!(
+        peak >= 4 * gpu.parameters as u64,
+        "{peak} < 4 x {} parameters",
+        gpu.parameters
+    );
+    assert_eq!(json["peak_device_bytes"].as_u64(), Some(peak));
 }

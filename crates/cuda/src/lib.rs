@@ -139,6 +139,7 @@ mod pinned;
 mod runtime;
 #[cfg(feature = "cuda")]
 mod timing;
+mod transfer;
 
 pub use error::{Error, Result};
 pub use gemm::Transpose;
@@ -149,13 +150,16 @@ pub use signature::{
 #[cfg(feature = "cuda")]
 pub use fp16::NonFiniteFlag;
 #[cfg(feature = "cuda")]
-pub use memory::{AsDevSlice, AsDevSliceMut, DevSlice, DevSliceMut, Element, GpuBuffer};
+pub use memory::{
+    AsDevSlice, AsDevSliceMut, DevSlice, DevSliceMut, DeviceMemoryUse, Element, GpuBuffer,
+};
 #[cfg(feature = "cuda")]
 pub use pinned::PinnedBuffer;
 #[cfg(feature = "cuda")]
 pub use runtime::{Gpu, KernelArg, LaunchConfig};
 #[cfg(feature = "cuda")]
 pub use timing::GpuTimer;
+pub use transfer::TransferBytes;
 
 /// Every PTX module of the crate, in `ptx/` file-name order.
 pub const MODULES: [&PtxModule; 6] = [

@@ -17,6 +17,7 @@
 
 use std::marker::PhantomData;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cust::sys as cuda;
 
@@ -93,8 +94,41 @@ impl<T: Element> Drop for GpuBuffer<T> {
             unsafe {
                 let _ = cuda::cuMemFree_v2(self.ptr);
             }
+            HELD.fetch_sub(
+                (self.len * std::mem::size_of::<T>()) as u64,
+                Ordering::Relaxed,
+            );
         }
     }
+}
+
+static HELD: AtomicU64 = AtomicU64::new(0);
+static PEAK: AtomicU64 = AtomicU64::new(0);
+
+/// Device memory this process holds in [`GpuBuffer`]s (every device allocation of the
+/// crate), now and at most so far: the allocator's high-water mark. The driver's own
+/// context memory is not included.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceMemoryUse {
+    /// Bytes held now.
+    pub held: u64,
+    /// The most bytes held at once since the process started.
+    pub peak: u64,
+}
+
+impl DeviceMemoryUse {
+    /// This process's figures now.
+    pub fn process() -> DeviceMemoryUse {
+        DeviceMemoryUse {
+            held: HELD.load(Ordering::Relaxed),
+            peak: PEAK.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn count_alloc(bytes: usize) {
+    let held = HELD.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+    PEAK.fetch_max(held, Ordering::Relaxed);
 }
 
 // The memory operations behind `Gpu::alloc`, `Gpu::copy`, ... (documented there).
@@ -108,6 +142,7 @@ impl DeviceContext {
             // SAFETY: cuMemAlloc writes one device address into `ptr`.
             let result = unsafe { cuda::cuMemAlloc_v2(&mut ptr, bytes) };
             check(result, "allocating device memory")?;
+            count_alloc(bytes);
         }
         Ok(GpuBuffer {
             device: self.clone(),
@@ -187,6 +222,7 @@ impl DeviceContext {
             )
         };
         check(result, "copying device memory to the host")?;
+        crate::transfer::count_to_host(bytes.len());
         self.synchronize()
     }
 
@@ -217,6 +253,7 @@ impl DeviceContext {
             )
         };
         check(result, "copying host memory to the device")?;
+        crate::transfer::count_to_device(bytes.len());
         self.synchronize()
     }
 }
@@ -261,6 +298,7 @@ impl<T: Element> GpuBuffer<T> {
             )
         };
         check(result, "copying host memory to the device")?;
+        crate::transfer::count_to_device(bytes.len());
         self.device.synchronize()
     }
 
@@ -283,6 +321,7 @@ impl<T: Element> GpuBuffer<T> {
             )
         };
         check(result, "copying device memory to the host")?;
+        crate::transfer::count_to_host(bytes.len());
         self.device.synchronize()
     }
 

@@ -277,6 +277,7 @@ impl<T: Element> PinnedBuffer<T> {
             )
         };
         check(result, "copying device memory to pinned host memory")?;
+        crate::transfer::count_to_host(bytes);
         let done = self.event()?;
         done.record(self.device.copy_stream())
             .map_err(driver("recording an event on the copy stream"))?;
@@ -317,6 +318,7 @@ impl<T: Element> PinnedBuffer<T> {
             )
         };
         check(result, "copying pinned host memory to the device")?;
+        crate::transfer::count_to_device(bytes);
         let done = self.event()?;
         done.record(self.device.stream())
             .map_err(driver("recording an event on the compute stream"))?;

@@ -14,8 +14,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain_cuda::model_ops::RowIds;
 use ringtrain_cuda::{
-    fp16, gemm, lstm, model_ops, optim, softmax, AsDevSlice, Error, Gpu, GpuBuffer, GpuTimer,
-    KernelArg, LaunchConfig, NonFiniteFlag, Transpose,
+    fp16, gemm, lstm, model_ops, optim, softmax, AsDevSlice, DeviceMemoryUse, Error, Gpu,
+    GpuBuffer, GpuTimer, KernelArg, LaunchConfig, NonFiniteFlag, TransferBytes, Transpose,
 };
 use ringtrain_kernels as cpu;
 
@@ -1523,4 +1523,61 @@ fn tall_column_sums_add_fixed_chunks_in_order() {
         }
         assert_bits_eq("column_sums_chunked", &got, &want, |x: &f32| x.is_nan());
     }
+}
+
+#[test]
+fn transfer_counters_add_exactly_the_bytes_each_copy_moves() {
+    let gpu = gpu();
+    let before = TransferBytes::this_thread();
+    let host: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+    let mut buf = gpu.upload(&host).unwrap(); // 4000 to the device
+    buf.copy_from_host(&host).unwrap(); // 4000
+    let halves: Vec<f16> = vec![f16::from_f32(1.5); 333];
+    let mut hbuf = gpu.upload(&halves).unwrap(); // 666
+    gpu.copy_from_host(&halves[..100], &mut hbuf.slice_mut(10..110).unwrap())
+        .unwrap(); // 200
+    let mut other = gpu.alloc::<f32>(1000).unwrap();
+    gpu.copy(&buf, &mut other).unwrap(); // device to device: not counted
+    assert_eq!(other.to_host().unwrap(), host); // 4000 to the host
+    let mut back = vec![0f32; 250];
+    gpu.copy_to_host(&buf.slice(500..750).unwrap(), &mut back)
+        .unwrap(); // 1000
+    buf.copy_to_host(&mut vec![0f32; 1000]).unwrap(); // 4000
+    let mut pinned = gpu.pinned::<f32>(1000).unwrap();
+    pinned
+        .download_async(100..400, &buf.slice(0..300).unwrap())
+        .unwrap(); // 1200
+    pinned
+        .upload_async(0..50, &mut other.slice_mut(950..1000).unwrap())
+        .unwrap(); // 200
+    pinned.wait_all().unwrap();
+    let moved = TransferBytes::this_thread().since(before);
+    assert_eq!(
+        moved,
+        TransferBytes {
+            to_device: 4000 + 4000 + 666 + 200 + 200,
+            to_host: 4000 + 1000 + 4000 + 1200,
+        }
+    );
+    let process = TransferBytes::process();
+    assert!(process.to_device >= moved.to_device && process.to_host >= moved.to_host);
+}
+
+#[test]
+fn the_allocator_high_water_mark_follows_the_buffers_held() {
+    let gpu = gpu();
+    let start = DeviceMemoryUse::process();
+    let a = gpu.alloc::<f32>(1 << 20).unwrap(); // 4 MiB
+    let b = gpu.zeros::<f16>(1 << 20).unwrap(); // 2 MiB
+    let both = DeviceMemoryUse::process();
+    drop(a);
+    let after = DeviceMemoryUse::process();
+    drop(b);
+    let end = DeviceMemoryUse::process();
+    // Other tests run one at a time (--test-threads=1 in the GPU scripts): exact.
+    assert_eq!(both.held, start.held + (6 << 20));
+    assert!(both.peak >= start.held + (6 << 20));
+    assert_eq!(after.held, start.held + (2 << 20));
+    assert_eq!(end.held, start.held);
+    assert!(end.peak >= both.peak);
 }

@@ -69,7 +69,7 @@ pub use input::{
     BatchSource, InputBatches, InputKind, InputPipeline, InputPosition, StreamPosition,
 };
 pub use optimizer::{LossScaler, Optimizer, OptimizerState};
-pub use report::{RankFigures, RunReport};
+pub use report::{HostDeviceBytes, RankFigures, RunReport};
 pub use ringtrain_model::{EncoderKind, GemmPrecision, LstmImpl};
 pub use run::run_rank;
 pub use strategy::{greedy_placement, StepContext, StepOutcome, StepStats, Strategy, Wire};

@@ -10,6 +10,18 @@ use crate::error::{Error, Result};
 use crate::evaluation::{EvalRecord, TimeToQuality};
 use crate::throughput::{RateStats, StepBreakdown};
 
+/// Bytes copied between host and device memory per timed step (the mean over the timed
+/// steps), counted by the copy calls the step actually made (ringtrain-cuda's copy
+/// functions), not computed from sizes. Runs on `--device cuda` only; a process counts
+/// all of its copies, so ranks run as threads of one process share the count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct HostDeviceBytes {
+    /// Host -> device.
+    pub to_device: f64,
+    /// Device -> host.
+    pub to_host: f64,
+}
+
 /// One rank's own figures over the timed batches.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankFigures {
@@ -27,6 +39,13 @@ pub struct RankFigures {
     pub breakdown: StepBreakdown,
     /// Kernel launches (CPU: kernel calls) per batch.
     pub launches_per_batch: f64,
+    /// Host <-> device bytes per timed step (absent on cpu).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_device_bytes_per_step: Option<HostDeviceBytes>,
+    /// The most device memory its process held in buffers at once (the allocator's
+    /// high-water mark, without the driver's context; absent on cpu).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_device_bytes: Option<u64>,
 }
 
 /// Everything a run measured, as written by `--json-report`.
@@ -65,6 +84,13 @@ pub struct RunReport {
     pub breakdown: StepBreakdown,
     /// Mean kernel launches per batch over the workers.
     pub launches_per_batch: f64,
+    /// Mean host <-> device bytes per timed step over the workers (absent on cpu).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_device_bytes_per_step: Option<HostDeviceBytes>,
+    /// The largest rank's peak device memory in buffers (see [`RankFigures`]; absent on
+    /// cpu).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_device_bytes: Option<u64>,
     /// Loss per target token of the last step.
     pub final_loss: f64,
     /// Steps skipped for f16 overflow.
@@ -175,6 +201,18 @@ impl RunReport {
         if let Some(q) = &self.time_to_quality {
             s.push_str(&q.log_line().replace("ringtrain: ", ""));
             s.push('\n');
+        }
+        if let Some(bytes) = self.host_device_bytes_per_step {
+            s.push_str(&format!(
+                "host<->device per step: {:.0} bytes to the device, {:.0} to the host\n",
+                bytes.to_device, bytes.to_host
+            ));
+        }
+        if let Some(peak) = self.peak_device_bytes {
+            s.push_str(&format!(
+                "peak device memory in buffers: {:.1} MiB (largest rank)\n",
+                peak as f64 / (1u64 << 20) as f64
+            ));
         }
         s.push_str(&format!("total words/s: {:.1}\n", self.words_per_sec));
         s

@@ -160,7 +160,9 @@ pub fn train_evaluating(
             return Err(leave(session, e));
         }
         session.control.set_step(session.step as usize + 1);
+        let copied_before = summary::copied_bytes(run.device);
         let done = session.step(model, batches)?;
+        let copied_after = summary::copied_bytes(run.device);
         // Warm-up counts this process's steps.
         let step = session.step as usize;
         let global_words = if session.strategy.averages_globally() {
@@ -175,6 +177,7 @@ pub fn train_evaluating(
         if meter.record_step(step, done.elapsed, global_words, loss, done.breakdown) {
             timed.words += done.local.words;
             timed.launches += done.launches as f64;
+            timed.add_copied(copied_before, copied_after);
         }
         if rank == 0 && output.display_every > 0 && (step % output.display_every == 0 || i == total)
         {

@@ -2,8 +2,9 @@
 //! the run's report.
 
 use super::setup::Session;
+use crate::config::DeviceKind;
 use crate::error::Result;
-use crate::report::{RankFigures, RunReport};
+use crate::report::{HostDeviceBytes, RankFigures, RunReport};
 use crate::strategy::StepStats;
 use crate::throughput::{words_per_sec, StepBreakdown, ThroughputSummary};
 use crate::trainable::TrainableModel;
@@ -15,6 +16,45 @@ pub(super) struct TimedTotals {
     pub(super) words: f64,
     /// This rank's kernel launches in the timed batches.
     pub(super) launches: f64,
+    /// Bytes this process copied host -> device and device -> host in the timed batches
+    /// (`None` on cpu).
+    pub(super) copied: Option<(u64, u64)>,
+}
+
+/// Bytes this process has copied between host and device so far, as (to device, to
+/// host): ringtrain-cuda's counters, incremented by its copy functions. `None` on cpu.
+pub(super) fn copied_bytes(device: DeviceKind) -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    if device == DeviceKind::Cuda {
+        let t = ringtrain_cuda::TransferBytes::process();
+        return Some((t.to_device, t.to_host));
+    }
+    let _ = device;
+    None
+}
+
+/// The most device memory this process has held in buffers at once (ringtrain-cuda's
+/// allocator high-water mark). `None` on cpu.
+fn peak_device_bytes(device: DeviceKind) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if device == DeviceKind::Cuda {
+        return Some(ringtrain_cuda::DeviceMemoryUse::process().peak);
+    }
+    let _ = device;
+    None
+}
+
+impl TimedTotals {
+    /// Adds the bytes copied between the counts `before` and `after` of one timed step.
+    pub(super) fn add_copied(&mut self, before: Option<(u64, u64)>, after: Option<(u64, u64)>) {
+        if let (Some(b), Some(a)) = (before, after) {
+            let sum = self.copied.unwrap_or((0, 0));
+            self.copied = Some((
+                sum.0 + a.0.saturating_sub(b.0),
+                sum.1 + a.1.saturating_sub(b.1),
+            ));
+        }
+    }
 }
 
 impl Session<'_> {
@@ -29,6 +69,14 @@ impl Session<'_> {
             words_per_sec: words_per_sec(timed.words, seconds),
             breakdown: meter.mean_breakdown,
             launches_per_batch: timed.launches / meter.timed_batches.max(1) as f64,
+            host_device_bytes_per_step: timed.copied.map(|(to_device, to_host)| {
+                let steps = meter.timed_batches.max(1) as f64;
+                HostDeviceBytes {
+                    to_device: to_device as f64 / steps,
+                    to_host: to_host as f64 / steps,
+                }
+            }),
+            peak_device_bytes: peak_device_bytes(self.cfg.config().run.device),
         }
     }
 
@@ -58,6 +106,18 @@ impl Session<'_> {
             optimizer: mean(|r| r.breakdown.optimizer),
         };
         let launches_per_batch = mean(|r| r.launches_per_batch);
+        let counted: Vec<HostDeviceBytes> = workers
+            .iter()
+            .filter_map(|r| r.host_device_bytes_per_step)
+            .collect();
+        let host_device_bytes_per_step = (!counted.is_empty()).then(|| {
+            let k = counted.len() as f64;
+            HostDeviceBytes {
+                to_device: counted.iter().map(|b| b.to_device).sum::<f64>() / k,
+                to_host: counted.iter().map(|b| b.to_host).sum::<f64>() / k,
+            }
+        });
+        let peak_device_bytes = per_rank.iter().filter_map(|r| r.peak_device_bytes).max();
         let timed_seconds = per_rank.iter().map(|r| r.seconds).fold(0.0, f64::max);
         let timed_words: f64 = per_rank.iter().map(|r| r.words).sum();
         Ok(RunReport {
@@ -77,6 +137,8 @@ impl Session<'_> {
             per_rank,
             breakdown,
             launches_per_batch,
+            host_device_bytes_per_step,
+            peak_device_bytes,
             final_loss: last.mean_loss(),
             skipped_steps: self.scaler.map_or(0, |s| s.skipped_steps),
             loss_scale: self.scaler.map(|s| s.scale),
