@@ -23,9 +23,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain_model::GemmPrecision;
 use ringtrain_model::{
-    view, view_mut, Backend, Binary, CheckedIds, CheckedTargets, CpuBackend, CudaBackend,
-    EncoderKind, Error, InPlace, Layout, LmConfig, LstmBackwardStep, LstmForwardStep, LstmImpl,
-    Model, NmtConfig, NmtModel, RnnLm, Unary,
+    view, view_mut, Backend, BiLayerInput, Binary, CheckedIds, CheckedTargets, CpuBackend,
+    CudaBackend, EncoderKind, Error, InPlace, Layout, LmConfig, LstmBackwardStep, LstmForwardStep,
+    LstmImpl, Model, NmtConfig, NmtModel, RnnLm, SourceLengths, Unary,
 };
 
 fn gpu() -> CudaBackend {
@@ -468,6 +468,8 @@ fn small_nmt(lstm: LstmImpl) -> NmtConfig {
         layers: 2,
         encoder: EncoderKind::Bi,
         lstm,
+        source_lengths: SourceLengths::Off,
+        bi_layer_input: BiLayerInput::Own,
         init_scale: 0.3,
         forget_bias: 1.0,
     }
