@@ -145,12 +145,18 @@ impl ModelShape {
                     hidden: m.num_units,
                     layers: m.num_encoder_layers,
                     encoder: m.direction,
-                    lstm: m.encoder_type,
+                    lstm: cfg.lstm_impl(),
+                    source_lengths: cfg.source_lengths(),
+                    bi_layer_input: cfg.bi_layer_input(),
                     ..NmtConfig::benchmark()
                 },
                 format!(
-                    "nmt {} {} {}+{} layers, {} units, vocab {}/{}",
+                    "nmt {} ({}, source lengths {}, bi-layer input {}) {} {}+{} layers, {} \
+                     units, vocab {}/{}",
                     m.encoder_type,
+                    cfg.lstm_impl(),
+                    cfg.source_lengths(),
+                    cfg.bi_layer_input(),
                     m.direction,
                     m.num_encoder_layers,
                     m.num_decoder_layers,
@@ -165,13 +171,17 @@ impl ModelShape {
                     emb: m.num_units,
                     hidden: m.num_units,
                     layers: m.num_encoder_layers,
-                    lstm: m.encoder_type,
+                    lstm: cfg.lstm_impl(),
                     init_scale: 0.1,
                     forget_bias: 1.0,
                 },
                 format!(
-                    "rnnlm {} {} layers, {} units, vocab {}",
-                    m.encoder_type, m.num_encoder_layers, m.num_units, src_vocab
+                    "rnnlm {} ({}) {} layers, {} units, vocab {}",
+                    m.encoder_type,
+                    cfg.lstm_impl(),
+                    m.num_encoder_layers,
+                    m.num_units,
+                    src_vocab
                 ),
             ),
         }

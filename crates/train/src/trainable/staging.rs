@@ -37,6 +37,7 @@ impl<B: Backend> TrainsOnBatch for NmtModel<B> {
             tgt_in: &b.target_input,
             tgt_out: &b.target_output,
             tgt_mask: &b.target_mask,
+            src_lengths: Some(&b.source_lengths),
         };
         Ok(self.forward_backward(&view, on_grads_ready)?)
     }
@@ -57,6 +58,7 @@ impl<B: Backend> TrainsOnBatch for RnnLm<B> {
             inputs: &b.inputs,
             targets: &b.targets,
             mask: &b.mask,
+            first_in_epoch: b.first_in_epoch,
         };
         Ok(self.forward_backward(&view, on_grads_ready)?)
     }
