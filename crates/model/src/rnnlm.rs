@@ -87,6 +87,10 @@ impl LmConfig {
             "output logits",
             memory::projection_work_elements(steps * batch, self.vocab),
         );
+        est.add_f32(
+            "carried LSTM state",
+            2.0 * self.layers as f64 * batch as f64 * self.hidden as f64,
+        );
         Ok(est)
     }
 
