@@ -81,7 +81,7 @@ fn torch_words_per_sec(warmup: usize, timed: usize) -> Result<f64, String> {
 fn ringtrain_report(warmup: usize, timed: usize) -> Result<ringtrain::train::RunReport, String> {
     let mut cfg = TrainConfig::default();
     cfg.model.model = ModelKind::Nmt;
-    cfg.model.encoder_type = LstmImpl::Fused;
+    cfg.model.encoder_type = LstmImpl::Fused.into();
     cfg.model.direction = EncoderKind::Bi;
     cfg.model.num_encoder_layers = 2;
     cfg.model.num_decoder_layers = 2;

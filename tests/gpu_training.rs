@@ -53,7 +53,7 @@ fn nmt_trains_to_the_cpu_parameters_with_and_without_overlap() {
         let cfg = with(&config(ModelKind::Nmt, VariableUpdate::Replicated), |c| {
             c.data.batch_size = 3;
             c.exchange.overlap_backward = overlap_backward;
-            c.model.encoder_type = LstmImpl::Fused;
+            c.model.encoder_type = LstmImpl::Fused.into();
         });
         check(cfg, &format!("nmt overlap={overlap_backward}"));
     }

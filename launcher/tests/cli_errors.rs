@@ -42,6 +42,8 @@ fn bad_flag_values_name_the_flag_and_the_value() {
         ("--model", "transformer"),
         ("--variable-update", "allreduce9"),
         ("--encoder-type", "gru"),
+        ("--source-lengths", "maybe"),
+        ("--bi-layer-input", "both"),
         ("--direction", "sideways"),
         ("--optimizer", "lamb"),
         ("--device", "tpu"),
@@ -100,6 +102,52 @@ fn config_conflicts_are_explained() {
 }
 
 #[test]
+fn a_seed_name_and_a_flag_that_contradicts_it_fail_naming_both() {
+    for (seed, flag, value, own) in [
+        ("dynamic_rnn", "--source-lengths", "off", "stepwise"),
+        ("cudnn_lstm", "--bi-layer-input", "own", "fused"),
+    ] {
+        let out = train(&["--encoder-type", seed, flag, value]);
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{seed} {flag} {value} was accepted");
+        assert!(
+            err.contains(flag)
+                && err.contains(&format!("--encoder-type {seed}"))
+                && err.contains(&format!("--encoder-type {own}")),
+            "{err}"
+        );
+    }
+}
+
+/// The report's config and the model line name the semantics a seed's name resolves to.
+#[test]
+fn the_resolved_model_semantics_are_echoed() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let report = dir.path().join("report.json");
+    let report_arg = report.to_string_lossy().into_owned();
+    let out = train(&[
+        "--encoder-type",
+        "dynamic_rnn",
+        "--direction",
+        "bi",
+        "--json-report",
+        &report_arg,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = std::fs::read_to_string(&report).expect("the report");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let config = &json["config"];
+    assert_eq!(config["encoder_type"], "dynamic_rnn", "{text}");
+    assert_eq!(config["source_lengths"], "on", "{text}");
+    assert_eq!(config["bi_layer_input"], "own", "{text}");
+    let model = json["model"].as_str().unwrap_or_default();
+    assert!(
+        model.contains("stepwise") && model.contains("source lengths on"),
+        "{model}"
+    );
+}
+
+#[test]
 fn cuda_without_the_feature_is_a_clear_error() {
     let out = train(&["--device", "cuda"]);
     let err = stderr(&out);
@@ -136,6 +184,8 @@ fn help_explains_every_flag() {
         "--agg-small-grads-max-bytes",
         "--agg-small-grads-max-group",
         "--encoder-type",
+        "--source-lengths",
+        "--bi-layer-input",
         "--direction",
         "--num-encoder-layers",
         "--num-decoder-layers",

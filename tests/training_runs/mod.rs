@@ -14,7 +14,7 @@ pub const STEPS: usize = 4;
 pub fn config(model: ModelKind, update: VariableUpdate) -> TrainConfig {
     let mut cfg = TrainConfig::default();
     cfg.model.model = model;
-    cfg.model.encoder_type = LstmImpl::Fused;
+    cfg.model.encoder_type = LstmImpl::Fused.into();
     cfg.model.num_encoder_layers = 2;
     cfg.model.num_decoder_layers = 2;
     cfg.model.num_units = 12;

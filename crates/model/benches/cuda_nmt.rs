@@ -26,7 +26,8 @@ use rand_chacha::ChaCha8Rng;
 use ringtrain_cuda::{optim, GpuBuffer};
 use ringtrain_model::GemmPrecision;
 use ringtrain_model::{
-    CudaBackend, EncoderKind, LstmImpl, Model, NmtBatchView, NmtConfig, NmtModel,
+    BiLayerInput, CudaBackend, EncoderKind, LstmImpl, Model, NmtBatchView, NmtConfig, NmtModel,
+    SourceLengths,
 };
 
 /// The seed's single-GPU figure (P100, TensorFlow NMT), for context only.
@@ -104,6 +105,7 @@ impl Data {
             tgt_in: &self.tgt_in,
             tgt_out: &self.tgt_out,
             tgt_mask: &self.mask,
+            src_lengths: None,
         }
     }
 }
@@ -117,6 +119,8 @@ fn config(s: &Sizes, lstm: LstmImpl) -> NmtConfig {
         layers: s.layers,
         encoder: EncoderKind::Bi,
         lstm,
+        source_lengths: SourceLengths::Off,
+        bi_layer_input: BiLayerInput::Own,
         init_scale: 0.1,
         forget_bias: 1.0,
     }

@@ -52,6 +52,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         tgt_in: &tgt_in,
         tgt_out: &tgt_out,
         tgt_mask: &mask,
+        src_lengths: None,
     };
     let words_per_step = (2 * batch * len) as f64;
     println!(

@@ -8,6 +8,10 @@
 //!   on one GPU; without the feature it returns [`Error::NotCompiledWithCuda`].
 //! - LSTM layers in two implementations with the same numbers and different launch
 //!   counts ([`LstmImpl::Fused`], cuDNN-style; [`LstmImpl::Stepwise`], TF `dynamic_rnn`-style).
+//!   What the model computes is chosen apart from them: [`SourceLengths`] (whether the
+//!   encoder stops at each sentence's real end) and [`BiLayerInput`] (what the upper
+//!   layers of a bi encoder read). The RNNLM carries its LSTM state from window to window
+//!   ([`LmState`]).
 //! - [`NmtModel`]: the NMT encoder-decoder (bi or uni encoder, no attention) and [`RnnLm`],
 //!   both with a bias-free output projection and the summed masked softmax cross-entropy.
 //!   A pass checks its batch ([`NmtBatchView`], [`LmBatchView`]) once and stages its ids
@@ -24,11 +28,15 @@
 //! loss is `loss_sum / tokens`) and gradients are those of the sum.
 //!
 //! ```
-//! use ringtrain_model::{CpuBackend, EncoderKind, LstmImpl, Model, NmtBatchView, NmtConfig, NmtModel};
+//! use ringtrain_model::{
+//!     BiLayerInput, CpuBackend, EncoderKind, LstmImpl, Model, NmtBatchView, NmtConfig, NmtModel,
+//!     SourceLengths,
+//! };
 //!
 //! let config = NmtConfig {
 //!     src_vocab: 12, tgt_vocab: 10, emb: 8, hidden: 8, layers: 2,
-//!     encoder: EncoderKind::Bi, lstm: LstmImpl::Fused, init_scale: 0.1, forget_bias: 1.0,
+//!     encoder: EncoderKind::Bi, lstm: LstmImpl::Fused, source_lengths: SourceLengths::On,
+//!     bi_layer_input: BiLayerInput::Concat, init_scale: 0.1, forget_bias: 1.0,
 //! };
 //! let mut model = NmtModel::new(CpuBackend::new(1)?, config, 42)?;
 //! // 2 sentences, source length 3, target length 2, time-major.
@@ -36,7 +44,11 @@
 //! let tgt_in = [0, 0, 7, 8];
 //! let tgt_out = [7, 8, 1, 1];
 //! let mask = [1.0, 1.0, 1.0, 0.0];
-//! let batch = NmtBatchView { batch: 2, src_len: 3, tgt_len: 2, src: &src, tgt_in: &tgt_in, tgt_out: &tgt_out, tgt_mask: &mask };
+//! let lengths = [3, 2]; // the second sentence's last source token is padding
+//! let batch = NmtBatchView {
+//!     batch: 2, src_len: 3, tgt_len: 2, src: &src, tgt_in: &tgt_in, tgt_out: &tgt_out,
+//!     tgt_mask: &mask, src_lengths: Some(&lengths),
+//! };
 //! let mut ready = Vec::new();
 //! let stats = model.forward_backward(&batch, &mut |range, _grads: &Vec<f32>| ready.push(range))?;
 //! assert_eq!(stats.tokens, 3.0);
@@ -89,6 +101,6 @@ pub use error::{Error, Result};
 pub use lstm::LstmImpl;
 pub use memory::{MemoryEstimate, MemoryTerm};
 pub use model::{GradsReady, Model, StepStats};
-pub use nmt::{EncoderKind, NmtBatchView, NmtConfig, NmtModel};
+pub use nmt::{BiLayerInput, EncoderKind, NmtBatchView, NmtConfig, NmtModel, SourceLengths};
 pub use params::{ParamEntry, ParamInit, ParamLayout};
-pub use rnnlm::{LmBatchView, LmConfig, RnnLm};
+pub use rnnlm::{LmBatchView, LmConfig, LmState, RnnLm};

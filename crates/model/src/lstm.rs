@@ -12,7 +12,18 @@
 //!
 //! Weights: `w_ih: [input, 4H]`, `w_hh: [H, 4H]`, `bias: [4H]`, gate blocks `i | f | g | o`.
 //! A layer may run in reverse time order (the backward direction of a bidirectional
-//! encoder); its outputs are still stored in time order.
+//! encoder); its outputs are still stored in time order. Its input may come in parts
+//! ([`LayerInput`]: the two directions of the bi encoder layer below, read as one input
+//! of their summed width without copying them side by side): `X·W_ih` is then the sum of
+//! each part times its block of rows of `W_ih`.
+//!
+//! With a [`StepMask`] (source lengths), a step at a padded position leaves the state as
+//! it was (`h`, `c` are the previous step's) and gets no gradient: after each step the new
+//! state is blended `keep·new + hold·prev` with 0/1 masks, and backward splits the
+//! incoming gradient the same way (the `hold` part passes to the previous step unchanged,
+//! the cell sees only the `keep` part). A backward-direction layer thus starts at each
+//! sentence's last real token from its initial state, as TF's `dynamic_rnn` with
+//! `sequence_length` does, and a forward one ends with the state at it.
 
 use std::ops::Range;
 
@@ -91,6 +102,28 @@ pub(crate) struct GradTarget<'a, Buf> {
     pub(crate) offset: usize,
     pub(crate) accumulate: bool,
 }
+
+/// One part of a layer's input: `[steps, batch, width]` time-major, at `offset` of `buf`.
+pub(crate) struct LayerInput<'a, Buf> {
+    pub(crate) buf: &'a Buf,
+    pub(crate) offset: usize,
+    pub(crate) width: usize,
+}
+
+/// Real and padded positions of a pass: `keep` is 1.0 at real (step, row) positions and
+/// 0.0 at padding, `hold` is `1 - keep`; both `[steps, batch, H]` time-major.
+pub(crate) struct StepMask<'a, Buf> {
+    pub(crate) keep: &'a Buf,
+    pub(crate) hold: &'a Buf,
+}
+
+impl<Buf> Clone for StepMask<'_, Buf> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<Buf> Copy for StepMask<'_, Buf> {}
 
 /// One time step in a layer's processing order: which block of the per-step buffers it
 /// uses, and the state slots it reads and writes.
@@ -326,26 +359,146 @@ impl LstmLayer {
         }
     }
 
-    /// Forward over `steps` time steps of `batch` rows. `x` at `x_offset` is the input
-    /// `[steps, batch, input]`; the output lands in `w.hiddens` at [`Self::output_offset`].
+    /// Checks that the parts of `x` add up to the layer's input width.
+    fn check_parts<Buf>(&self, x: &[LayerInput<'_, Buf>]) {
+        debug_assert_eq!(x.iter().map(|p| p.width).sum::<usize>(), self.input);
+    }
+
+    /// Rows `[start, start + width)` of `W_ih`: the block that multiplies one input part.
+    fn w_ih_rows(&self, start: usize, width: usize) -> Layout {
+        self.w_ih_matrix().narrow_rows(start, width)
+    }
+
+    /// With source lengths, after a step wrote its new `h` and `c` into `out_slot`: keeps
+    /// them at real positions and puts back the previous state at padded ones
+    /// (`keep·new + hold·prev`), using `rec` and `tmp` as scratch: 8 launches.
+    fn hold_padded_state<B: Backend>(
+        &self,
+        be: &B,
+        mask: StepMask<'_, B::Buffer>,
+        w: &mut LstmWork<B::Buffer>,
+        at: Step,
+        batch: usize,
+    ) -> Result<()> {
+        let bh = batch * self.hidden;
+        let block = Layout::contiguous(at.t * bh, bh);
+        let prev = Layout::contiguous(at.prev_slot * bh, bh);
+        let out = Layout::contiguous(at.out_slot * bh, bh);
+        let scratch = Layout::contiguous(0, bh);
+        for state in [&mut w.hiddens, &mut w.cells] {
+            be.binary(
+                Binary::Mul,
+                view(mask.keep, block),
+                view(state, out),
+                view_mut(&mut w.rec, scratch),
+            )?;
+            be.binary(
+                Binary::Mul,
+                view(mask.hold, block),
+                view(state, prev),
+                view_mut(&mut w.tmp, scratch),
+            )?;
+            be.in_place(
+                InPlace::Add,
+                view(&w.tmp, scratch),
+                view_mut(&mut w.rec, scratch),
+            )?;
+            be.copy(view(&w.rec, scratch), view_mut(state, out))?;
+        }
+        Ok(())
+    }
+
+    /// With source lengths, before the backward of step `t`: splits the gradients that
+    /// reach the step's `h` (`dh` block `t`) and `c` (`dc`) into the part the cell sees
+    /// (`keep·d`, left in place) and the part that passes through a padded step unchanged
+    /// (`hold·d`, kept in `rec` blocks 1 (`h`) and 2 (`c`) for [`Self::pass_held_grads`]):
+    /// 6 launches.
+    fn split_padded_grads<B: Backend>(
+        &self,
+        be: &B,
+        mask: StepMask<'_, B::Buffer>,
+        w: &mut LstmWork<B::Buffer>,
+        t: usize,
+        batch: usize,
+    ) -> Result<()> {
+        let bh = batch * self.hidden;
+        let block = Layout::contiguous(t * bh, bh);
+        let state = Layout::contiguous(0, bh);
+        let scratch = Layout::contiguous(0, bh);
+        for (grad, at, held) in [(&mut w.dh, block, 1), (&mut w.dc, state, 2)] {
+            be.binary(
+                Binary::Mul,
+                view(mask.hold, block),
+                view(grad, at),
+                view_mut(&mut w.rec, Layout::contiguous(held * bh, bh)),
+            )?;
+            be.binary(
+                Binary::Mul,
+                view(mask.keep, block),
+                view(grad, at),
+                view_mut(&mut w.rec, scratch),
+            )?;
+            be.copy(view(&w.rec, scratch), view_mut(grad, at))?;
+        }
+        Ok(())
+    }
+
+    /// After the backward of a step split by [`Self::split_padded_grads`]: adds the held
+    /// `c` gradient to `dc` (now the gradient w.r.t. `c_prev`) and the held `h` gradient
+    /// to `dh` block `next` (the step processed next, whose output is this step's
+    /// `h_prev`); after the last processed step the held `h` gradient stays in `rec`
+    /// block 1 for `dh0`: 2 launches or 1.
+    fn pass_held_grads<B: Backend>(
+        &self,
+        be: &B,
+        w: &mut LstmWork<B::Buffer>,
+        next: Option<usize>,
+        batch: usize,
+    ) -> Result<()> {
+        let bh = batch * self.hidden;
+        let held_c = Layout::contiguous(2 * bh, bh);
+        let state = Layout::contiguous(0, bh);
+        be.in_place(
+            InPlace::Add,
+            view(&w.rec, held_c),
+            view_mut(&mut w.dc, state),
+        )?;
+        if let Some(t) = next {
+            be.in_place(
+                InPlace::Add,
+                view(&w.rec, Layout::contiguous(bh, bh)),
+                view_mut(&mut w.dh, Layout::contiguous(t * bh, bh)),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The time index of the step processed after the one at processing position `s`.
+    fn next_t(&self, s: usize, steps: usize) -> Option<usize> {
+        (s > 0).then(|| self.step(s - 1, steps).t)
+    }
+
+    /// Forward over `steps` time steps of `batch` rows. `x` is the input
+    /// `[steps, batch, input]`, in parts whose widths add up to `input`; the output lands
+    /// in `w.hiddens` at [`Self::output_offset`]. With `mask`, padded positions hold the
+    /// state (see the module docs).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward<B: Backend>(
         &self,
         be: &B,
         imp: LstmImpl,
         params: &B::Buffer,
-        x: &B::Buffer,
-        x_offset: usize,
+        x: &[LayerInput<'_, B::Buffer>],
         init: Option<InitState<'_, B::Buffer>>,
+        mask: Option<StepMask<'_, B::Buffer>>,
         w: &mut LstmWork<B::Buffer>,
         steps: usize,
         batch: usize,
     ) -> Result<()> {
+        self.check_parts(x);
         match imp {
-            LstmImpl::Fused => self.forward_fused(be, params, x, x_offset, init, w, steps, batch),
-            LstmImpl::Stepwise => {
-                self.forward_stepwise(be, params, x, x_offset, init, w, steps, batch)
-            }
+            LstmImpl::Fused => self.forward_fused(be, params, x, init, mask, w, steps, batch),
+            LstmImpl::Stepwise => self.forward_stepwise(be, params, x, init, mask, w, steps, batch),
         }
     }
 
@@ -354,9 +507,9 @@ impl LstmLayer {
         &self,
         be: &B,
         params: &B::Buffer,
-        x: &B::Buffer,
-        x_offset: usize,
+        x: &[LayerInput<'_, B::Buffer>],
         init: Option<InitState<'_, B::Buffer>>,
+        mask: Option<StepMask<'_, B::Buffer>>,
         w: &mut LstmWork<B::Buffer>,
         steps: usize,
         batch: usize,
@@ -367,12 +520,16 @@ impl LstmLayer {
         let gates = Layout::matrix(0, rows, g4);
         let slot = |i: usize| Layout::matrix(i * batch * h, batch, h);
         let rec = Layout::matrix(0, batch, g4);
-        be.gemm(
-            view(x, Layout::matrix(x_offset, rows, self.input)),
-            view(params, self.w_ih_matrix()),
-            view_mut(&mut w.gates, gates),
-            false,
-        )?;
+        let mut row = 0;
+        for (p, part) in x.iter().enumerate() {
+            be.gemm(
+                view(part.buf, Layout::matrix(part.offset, rows, part.width)),
+                view(params, self.w_ih_rows(row, part.width)),
+                view_mut(&mut w.gates, gates),
+                p > 0,
+            )?;
+            row += part.width;
+        }
         self.set_initial(be, init, w, steps, batch)?;
         for s in 0..steps {
             let at = self.step(s, steps);
@@ -393,6 +550,9 @@ impl LstmLayer {
                 h: view_mut(&mut w.hiddens, slot(at.out_slot)),
                 act: view_mut(&mut w.act, block),
             })?;
+            if let Some(mask) = mask {
+                self.hold_padded_state(be, mask, w, at, batch)?;
+            }
         }
         Ok(())
     }
@@ -402,14 +562,14 @@ impl LstmLayer {
         &self,
         be: &B,
         params: &B::Buffer,
-        x: &B::Buffer,
-        x_offset: usize,
+        x: &[LayerInput<'_, B::Buffer>],
         init: Option<InitState<'_, B::Buffer>>,
+        mask: Option<StepMask<'_, B::Buffer>>,
         w: &mut LstmWork<B::Buffer>,
         steps: usize,
         batch: usize,
     ) -> Result<()> {
-        let (h, input) = (self.hidden, self.input);
+        let h = self.hidden;
         let bh = batch * h;
         let n = steps * bh;
         let slot = |i: usize| Layout::matrix(i * bh, batch, h);
@@ -422,14 +582,22 @@ impl LstmLayer {
             let z = |k: usize| Layout::matrix(k * n + blk, batch, h);
             let block = Layout::matrix(blk, batch, h);
             let (prev, out) = (slot(at.prev_slot), slot(at.out_slot));
-            let xt = Layout::matrix(x_offset + at.t * batch * input, batch, input);
             for k in 0..4 {
-                be.gemm(
-                    view(x, xt),
-                    view(params, self.w_ih_matrix().narrow_cols(k * h, h)),
-                    view_mut(&mut w.gates, z(k)),
-                    false,
-                )?;
+                let mut row = 0;
+                for (p, part) in x.iter().enumerate() {
+                    let xt =
+                        Layout::matrix(part.offset + at.t * batch * part.width, batch, part.width);
+                    be.gemm(
+                        view(part.buf, xt),
+                        view(
+                            params,
+                            self.w_ih_rows(row, part.width).narrow_cols(k * h, h),
+                        ),
+                        view_mut(&mut w.gates, z(k)),
+                        p > 0,
+                    )?;
+                    row += part.width;
+                }
             }
             for k in 0..4 {
                 be.gemm(
@@ -473,6 +641,9 @@ impl LstmLayer {
                 view(&w.tanh_c, block),
                 view_mut(&mut w.hiddens, out),
             )?;
+            if let Some(mask) = mask {
+                self.hold_padded_state(be, mask, w, at, batch)?;
+            }
         }
         Ok(())
     }
@@ -481,9 +652,9 @@ impl LstmLayer {
     ///
     /// Before the call `w.dh` holds the gradient w.r.t. every output step and `w.dc` the
     /// gradient w.r.t. the final cell state. Writes the weight gradients into `grads`
-    /// (calling `on_ready` once per tensor, in buffer order, as each is final), `dX` into
-    /// `dx` when given, `dh0` into `w.dh0` when `need_dh0`, and leaves the gradient w.r.t.
-    /// the initial cell state in `w.dc`.
+    /// (calling `on_ready` once per tensor, in buffer order, as each is final), `dX` of
+    /// input part `p` into `dx[p]` (`dx` empty: no `dX`), `dh0` into `w.dh0` when
+    /// `need_dh0`, and leaves the gradient w.r.t. the initial cell state in `w.dc`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward<B: Backend>(
         &self,
@@ -491,21 +662,23 @@ impl LstmLayer {
         imp: LstmImpl,
         params: &B::Buffer,
         grads: &mut B::Buffer,
-        x: &B::Buffer,
-        x_offset: usize,
+        x: &[LayerInput<'_, B::Buffer>],
+        mask: Option<StepMask<'_, B::Buffer>>,
         w: &mut LstmWork<B::Buffer>,
         steps: usize,
         batch: usize,
         need_dh0: bool,
-        dx: Option<GradTarget<'_, B::Buffer>>,
+        dx: &mut [GradTarget<'_, B::Buffer>],
         on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
     ) -> Result<()> {
+        self.check_parts(x);
+        debug_assert!(dx.is_empty() || dx.len() == x.len());
         match imp {
             LstmImpl::Fused => self.backward_fused(
-                be, params, grads, x, x_offset, w, steps, batch, need_dh0, dx, on_ready,
+                be, params, grads, x, mask, w, steps, batch, need_dh0, dx, on_ready,
             ),
             LstmImpl::Stepwise => self.backward_stepwise(
-                be, params, grads, x, x_offset, w, steps, batch, need_dh0, dx, on_ready,
+                be, params, grads, x, mask, w, steps, batch, need_dh0, dx, on_ready,
             ),
         }
     }
@@ -516,16 +689,17 @@ impl LstmLayer {
         be: &B,
         params: &B::Buffer,
         grads: &mut B::Buffer,
-        x: &B::Buffer,
-        x_offset: usize,
+        x: &[LayerInput<'_, B::Buffer>],
+        mask: Option<StepMask<'_, B::Buffer>>,
         w: &mut LstmWork<B::Buffer>,
         steps: usize,
         batch: usize,
         need_dh0: bool,
-        dx: Option<GradTarget<'_, B::Buffer>>,
+        dx: &mut [GradTarget<'_, B::Buffer>],
         on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
     ) -> Result<()> {
-        let (h, g4, input) = (self.hidden, 4 * self.hidden, self.input);
+        let h = self.hidden;
+        let g4 = 4 * h;
         let bh = batch * h;
         let rows = steps * batch;
         let gates = Layout::matrix(0, rows, g4);
@@ -544,6 +718,9 @@ impl LstmLayer {
                     true,
                 )?;
             }
+            if let Some(mask) = mask {
+                self.split_padded_grads(be, mask, w, at.t, batch)?;
+            }
             let block = gates.narrow_rows(at.t * batch, batch);
             be.lstm_backward_step(LstmBackwardStep {
                 act: view(&w.act, block),
@@ -555,6 +732,9 @@ impl LstmLayer {
                 dc_prev: view_mut(&mut w.dc_next, state),
             })?;
             std::mem::swap(&mut w.dc, &mut w.dc_next);
+            if mask.is_some() {
+                self.pass_held_grads(be, w, self.next_t(s, steps), batch)?;
+            }
             last_step = Some(at.t);
         }
         let first = last_step.unwrap_or(0);
@@ -565,14 +745,26 @@ impl LstmLayer {
                 view_mut(&mut w.dh0, state),
                 false,
             )?;
+            if mask.is_some() && steps > 0 {
+                let held_h = Layout::contiguous(bh, bh);
+                be.in_place(
+                    InPlace::Add,
+                    view(&w.rec, held_h),
+                    view_mut(&mut w.dh0, state),
+                )?;
+            }
         }
         // dW_ih = Xᵀ·dGates, dW_hh = H_prevᵀ·dGates, db = column sums of dGates.
-        be.gemm(
-            view(x, Layout::matrix(x_offset, rows, input)).t(),
-            view(&w.gates, gates),
-            view_mut(grads, self.w_ih_matrix()),
-            false,
-        )?;
+        let mut row = 0;
+        for part in x {
+            be.gemm(
+                view(part.buf, Layout::matrix(part.offset, rows, part.width)).t(),
+                view(&w.gates, gates),
+                view_mut(grads, self.w_ih_rows(row, part.width)),
+                false,
+            )?;
+            row += part.width;
+        }
         on_ready(self.w_ih.clone(), grads);
         let h_prev_offset = if self.reverse { bh } else { 0 };
         be.gemm(
@@ -588,14 +780,16 @@ impl LstmLayer {
             false,
         )?;
         on_ready(self.bias.clone(), grads);
-        if let Some(dx) = dx {
+        let mut row = 0;
+        for (part, dx) in x.iter().zip(dx.iter_mut()) {
             // dX = dGates·W_ihᵀ
             be.gemm(
                 view(&w.gates, gates),
-                view(params, self.w_ih_matrix()).t(),
-                view_mut(dx.buf, Layout::matrix(dx.offset, rows, input)),
+                view(params, self.w_ih_rows(row, part.width)).t(),
+                view_mut(dx.buf, Layout::matrix(dx.offset, rows, part.width)),
                 dx.accumulate,
             )?;
+            row += part.width;
         }
         Ok(())
     }
@@ -606,23 +800,22 @@ impl LstmLayer {
         be: &B,
         params: &B::Buffer,
         grads: &mut B::Buffer,
-        x: &B::Buffer,
-        x_offset: usize,
+        x: &[LayerInput<'_, B::Buffer>],
+        mask: Option<StepMask<'_, B::Buffer>>,
         w: &mut LstmWork<B::Buffer>,
         steps: usize,
         batch: usize,
         need_dh0: bool,
-        mut dx: Option<GradTarget<'_, B::Buffer>>,
+        dx: &mut [GradTarget<'_, B::Buffer>],
         on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
     ) -> Result<()> {
-        let (h, input) = (self.hidden, self.input);
+        let h = self.hidden;
         let bh = batch * h;
         let n = steps * bh;
         let slot = |i: usize| Layout::matrix(i * bh, batch, h);
         // Gate k of step t in the gate-major [4, steps * batch, H] buffers.
         let z = |k: usize, t: usize| Layout::matrix(k * n + t * bh, batch, h);
-        // Gate block k of W_ih / W_hh: [input, H] / [H, H] with row stride 4H.
-        let w_ih = |k: usize| self.w_ih_matrix().narrow_cols(k * h, h);
+        // Gate block k of W_hh: [H, H] with row stride 4H.
         let w_hh = |k: usize| self.w_hh_matrix().narrow_cols(k * h, h);
         let state = Layout::matrix(0, batch, h);
         let mut last_step: Option<usize> = None;
@@ -641,6 +834,9 @@ impl LstmLayer {
                         true,
                     )?;
                 }
+            }
+            if let Some(mask) = mask {
+                self.split_padded_grads(be, mask, w, t, batch)?;
             }
             let (zi, zf, zg, zo) = (z(0, t), z(1, t), z(2, t), z(3, t));
             // Output gate: dz_o = dh * tanh(c) * o(1-o).
@@ -698,14 +894,18 @@ impl LstmLayer {
                 view_mut(&mut w.dc_next, state),
             )?;
             std::mem::swap(&mut w.dc, &mut w.dc_next);
-            let xt = Layout::matrix(x_offset + t * batch * input, batch, input);
-            for k in 0..4 {
-                be.gemm(
-                    view(x, xt).t(),
-                    view(&w.gates, z(k, t)),
-                    view_mut(grads, w_ih(k)),
-                    !first,
-                )?;
+            let mut row = 0;
+            for part in x {
+                let xt = Layout::matrix(part.offset + t * batch * part.width, batch, part.width);
+                for k in 0..4 {
+                    be.gemm(
+                        view(part.buf, xt).t(),
+                        view(&w.gates, z(k, t)),
+                        view_mut(grads, self.w_ih_rows(row, part.width).narrow_cols(k * h, h)),
+                        !first,
+                    )?;
+                }
+                row += part.width;
             }
             for k in 0..4 {
                 be.gemm(
@@ -719,16 +919,25 @@ impl LstmLayer {
                 let bias = Layout::contiguous(self.bias.start + k * h, h);
                 be.column_sums(view(&w.gates, z(k, t)), view_mut(grads, bias), !first)?;
             }
-            if let Some(dx) = dx.as_mut() {
-                let dxt = Layout::matrix(dx.offset + t * batch * input, batch, input);
+            let mut row = 0;
+            for (part, dx) in x.iter().zip(dx.iter_mut()) {
+                let dxt = Layout::matrix(dx.offset + t * batch * part.width, batch, part.width);
                 for k in 0..4 {
                     be.gemm(
                         view(&w.gates, z(k, t)),
-                        view(params, w_ih(k)).t(),
+                        view(
+                            params,
+                            self.w_ih_rows(row, part.width).narrow_cols(k * h, h),
+                        )
+                        .t(),
                         view_mut(dx.buf, dxt),
                         k > 0 || dx.accumulate,
                     )?;
                 }
+                row += part.width;
+            }
+            if mask.is_some() {
+                self.pass_held_grads(be, w, self.next_t(s, steps), batch)?;
             }
             last_step = Some(t);
         }
@@ -740,6 +949,14 @@ impl LstmLayer {
                     view(params, w_hh(k)).t(),
                     view_mut(&mut w.dh0, state),
                     k > 0,
+                )?;
+            }
+            if mask.is_some() && steps > 0 {
+                let held_h = Layout::contiguous(bh, bh);
+                be.in_place(
+                    InPlace::Add,
+                    view(&w.rec, held_h),
+                    view_mut(&mut w.dh0, state),
                 )?;
             }
         }

@@ -7,7 +7,7 @@ use std::ops::Range;
 use crate::backend::{view, view_mut, Backend, Layout};
 use crate::embedding::{Embedding, EmbeddingWork, Projection, ProjectionWork};
 use crate::error::Result;
-use crate::lstm::{GradTarget, InitState, LstmImpl, LstmLayer, LstmWork};
+use crate::lstm::{GradTarget, InitState, LayerInput, LstmImpl, LstmLayer, LstmWork};
 use crate::params::ParamLayout;
 
 /// Where the network's tensors live in the flat buffers.
@@ -116,21 +116,26 @@ impl LstmLm {
         self.emb.forward(be, params, inputs, &mut w.emb)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let (below, rest) = w.layers.split_at_mut(l);
-            let (x, x_offset) = if l == 0 {
-                (&w.emb.out, 0)
+            let x = if l == 0 {
+                LayerInput {
+                    buf: &w.emb.out,
+                    offset: 0,
+                    width: self.emb.width,
+                }
             } else {
-                (
-                    &below[l - 1].hiddens,
-                    self.layers[l - 1].output_offset(batch),
-                )
+                LayerInput {
+                    buf: &below[l - 1].hiddens,
+                    offset: self.layers[l - 1].output_offset(batch),
+                    width: self.layers[l - 1].hidden,
+                }
             };
             layer.forward(
                 be,
                 imp,
                 params,
-                x,
-                x_offset,
+                &[x],
                 init(l),
+                None,
                 &mut rest[0],
                 steps,
                 batch,
@@ -190,15 +195,17 @@ impl LstmLm {
             let lw = &mut rest[0];
             let dc = Layout::contiguous(0, batch * layer.hidden);
             be.fill(view_mut(&mut lw.dc, dc), 0.0)?;
-            let (x, x_offset, dx) = if l == 0 {
-                (&w.emb.out, 0, &mut w.emb.dx)
+            let (x, x_offset, width, dx) = if l == 0 {
+                (&w.emb.out, 0, self.emb.width, &mut w.emb.dx)
             } else {
-                let lower = &mut below[l - 1];
-                (
-                    &lower.hiddens,
-                    self.layers[l - 1].output_offset(batch),
-                    &mut lower.dh,
-                )
+                let LstmWork { hiddens, dh, .. } = &mut below[l - 1];
+                let lower = &self.layers[l - 1];
+                (&*hiddens, lower.output_offset(batch), lower.hidden, dh)
+            };
+            let x = LayerInput {
+                buf: x,
+                offset: x_offset,
+                width,
             };
             let dx = GradTarget {
                 buf: dx,
@@ -210,13 +217,13 @@ impl LstmLm {
                 imp,
                 params,
                 grads,
-                x,
-                x_offset,
+                &[x],
+                None,
                 lw,
                 steps,
                 batch,
                 need_dh0,
-                Some(dx),
+                &mut [dx],
                 on_ready,
             )?;
         }

@@ -140,6 +140,36 @@ mod tests {
         };
         let built = NmtModel::new(be, nmt.clone(), 1).map(|m| m.params().len());
         assert_eq!(nmt.param_count().ok(), built.ok());
+        // Concatenated bi layers: the upper layers' W_ih is 2H rows tall.
+        let concat = NmtConfig {
+            layers: 4,
+            bi_layer_input: crate::BiLayerInput::Concat,
+            ..nmt.clone()
+        };
+        let own = NmtConfig {
+            bi_layer_input: crate::BiLayerInput::Own,
+            ..concat.clone()
+        };
+        let extra = concat.param_count().ok().zip(own.param_count().ok());
+        assert_eq!(extra.map(|(c, o)| c - o), Some(2 * 5 * 4 * 5));
+        let Ok(be) = CpuBackend::new(1) else {
+            panic!("no CPU backend");
+        };
+        let built = NmtModel::new(be, concat.clone(), 1).map(|m| m.params().len());
+        assert_eq!(concat.param_count().ok(), built.ok());
+        // Source lengths add the step masks: keep and hold [rows, H], their columns, ones.
+        let on = NmtConfig {
+            source_lengths: crate::SourceLengths::On,
+            ..nmt.clone()
+        };
+        let (batch, src_len) = (3.0, 7.0);
+        let masks = 4.0 * (2.0 * batch * src_len * 5.0 + 2.0 * batch * src_len + 5.0);
+        let total = |c: &NmtConfig| {
+            c.memory_estimate(3, 7, 4)
+                .map(|e| e.total_bytes())
+                .unwrap_or_default()
+        };
+        assert_eq!(total(&on) - total(&nmt), masks);
         let lm = LmConfig {
             vocab: 40,
             emb: 6,
@@ -156,6 +186,8 @@ mod tests {
         let est = lm.memory_estimate(8, 10).unwrap_or_default();
         let params = lm.param_count().unwrap_or_default() as f64 * 4.0;
         assert_eq!(est.terms[0].bytes, params);
+        let carried = est.terms.iter().find(|t| t.what == "carried LSTM state");
+        assert_eq!(carried.map(|t| t.bytes), Some(4.0 * 2.0 * 2.0 * 8.0 * 5.0));
         assert!(est.to_string().starts_with("about "), "{est}");
         assert_eq!(
             est.biggest().map(|t| t.what.as_str()),

@@ -3,19 +3,31 @@
 //! Source and target embeddings `[vocab, emb]`; an encoder that is either
 //! - uni: `layers` stacked LSTM layers whose final states initialise the decoder's layers
 //!   one to one, or
-//! - bi: `layers / 2` layers per direction, the second layer of a direction seeing only
-//!   that direction's first layer; final states are interleaved fw0, bw0, fw1, bw1, ... and
-//!   become the initial `(h, c)` of decoder layers 0, 1, 2, 3, ...;
+//! - bi: `layers / 2` layers per direction; a layer above the first reads, by
+//!   [`BiLayerInput`], both directions of the layer below side by side (`concat`, `2H`
+//!   wide: the seeds' `cudnn_lstm` encoder) or only its own direction's (`own`: TF's
+//!   `bidirectional_dynamic_rnn` over multi-layer cells, the seeds' `dynamic_rnn`); final
+//!   states are interleaved fw0, bw0, fw1, bw1, ... and become the initial `(h, c)` of
+//!   decoder layers 0, 1, 2, 3, ...;
 //!
 //! a decoder of `layers` LSTM layers over the target input (BOS + target); an output
 //! projection `hidden -> tgt_vocab` without bias over all target positions at once; and
 //! the summed masked softmax cross-entropy against the target output (target + EOS).
-//! Encoder outputs are not otherwise used. Source padding is processed like any token.
+//! Encoder outputs are not otherwise used.
+//!
+//! Source padding, by [`SourceLengths`]: `off` processes it like any token (cuDNN's LSTM,
+//! the seeds' `cudnn_lstm`); `on` reads each sentence only up to its real length
+//! ([`NmtBatchView::src_lengths`], as TF's `dynamic_rnn` with `sequence_length`): padded
+//! positions leave every encoder layer's state unchanged and get no gradient, the forward
+//! direction hands the decoder its state at the last real token, and the backward
+//! direction starts there from zeros. Both are semantics of the model, not of the LSTM
+//! implementation: [`LstmImpl::Fused`] and [`LstmImpl::Stepwise`] compute the same
+//! function for every combination.
 
 use crate::backend::{view, view_mut, Backend, CheckedIds, CheckedTargets, InPlace, Layout};
 use crate::embedding::{Embedding, EmbeddingWork};
-use crate::error::{invalid_value, Result};
-use crate::lstm::{GradTarget, InitState, LstmImpl, LstmLayer, LstmWork};
+use crate::error::{batch_error, invalid_value, Result};
+use crate::lstm::{GradTarget, InitState, LayerInput, LstmImpl, LstmLayer, LstmWork, StepMask};
 use crate::lstm_lm::{LstmLm, LstmLmShape, LstmLmWork};
 use crate::memory::{self, MemoryEstimate};
 use crate::model::{
@@ -61,6 +73,89 @@ impl std::str::FromStr for EncoderKind {
     }
 }
 
+/// Whether the encoder reads each source sentence only up to its real length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SourceLengths {
+    /// Padding is processed like any token (cuDNN's LSTM; the seeds' `cudnn_lstm`).
+    #[default]
+    Off,
+    /// Padded positions neither change the encoder state nor get gradient (TF's
+    /// `dynamic_rnn` with `sequence_length`; the seeds' `dynamic_rnn`).
+    On,
+}
+
+impl SourceLengths {
+    /// The name [`std::str::FromStr`] reads back.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SourceLengths::Off => "off",
+            SourceLengths::On => "on",
+        }
+    }
+}
+
+impl std::fmt::Display for SourceLengths {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for SourceLengths {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "off" => Ok(SourceLengths::Off),
+            "on" => Ok(SourceLengths::On),
+            other => Err(invalid_value("source_lengths", other, "use `on` or `off`")),
+        }
+    }
+}
+
+/// What a bi encoder layer above the first reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BiLayerInput {
+    /// Its own direction's layer below, `H` wide (TF's `bidirectional_dynamic_rnn` over
+    /// multi-layer cells; the seeds' `dynamic_rnn`).
+    #[default]
+    Own,
+    /// Both directions of the layer below side by side, `2H` wide (cuDNN's bidirectional
+    /// LSTM; the seeds' `cudnn_lstm`).
+    Concat,
+}
+
+impl BiLayerInput {
+    /// The name [`std::str::FromStr`] reads back.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BiLayerInput::Own => "own",
+            BiLayerInput::Concat => "concat",
+        }
+    }
+}
+
+impl std::fmt::Display for BiLayerInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for BiLayerInput {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "own" => Ok(BiLayerInput::Own),
+            "concat" => Ok(BiLayerInput::Concat),
+            other => Err(invalid_value(
+                "bi_layer_input",
+                other,
+                "use `concat` or `own`",
+            )),
+        }
+    }
+}
+
 /// Sizes and choices of an [`NmtModel`].
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct NmtConfig {
@@ -78,6 +173,12 @@ pub struct NmtConfig {
     pub encoder: EncoderKind,
     /// LSTM implementation of every layer.
     pub lstm: LstmImpl,
+    /// Whether the encoder stops at each sentence's real end.
+    #[serde(default)]
+    pub source_lengths: SourceLengths,
+    /// What bi encoder layers above the first read (no effect on a uni encoder).
+    #[serde(default)]
+    pub bi_layer_input: BiLayerInput,
     /// Half-width of the uniform initialisation (TF NMT: 0.1).
     pub init_scale: f32,
     /// Initial value of the LSTM forget-gate bias (TF's `forget_bias`, 1.0).
@@ -100,7 +201,11 @@ impl NmtConfig {
         let (depth, stride) = c.encoder_shape();
         let mut encoder = Vec::with_capacity(c.layers);
         for d in (0..depth).rev() {
-            let input = if d == 0 { c.emb } else { c.hidden };
+            let input = if d == 0 {
+                c.emb
+            } else {
+                c.hidden * c.sources_per_layer()
+            };
             let mut group = Vec::with_capacity(stride);
             for r in 0..stride {
                 let name = match c.encoder {
@@ -126,6 +231,15 @@ impl NmtConfig {
         let src_emb =
             Embedding::register(layout, "embedding/src", c.src_vocab, c.emb, c.init_scale)?;
         Ok((decoder, encoder, src_emb))
+    }
+
+    /// How many layers below an encoder layer above the first reads: 2 for a bi encoder
+    /// with `concat`, else 1.
+    fn sources_per_layer(&self) -> usize {
+        match (self.encoder, self.bi_layer_input) {
+            (EncoderKind::Bi, BiLayerInput::Concat) => 2,
+            _ => 1,
+        }
     }
 
     /// (depth, layers per depth) of the encoder.
@@ -179,11 +293,18 @@ impl NmtConfig {
             "output logits",
             memory::projection_work_elements(tgt_len * batch, self.tgt_vocab),
         );
+        if self.source_lengths == SourceLengths::On {
+            let rows = (src_len * batch) as f64;
+            est.add_f32(
+                "source length masks",
+                2.0 * rows * self.hidden as f64 + 2.0 * rows + self.hidden as f64,
+            );
+        }
         Ok(est)
     }
 
     /// The CPU benchmark configuration: vocab 8000 each side, emb 256, hidden 256,
-    /// 2 layers, bi encoder, fused LSTM.
+    /// 2 layers, bi encoder, fused LSTM, padding processed.
     pub fn benchmark() -> Self {
         NmtConfig {
             src_vocab: 8000,
@@ -193,6 +314,8 @@ impl NmtConfig {
             layers: 2,
             encoder: EncoderKind::Bi,
             lstm: LstmImpl::Fused,
+            source_lengths: SourceLengths::Off,
+            bi_layer_input: BiLayerInput::Own,
             init_scale: 0.1,
             forget_bias: ringtrain_kernels::DEFAULT_FORGET_BIAS,
         }
@@ -244,6 +367,10 @@ pub struct NmtBatchView<'a> {
     pub tgt_out: &'a [u32],
     /// Target weights `[tgt_len * batch]`: 1.0 real token, 0.0 padding.
     pub tgt_mask: &'a [f32],
+    /// Real source tokens of each sentence (`[batch]`, each at most `src_len`; padding
+    /// follows them). Required when the model uses [`SourceLengths::On`], ignored
+    /// otherwise.
+    pub src_lengths: Option<&'a [usize]>,
 }
 
 /// A checked batch with its ids and targets staged on the backend, for one pass.
@@ -255,6 +382,19 @@ struct StagedNmt<B: Backend> {
     tgt_in: B::Ids,
     tgt_out: B::Targets,
     tokens: f64,
+    /// With source lengths: 1.0 at real source positions, 0.0 at padding, `[src_len *
+    /// batch]` time-major.
+    keep: Option<Vec<f32>>,
+}
+
+/// The step masks of source lengths on the backend: `keep`/`hold` `[steps * batch, H]`,
+/// made per pass as the outer products of the `[steps * batch]` columns with `ones`.
+struct SourceMasks<Buf> {
+    keep: Buf,
+    hold: Buf,
+    keep_col: Buf,
+    hold_col: Buf,
+    ones: Buf,
 }
 
 struct NmtWork<Buf> {
@@ -264,6 +404,7 @@ struct NmtWork<Buf> {
     src_emb: EmbeddingWork<Buf>,
     encoder: Vec<LstmWork<Buf>>,
     decoder: LstmLmWork<Buf>,
+    masks: Option<SourceMasks<Buf>>,
 }
 
 /// The NMT encoder-decoder on backend `B` (see the module docs).
@@ -327,6 +468,10 @@ impl<B: Backend> NmtModel<B> {
         let src = CheckedIds::new("src", b.src, c.src_vocab)?;
         let tgt_in = CheckedIds::new("tgt_in", b.tgt_in, c.tgt_vocab)?;
         let tgt_out = CheckedTargets::new("tgt_out", b.tgt_out, b.tgt_mask, c.tgt_vocab)?;
+        let keep = match c.source_lengths {
+            SourceLengths::Off => None,
+            SourceLengths::On => Some(source_keep_mask(b)?),
+        };
         let be = &self.backend;
         Ok(StagedNmt {
             batch: b.batch,
@@ -336,6 +481,7 @@ impl<B: Backend> NmtModel<B> {
             tgt_in: be.stage_ids(tgt_in)?,
             tgt_out: be.stage_targets(tgt_out)?,
             tokens: b.tgt_mask.iter().map(|&m| f64::from(m)).sum(),
+            keep,
         })
     }
 
@@ -362,6 +508,21 @@ impl<B: Backend> NmtModel<B> {
                 .map(|_| LstmWork::new(be, h, src_len, batch))
                 .collect::<Result<_>>()?,
             decoder: self.decoder.work(be, tgt_len, batch)?,
+            masks: match self.config.source_lengths {
+                SourceLengths::Off => None,
+                SourceLengths::On => {
+                    let rows = src_len * batch;
+                    let mut ones = be.zeros(h)?;
+                    be.upload(&vec![1.0; h], &mut ones, 0)?;
+                    Some(SourceMasks {
+                        keep: be.zeros(rows * h)?,
+                        hold: be.zeros(rows * h)?,
+                        keep_col: be.zeros(rows)?,
+                        hold_col: be.zeros(rows)?,
+                        ones,
+                    })
+                }
+            },
         };
         self.work = Some(work);
         Ok(())
@@ -381,27 +542,35 @@ impl<B: Backend> NmtModel<B> {
         debug_assert!(w.decoder.layers.iter().all(|lw| lw.fits(tt, batch)));
         self.src_emb
             .forward(be, &self.params, &b.src, &mut w.src_emb)?;
+        let NmtWork {
+            src_emb,
+            encoder: encoder_work,
+            masks,
+            ..
+        } = w;
+        let mask = match (masks.as_mut(), b.keep.as_deref()) {
+            (Some(m), Some(keep)) => Some(expand_masks(be, m, keep, self.config.hidden)?),
+            _ => None,
+        };
         for d in 0..depth {
             for r in 0..stride {
-                let i = d * stride + r;
-                let layer = &self.encoder[i];
-                let (below, rest) = w.encoder.split_at_mut(i);
-                let (x, x_offset) = if d == 0 {
-                    (&w.src_emb.out, 0)
-                } else {
-                    (
-                        &below[i - stride].hiddens,
-                        self.encoder[i - stride].output_offset(batch),
-                    )
-                };
-                layer.forward(
+                let (below, rest) = encoder_work.split_at_mut(d * stride);
+                let x = layer_inputs(
+                    &self.config,
+                    &self.encoder,
+                    (d, r),
+                    below,
+                    &src_emb.out,
+                    batch,
+                );
+                self.encoder[d * stride + r].forward(
                     be,
                     imp,
                     &self.params,
-                    x,
-                    x_offset,
+                    &x,
                     None,
-                    &mut rest[0],
+                    mask,
+                    &mut rest[r],
                     ts,
                     batch,
                 )?;
@@ -460,8 +629,8 @@ impl<B: Backend> NmtModel<B> {
             for r in 0..stride {
                 let i = d * stride + r;
                 let layer = &self.encoder[i];
-                let (below, rest) = w.encoder.split_at_mut(i);
-                let lw = &mut rest[0];
+                let (below, rest) = w.encoder.split_at_mut(d * stride);
+                let lw = &mut rest[r];
                 let dec = &w.decoder.layers[i];
                 let final_dh = Layout::contiguous(layer.final_dh_offset(ts, batch), bh);
                 let state = Layout::contiguous(0, bh);
@@ -476,40 +645,60 @@ impl<B: Backend> NmtModel<B> {
                     )?;
                 }
                 be.copy(view(&dec.dc, state), view_mut(&mut lw.dc, state))?;
-                let (x, x_offset, dx) = if d == 0 {
-                    (
-                        &w.src_emb.out,
-                        0,
-                        GradTarget {
-                            buf: &mut w.src_emb.dx,
-                            offset: 0,
-                            accumulate: r > 0,
-                        },
-                    )
+                let mask = w
+                    .masks
+                    .as_ref()
+                    .map(|m| StepMask {
+                        keep: &m.keep,
+                        hold: &m.hold,
+                    })
+                    .filter(|_| b.keep.is_some());
+                let mut x = Vec::with_capacity(2);
+                let mut dx = Vec::with_capacity(2);
+                if d == 0 {
+                    x.push(LayerInput {
+                        buf: &w.src_emb.out,
+                        offset: 0,
+                        width: self.config.emb,
+                    });
+                    dx.push(GradTarget {
+                        buf: &mut w.src_emb.dx,
+                        offset: 0,
+                        accumulate: r > 0,
+                    });
                 } else {
-                    let lower = &mut below[i - stride];
-                    (
-                        &lower.hiddens,
-                        self.encoder[i - stride].output_offset(batch),
-                        GradTarget {
-                            buf: &mut lower.dh,
+                    let lower = (d - 1) * stride;
+                    let concat = self.config.sources_per_layer() == 2;
+                    for (j, lower_work) in below[lower..].iter_mut().enumerate() {
+                        if !concat && j != r {
+                            continue;
+                        }
+                        let LstmWork { hiddens, dh, .. } = lower_work;
+                        let source = &self.encoder[lower + j];
+                        x.push(LayerInput {
+                            buf: &*hiddens,
+                            offset: source.output_offset(batch),
+                            width: source.hidden,
+                        });
+                        dx.push(GradTarget {
+                            buf: dh,
                             offset: 0,
-                            accumulate: false,
-                        },
-                    )
-                };
+                            accumulate: concat && r > 0,
+                        });
+                    }
+                }
                 layer.backward(
                     be,
                     imp,
                     &self.params,
                     &mut self.grads,
-                    x,
-                    x_offset,
+                    &x,
+                    mask,
                     lw,
                     ts,
                     batch,
                     false,
-                    Some(dx),
+                    &mut dx,
                     on_ready,
                 )?;
             }
@@ -520,3 +709,91 @@ impl<B: Backend> NmtModel<B> {
 }
 
 impl_model!(NmtModel, NmtBatchView);
+
+/// The input parts of encoder layer (`d`, `r`) of a model with `config` and `encoder`
+/// layers: the source embeddings for `d == 0`; above, the layer(s) below in `below` (by
+/// [`BiLayerInput`]).
+fn layer_inputs<'a, Buf>(
+    config: &NmtConfig,
+    encoder: &[LstmLayer],
+    (d, r): (usize, usize),
+    below: &'a [LstmWork<Buf>],
+    src_emb: &'a Buf,
+    batch: usize,
+) -> Vec<LayerInput<'a, Buf>> {
+    if d == 0 {
+        return vec![LayerInput {
+            buf: src_emb,
+            offset: 0,
+            width: config.emb,
+        }];
+    }
+    let (_, stride) = config.encoder_shape();
+    let lower = (d - 1) * stride;
+    let sources = if config.sources_per_layer() == 2 {
+        lower..lower + 2
+    } else {
+        lower + r..lower + r + 1
+    };
+    sources
+        .map(|j| LayerInput {
+            buf: &below[j].hiddens,
+            offset: encoder[j].output_offset(batch),
+            width: encoder[j].hidden,
+        })
+        .collect()
+}
+
+/// The `keep` column of a batch with source lengths: 1.0 where `t < src_lengths[b]`, at
+/// `t * batch + b`.
+fn source_keep_mask(b: &NmtBatchView<'_>) -> Result<Vec<f32>> {
+    let Some(lengths) = b.src_lengths else {
+        return Err(batch_error(
+            "src_lengths",
+            "none",
+            "the model reads source lengths (source_lengths on): give each sentence's real \
+             length",
+        ));
+    };
+    check_len("src_lengths", lengths, b.batch, "batch")?;
+    if let Some((i, &len)) = lengths.iter().enumerate().find(|(_, &l)| l > b.src_len) {
+        return Err(batch_error(
+            "src_lengths",
+            format!("{len} at sentence {i}"),
+            format!("a length is at most src_len ({})", b.src_len),
+        ));
+    }
+    let mut keep = vec![0.0; b.src_len * b.batch];
+    for (i, &len) in lengths.iter().enumerate() {
+        for t in 0..len {
+            keep[t * b.batch + i] = 1.0;
+        }
+    }
+    Ok(keep)
+}
+
+/// Uploads the `keep` column (and its complement) and expands both to `[rows, hidden]`
+/// step masks: 2 uploads, 2 launches.
+fn expand_masks<'a, B: Backend>(
+    be: &B,
+    m: &'a mut SourceMasks<B::Buffer>,
+    keep: &[f32],
+    hidden: usize,
+) -> Result<StepMask<'a, B::Buffer>> {
+    let rows = keep.len();
+    let hold: Vec<f32> = keep.iter().map(|k| 1.0 - k).collect();
+    be.upload(keep, &mut m.keep_col, 0)?;
+    be.upload(&hold, &mut m.hold_col, 0)?;
+    for (col, out) in [(&m.keep_col, &mut m.keep), (&m.hold_col, &mut m.hold)] {
+        be.gemm(
+            view(col, Layout::matrix(0, rows, 1)),
+            view(&m.ones, Layout::matrix(0, 1, hidden)),
+            view_mut(out, Layout::matrix(0, rows, hidden)),
+            false,
+        )?;
+    }
+    Ok(StepMask {
+        keep: &m.keep,
+        hold: &m.hold,
+    })
+}

@@ -1,9 +1,21 @@
 //! An RNN language model: embedding, `layers` stacked LSTM layers, a projection
 //! `hidden -> vocab` without bias, and the summed masked softmax cross-entropy.
+//!
+//! The LSTM state is carried from one window to the next, as TF's PTB language model does
+//! (truncated backpropagation through time): a window starts from the final `(h, c)` of
+//! every layer of the window before it, taken as a constant, so the gradient stops at the
+//! window boundary. It starts from zeros instead when the batch is marked
+//! [`LmBatchView::first_in_epoch`], when there is no carried state (a new model: a run
+//! that resumes from a checkpoint starts its first window from zeros, as the state is not
+//! checkpointed), and after [`RnnLm::reset_state`]. Each model (each rank) carries the
+//! state of its own batch rows. [`RnnLm::swap_state`] sets the training state aside, e.g.
+//! for a pass over held-out text.
 
+use crate::backend::{view, view_mut, Layout};
 use crate::backend::{Backend, CheckedIds, CheckedTargets};
+use crate::error::batch_error;
 use crate::error::Result;
-use crate::lstm::LstmImpl;
+use crate::lstm::{InitState, LstmImpl};
 use crate::lstm_lm::{LstmLm, LstmLmShape, LstmLmWork};
 use crate::memory::{self, MemoryEstimate};
 use crate::model::{
@@ -75,6 +87,10 @@ impl LmConfig {
             "output logits",
             memory::projection_work_elements(steps * batch, self.vocab),
         );
+        est.add_f32(
+            "carried LSTM state",
+            2.0 * self.layers as f64 * batch as f64 * self.hidden as f64,
+        );
         Ok(est)
     }
 
@@ -126,6 +142,47 @@ pub struct LmBatchView<'a> {
     pub targets: &'a [u32],
     /// Target weights `[len * batch]`: 1.0 real token, 0.0 padding.
     pub mask: &'a [f32],
+    /// True for the first window of an epoch: start from zeros rather than the carried
+    /// state.
+    pub first_in_epoch: bool,
+}
+
+/// The LSTM state an [`RnnLm`] carries from one window to the next: per layer, the final
+/// `h` and `c` (`[batch, hidden]` each) of the last window. `Default` is no state.
+pub struct LmState<Buf> {
+    carried: Option<Carried<Buf>>,
+}
+
+struct Carried<Buf> {
+    batch: usize,
+    h: Vec<Buf>,
+    c: Vec<Buf>,
+}
+
+impl<Buf: Clone> Clone for LmState<Buf> {
+    fn clone(&self) -> Self {
+        LmState {
+            carried: self.carried.as_ref().map(|s| Carried {
+                batch: s.batch,
+                h: s.h.clone(),
+                c: s.c.clone(),
+            }),
+        }
+    }
+}
+
+impl<Buf> Default for LmState<Buf> {
+    fn default() -> Self {
+        LmState { carried: None }
+    }
+}
+
+impl<Buf> LmState<Buf> {
+    /// True when there is a carried state (the next window that is not
+    /// `first_in_epoch` starts from it).
+    pub fn is_carried(&self) -> bool {
+        self.carried.is_some()
+    }
 }
 
 /// A checked batch with its ids and targets staged on the backend, for one pass.
@@ -135,6 +192,7 @@ struct StagedLm<B: Backend> {
     inputs: B::Ids,
     targets: B::Targets,
     tokens: f64,
+    first_in_epoch: bool,
 }
 
 struct LmWork<Buf> {
@@ -153,6 +211,7 @@ pub struct RnnLm<B: Backend> {
     grads: B::Buffer,
     net: LstmLm,
     work: Option<LmWork<B::Buffer>>,
+    state: LmState<B::Buffer>,
 }
 
 impl<B: Backend> RnnLm<B> {
@@ -174,6 +233,7 @@ impl<B: Backend> RnnLm<B> {
             grads,
             net,
             work: None,
+            state: LmState::default(),
         };
         model.init_params(seed)?;
         Ok(model)
@@ -182,6 +242,22 @@ impl<B: Backend> RnnLm<B> {
     /// The configuration.
     pub fn config(&self) -> &LmConfig {
         &self.config
+    }
+
+    /// Drops the carried state: the next window starts from zeros.
+    pub fn reset_state(&mut self) {
+        self.state = LmState::default();
+    }
+
+    /// Exchanges the carried state with `other` (set the training state aside with an
+    /// empty [`LmState`] before passes over other text, and swap it back after).
+    pub fn swap_state(&mut self, other: &mut LmState<B::Buffer>) {
+        std::mem::swap(&mut self.state, other);
+    }
+
+    /// The carried state.
+    pub fn state(&self) -> &LmState<B::Buffer> {
+        &self.state
     }
 
     /// Checks `b` and stages its ids and targets on the backend.
@@ -195,12 +271,26 @@ impl<B: Backend> RnnLm<B> {
         let vocab = self.config.vocab;
         let inputs = CheckedIds::new("inputs", b.inputs, vocab)?;
         let targets = CheckedTargets::new("targets", b.targets, b.mask, vocab)?;
+        if let Some(carried) = &self.state.carried {
+            if !b.first_in_epoch && carried.batch != b.batch {
+                return Err(batch_error(
+                    "batch",
+                    b.batch,
+                    format!(
+                        "the carried LSTM state is for {} rows: a window that continues the \
+                         previous one needs as many (mark it first_in_epoch to start from zeros)",
+                        carried.batch
+                    ),
+                ));
+            }
+        }
         Ok(StagedLm {
             batch: b.batch,
             len: b.len,
             inputs: self.backend.stage_ids(inputs)?,
             targets: self.backend.stage_targets(targets)?,
             tokens: b.mask.iter().map(|&m| f64::from(m)).sum(),
+            first_in_epoch: b.first_in_epoch,
         })
     }
 
@@ -228,8 +318,13 @@ impl<B: Backend> RnnLm<B> {
         let Some(w) = self.work.as_mut() else {
             return Ok((0.0, 0.0));
         };
+        let be = &self.backend;
+        if b.first_in_epoch {
+            self.state.carried = None;
+        }
+        let carried = self.state.carried.as_ref();
         let loss = self.net.forward_loss(
-            &self.backend,
+            be,
             self.config.lstm,
             &self.params,
             &b.inputs,
@@ -237,8 +332,43 @@ impl<B: Backend> RnnLm<B> {
             b.len,
             b.batch,
             &mut w.net,
-            |_| None,
+            |l| {
+                carried.map(|s| InitState {
+                    h: &s.h[l],
+                    h_offset: 0,
+                    c: &s.c[l],
+                    c_offset: 0,
+                })
+            },
         )?;
+        // The final state of every layer becomes the next window's initial state; backward
+        // reads the initial state from the layer's own workspace, so it can be replaced now.
+        let bh = b.batch * self.config.hidden;
+        let mut next = match self.state.carried.take() {
+            Some(s) => s,
+            None => Carried {
+                batch: b.batch,
+                h: (0..self.net.layers.len())
+                    .map(|_| be.zeros(bh))
+                    .collect::<Result<_>>()?,
+                c: (0..self.net.layers.len())
+                    .map(|_| be.zeros(bh))
+                    .collect::<Result<_>>()?,
+            },
+        };
+        for (l, layer) in self.net.layers.iter().enumerate() {
+            let last = Layout::contiguous(layer.final_offset(b.len, b.batch), bh);
+            let to = Layout::contiguous(0, bh);
+            be.copy(
+                view(&w.net.layers[l].hiddens, last),
+                view_mut(&mut next.h[l], to),
+            )?;
+            be.copy(
+                view(&w.net.layers[l].cells, last),
+                view_mut(&mut next.c[l], to),
+            )?;
+        }
+        self.state.carried = Some(next);
         Ok((loss, b.tokens))
     }
 

@@ -7,7 +7,9 @@ mod toy;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use ringtrain_model::{EncoderKind, LstmImpl, Model, NmtBatchView, NmtConfig, NmtModel};
+use ringtrain_model::{
+    BiLayerInput, EncoderKind, LstmImpl, Model, NmtBatchView, NmtConfig, NmtModel, SourceLengths,
+};
 
 const BOS: u32 = 0;
 const EOS: u32 = 1;
@@ -44,6 +46,7 @@ fn view(b: &CopyBatch, batch: usize, len: usize) -> NmtBatchView<'_> {
         tgt_in: &b.tgt_in,
         tgt_out: &b.tgt_out,
         tgt_mask: &b.mask,
+        src_lengths: None,
     }
 }
 
@@ -57,6 +60,8 @@ fn copy_task_loss_falls_with_adam() {
         layers: 2,
         encoder: EncoderKind::Bi,
         lstm: LstmImpl::Fused,
+        source_lengths: SourceLengths::Off,
+        bi_layer_input: BiLayerInput::Own,
         init_scale: 0.1,
         forget_bias: 1.0,
     };

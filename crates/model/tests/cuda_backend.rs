@@ -23,9 +23,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain_model::GemmPrecision;
 use ringtrain_model::{
-    view, view_mut, Backend, Binary, CheckedIds, CheckedTargets, CpuBackend, CudaBackend,
-    EncoderKind, Error, InPlace, Layout, LmConfig, LstmBackwardStep, LstmForwardStep, LstmImpl,
-    Model, NmtConfig, NmtModel, RnnLm, Unary,
+    view, view_mut, Backend, BiLayerInput, Binary, CheckedIds, CheckedTargets, CpuBackend,
+    CudaBackend, EncoderKind, Error, InPlace, Layout, LmConfig, LstmBackwardStep, LstmForwardStep,
+    LstmImpl, Model, NmtConfig, NmtModel, RnnLm, SourceLengths, Unary,
 };
 
 fn gpu() -> CudaBackend {
@@ -468,6 +468,8 @@ fn small_nmt(lstm: LstmImpl) -> NmtConfig {
         layers: 2,
         encoder: EncoderKind::Bi,
         lstm,
+        source_lengths: SourceLengths::Off,
+        bi_layer_input: BiLayerInput::Own,
         init_scale: 0.3,
         forget_bias: 1.0,
     }
@@ -521,32 +523,65 @@ fn compare_pass(
 #[test]
 fn nmt_loss_and_gradients_match_the_cpu() {
     for lstm in [LstmImpl::Fused, LstmImpl::Stepwise] {
-        let config = small_nmt(lstm);
-        let data = toy::NmtData::random(&config, 5, 7, 6, 11);
-        let mut on_cpu = NmtModel::new(toy::cpu(1), config.clone(), 3).unwrap();
-        let mut on_gpu = NmtModel::new(gpu(), config, 3).unwrap();
-        let mut ranges = Vec::new();
-        let cs = on_cpu
-            .forward_backward(&data.view(), &mut |_, _| {})
-            .unwrap();
-        let gs = on_gpu
-            .forward_backward(&data.view(), &mut |r, _| ranges.push(r))
-            .unwrap();
-        assert_eq!(ranges.first().map(|r| r.start), Some(0));
-        assert_eq!(
-            ranges.last().map(|r| r.end),
-            Some(on_gpu.layout().total_len())
-        );
-        let gpu_grads = fetch(on_gpu.backend(), on_gpu.grads());
-        compare_pass(
-            &format!("nmt {lstm:?}"),
-            cs,
-            gs,
-            on_cpu.layout(),
-            on_cpu.grads(),
-            &gpu_grads,
-        );
+        nmt_matches_the_cpu(small_nmt(lstm), (7, 6), "2 layers");
     }
+}
+
+/// A 4-layer bi encoder (2 per direction, so that `concat` matters) with the semantic
+/// options `sl` and `input`; the toy batch pads its sentences to lengths 5, 4, 3, 2, 1.
+fn with_semantics(lstm: LstmImpl, sl: SourceLengths, input: BiLayerInput) -> NmtConfig {
+    NmtConfig {
+        layers: 4,
+        source_lengths: sl,
+        bi_layer_input: input,
+        ..small_nmt(lstm)
+    }
+}
+
+/// Every combination of source lengths and bi-layer input, fused.
+#[test]
+fn nmt_semantics_fused_match_the_cpu() {
+    for sl in [SourceLengths::Off, SourceLengths::On] {
+        for input in [BiLayerInput::Own, BiLayerInput::Concat] {
+            let config = with_semantics(LstmImpl::Fused, sl, input);
+            nmt_matches_the_cpu(config, (5, 4), "4 layers");
+        }
+    }
+}
+
+/// Source lengths on with either bi-layer input, stepwise (the emulator runs its many
+/// launches slowly; off is the 2-layer case above, and fused covers every combination).
+#[test]
+fn nmt_semantics_stepwise_match_the_cpu() {
+    for input in [BiLayerInput::Own, BiLayerInput::Concat] {
+        let config = with_semantics(LstmImpl::Stepwise, SourceLengths::On, input);
+        nmt_matches_the_cpu(config, (5, 4), "4 layers");
+    }
+}
+
+fn nmt_matches_the_cpu(config: NmtConfig, (src_len, tgt_len): (usize, usize), note: &str) {
+    let lstm = config.lstm;
+    let what = format!(
+        "nmt {lstm:?} {note}, source lengths {}, bi-layer input {}",
+        config.source_lengths, config.bi_layer_input
+    );
+    let data = toy::NmtData::random(&config, 5, src_len, tgt_len, 11);
+    let mut on_cpu = NmtModel::new(toy::cpu(1), config.clone(), 3).unwrap();
+    let mut on_gpu = NmtModel::new(gpu(), config, 3).unwrap();
+    let mut ranges = Vec::new();
+    let cs = on_cpu
+        .forward_backward(&data.view(), &mut |_, _| {})
+        .unwrap();
+    let gs = on_gpu
+        .forward_backward(&data.view(), &mut |r, _| ranges.push(r))
+        .unwrap();
+    assert_eq!(ranges.first().map(|r| r.start), Some(0));
+    assert_eq!(
+        ranges.last().map(|r| r.end),
+        Some(on_gpu.layout().total_len())
+    );
+    let gpu_grads = fetch(on_gpu.backend(), on_gpu.grads());
+    compare_pass(&what, cs, gs, on_cpu.layout(), on_cpu.grads(), &gpu_grads);
 }
 
 #[test]
@@ -554,14 +589,18 @@ fn rnnlm_loss_and_gradients_match_the_cpu() {
     for lstm in [LstmImpl::Fused, LstmImpl::Stepwise] {
         let config = small_lm(lstm);
         let data = toy::LmData::random(&config, 6, 9, 12);
+        let next = toy::LmData::random(&config, 6, 9, 13);
         let mut on_cpu = RnnLm::new(toy::cpu(1), config.clone(), 4).unwrap();
         let mut on_gpu = RnnLm::new(gpu(), config, 4).unwrap();
-        let cs = on_cpu
-            .forward_backward(&data.view(), &mut |_, _| {})
-            .unwrap();
-        let gs = on_gpu
-            .forward_backward(&data.view(), &mut |_, _| {})
-            .unwrap();
+        on_cpu.forward_loss(&data.view()).unwrap();
+        on_gpu.forward_loss(&data.view()).unwrap();
+        // The second window starts from the state the first one carried, on both.
+        let view = ringtrain_model::LmBatchView {
+            first_in_epoch: false,
+            ..next.view()
+        };
+        let cs = on_cpu.forward_backward(&view, &mut |_, _| {}).unwrap();
+        let gs = on_gpu.forward_backward(&view, &mut |_, _| {}).unwrap();
         let gpu_grads = fetch(on_gpu.backend(), on_gpu.grads());
         compare_pass(
             &format!("rnnlm {lstm:?}"),

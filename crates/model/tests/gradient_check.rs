@@ -115,3 +115,24 @@ fn rnnlm_gradients_match_finite_differences() {
         "only {significant} sampled gradients were non-negligible"
     );
 }
+
+/// Source lengths on and concatenated bi layers, both implementations: the masked
+/// recurrence (held state at padding, gradient passed through it) is differentiated right.
+#[test]
+fn nmt_source_lengths_and_concat_gradients_match_finite_differences() {
+    for lstm in [LstmImpl::Fused, LstmImpl::Stepwise] {
+        let config = ringtrain_model::NmtConfig {
+            source_lengths: ringtrain_model::SourceLengths::On,
+            bi_layer_input: ringtrain_model::BiLayerInput::Concat,
+            ..toy::tiny_nmt(EncoderKind::Bi, 4, lstm)
+        };
+        let data = toy::NmtData::random(&config, 3, 4, 3, 15);
+        assert_eq!(data.src_lengths, [4, 3, 2]);
+        let mut model = NmtModel::new(toy::cpu(1), config, 9).expect("model");
+        let significant = check_model(&mut model, &data.view(), 6, 5);
+        assert!(
+            significant > 40,
+            "{lstm:?}: only {significant} sampled gradients were non-negligible"
+        );
+    }
+}

@@ -270,7 +270,7 @@ impl Checkpoint {
         path: &Path,
     ) -> Result<()> {
         let (now, then) = (&config.model, &self.config.model);
-        let fields: [(&str, String, String); 8] = [
+        let fields: [(&str, String, String); 10] = [
             ("--model", now.model.to_string(), then.model.to_string()),
             (
                 "--encoder-type",
@@ -281,6 +281,17 @@ impl Checkpoint {
                 "--direction",
                 now.direction.to_string(),
                 then.direction.to_string(),
+            ),
+            // A checkpoint written before these options existed holds the defaults' model.
+            (
+                "--source-lengths",
+                now.source_lengths.unwrap_or_default().to_string(),
+                then.source_lengths.unwrap_or_default().to_string(),
+            ),
+            (
+                "--bi-layer-input",
+                now.bi_layer_input.unwrap_or_default().to_string(),
+                then.bi_layer_input.unwrap_or_default().to_string(),
             ),
             (
                 "--num-encoder-layers",

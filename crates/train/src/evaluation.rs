@@ -149,13 +149,8 @@ impl TimeToQuality {
 /// # Errors
 /// The model's.
 pub fn local_loss(model: &mut dyn TrainableModel, held_out: Option<&HeldOut>) -> Result<[f64; 2]> {
-    let mut sums = [0.0, 0.0];
-    for batch in held_out.map_or(&[][..], HeldOut::batches) {
-        let out = model.evaluate(batch)?;
-        sums[0] += out.loss_sum;
-        sums[1] += out.target_tokens;
-    }
-    Ok(sums)
+    let out = model.evaluate(held_out.map_or(&[][..], HeldOut::batches))?;
+    Ok([out.loss_sum, out.target_tokens])
 }
 
 /// Evaluates `model` on the held-out set after step `step` (collective: every rank

@@ -58,9 +58,9 @@ pub mod trainer;
 
 pub use checkpoint::{Checkpoint, CHECKPOINT_MAGIC, CHECKPOINT_VERSION};
 pub use config::{
-    DataOptions, DataSource, DeviceKind, ExchangeOptions, HeldOutSource, ModelKind, ModelOptions,
-    OptimizerKind, OutputOptions, OverlapMode, RunOptions, TrainConfig, ValidatedConfig,
-    VariableUpdate,
+    DataOptions, DataSource, DeviceKind, EncoderType, ExchangeOptions, HeldOutSource, ModelKind,
+    ModelOptions, OptimizerKind, OutputOptions, OverlapMode, RunOptions, TrainConfig,
+    ValidatedConfig, VariableUpdate,
 };
 pub use device::{local_rank, local_rank_from_env, LocalRank, LocalRankSource};
 pub use error::{Error, Result};
@@ -70,7 +70,7 @@ pub use input::{
 };
 pub use optimizer::{LossScaler, Optimizer, OptimizerState};
 pub use report::{HostDeviceBytes, RankFigures, RunReport};
-pub use ringtrain_model::{EncoderKind, GemmPrecision, LstmImpl};
+pub use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, LstmImpl, SourceLengths};
 pub use run::run_rank;
 pub use strategy::{greedy_placement, StepContext, StepOutcome, StepStats, Strategy, Wire};
 pub use throughput::{RateStats, StepBreakdown, ThroughputMeter, ThroughputSummary};

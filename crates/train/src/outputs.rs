@@ -151,9 +151,13 @@ pub fn check_run_outputs(config: &TrainConfig) -> Result<()> {
 /// The flags that say what a checkpoint holds.
 fn describe(c: &TrainConfig) -> String {
     format!(
-        "--model {} --num-units {} --num-encoder-layers {} --num-decoder-layers {} --direction {} \
-         --optimizer {} --variable-update {} --batch-size {} --seed {}",
+        "--model {} --encoder-type {} --source-lengths {} --bi-layer-input {} --num-units {} \
+         --num-encoder-layers {} --num-decoder-layers {} --direction {} --optimizer {} \
+         --variable-update {} --batch-size {} --seed {}",
         c.model.model,
+        c.model.encoder_type,
+        c.model.source_lengths.unwrap_or_default(),
+        c.model.bi_layer_input.unwrap_or_default(),
         c.model.num_units,
         c.model.num_encoder_layers,
         c.model.num_decoder_layers,

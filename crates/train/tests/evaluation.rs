@@ -261,9 +261,9 @@ impl TrainableModel for SlowEvaluation {
     ) -> ringtrain_train::Result<PassOutput> {
         self.inner.forward_backward(batch, on_ready)
     }
-    fn evaluate(&mut self, batch: &Batch) -> ringtrain_train::Result<PassOutput> {
+    fn evaluate(&mut self, batches: &[Batch]) -> ringtrain_train::Result<PassOutput> {
         std::thread::sleep(self.pause);
-        self.inner.evaluate(batch)
+        self.inner.evaluate(batches)
     }
     fn describe(&self) -> String {
         self.inner.describe()

@@ -132,11 +132,17 @@ impl TrainableModel for TokenRegression {
         self.grads = grads;
         result.map(|()| out)
     }
-    fn evaluate(&mut self, batch: &Batch) -> ringtrain_train::Result<PassOutput> {
+    fn evaluate(&mut self, batches: &[Batch]) -> ringtrain_train::Result<PassOutput> {
         let saved = self.grads.clone();
-        let out = self.forward_backward(batch, &mut |_, _| Ok(()));
+        let mut sum = PassOutput::default();
+        let result = batches.iter().try_for_each(|batch| {
+            let out = self.forward_backward(batch, &mut |_, _| Ok(()))?;
+            sum.loss_sum += out.loss_sum;
+            sum.target_tokens += out.target_tokens;
+            Ok(())
+        });
         self.grads = saved;
-        out
+        result.map(|()| sum)
     }
     fn describe(&self) -> String {
         format!("token regression v{} d{}", self.vocab, self.dim)

@@ -4,7 +4,8 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain_model::{
-    CpuBackend, EncoderKind, LmBatchView, LmConfig, LstmImpl, NmtBatchView, NmtConfig,
+    BiLayerInput, CpuBackend, EncoderKind, LmBatchView, LmConfig, LstmImpl, NmtBatchView,
+    NmtConfig, SourceLengths,
 };
 
 /// Owned data behind an [`NmtBatchView`].
@@ -16,6 +17,9 @@ pub struct NmtData {
     pub tgt_in: Vec<u32>,
     pub tgt_out: Vec<u32>,
     pub mask: Vec<f32>,
+    /// Real source tokens per sentence: sentence `b` has `src_len - b % src_len`, the
+    /// rest of its column is padding (random ids, like the real tokens).
+    pub src_lengths: Vec<usize>,
 }
 
 impl NmtData {
@@ -41,6 +45,7 @@ impl NmtData {
             tgt_in,
             tgt_out,
             mask,
+            src_lengths: (0..batch).map(|b| src_len - b % src_len).collect(),
         }
     }
 
@@ -53,6 +58,7 @@ impl NmtData {
             tgt_in: &self.tgt_in,
             tgt_out: &self.tgt_out,
             tgt_mask: &self.mask,
+            src_lengths: Some(&self.src_lengths),
         }
     }
 }
@@ -93,6 +99,7 @@ impl LmData {
             inputs: &self.inputs,
             targets: &self.targets,
             mask: &self.mask,
+            first_in_epoch: true,
         }
     }
 }
@@ -107,6 +114,8 @@ pub fn tiny_nmt(encoder: EncoderKind, layers: usize, lstm: LstmImpl) -> NmtConfi
         layers,
         encoder,
         lstm,
+        source_lengths: SourceLengths::Off,
+        bi_layer_input: BiLayerInput::Own,
         init_scale: 0.5,
         forget_bias: 1.0,
     }

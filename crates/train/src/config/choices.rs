@@ -1,15 +1,17 @@
 //! The values a flag chooses between, each parsed from the spellings its flag accepts
 //! ([`std::str::FromStr`]; the error names the flag, the value and the accepted values).
 //!
-//! The LSTM implementation, the encoder direction and the matrix-product precision are
-//! the model crate's own [`LstmImpl`], [`EncoderKind`] and [`GemmPrecision`];
-//! [`parse_lstm_impl`], [`parse_encoder_kind`] and [`parse_gemm_precision`] read them with
-//! their flags' spellings (the seeds' `cudnn_lstm`, `dynamic_rnn` among them).
+//! The encoder direction, the model's semantic options and the matrix-product precision
+//! are the model crate's own [`EncoderKind`], [`SourceLengths`], [`BiLayerInput`] and
+//! [`GemmPrecision`]; [`parse_encoder_kind`], [`parse_source_lengths`],
+//! [`parse_bi_layer_input`] and [`parse_gemm_precision`] read them with their flags'
+//! spellings. [`EncoderType`] is `--encoder-type`: an LSTM implementation ([`LstmImpl`])
+//! or one of the seeds' names, which also select the seeds' model semantics.
 
 use std::fmt;
 use std::str::FromStr;
 
-use ringtrain_model::{EncoderKind, GemmPrecision, LstmImpl};
+use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, LstmImpl, SourceLengths};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -120,23 +122,69 @@ choice! {
     }
 }
 
-/// Reads `--encoder-type`: the model crate's names `fused` and `stepwise`, and the
-/// seeds' `cudnn_lstm` (or `cudnn`) and `dynamic_rnn`.
+choice! {
+    /// `--encoder-type`: the LSTM implementation alone (`fused`, `stepwise`; the model's
+    /// semantics come from `--source-lengths` and `--bi-layer-input`), or a seed's name,
+    /// which selects the seed's whole model.
+    EncoderType, flag = "--encoder-type" {
+        /// The fused (cuDNN-style) implementation.
+        Fused => "fused",
+        /// The stepwise (per step, per gate) implementation.
+        Stepwise => "stepwise",
+        /// The seeds' `cudnn_lstm`: fused, padding processed (`--source-lengths off`), bi
+        /// layers reading both directions (`--bi-layer-input concat`).
+        CudnnLstm => "cudnn_lstm" | "cudnn",
+        /// The seeds' `dynamic_rnn`: stepwise, `--source-lengths on`, `--bi-layer-input own`.
+        DynamicRnn => "dynamic_rnn",
+    }
+}
+
+impl EncoderType {
+    /// The LSTM implementation it runs.
+    pub fn lstm_impl(self) -> LstmImpl {
+        match self {
+            EncoderType::Fused | EncoderType::CudnnLstm => LstmImpl::Fused,
+            EncoderType::Stepwise | EncoderType::DynamicRnn => LstmImpl::Stepwise,
+        }
+    }
+
+    /// The model semantics a seed's name selects; `None` for `fused` and `stepwise`.
+    pub fn seed_semantics(self) -> Option<(SourceLengths, BiLayerInput)> {
+        match self {
+            EncoderType::Fused | EncoderType::Stepwise => None,
+            EncoderType::CudnnLstm => Some((SourceLengths::Off, BiLayerInput::Concat)),
+            EncoderType::DynamicRnn => Some((SourceLengths::On, BiLayerInput::Own)),
+        }
+    }
+}
+
+impl From<LstmImpl> for EncoderType {
+    fn from(imp: LstmImpl) -> Self {
+        match imp {
+            LstmImpl::Fused => EncoderType::Fused,
+            LstmImpl::Stepwise => EncoderType::Stepwise,
+        }
+    }
+}
+
+/// Reads `--source-lengths`: `on` or `off`.
 ///
 /// # Errors
 /// `InvalidValue` naming the flag, the value and the accepted spellings.
-pub fn parse_lstm_impl(s: &str) -> Result<LstmImpl> {
-    match normalized(s).as_str() {
-        "cudnn_lstm" | "cudnn" => Ok(LstmImpl::Fused),
-        "dynamic_rnn" => Ok(LstmImpl::Stepwise),
-        name => name.parse().map_err(|_| {
-            Error::invalid(
-                "--encoder-type",
-                s,
-                "expected one of: fused (aliases cudnn_lstm, cudnn), stepwise (alias dynamic_rnn)",
-            )
-        }),
-    }
+pub fn parse_source_lengths(s: &str) -> Result<SourceLengths> {
+    normalized(s)
+        .parse()
+        .map_err(|_| Error::invalid("--source-lengths", s, "expected one of: on, off"))
+}
+
+/// Reads `--bi-layer-input`: `concat` or `own`.
+///
+/// # Errors
+/// `InvalidValue` naming the flag, the value and the accepted spellings.
+pub fn parse_bi_layer_input(s: &str) -> Result<BiLayerInput> {
+    normalized(s)
+        .parse()
+        .map_err(|_| Error::invalid("--bi-layer-input", s, "expected one of: concat, own"))
 }
 
 /// Reads `--direction`: `uni` or `bi`.
@@ -168,10 +216,18 @@ mod tests {
 
     #[test]
     fn choices_parse_aliases_and_reject_unknown_with_the_flag_name() {
-        assert_eq!(parse_lstm_impl("cudnn_lstm").ok(), Some(LstmImpl::Fused));
         assert_eq!(
-            parse_lstm_impl("dynamic-rnn").ok(),
-            Some(LstmImpl::Stepwise)
+            "cudnn".parse::<EncoderType>().ok(),
+            Some(EncoderType::CudnnLstm)
+        );
+        assert_eq!(
+            "dynamic-rnn".parse::<EncoderType>().ok(),
+            Some(EncoderType::DynamicRnn)
+        );
+        assert_eq!(parse_source_lengths("ON").ok(), Some(SourceLengths::On));
+        assert_eq!(
+            parse_bi_layer_input("Concat").ok(),
+            Some(BiLayerInput::Concat)
         );
         assert_eq!(parse_encoder_kind("BI").ok(), Some(EncoderKind::Bi));
         assert_eq!(
@@ -180,7 +236,9 @@ mod tests {
         );
         for err in [
             "lstm9".parse::<ModelKind>().err(),
-            parse_lstm_impl("gru").err(),
+            "gru".parse::<EncoderType>().err(),
+            parse_source_lengths("yes").err(),
+            parse_bi_layer_input("both").err(),
             parse_encoder_kind("sideways").err(),
         ] {
             let err = err.map(|e| e.to_string()).unwrap_or_default();
@@ -208,8 +266,20 @@ mod tests {
                 Some(*name)
             );
         }
+        for name in EncoderType::NAMES {
+            assert_eq!(
+                name.parse::<EncoderType>().ok().map(EncoderType::as_str),
+                Some(*name)
+            );
+        }
         for imp in [LstmImpl::Fused, LstmImpl::Stepwise] {
-            assert_eq!(parse_lstm_impl(imp.as_str()).ok(), Some(imp));
+            assert_eq!(EncoderType::from(imp).lstm_impl(), imp);
+        }
+        for sl in [SourceLengths::Off, SourceLengths::On] {
+            assert_eq!(parse_source_lengths(sl.as_str()).ok(), Some(sl));
+        }
+        for bi in [BiLayerInput::Own, BiLayerInput::Concat] {
+            assert_eq!(parse_bi_layer_input(bi.as_str()).ok(), Some(bi));
         }
         for kind in [EncoderKind::Uni, EncoderKind::Bi] {
             assert_eq!(parse_encoder_kind(kind.as_str()).ok(), Some(kind));

@@ -34,15 +34,15 @@ use std::path::PathBuf;
 
 use ringtrain_collective::fusion::{DEFAULT_CYCLE_TIME, DEFAULT_THRESHOLD_BYTES};
 use ringtrain_collective::DEFAULT_STALL_TIMEOUT;
-use ringtrain_model::{EncoderKind, GemmPrecision, LstmImpl};
+use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, SourceLengths};
 use serde::{Deserialize, Serialize};
 
 mod choices;
 mod validated;
 
 pub use choices::{
-    parse_encoder_kind, parse_gemm_precision, parse_lstm_impl, DeviceKind, ModelKind,
-    OptimizerKind, OverlapMode, VariableUpdate,
+    parse_bi_layer_input, parse_encoder_kind, parse_gemm_precision, parse_source_lengths,
+    DeviceKind, EncoderType, ModelKind, OptimizerKind, OverlapMode, VariableUpdate,
 };
 pub use validated::{DataSource, HeldOutSource, Reduction, ValidatedConfig};
 
@@ -60,8 +60,13 @@ fn parse<T: std::str::FromStr<Err = crate::Error>>(s: &str) -> Result<T, String>
 }
 
 #[cfg(feature = "cli")]
-fn lstm_impl(s: &str) -> Result<LstmImpl, String> {
-    parse_lstm_impl(s).map_err(|e| e.reason())
+fn source_lengths(s: &str) -> Result<SourceLengths, String> {
+    parse_source_lengths(s).map_err(|e| e.reason())
+}
+
+#[cfg(feature = "cli")]
+fn bi_layer_input(s: &str) -> Result<BiLayerInput, String> {
+    parse_bi_layer_input(s).map_err(|e| e.reason())
 }
 
 #[cfg(feature = "cli")]
@@ -149,10 +154,24 @@ options! {
         /// language model).
         #[arg(long, value_parser = parse::<ModelKind>)]
         model: ModelKind = ModelKind::Nmt,
-        /// LSTM implementation: `fused` (input GEMM for all steps at once; alias
-        /// `cudnn_lstm`) or `stepwise` (one cell per step; alias `dynamic_rnn`).
-        #[arg(long, alias = "encoder_type", value_parser = lstm_impl)]
-        encoder_type: LstmImpl = LstmImpl::Fused,
+        /// LSTM implementation: `fused` (input GEMM for all steps at once) or `stepwise`
+        /// (one cell per step); or a seed's whole model: `cudnn_lstm` (fused,
+        /// --source-lengths off, --bi-layer-input concat) or `dynamic_rnn` (stepwise,
+        /// --source-lengths on, --bi-layer-input own).
+        #[arg(long, alias = "encoder_type", value_parser = parse::<EncoderType>)]
+        encoder_type: EncoderType = EncoderType::Fused,
+        /// NMT encoder: `on` stops at each sentence's real end (padding neither changes
+        /// the state nor gets gradient, as TF's dynamic_rnn with sequence_length); `off`
+        /// reads padding like any token. Default: off, or what a seed's --encoder-type
+        /// selects.
+        #[arg(long, value_parser = source_lengths)]
+        source_lengths: Option<SourceLengths>,
+        /// Bi encoder layers above the first read `concat` (both directions of the layer
+        /// below, 2 x units wide, as cuDNN) or `own` (their own direction's, as TF's
+        /// bidirectional_dynamic_rnn). Default: own, or what a seed's --encoder-type
+        /// selects.
+        #[arg(long, value_parser = bi_layer_input)]
+        bi_layer_input: Option<BiLayerInput>,
         /// Encoder direction: `uni` or `bi` (half the encoder layers each way).
         #[arg(long, value_parser = encoder_kind)]
         direction: EncoderKind = EncoderKind::Uni,
@@ -415,7 +434,7 @@ mod tests {
         let mut cfg = TrainConfig::default();
         cfg.run.seed = 77;
         cfg.data.total_batch_size = Some(9);
-        cfg.model.encoder_type = LstmImpl::Stepwise;
+        cfg.model.encoder_type = EncoderType::Stepwise;
         let text = serde_json::to_string(&cfg).unwrap_or_default();
         assert!(text.contains("\"encoder_type\":\"stepwise\""), "{text}");
         assert!(

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use ringtrain_data::BatchSizing;
-use ringtrain_model::{EncoderKind, GemmPrecision};
+use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, LstmImpl, SourceLengths};
 
-use super::{DeviceKind, ModelKind, OptimizerKind, OverlapMode, TrainConfig};
-use super::{VariableUpdate, DEFAULT_ADAM_LEARNING_RATE, DEFAULT_SGD_LEARNING_RATE};
+use super::{DeviceKind, ModelKind, ModelOptions, OptimizerKind, OverlapMode, TrainConfig};
+use super::{EncoderType, VariableUpdate, DEFAULT_ADAM_LEARNING_RATE, DEFAULT_SGD_LEARNING_RATE};
 use crate::error::{Error, Result};
 
 /// Where a run's batches come from, as `--use-synthetic-data` / `--data` resolve.
@@ -83,6 +83,53 @@ pub enum Reduction {
     Overlapped,
 }
 
+/// The model semantics `--encoder-type`, `--source-lengths` and `--bi-layer-input` select:
+/// a seed's name selects its model, and an explicit flag that says otherwise is an error
+/// naming both; after `fused` or `stepwise` each flag takes its value or the model crate's
+/// default.
+fn model_semantics(model: &ModelOptions) -> Result<(SourceLengths, BiLayerInput)> {
+    let Some((seed_lengths, seed_input)) = model.encoder_type.seed_semantics() else {
+        return Ok((
+            model.source_lengths.unwrap_or_default(),
+            model.bi_layer_input.unwrap_or_default(),
+        ));
+    };
+    let contradiction = |flag: &'static str, given: String, seed: String| {
+        Error::invalid(
+            flag,
+            given,
+            format!(
+                "--encoder-type {} is the seeds' model, which has {flag} {seed}; leave {flag} \
+                 out, or use --encoder-type {} to combine the implementation with other \
+                 semantics",
+                model.encoder_type,
+                EncoderType::from(model.encoder_type.lstm_impl())
+            ),
+        )
+    };
+    match model.source_lengths {
+        Some(given) if given != seed_lengths => {
+            return Err(contradiction(
+                "--source-lengths",
+                given.to_string(),
+                seed_lengths.to_string(),
+            ))
+        }
+        _ => {}
+    }
+    match model.bi_layer_input {
+        Some(given) if given != seed_input => {
+            return Err(contradiction(
+                "--bi-layer-input",
+                given.to_string(),
+                seed_input.to_string(),
+            ))
+        }
+        _ => {}
+    }
+    Ok((seed_lengths, seed_input))
+}
+
 /// `Err(InvalidValue)` naming `flag` unless `value >= 1`.
 fn at_least_one(flag: &'static str, value: usize) -> Result<()> {
     if value == 0 {
@@ -109,6 +156,7 @@ impl TrainConfig {
         at_least_one("number of ranks", world)?;
 
         at_least_one("--num-units", model.num_units)?;
+        let (source_lengths, bi_layer_input) = model_semantics(model)?;
         at_least_one("--num-encoder-layers", model.num_encoder_layers)?;
         at_least_one("--num-decoder-layers", model.num_decoder_layers)?;
         if model.model == ModelKind::Nmt {
@@ -301,8 +349,11 @@ impl TrainConfig {
             OverlapMode::Off => false,
             OverlapMode::Auto => run.device == DeviceKind::Cuda,
         };
+        let mut config = self.clone();
+        config.model.source_lengths = Some(source_lengths);
+        config.model.bi_layer_input = Some(bi_layer_input);
         Ok(ValidatedConfig {
-            config: self.clone(),
+            config,
             world,
             workers,
             batch,
@@ -461,10 +512,28 @@ fn data_source(cfg: &TrainConfig) -> Result<DataSource> {
 }
 
 impl ValidatedConfig {
-    /// The configuration as the user gave it (`auto` values unresolved): what reports and
-    /// checkpoints record.
+    /// The configuration as the user gave it (`auto` values unresolved), with the model
+    /// semantics `source_lengths` and `bi_layer_input` filled in with what they resolve to
+    /// (see [`ValidatedConfig::source_lengths`]): what reports and checkpoints record.
     pub fn config(&self) -> &TrainConfig {
         &self.config
+    }
+
+    /// The LSTM implementation `--encoder-type` runs.
+    pub fn lstm_impl(&self) -> LstmImpl {
+        self.config.model.encoder_type.lstm_impl()
+    }
+
+    /// Whether the NMT encoder stops at each sentence's real end: `--source-lengths`, or
+    /// what a seed's `--encoder-type` selects, or the model crate's default (off).
+    pub fn source_lengths(&self) -> SourceLengths {
+        self.config.model.source_lengths.unwrap_or_default()
+    }
+
+    /// What bi encoder layers above the first read: `--bi-layer-input`, or what a seed's
+    /// `--encoder-type` selects, or the model crate's default (own).
+    pub fn bi_layer_input(&self) -> BiLayerInput {
+        self.config.model.bi_layer_input.unwrap_or_default()
     }
 
     /// Ranks the configuration was checked for.
@@ -590,6 +659,101 @@ mod tests {
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default()
+    }
+
+    #[test]
+    fn seed_names_select_the_seeds_models() {
+        let cases = [
+            (
+                EncoderType::Fused,
+                LstmImpl::Fused,
+                SourceLengths::Off,
+                BiLayerInput::Own,
+            ),
+            (
+                EncoderType::Stepwise,
+                LstmImpl::Stepwise,
+                SourceLengths::Off,
+                BiLayerInput::Own,
+            ),
+            (
+                EncoderType::CudnnLstm,
+                LstmImpl::Fused,
+                SourceLengths::Off,
+                BiLayerInput::Concat,
+            ),
+            (
+                EncoderType::DynamicRnn,
+                LstmImpl::Stepwise,
+                SourceLengths::On,
+                BiLayerInput::Own,
+            ),
+        ];
+        for (encoder_type, lstm, lengths, input) in cases {
+            let mut cfg = TrainConfig::default();
+            cfg.model.encoder_type = encoder_type;
+            let run = cfg.validate(1).expect("valid");
+            assert_eq!(
+                (run.lstm_impl(), run.source_lengths(), run.bi_layer_input()),
+                (lstm, lengths, input),
+                "{encoder_type}"
+            );
+            // The config reports and checkpoints record names the resolved semantics.
+            let echoed = serde_json::to_string(run.config()).expect("json");
+            for field in [
+                format!("\"source_lengths\":\"{lengths}\""),
+                format!("\"bi_layer_input\":\"{input}\""),
+                format!("\"encoder_type\":\"{encoder_type}\""),
+            ] {
+                assert!(
+                    echoed.contains(&field),
+                    "{encoder_type}: {field} in {echoed}"
+                );
+            }
+            // Flags that agree with a seed's name are accepted.
+            cfg.model.source_lengths = Some(lengths);
+            cfg.model.bi_layer_input = Some(input);
+            assert_eq!(
+                cfg.validate(1).map(|r| r.source_lengths()).ok(),
+                Some(lengths)
+            );
+        }
+        // fused and stepwise take the semantic flags as given.
+        let mut cfg = TrainConfig::default();
+        cfg.model.encoder_type = EncoderType::Stepwise;
+        cfg.model.source_lengths = Some(SourceLengths::On);
+        cfg.model.bi_layer_input = Some(BiLayerInput::Concat);
+        let run = cfg.validate(1).expect("valid");
+        assert_eq!(
+            (run.lstm_impl(), run.source_lengths(), run.bi_layer_input()),
+            (LstmImpl::Stepwise, SourceLengths::On, BiLayerInput::Concat)
+        );
+    }
+
+    #[test]
+    fn a_semantic_flag_that_contradicts_a_seed_name_names_both_flags() {
+        let mut cfg = TrainConfig::default();
+        cfg.model.encoder_type = EncoderType::DynamicRnn;
+        cfg.model.source_lengths = Some(SourceLengths::Off);
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--source-lengths")
+                && err.contains("`off`")
+                && err.contains("--encoder-type dynamic_rnn")
+                && err.contains("--encoder-type stepwise"),
+            "{err}"
+        );
+        let mut cfg = TrainConfig::default();
+        cfg.model.encoder_type = EncoderType::CudnnLstm;
+        cfg.model.bi_layer_input = Some(BiLayerInput::Own);
+        let err = error(&cfg, 1);
+        assert!(
+            err.contains("--bi-layer-input")
+                && err.contains("--encoder-type cudnn_lstm")
+                && err.contains("concat")
+                && err.contains("--encoder-type fused"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -136,6 +136,11 @@ enum ModelShape {
 impl ModelShape {
     fn new(cfg: &ValidatedConfig, src_vocab: usize, tgt_vocab: usize) -> Self {
         let m = &cfg.config().model;
+        // `fused`, or a seed's name with the implementation it runs: `dynamic_rnn (stepwise)`.
+        let lstm = match m.encoder_type.seed_semantics() {
+            Some(_) => format!("{} ({})", m.encoder_type, cfg.lstm_impl()),
+            None => cfg.lstm_impl().to_string(),
+        };
         match m.model {
             ModelKind::Nmt => ModelShape::Nmt(
                 NmtConfig {
@@ -145,16 +150,20 @@ impl ModelShape {
                     hidden: m.num_units,
                     layers: m.num_encoder_layers,
                     encoder: m.direction,
-                    lstm: m.encoder_type,
+                    lstm: cfg.lstm_impl(),
+                    source_lengths: cfg.source_lengths(),
+                    bi_layer_input: cfg.bi_layer_input(),
                     ..NmtConfig::benchmark()
                 },
                 format!(
-                    "nmt {} {} {}+{} layers, {} units, vocab {}/{}",
-                    m.encoder_type,
+                    "nmt {lstm} {} {}+{} layers, {} units, source lengths {}, bi-layer input {}, \
+                     vocab {}/{}",
                     m.direction,
                     m.num_encoder_layers,
                     m.num_decoder_layers,
                     m.num_units,
+                    cfg.source_lengths(),
+                    cfg.bi_layer_input(),
                     src_vocab,
                     tgt_vocab
                 ),
@@ -165,13 +174,13 @@ impl ModelShape {
                     emb: m.num_units,
                     hidden: m.num_units,
                     layers: m.num_encoder_layers,
-                    lstm: m.encoder_type,
+                    lstm: cfg.lstm_impl(),
                     init_scale: 0.1,
                     forget_bias: 1.0,
                 },
                 format!(
-                    "rnnlm {} {} layers, {} units, vocab {}",
-                    m.encoder_type, m.num_encoder_layers, m.num_units, src_vocab
+                    "rnnlm {lstm} {} layers, {} units, vocab {}",
+                    m.num_encoder_layers, m.num_units, src_vocab
                 ),
             ),
         }
@@ -247,7 +256,23 @@ mod tests {
         let model = build_model(&cfg, 50, 40, 0, 1).map(|m| m.describe());
         assert_eq!(
             model.ok().as_deref(),
-            Some("nmt fused uni 2+2 layers, 64 units, vocab 50/40")
+            Some(
+                "nmt fused uni 2+2 layers, 64 units, source lengths off, bi-layer input own, \
+                 vocab 50/40"
+            )
+        );
+        let mut seed = TrainConfig::default();
+        seed.model.encoder_type = crate::config::EncoderType::DynamicRnn;
+        let Ok(cfg) = seed.validate(1) else {
+            panic!("the seed's config is valid");
+        };
+        let model = build_model(&cfg, 50, 40, 0, 1).map(|m| m.describe());
+        assert_eq!(
+            model.ok().as_deref(),
+            Some(
+                "nmt dynamic_rnn (stepwise) uni 2+2 layers, 64 units, source lengths on, \
+                 bi-layer input own, vocab 50/40"
+            )
         );
     }
 }

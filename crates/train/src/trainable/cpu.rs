@@ -57,9 +57,9 @@ where
         let model = &mut self.model;
         run_pass(|ready| model.train_on(batch, ready), &mut AtOnce, on_ready)
     }
-    fn evaluate(&mut self, batch: &Batch) -> Result<PassOutput> {
+    fn evaluate(&mut self, batches: &[Batch]) -> Result<PassOutput> {
         let model = &mut self.model;
-        run_forward(|| model.loss_on(batch))
+        run_forward(|| model.held_out_loss(batches))
     }
     fn describe(&self) -> String {
         self.description.clone()

@@ -209,11 +209,11 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> TrainableModel for GpuTrain
     }
     /// Forward only, after the parameter copy a change of the host parameters needs;
     /// the loss comes back to the host with the forward kernels.
-    fn evaluate(&mut self, batch: &Batch) -> Result<PassOutput> {
+    fn evaluate(&mut self, batches: &[Batch]) -> Result<PassOutput> {
         let uploaded = self.upload_params();
         let result = uploaded.and_then(|()| {
             let model = &mut self.model;
-            run_forward(|| model.loss_on(batch))
+            run_forward(|| model.held_out_loss(batches))
         });
         // The parameter copy must have landed before the trainer writes the mirror again.
         let settled = self.params_host.wait_all().map_err(gpu_err);

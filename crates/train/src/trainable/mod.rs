@@ -140,14 +140,14 @@ pub trait TrainableModel: Send {
         batch: &Batch,
         on_ready: &mut ReadyCallback<'_>,
     ) -> Result<PassOutput>;
-    /// Forward only on `batch`: the summed token loss and the tokens it covers, for a
-    /// held-out evaluation. Leaves the parameters as they are and the gradient buffer
-    /// unspecified until the next [`TrainableModel::forward_backward`] overwrites it;
-    /// `backward_seconds` is 0.
+    /// Forward only over `batches` (one rank's held-out part, in order): the summed token
+    /// loss and the tokens it covers. Leaves the parameters and any state the model
+    /// carries for training as they are, and the gradient buffer unspecified until the
+    /// next [`TrainableModel::forward_backward`] overwrites it; `backward_seconds` is 0.
     ///
     /// # Errors
     /// The model's or the device's.
-    fn evaluate(&mut self, batch: &Batch) -> Result<PassOutput>;
+    fn evaluate(&mut self, batches: &[Batch]) -> Result<PassOutput>;
     /// A short description for logs (`nmt fused uni 2+2 layers, 64 units, ...`).
     fn describe(&self) -> String;
 }

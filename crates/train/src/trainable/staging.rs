@@ -24,6 +24,28 @@ pub trait TrainsOnBatch: Model {
     /// # Errors
     /// As [`TrainsOnBatch::train_on`].
     fn loss_on(&mut self, batch: &Batch) -> Result<StepStats>;
+
+    /// [`TrainsOnBatch::loss_on`] over a whole held-out part, in order, summed. A model
+    /// that carries state from one batch to the next carries it across `batches` and
+    /// leaves the training run's carried state as it found it.
+    ///
+    /// # Errors
+    /// As [`TrainsOnBatch::train_on`].
+    fn held_out_loss(&mut self, batches: &[Batch]) -> Result<StepStats> {
+        summed_losses(self, batches)
+    }
+}
+
+/// [`TrainsOnBatch::loss_on`] over `batches`, in order, summed.
+fn summed_losses<M: TrainsOnBatch + ?Sized>(model: &mut M, batches: &[Batch]) -> Result<StepStats> {
+    let mut sum = StepStats::default();
+    for batch in batches {
+        let stats = model.loss_on(batch)?;
+        sum.loss_sum += stats.loss_sum;
+        sum.tokens += stats.tokens;
+        sum.launches += stats.launches;
+    }
+    Ok(sum)
 }
 
 impl<B: Backend> TrainsOnBatch for NmtModel<B> {
@@ -56,6 +78,7 @@ fn nmt_view(b: &ringtrain_data::NmtBatch) -> ringtrain_model::NmtBatchView<'_> {
         tgt_in: &b.target_input,
         tgt_out: &b.target_output,
         tgt_mask: &b.target_mask,
+        src_lengths: Some(&b.source_lengths),
     }
 }
 
@@ -77,6 +100,17 @@ impl<B: Backend> TrainsOnBatch for RnnLm<B> {
         };
         Ok(self.forward_loss(&lm_view(b))?)
     }
+
+    /// The held-out text is read window after window like the training text (its first
+    /// batch starts an epoch), so the state is carried across it; the training run's
+    /// carried state is set aside meanwhile and put back after, also on an error.
+    fn held_out_loss(&mut self, batches: &[Batch]) -> Result<StepStats> {
+        let mut training_state = ringtrain_model::LmState::default();
+        self.swap_state(&mut training_state);
+        let result = summed_losses(self, batches);
+        self.swap_state(&mut training_state);
+        result
+    }
 }
 
 /// `b` as the language model's batch.
@@ -87,6 +121,7 @@ fn lm_view(b: &ringtrain_data::LmBatch) -> ringtrain_model::LmBatchView<'_> {
         inputs: &b.inputs,
         targets: &b.targets,
         mask: &b.mask,
+        first_in_epoch: b.first_in_epoch,
     }
 }
 
