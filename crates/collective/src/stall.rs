@@ -194,6 +194,7 @@ impl<'a> Wait<'a> {
     /// machine hands the core to other processes for a whole time slice per poll
     /// (measured on 2 cores with 2 busy processes beside 2 ranks: 10-100x slower
     /// all-reduces from 64 KiB up with yields, none without).
+    #[cfg(feature = "mpi")]
     pub(crate) fn pause(&mut self, pending: impl FnOnce() -> Vec<usize>) -> Result<()> {
         std::hint::spin_loop();
         // Reading the clock costs little next to a poll of the transport.

@@ -132,3 +132,60 @@ fn wrong_batch(model: &str) -> Error {
         "the input pipeline produced batches for the other model; build the pipeline from the same config",
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ringtrain_data::LmBatch;
+    use ringtrain_model::{CpuBackend, LmConfig, LstmImpl};
+
+    fn lm() -> RnnLm<CpuBackend> {
+        let config = LmConfig {
+            vocab: 9,
+            emb: 4,
+            hidden: 5,
+            layers: 2,
+            lstm: LstmImpl::Fused,
+            init_scale: 0.5,
+            forget_bias: 1.0,
+        };
+        RnnLm::new(CpuBackend::new(1).expect("cpu backend"), config, 7).expect("model")
+    }
+
+    /// Window `w` of a fixed 2-column text stream, 3 steps long.
+    fn window(w: u32, first_in_epoch: bool) -> Batch {
+        let ids = |shift: u32| (0..6).map(|i| (i * 5 + w * 3 + shift) % 9).collect();
+        Batch::Lm(LmBatch {
+            batch_size: 2,
+            steps: 3,
+            inputs: ids(0),
+            targets: ids(1),
+            mask: vec![1.0; 6],
+            first_in_epoch,
+        })
+    }
+
+    /// The held-out windows carry the state from one to the next, as training does, and
+    /// the training run's own carried state is the same after the evaluation as before.
+    #[test]
+    fn held_out_windows_carry_the_state_and_leave_the_training_state_alone() {
+        let held_out = [window(5, true), window(6, false)];
+        let mut model = lm();
+        let carried = model.held_out_loss(&held_out).expect("evaluates").loss_sum;
+        let mut one_by_one = lm();
+        let first = one_by_one.loss_on(&held_out[0]).expect("window 1").loss_sum;
+        let second = one_by_one.loss_on(&held_out[1]).expect("window 2").loss_sum;
+        let from_zeros = lm().loss_on(&window(6, true)).expect("window 2").loss_sum;
+        assert_eq!(carried, first + second);
+        assert_ne!(second, from_zeros, "the carried state made no difference");
+
+        // Training carries a state; an evaluation in between leaves it as it was.
+        let mut trained = lm();
+        trained.loss_on(&window(0, true)).expect("window 1");
+        let mut evaluated = lm();
+        evaluated.loss_on(&window(0, true)).expect("window 1");
+        evaluated.held_out_loss(&held_out).expect("evaluates");
+        let next = |m: &mut RnnLm<CpuBackend>| m.loss_on(&window(1, false)).expect("window 2");
+        assert_eq!(next(&mut trained).loss_sum, next(&mut evaluated).loss_sum);
+    }
+}
