@@ -24,9 +24,10 @@
 //! evaluations). Words and time are those of this process (after `--resume`, from the
 //! resume on); the step counts the checkpoint's steps too.
 //!
-//! The language model is evaluated window by window in the order a carried state would
-//! need (window `k + 1` of a column continues window `k`); each window starts from the
-//! zero state, as the model computes it in training.
+//! The language model is evaluated window by window (window `k + 1` of a column continues
+//! window `k`) and carries its LSTM state across the windows as in training, from zeros at
+//! the held-out set's first window; the training run's carried state is set aside during
+//! the evaluation and put back after it.
 
 use serde::{Deserialize, Serialize};
 
