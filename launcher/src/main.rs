@@ -68,7 +68,10 @@ fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
-        eprintln!("ringtrain: error: {e}");
+        // One write of the whole line: the ranks of an mpirun job share one stderr, and
+        // `eprintln!` writes its pieces separately, so two ranks' errors could interleave.
+        let line = format!("ringtrain: error: {e}\n");
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         std::process::exit(e.exit_code());
     }
 }
