@@ -18,8 +18,6 @@
 //! [`FusionConfig::stall_error`] later (ranks that never submitted it see the error from
 //! [`FusionEngine::synchronize`] or [`FusionEngine::take_foreign_failure`]).
 
-use std::collections::hash_map::Entry;
-
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,7 +30,9 @@ use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 use crate::communicator::Communicator;
 use crate::dtype::{DType, Element, Tensor};
 use crate::error::{Error, Result};
-use crate::negotiation::{Announcement, CycleMessage, Decision, Failure, ReadyTable};
+use crate::negotiation::{
+    Announce, Announcement, CycleMessage, Decision, Failure, IdBits, ReadyTable,
+};
 use crate::options::AllReduceOptions;
 use crate::timeline::Timeline;
 
@@ -136,7 +136,7 @@ impl Wakeup {
 
 enum Command {
     Submit {
-        name: String,
+        name: Arc<str>,
         tensor: Tensor,
         ticket: u64,
         at: Instant,
@@ -219,7 +219,7 @@ impl Board {
 /// A submitted tensor's future result.
 #[derive(Debug)]
 pub struct Handle {
-    name: String,
+    name: Arc<str>,
     ticket: u64,
     board: Arc<Board>,
     wake: Arc<Wakeup>,
@@ -344,8 +344,10 @@ impl FusionEngine {
             reason: "the background thread has exited; shutdown() returns the cause".into(),
         };
         let tx = self.tx.as_ref().ok_or_else(stopped)?;
+        // One allocation for the name, shared by the handle and the engine.
+        let name: Arc<str> = Arc::from(name);
         tx.send(Command::Submit {
-            name: name.to_owned(),
+            name: Arc::clone(&name),
             tensor: tensor.into(),
             ticket,
             at: Instant::now(),
@@ -353,7 +355,7 @@ impl FusionEngine {
         .map_err(|_| stopped())?;
         self.wake.queued();
         Ok(Handle {
-            name: name.to_owned(),
+            name,
             ticket,
             board: Arc::clone(&self.board),
             wake: Arc::clone(&self.wake),
@@ -437,8 +439,15 @@ struct Pending {
 struct Engine {
     config: FusionConfig,
     rank: usize,
-    local: HashMap<String, Pending>,
+    /// Tensors queued here, by registered id.
+    slots: Vec<Option<Pending>>,
+    /// How many of `slots` are occupied.
+    queued: usize,
+    /// Tensors queued here whose name is not registered yet (announced by name).
+    unregistered: HashMap<Arc<str>, Pending>,
+    /// This cycle's announcements by name or id, and by cache bit.
     fresh: Vec<Announcement>,
+    fresh_bits: IdBits,
     failed: HashMap<String, Failure>,
     shutting_down: bool,
     table: ReadyTable,
@@ -461,8 +470,11 @@ fn run_engine(
     let timeline = Timeline::new(config.timeline.as_deref(), rank, Instant::now());
     let mut engine = Engine {
         rank,
-        local: HashMap::default(),
+        slots: Vec::new(),
+        queued: 0,
+        unregistered: HashMap::default(),
         fresh: Vec::new(),
+        fresh_bits: IdBits::default(),
         failed: HashMap::default(),
         shutting_down: false,
         table: ReadyTable::new(comm.size()),
@@ -478,7 +490,8 @@ fn run_engine(
         Ok(()) => "the engine was shut down".to_string(),
         Err(e) => e.to_string(),
     };
-    engine.board.post(engine.local.drain().map(|(_, p)| {
+    let left = engine.take_all_queued();
+    engine.board.post(left.into_iter().map(|p| {
         (
             p.ticket,
             Err(Error::EngineStopped {
@@ -509,34 +522,62 @@ impl Engine {
                 let failed = if self.failed.is_empty() {
                     None
                 } else {
-                    self.failed.remove(&name)
+                    self.failed.remove(&*name)
                 };
                 if let Some(f) = failed {
                     self.board.post([(ticket, Err(f.to_error(&name)))]);
                     return;
                 }
-                let announcement =
-                    self.table
-                        .announcement(&name, tensor.dtype(), tensor.len() as u64);
-                match self.local.entry(name) {
-                    Entry::Occupied(e) => {
-                        let err = Error::DuplicateName {
-                            name: e.key().clone(),
-                            rank: self.rank,
-                        };
-                        self.board.post([(ticket, Err(err))]);
+                let pending = Pending {
+                    tensor,
+                    ticket,
+                    submitted: at,
+                };
+                let (dtype, len) = (pending.tensor.dtype(), pending.tensor.len() as u64);
+                let id = match self.table.announcement(&name, dtype, len) {
+                    Announce::Cached(id) => Some((id, None)),
+                    Announce::Explicit(a @ Announcement::Known { id, .. }) => Some((id, Some(a))),
+                    Announce::Explicit(a @ Announcement::New { .. }) => {
+                        if self.unregistered.contains_key(&name) {
+                            self.duplicate(&name, ticket);
+                            return;
+                        }
+                        self.unregistered.insert(name, pending);
+                        self.fresh.push(a);
+                        return;
                     }
-                    Entry::Vacant(e) => {
-                        self.fresh.push(announcement);
-                        e.insert(Pending {
-                            tensor,
-                            ticket,
-                            submitted: at,
-                        });
+                };
+                if let Some((id, explicit)) = id {
+                    let slot = &mut self.slots[id as usize];
+                    if slot.is_some() {
+                        self.duplicate(&name, ticket);
+                        return;
+                    }
+                    *slot = Some(pending);
+                    self.queued += 1;
+                    match explicit {
+                        Some(a) => self.fresh.push(a),
+                        None => self.fresh_bits.insert(id),
                     }
                 }
             }
         }
+    }
+
+    fn duplicate(&self, name: &str, ticket: u64) {
+        let err = Error::DuplicateName {
+            name: name.to_owned(),
+            rank: self.rank,
+        };
+        self.board.post([(ticket, Err(err))]);
+    }
+
+    /// Every tensor still queued here.
+    fn take_all_queued(&mut self) -> Vec<Pending> {
+        self.queued = 0;
+        let mut out: Vec<Pending> = self.slots.iter_mut().filter_map(Option::take).collect();
+        out.extend(self.unregistered.drain().map(|(_, p)| p));
+        out
     }
 
     /// Collects submissions for one cycle: an idle engine waits for the first
@@ -544,8 +585,10 @@ impl Engine {
     /// handles.
     fn collect(&mut self, rx: &Receiver<Command>) {
         let busy = self.shutting_down
-            || !self.local.is_empty()
+            || self.queued > 0
+            || !self.unregistered.is_empty()
             || !self.fresh.is_empty()
+            || !self.fresh_bits.is_empty()
             || !self.table.is_empty();
         if busy || self.wake.wait_queued(IDLE_POLL) {
             self.wake
@@ -585,15 +628,26 @@ impl Engine {
             let msg = CycleMessage {
                 shutting_down: self.shutting_down,
                 announcements: std::mem::take(&mut self.fresh),
+                cached: std::mem::take(&mut self.fresh_bits),
                 fail,
             };
             let gathered = comm.negotiate(&msg.encode())?;
+            let known = self.table.registered_count();
             let mut messages = Vec::with_capacity(size);
             for bytes in &gathered {
-                messages.push(CycleMessage::decode(bytes, self.rank)?);
+                messages.push(CycleMessage::decode(bytes, self.rank, known)?);
             }
             let negotiated = Instant::now();
             let decisions = self.table.apply(&messages, negotiated);
+            // Names registered now: their tensors move to their id's slot.
+            self.slots
+                .resize_with(self.table.registered_count(), || None);
+            for &id in self.table.newly_registered() {
+                if let Some(p) = self.unregistered.remove(self.table.name(id)) {
+                    self.slots[id as usize] = Some(p);
+                    self.queued += 1;
+                }
+            }
             for w in self
                 .table
                 .take_warnings(negotiated, self.config.stall_warning)
@@ -608,29 +662,36 @@ impl Engine {
             let mut ready = Vec::new();
             for d in decisions {
                 match d {
-                    Decision::Fail { name, failure } => self.fail(name, failure),
-                    Decision::Reduce { name, dtype, len } => ready.push((name, dtype, len)),
+                    Decision::Fail { id, name, failure } => self.fail(id, name, failure),
+                    Decision::Reduce { id, dtype, len } => ready.push((id, dtype, len)),
                 }
             }
             self.reduce_ready(comm, ready, negotiated)?;
             if self.table.all_shut_down() {
-                let failed: Vec<_> = self
-                    .local
-                    .drain()
-                    .map(|(name, p)| {
+                let mut failed = Vec::new();
+                for (id, slot) in self.slots.iter_mut().enumerate() {
+                    if let Some(p) = slot.take() {
+                        let name = self.table.name(id as u32);
                         let reason =
                             format!("every rank shut down before tensor `{name}` was reduced");
-                        (p.ticket, Err(Error::EngineStopped { reason }))
-                    })
-                    .collect();
+                        failed.push((p.ticket, Err(Error::EngineStopped { reason })));
+                    }
+                }
+                for (name, p) in self.unregistered.drain() {
+                    let reason = format!("every rank shut down before tensor `{name}` was reduced");
+                    failed.push((p.ticket, Err(Error::EngineStopped { reason })));
+                }
+                self.queued = 0;
                 self.board.post(failed);
                 return Ok(());
             }
         }
     }
 
-    fn fail(&mut self, name: String, failure: Failure) {
-        if let Some(p) = self.local.remove(&name) {
+    fn fail(&mut self, id: u32, name: String, failure: Failure) {
+        let queued = self.slots.get_mut(id as usize).and_then(Option::take);
+        if let Some(p) = queued {
+            self.queued -= 1;
             self.board.post([(p.ticket, Err(failure.to_error(&name)))]);
         } else {
             // Not submitted here (yet): report it on the next synchronize, and to a late
@@ -647,7 +708,7 @@ impl Engine {
     fn reduce_ready(
         &mut self,
         comm: &mut Communicator,
-        ready: Vec<(String, DType, usize)>,
+        ready: Vec<(u32, DType, usize)>,
         negotiated: Instant,
     ) -> Result<()> {
         let mut i = 0;
@@ -663,26 +724,28 @@ impl Engine {
                 j += 1;
             }
             let mut group = Vec::with_capacity(j - i);
-            for (name, _, len) in &ready[i..j] {
-                let Some(p) = self.local.remove(name) else {
+            for &(id, _, len) in &ready[i..j] {
+                let Some(p) = self.slots.get_mut(id as usize).and_then(Option::take) else {
                     return Err(Error::EngineStopped {
                         reason: format!(
-                            "internal: tensor `{name}` was agreed on but is not queued on rank {}",
+                            "internal: tensor `{}` was agreed on but is not queued on rank {}",
+                            self.table.name(id),
                             self.rank
                         ),
                     });
                 };
-                debug_assert_eq!(p.tensor.len(), *len);
+                self.queued -= 1;
+                debug_assert_eq!(p.tensor.len(), len);
                 if self.timeline.enabled() {
                     self.timeline.phase(
-                        name,
+                        self.table.name(id),
                         "queued",
                         p.submitted,
                         negotiated,
                         serde_json::json!({ "bytes": p.tensor.size_bytes() }),
                     );
                 }
-                group.push((name.clone(), p));
+                group.push((id, p));
             }
             let result = match dtype {
                 DType::F32 => self.reduce_group::<f32>(comm, &mut group),
@@ -714,16 +777,16 @@ impl Engine {
     fn reduce_group<T: Element>(
         &mut self,
         comm: &mut Communicator,
-        group: &mut [(String, Pending)],
+        group: &mut [(u32, Pending)],
     ) -> Result<()> {
         let opts = self.config.options;
-        if let [(name, p)] = group {
+        if let [(id, p)] = group {
             let start = Instant::now();
             comm.all_reduce(typed_mut::<T>(&mut p.tensor)?, &opts)?;
             let end = Instant::now();
             if self.timeline.enabled() {
                 self.timeline.phase(
-                    name,
+                    self.table.name(*id),
                     "all_reduce",
                     start,
                     end,
@@ -772,7 +835,8 @@ impl Engine {
         }
         if timed {
             let args = serde_json::json!({ "fused_tensors": group.len(), "fused_bytes": total * T::BYTES });
-            for (k, (name, _)) in group.iter().enumerate() {
+            for (k, (id, _)) in group.iter().enumerate() {
+                let name = self.table.name(*id);
                 self.timeline.phase(
                     name,
                     "copy_in",
