@@ -7,9 +7,11 @@
 //! mpirun -np 4 ringtrain bench allreduce --min-bytes 64K --max-bytes 64M --json allreduce.json
 //! ```
 //!
-//! The `--json` file is one array: the table's rows (nccl-tests' fields), then one entry
+//! The `--json` file is one array: the table's rows (nccl-tests' fields), then two entries
 //! per fusion-overhead case, `{"case": "fusion_overhead", "ranks": R, "tensors": N,
-//! "tensor_bytes": B, "ratio": X, ...}` with the two times the ratio comes from.
+//! "tensor_bytes": B, "ratio": X, ...}` with the two times the ratio comes from, one per
+//! way of submitting (`"submission": "each"`, one `submit` per tensor as a backward pass
+//! does, or `"group"`, one `submit_group` for all of them).
 
 use std::path::PathBuf;
 
@@ -150,7 +152,9 @@ pub struct FusionOverheadEntry {
     pub tensors: usize,
     /// Bytes per tensor (f32).
     pub tensor_bytes: usize,
-    /// Median fused step (submit every tensor, synchronize) in microseconds, slowest rank.
+    /// `each` (one `submit` per tensor) or `group` (one `submit_group`).
+    pub submission: &'static str,
+    /// Median fused step (submit the tensors, wait for them) in microseconds, slowest rank.
     pub fused_us: f64,
     /// Median all-reduce of `tensors * tensor_bytes` bytes in microseconds, slowest rank.
     pub all_reduce_us: f64,
@@ -363,6 +367,7 @@ mod measure {
 
     use ringtrain_collective::{
         Algorithm, AllReduceOptions, Communicator, Element, FusionConfig, FusionEngine, ReduceOp,
+        TensorNames,
     };
 
     use super::{AllreduceBenchArgs, AllreduceRow, FusionOverheadEntry};
@@ -677,12 +682,18 @@ mod measure {
         let mut wrong = 0usize;
         if rank == 0 {
             println!(
-                "# fusion overhead: a fused step of N f32 tensors (submit each, synchronize) against one {} all-reduce of the same total bytes; {size} ranks, {steps} timed steps each, medians of the slowest rank, fusion cycle {} us",
+                "# fusion overhead: a fused step of N f32 tensors (submission `each`: one submit per tensor, then synchronize; `group`: one submit_group) against one {} all-reduce of the same total bytes; {size} ranks, {steps} timed steps each, medians of the slowest rank, fusion cycle {} us",
                 opts.algorithm, args.cycle_time_us
             );
             println!(
-                "{:>8} {:>12} {:>12} {:>14} {:>14} {:>16}",
-                "tensors", "tensor_bytes", "total_bytes", "allreduce_us", "fused_us", "fusion_overhead"
+                "{:>8} {:>12} {:>12} {:>10} {:>14} {:>14} {:>16}",
+                "tensors",
+                "tensor_bytes",
+                "total_bytes",
+                "submission",
+                "allreduce_us",
+                "fused_us",
+                "fusion_overhead"
             );
         }
         for (n, tensor_bytes) in cases {
@@ -692,7 +703,9 @@ mod measure {
                 .collect();
             let mut tensors: Vec<Vec<f32>> = (0..n).map(|_| vec![1.0f32; len]).collect();
             let mut flat = vec![1.0f32; n * len];
+            let group = TensorNames::new(&names);
             let mut fused_times = Vec::with_capacity(steps);
+            let mut group_times = Vec::with_capacity(steps);
             let mut flat_times = Vec::with_capacity(steps);
             for step in 0..warmup + steps {
                 flat.fill(1.0);
@@ -718,34 +731,54 @@ mod measure {
                     wrong += v.iter().filter(|&&x| x != size as f32).count();
                     tensors.push(v);
                 }
+
+                for t in tensors.iter_mut() {
+                    t.fill(1.0);
+                }
+                other.barrier()?;
+                let start = Instant::now();
+                let reduced = engine
+                    .submit_group(&group, std::mem::take(&mut tensors))?
+                    .wait()?;
+                let grouped = start.elapsed().as_secs_f64();
+                for t in reduced {
+                    let v = t.into_vec::<f32>()?;
+                    wrong += v.iter().filter(|&&x| x != size as f32).count();
+                    tensors.push(v);
+                }
                 if step >= warmup {
                     flat_times.push(one);
                     fused_times.push(fused);
+                    group_times.push(grouped);
                 }
             }
             let all_reduce = max_over_ranks(&mut other, median(&mut flat_times))?;
-            let fused = max_over_ranks(&mut other, median(&mut fused_times))?;
-            let ratio = fused / all_reduce;
-            if rank == 0 {
-                println!(
-                    "{:>8} {:>12} {:>12} {:>14.1} {:>14.1} {:>15.2}x",
-                    n,
-                    len * 4,
-                    n * len * 4,
-                    all_reduce * 1e6,
-                    fused * 1e6,
-                    ratio
-                );
+            for (submission, times) in [("each", &mut fused_times), ("group", &mut group_times)] {
+                let fused = max_over_ranks(&mut other, median(times))?;
+                let ratio = fused / all_reduce;
+                if rank == 0 {
+                    println!(
+                        "{:>8} {:>12} {:>12} {:>10} {:>14.1} {:>14.1} {:>15.2}x",
+                        n,
+                        len * 4,
+                        n * len * 4,
+                        submission,
+                        all_reduce * 1e6,
+                        fused * 1e6,
+                        ratio
+                    );
+                }
+                entries.push(FusionOverheadEntry {
+                    case: "fusion_overhead",
+                    ranks: size,
+                    tensors: n,
+                    tensor_bytes: len * 4,
+                    submission,
+                    fused_us: fused * 1e6,
+                    all_reduce_us: all_reduce * 1e6,
+                    ratio,
+                });
             }
-            entries.push(FusionOverheadEntry {
-                case: "fusion_overhead",
-                ranks: size,
-                tensors: n,
-                tensor_bytes: len * 4,
-                fused_us: fused * 1e6,
-                all_reduce_us: all_reduce * 1e6,
-                ratio,
-            });
         }
         let comm = engine.shutdown()?;
         drop(other);

@@ -139,9 +139,31 @@ enum Command {
         name: Arc<str>,
         tensor: Tensor,
         ticket: u64,
-        at: Instant,
+        at: Option<Instant>,
+    },
+    SubmitGroup {
+        names: TensorNames,
+        tensors: Vec<Tensor>,
+        batch: u64,
+        at: Option<Instant>,
     },
     Shutdown,
+}
+
+/// Where a result goes: a [`Handle`], or one place of a [`GroupHandle`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ticket {
+    One(u64),
+    Member { batch: u64, index: u32 },
+}
+
+/// The results of one submitted group, filled as its tensors complete.
+#[derive(Debug)]
+struct Batch {
+    results: Vec<Option<Result<Tensor>>>,
+    remaining: usize,
+    /// The handle was dropped unwaited: the batch is discarded once complete.
+    abandoned: bool,
 }
 
 /// Where the background thread leaves results for handles: one lock and one wake-up per
@@ -156,6 +178,7 @@ struct Board {
 #[derive(Debug, Default)]
 struct BoardState {
     done: HashMap<u64, Result<Tensor>>,
+    batches: HashMap<u64, Batch>,
     /// Tickets whose handle was dropped unwaited: their results are discarded.
     abandoned: HashSet<u64>,
     /// Set when the background thread has ended.
@@ -171,15 +194,98 @@ impl Board {
         self.next_ticket.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn post(&self, results: impl IntoIterator<Item = (u64, Result<Tensor>)>) {
+    fn post(&self, results: impl IntoIterator<Item = (Ticket, Result<Tensor>)>) {
         let mut s = self.lock();
         for (ticket, r) in results {
-            if !s.abandoned.remove(&ticket) {
-                s.done.insert(ticket, r);
+            match ticket {
+                Ticket::One(ticket) => {
+                    if !s.abandoned.remove(&ticket) {
+                        s.done.insert(ticket, r);
+                    }
+                }
+                Ticket::Member { batch, index } => {
+                    let Some(b) = s.batches.get_mut(&batch) else {
+                        continue;
+                    };
+                    let Some(slot) = b.results.get_mut(index as usize) else {
+                        continue;
+                    };
+                    if slot.is_none() {
+                        b.remaining -= 1;
+                    }
+                    *slot = Some(r);
+                    if b.abandoned && b.remaining == 0 {
+                        s.batches.remove(&batch);
+                    }
+                }
             }
         }
         drop(s);
         self.cv.notify_all();
+    }
+
+    /// A ticket for a group of `n` tensors, with room for their results.
+    fn open_batch(&self, n: usize) -> u64 {
+        let batch = self.ticket();
+        let results = (0..n).map(|_| None).collect();
+        self.lock().batches.insert(
+            batch,
+            Batch {
+                results,
+                remaining: n,
+                abandoned: false,
+            },
+        );
+        batch
+    }
+
+    fn batch_done(&self, batch: u64) -> bool {
+        self.lock()
+            .batches
+            .get(&batch)
+            .is_none_or(|b| b.remaining == 0)
+    }
+
+    /// Waits until every tensor of the group has a result (or the engine has ended).
+    fn take_batch(&self, batch: u64, names: &TensorNames) -> Vec<Result<Tensor>> {
+        let mut s = self.lock();
+        loop {
+            let complete = s.batches.get(&batch).is_none_or(|b| b.remaining == 0);
+            if complete || s.closed.is_some() {
+                let reason = s.closed.clone().unwrap_or_default();
+                let results = s.batches.remove(&batch).map(|b| b.results);
+                let results = results.unwrap_or_default();
+                return results
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, r)| {
+                        r.unwrap_or_else(|| {
+                            Err(Error::EngineStopped {
+                                reason: format!(
+                                    "tensor `{}` was not reduced before the background thread ended ({reason})",
+                                    names.get(i).unwrap_or("?")
+                                ),
+                            })
+                        })
+                    })
+                    .collect();
+            }
+            s = self.cv.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn abandon_batch(&self, batch: u64) {
+        let mut s = self.lock();
+        let complete = match s.batches.get_mut(&batch) {
+            Some(b) => {
+                b.abandoned = true;
+                b.remaining == 0
+            }
+            None => false,
+        };
+        if complete {
+            s.batches.remove(&batch);
+        }
     }
 
     fn close(&self, reason: String) {
@@ -257,6 +363,93 @@ impl Drop for Handle {
     }
 }
 
+/// The names of tensors submitted together (every step, typically), made once and reused:
+/// [`FusionEngine::submit_group`] hands a whole group to the background thread in one
+/// message, where [`FusionEngine::submit`] takes one per tensor.
+#[derive(Clone, Debug)]
+pub struct TensorNames {
+    names: Arc<[Arc<str>]>,
+}
+
+impl TensorNames {
+    /// The names, in the order their tensors will be passed.
+    pub fn new<I, S>(names: I) -> TensorNames
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        TensorNames {
+            names: names.into_iter().map(|n| Arc::from(n.as_ref())).collect(),
+        }
+    }
+
+    /// Number of names.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    /// True when there are none.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    /// The name at `index`.
+    pub fn get(&self, index: usize) -> Option<&str> {
+        self.names.get(index).map(|n| &**n)
+    }
+}
+
+/// A submitted group's future results ([`FusionEngine::submit_group`]).
+#[derive(Debug)]
+pub struct GroupHandle {
+    batch: u64,
+    names: TensorNames,
+    board: Arc<Board>,
+    wake: Arc<Wakeup>,
+    foreign: ForeignFailures,
+    waited: bool,
+}
+
+impl GroupHandle {
+    /// Blocks until every tensor of the group is reduced (or failed) and returns them in
+    /// the order they were passed; the first error instead, after waiting for all (also
+    /// a failure of a tensor this rank never submitted, as
+    /// [`FusionEngine::synchronize`] reports it).
+    pub fn wait(mut self) -> Result<Vec<Tensor>> {
+        self.waited = true;
+        if !self.board.batch_done(self.batch) {
+            self.wake.flush();
+        }
+        let mut out = Vec::with_capacity(self.names.len());
+        let mut first_err = None;
+        for r in self.board.take_batch(self.batch, &self.names) {
+            match r {
+                Ok(t) => out.push(t),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        let mut foreign = self.foreign.lock().unwrap_or_else(|p| p.into_inner());
+        if !foreign.is_empty() {
+            let (name, f) = foreign.remove(0);
+            return Err(f.to_error(&name));
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for GroupHandle {
+    fn drop(&mut self) {
+        if !self.waited {
+            self.board.abandon_batch(self.batch);
+        }
+    }
+}
+
 /// Failures of tensors this rank never submitted (so no handle can carry them).
 type ForeignFailures = Arc<Mutex<Vec<(String, Failure)>>>;
 
@@ -268,6 +461,8 @@ pub struct FusionEngine {
     foreign: ForeignFailures,
     wake: Arc<Wakeup>,
     board: Arc<Board>,
+    /// Submissions are time-stamped only for a timeline.
+    timed: bool,
     rank: usize,
     size: usize,
 }
@@ -300,6 +495,7 @@ impl FusionEngine {
                 "use a positive size (Horovod's default is 64 MiB)",
             ));
         }
+        let timed = config.timeline.is_some();
         let (tx, rx) = unbounded();
         let foreign: ForeignFailures = Arc::default();
         let rank = comm.rank();
@@ -321,6 +517,7 @@ impl FusionEngine {
             foreign,
             wake,
             board,
+            timed,
             rank,
             size,
         })
@@ -350,7 +547,7 @@ impl FusionEngine {
             name: Arc::clone(&name),
             tensor: tensor.into(),
             ticket,
-            at: Instant::now(),
+            at: self.timed.then(Instant::now),
         })
         .map_err(|_| stopped())?;
         self.wake.queued();
@@ -361,6 +558,46 @@ impl FusionEngine {
             wake: Arc::clone(&self.wake),
             waited: false,
         })
+    }
+
+    /// Queues a group of tensors for all-reduce, `tensors[i]` under `names.get(i)`, in one
+    /// message to the background thread. The same rules as [`FusionEngine::submit`]
+    /// apply to each (every rank submits every name, with the same dtype and length, in
+    /// any order and grouped in any way); each tensor is fused and negotiated on its own.
+    pub fn submit_group<T: Into<Tensor>>(
+        &self,
+        names: &TensorNames,
+        tensors: Vec<T>,
+    ) -> Result<GroupHandle> {
+        if tensors.len() != names.len() {
+            return Err(Error::invalid(
+                "number of tensors in the group",
+                format!("{} (for {} names)", tensors.len(), names.len()),
+                "pass one tensor per name, in the order of the names",
+            ));
+        }
+        let stopped = || Error::EngineStopped {
+            reason: "the background thread has exited; shutdown() returns the cause".into(),
+        };
+        let tx = self.tx.as_ref().ok_or_else(stopped)?;
+        let batch = self.board.open_batch(names.len());
+        let handle = GroupHandle {
+            batch,
+            names: names.clone(),
+            board: Arc::clone(&self.board),
+            wake: Arc::clone(&self.wake),
+            foreign: Arc::clone(&self.foreign),
+            waited: false,
+        };
+        tx.send(Command::SubmitGroup {
+            names: names.clone(),
+            tensors: tensors.into_iter().map(Into::into).collect(),
+            batch,
+            at: self.timed.then(Instant::now),
+        })
+        .map_err(|_| stopped())?;
+        self.wake.queued();
+        Ok(handle)
     }
 
     /// Waits for every handle and returns the tensors in the same order. Returns the first
@@ -432,8 +669,9 @@ impl Drop for FusionEngine {
 
 struct Pending {
     tensor: Tensor,
-    ticket: u64,
-    submitted: Instant,
+    ticket: Ticket,
+    /// When it was submitted (only with a timeline).
+    submitted: Option<Instant>,
 }
 
 struct Engine {
@@ -518,7 +756,27 @@ impl Engine {
                 tensor,
                 ticket,
                 at,
+            } => self.accept_one(name, tensor, Ticket::One(ticket), at),
+            Command::SubmitGroup {
+                names,
+                tensors,
+                batch,
+                at,
             } => {
+                for (index, (name, tensor)) in names.names.iter().zip(tensors).enumerate() {
+                    let ticket = Ticket::Member {
+                        batch,
+                        index: index as u32,
+                    };
+                    self.accept_one(Arc::clone(name), tensor, ticket, at);
+                }
+            }
+        }
+    }
+
+    fn accept_one(&mut self, name: Arc<str>, tensor: Tensor, ticket: Ticket, at: Option<Instant>) {
+        {
+            {
                 let failed = if self.failed.is_empty() {
                     None
                 } else {
@@ -564,7 +822,7 @@ impl Engine {
         }
     }
 
-    fn duplicate(&self, name: &str, ticket: u64) {
+    fn duplicate(&self, name: &str, ticket: Ticket) {
         let err = Error::DuplicateName {
             name: name.to_owned(),
             rank: self.rank,
@@ -740,7 +998,7 @@ impl Engine {
                     self.timeline.phase(
                         self.table.name(id),
                         "queued",
-                        p.submitted,
+                        p.submitted.unwrap_or(negotiated),
                         negotiated,
                         serde_json::json!({ "bytes": p.tensor.size_bytes() }),
                     );

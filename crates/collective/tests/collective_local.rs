@@ -10,7 +10,7 @@ use proptest::prelude::*;
 use ringtrain_collective::{
     ring_chunk_range, Algorithm, AllReduceOptions, Communicator, DType, Element, Error,
     FusionConfig, FusionEngine, GradientPacker, GradientSpec, PackingConfig, ReduceOp, Tensor,
-    TensorMut, WireCompression,
+    TensorMut, TensorNames, WireCompression,
 };
 
 /// Small integer input of rank `rank` at element `i`: in [-3, 3].
@@ -841,6 +841,71 @@ fn submitting_a_cached_name_twice_before_it_completes_is_an_error() {
             out.expect("reduced").into_vec::<f32>().expect("f32"),
             vec![2.0; 4]
         );
+    }
+}
+
+/// Groups submitted in one message: exact results in the order of the names, whether the
+/// other ranks submit the same tensors one by one or as a group of another order; a
+/// count that does not match the names is refused before anything is queued; a name
+/// twice in one group fails that place only.
+#[test]
+fn submitted_groups_mix_with_single_submissions_and_other_orders() {
+    let outs = Communicator::run_local(3, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        let engine = FusionEngine::start(comm, FusionConfig::default()).map_err(|e| e.to_string())?;
+        let names = ["g/a", "g/b", "g/c", "g/d"];
+        let lens = [3usize, 1, 6, 2];
+        let tensors = |order: &[usize]| -> Vec<Vec<f32>> {
+            order.iter().map(|&i| vec![(r + 1) as f32; lens[i]]).collect()
+        };
+        for step in 0..3 {
+            // Rank 0 groups in name order, rank 1 groups in reverse, rank 2 submits each.
+            let order: Vec<usize> = match r {
+                0 => vec![0, 1, 2, 3],
+                1 => vec![3, 2, 1, 0],
+                _ => vec![1, 3, 0, 2],
+            };
+            let out: Vec<Vec<f32>> = if r < 2 {
+                let group = TensorNames::new(order.iter().map(|&i| names[i]));
+                engine
+                    .submit_group(&group, tensors(&order))
+                    .and_then(|h| h.wait())
+                    .map_err(|e| e.to_string())?
+                    .into_iter()
+                    .map(|t| t.into_vec::<f32>().map_err(|e| e.to_string()))
+                    .collect::<Result<_, _>>()?
+            } else {
+                let list: Vec<(&str, usize)> = order.iter().map(|&i| (names[i], lens[i])).collect();
+                fused_step(&engine, r, &list).map_err(|e| e.to_string())?
+            };
+            for (k, &i) in order.iter().enumerate() {
+                if out[k] != vec![6.0f32; lens[i]] {
+                    return Err(format!("rank {r}, step {step}: {} gave {:?}", names[i], out[k]));
+                }
+            }
+        }
+        let err = engine
+            .submit_group(&TensorNames::new(["x", "y"]), vec![vec![1.0f32]])
+            .expect_err("two names, one tensor")
+            .to_string();
+        if !(err.contains("1 (for 2 names)") && err.contains("one tensor per name")) {
+            return Err(err);
+        }
+        // "dup" twice in one group: the second place fails, the first is reduced.
+        let group = TensorNames::new(["dup", "dup"]);
+        let h = engine
+            .submit_group(&group, vec![vec![1.0f32; 2], vec![1.0f32; 2]])
+            .map_err(|e| e.to_string())?;
+        let err = h.wait().expect_err("a name twice").to_string();
+        if !(err.contains("`dup`") && err.contains(&format!("rank {r}"))) {
+            return Err(err);
+        }
+        engine.shutdown().map_err(|e| e.to_string())?;
+        Ok(())
+    })
+    .expect("run");
+    for out in outs {
+        out.expect("rank");
     }
 }
 
