@@ -14,7 +14,9 @@ use crate::transport::{LocalTransport, NodeRank, Transport};
 /// when it is reduced, large enough that per-message costs vanish.
 pub const DEFAULT_SEGMENT_BYTES: usize = 256 * 1024;
 
-/// Default size below which [`Algorithm::Auto`] picks recursive doubling.
+/// Size below which [`Algorithm::Auto`] picks recursive doubling (and ring above) where
+/// the measured choice ([`crate::algorithm_choice`]) names `MPI_Allreduce` but the
+/// transport has none, or after [`Communicator::set_auto_threshold_bytes`].
 pub const DEFAULT_AUTO_THRESHOLD_BYTES: usize = 64 * 1024;
 
 /// Element range of chunk `chunk` when `len` elements are split over `size` ranks:
@@ -38,7 +40,10 @@ pub struct Communicator {
     rank: usize,
     size: usize,
     segment_bytes: usize,
-    auto_threshold_bytes: usize,
+    /// Set by [`Communicator::set_auto_threshold_bytes`]: replaces the measured choice.
+    auto_threshold_bytes: Option<usize>,
+    /// The transport has `MPI_Allreduce` for [`Algorithm::Auto`] to pick.
+    native: bool,
     /// Receive buffer, `u64`-backed so that any element type can view it aligned.
     scratch: Vec<u64>,
     /// Narrow copies of f32 data for wire compression.
@@ -127,6 +132,7 @@ impl Communicator {
     }
 
     fn boxed(transport: Box<dyn Transport>) -> Self {
+        let native = transport.has_native_all_reduce();
         let rank = transport.rank();
         let size = transport.size();
         Communicator {
@@ -134,7 +140,8 @@ impl Communicator {
             rank,
             size,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
-            auto_threshold_bytes: DEFAULT_AUTO_THRESHOLD_BYTES,
+            auto_threshold_bytes: None,
+            native,
             scratch: Vec::new(),
             wire_f16: Vec::new(),
             wire_bf16: Vec::new(),
@@ -258,17 +265,32 @@ impl Communicator {
         self.segment_bytes
     }
 
-    /// Sets the message size below which [`Algorithm::Auto`] uses recursive doubling.
+    /// Replaces the measured choice of [`Algorithm::Auto`] with a fixed rule: recursive
+    /// doubling below `bytes`, ring from `bytes` up.
     pub fn set_auto_threshold_bytes(&mut self, bytes: usize) {
-        self.auto_threshold_bytes = bytes;
+        self.auto_threshold_bytes = Some(bytes);
     }
 
-    /// The algorithm [`Algorithm::Auto`] resolves to for a message of `bytes` bytes.
+    /// The algorithm [`Algorithm::Auto`] resolves to for a message of `bytes` bytes:
+    /// the fastest one measured for this rank count and size
+    /// ([`crate::algorithm_choice`]), among those this transport has.
     pub fn resolve_algorithm(&self, algorithm: Algorithm, bytes: usize) -> Algorithm {
-        match algorithm {
-            Algorithm::Auto if bytes < self.auto_threshold_bytes => Algorithm::RecursiveDoubling,
-            Algorithm::Auto => Algorithm::Ring,
-            other => other,
+        if algorithm != Algorithm::Auto {
+            return algorithm;
+        }
+        let two_way = |threshold: usize| {
+            if bytes < threshold {
+                Algorithm::RecursiveDoubling
+            } else {
+                Algorithm::Ring
+            }
+        };
+        match self.auto_threshold_bytes {
+            Some(threshold) => two_way(threshold),
+            None => match crate::algorithm_choice::measured_choice(self.size, bytes) {
+                Algorithm::Mpi if !self.native => two_way(DEFAULT_AUTO_THRESHOLD_BYTES),
+                choice => choice,
+            },
         }
     }
 

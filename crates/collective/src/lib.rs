@@ -93,6 +93,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod algorithm_choice;
 mod communicator;
 mod dtype;
 mod error;
