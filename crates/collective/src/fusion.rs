@@ -297,6 +297,11 @@ impl Board {
         self.lock().done.contains_key(&ticket)
     }
 
+    fn all_done(&self, mut tickets: impl Iterator<Item = u64>) -> bool {
+        let s = self.lock();
+        tickets.all(|t| s.done.contains_key(&t))
+    }
+
     fn take(&self, ticket: u64, name: &str) -> Result<Tensor> {
         let mut s = self.lock();
         loop {
@@ -328,7 +333,7 @@ pub struct Handle {
     name: Arc<str>,
     ticket: u64,
     board: Arc<Board>,
-    wake: Arc<Wakeup>,
+    core: Arc<Core>,
     waited: bool,
 }
 
@@ -340,12 +345,12 @@ impl Handle {
 
     /// Blocks until the tensor is reduced (or failed) and returns it.
     ///
-    /// Waiting ends the engine's current collection window at once: nothing this rank
-    /// submits later can join a fusion this caller is already waiting for.
+    /// Waiting ends the engine's current collection window at once (the caller runs
+    /// the engine's cycles itself until its tensor is done): nothing this rank submits
+    /// later can join a fusion this caller is already waiting for.
     pub fn wait(mut self) -> Result<Tensor> {
-        if !self.board.is_done(self.ticket) {
-            self.wake.flush();
-        }
+        let (board, ticket) = (&self.board, self.ticket);
+        self.core.help(|| board.is_done(ticket));
         self.take()
     }
 
@@ -405,7 +410,7 @@ pub struct GroupHandle {
     batch: u64,
     names: TensorNames,
     board: Arc<Board>,
-    wake: Arc<Wakeup>,
+    core: Arc<Core>,
     foreign: ForeignFailures,
     waited: bool,
 }
@@ -417,9 +422,8 @@ impl GroupHandle {
     /// [`FusionEngine::synchronize`] reports it).
     pub fn wait(mut self) -> Result<Vec<Tensor>> {
         self.waited = true;
-        if !self.board.batch_done(self.batch) {
-            self.wake.flush();
-        }
+        let (board, batch) = (&self.board, self.batch);
+        self.core.help(|| board.batch_done(batch));
         let mut out = Vec::with_capacity(self.names.len());
         let mut first_err = None;
         for r in self.board.take_batch(self.batch, &self.names) {
@@ -457,7 +461,8 @@ type ForeignFailures = Arc<Mutex<Vec<(String, Failure)>>>;
 /// must eventually call [`FusionEngine::shutdown`].
 pub struct FusionEngine {
     tx: Option<Sender<Command>>,
-    thread: Option<JoinHandle<Result<Communicator>>>,
+    thread: Option<JoinHandle<()>>,
+    core: Arc<Core>,
     foreign: ForeignFailures,
     wake: Arc<Wakeup>,
     board: Arc<Board>,
@@ -500,20 +505,40 @@ impl FusionEngine {
         let foreign: ForeignFailures = Arc::default();
         let rank = comm.rank();
         let size = comm.size();
-        let worker_foreign = Arc::clone(&foreign);
         let wake = Arc::new(Wakeup::default());
-        let worker_wake = Arc::clone(&wake);
         let board = Arc::new(Board::default());
-        let worker_board = Arc::clone(&board);
+        let cycle_time = config.cycle_time;
+        let engine = Engine {
+            rank,
+            slots: Vec::new(),
+            queued: 0,
+            unregistered: HashMap::default(),
+            fresh: Vec::new(),
+            fresh_bits: IdBits::default(),
+            failed: HashMap::default(),
+            shutting_down: false,
+            table: ReadyTable::new(size),
+            foreign: Arc::clone(&foreign),
+            board: Arc::clone(&board),
+            buffer: Vec::new(),
+            timeline: Timeline::new(config.timeline.as_deref(), rank, Instant::now()),
+            config,
+        };
+        let core = Arc::new(Core {
+            state: Mutex::new(CoreState::Running(Box::new(Running { engine, comm, rx }))),
+        });
+        let worker_core = Arc::clone(&core);
+        let worker_wake = Arc::clone(&wake);
         let thread = std::thread::Builder::new()
             .name(format!("ringtrain-fusion-{rank}"))
-            .spawn(move || run_engine(comm, config, rx, worker_foreign, worker_wake, worker_board))
+            .spawn(move || background(worker_core, worker_wake, cycle_time))
             .map_err(|e| Error::EngineStopped {
                 reason: format!("cannot start the background thread: {e}"),
             })?;
         Ok(FusionEngine {
             tx: Some(tx),
             thread: Some(thread),
+            core,
             foreign,
             wake,
             board,
@@ -555,7 +580,7 @@ impl FusionEngine {
             name,
             ticket,
             board: Arc::clone(&self.board),
-            wake: Arc::clone(&self.wake),
+            core: Arc::clone(&self.core),
             waited: false,
         })
     }
@@ -585,7 +610,7 @@ impl FusionEngine {
             batch,
             names: names.clone(),
             board: Arc::clone(&self.board),
-            wake: Arc::clone(&self.wake),
+            core: Arc::clone(&self.core),
             foreign: Arc::clone(&self.foreign),
             waited: false,
         };
@@ -606,7 +631,8 @@ impl FusionEngine {
     pub fn synchronize(&self, handles: Vec<Handle>) -> Result<Vec<Tensor>> {
         let mut out = Vec::with_capacity(handles.len());
         let mut first_err = None;
-        self.wake.flush();
+        self.core
+            .help(|| self.board.all_done(handles.iter().map(|h| h.ticket)));
         for mut h in handles {
             match h.take() {
                 Ok(t) => out.push(t),
@@ -650,10 +676,18 @@ impl FusionEngine {
         let thread = self.thread.take().ok_or_else(|| Error::EngineStopped {
             reason: "shutdown was already called".into(),
         })?;
-        match thread.join() {
-            Ok(r) => r,
-            Err(_) => Err(Error::EngineStopped {
+        if thread.join().is_err() {
+            return Err(Error::EngineStopped {
                 reason: "the background thread panicked".into(),
+            });
+        }
+        match std::mem::replace(&mut *self.core.lock(), CoreState::Ended(None)) {
+            CoreState::Ended(Some(result)) => result,
+            CoreState::Ended(None) => Err(Error::EngineStopped {
+                reason: "shutdown was already called".into(),
+            }),
+            CoreState::Running(_) => Err(Error::EngineStopped {
+                reason: "internal: the background thread ended before the engine".into(),
             }),
         }
     }
@@ -690,61 +724,115 @@ struct Engine {
     shutting_down: bool,
     table: ReadyTable,
     foreign: ForeignFailures,
-    wake: Arc<Wakeup>,
     board: Arc<Board>,
     buffer: Vec<u64>,
     timeline: Timeline,
 }
 
-fn run_engine(
-    mut comm: Communicator,
-    config: FusionConfig,
+/// The engine with its communicator, run one cycle at a time under a lock: by the
+/// background thread while nobody waits, and by a caller that waits for its results
+/// (so a step whose caller waits at once needs no hand-off between threads, which on a
+/// loaded machine costs a scheduler slice each way).
+struct Core {
+    state: Mutex<CoreState>,
+}
+
+enum CoreState {
+    Running(Box<Running>),
+    /// The engine has ended: the communicator, or why it ended (taken by shutdown).
+    Ended(Option<Result<Communicator>>),
+}
+
+struct Running {
+    engine: Engine,
+    comm: Communicator,
     rx: Receiver<Command>,
-    foreign: ForeignFailures,
-    wake: Arc<Wakeup>,
-    board: Arc<Board>,
-) -> Result<Communicator> {
-    let rank = comm.rank();
-    let timeline = Timeline::new(config.timeline.as_deref(), rank, Instant::now());
-    let mut engine = Engine {
-        rank,
-        slots: Vec::new(),
-        queued: 0,
-        unregistered: HashMap::default(),
-        fresh: Vec::new(),
-        fresh_bits: IdBits::default(),
-        failed: HashMap::default(),
-        shutting_down: false,
-        table: ReadyTable::new(comm.size()),
-        foreign,
-        wake,
-        board,
-        buffer: Vec::new(),
-        timeline,
-        config,
-    };
-    let result = engine.run(&mut comm, &rx);
-    let reason = match &result {
-        Ok(()) => "the engine was shut down".to_string(),
-        Err(e) => e.to_string(),
-    };
-    let left = engine.take_all_queued();
-    engine.board.post(left.into_iter().map(|p| {
-        (
-            p.ticket,
-            Err(Error::EngineStopped {
-                reason: reason.clone(),
-            }),
-        )
-    }));
-    engine.board.close(reason);
-    if let Err(e) = engine.timeline.write() {
-        // The path was writable at start; report a late failure without losing the
-        // communicator.
-        eprintln!("ringtrain-collective: rank {rank}: WARNING: {e}");
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Core")
     }
-    result?;
-    Ok(comm)
+}
+
+impl Core {
+    fn lock(&self) -> std::sync::MutexGuard<'_, CoreState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the queued submissions and runs one cycle; ends the engine after the last
+    /// cycle or an error.
+    fn step(state: &mut CoreState) {
+        let CoreState::Running(r) = state else {
+            return;
+        };
+        r.engine.drain(&r.rx);
+        let outcome = r.engine.cycle(&mut r.comm);
+        match outcome {
+            Ok(false) => {}
+            Ok(true) => Self::finish(state, Ok(())),
+            Err(e) => Self::finish(state, Err(e)),
+        }
+    }
+
+    /// Fails what is still queued, closes the board, writes the timeline.
+    fn finish(state: &mut CoreState, result: Result<()>) {
+        let CoreState::Running(r) = std::mem::replace(state, CoreState::Ended(None)) else {
+            return;
+        };
+        let Running {
+            mut engine, comm, ..
+        } = *r;
+        let reason = match &result {
+            Ok(()) => "the engine was shut down".to_string(),
+            Err(e) => e.to_string(),
+        };
+        let left = engine.take_all_queued();
+        engine.board.post(left.into_iter().map(|p| {
+            (
+                p.ticket,
+                Err(Error::EngineStopped {
+                    reason: reason.clone(),
+                }),
+            )
+        }));
+        engine.board.close(reason);
+        if let Err(e) = engine.timeline.write() {
+            // The path was writable at start; report a late failure without losing the
+            // communicator.
+            eprintln!("ringtrain-collective: rank {}: WARNING: {e}", engine.rank);
+        }
+        *state = CoreState::Ended(Some(result.map(|()| comm)));
+    }
+
+    /// Runs cycles on the calling thread until `done()` or the engine has ended.
+    fn help(&self, done: impl Fn() -> bool) {
+        while !done() {
+            let mut state = self.lock();
+            if done() || matches!(*state, CoreState::Ended(_)) {
+                return;
+            }
+            Self::step(&mut state);
+        }
+    }
+}
+
+/// The background thread: waits for submissions (an idle engine joins a round every
+/// [`IDLE_POLL`] so that the other ranks can detect stalls), gathers for the cycle
+/// time or until a caller waits, and runs a cycle, until the engine ends.
+fn background(core: Arc<Core>, wake: Arc<Wakeup>, cycle_time: Duration) {
+    loop {
+        let (busy, shutting_down) = match &*core.lock() {
+            CoreState::Running(r) => (r.engine.busy(), r.engine.shutting_down),
+            CoreState::Ended(_) => return,
+        };
+        if shutting_down {
+            std::thread::sleep(cycle_time.max(Duration::from_micros(100)));
+        } else if busy || wake.wait_queued(IDLE_POLL) {
+            wake.wait_flush_until(Instant::now() + cycle_time);
+        }
+        Core::step(&mut core.lock());
+    }
 }
 
 impl Engine {
@@ -838,20 +926,18 @@ impl Engine {
         out
     }
 
-    /// Collects submissions for one cycle: an idle engine waits for the first
-    /// submission; then it gathers for `cycle_time`, or less when a caller waits on its
-    /// handles.
-    fn collect(&mut self, rx: &Receiver<Command>) {
-        let busy = self.shutting_down
+    /// True when something waits for a cycle (or shutdown is under way).
+    fn busy(&self) -> bool {
+        self.shutting_down
             || self.queued > 0
             || !self.unregistered.is_empty()
             || !self.fresh.is_empty()
             || !self.fresh_bits.is_empty()
-            || !self.table.is_empty();
-        if busy || self.wake.wait_queued(IDLE_POLL) {
-            self.wake
-                .wait_flush_until(Instant::now() + self.config.cycle_time);
-        }
+            || !self.table.is_empty()
+    }
+
+    /// Takes every submission queued so far.
+    fn drain(&mut self, rx: &Receiver<Command>) {
         loop {
             match rx.try_recv() {
                 Ok(cmd) => self.accept(cmd),
@@ -864,86 +950,81 @@ impl Engine {
         }
     }
 
-    fn run(&mut self, comm: &mut Communicator, rx: &Receiver<Command>) -> Result<()> {
+    /// One negotiation round and the reductions it agrees on; true once every rank has
+    /// shut down.
+    fn cycle(&mut self, comm: &mut Communicator) -> Result<bool> {
         let size = comm.size();
-        loop {
-            if self.shutting_down {
-                std::thread::sleep(self.config.cycle_time.max(Duration::from_micros(100)));
-            } else {
-                self.collect(rx);
+        let now = Instant::now();
+        let fail = if self.rank == 0 {
+            self.table.expired(
+                now,
+                self.config
+                    .stall_warning
+                    .saturating_add(self.config.stall_error),
+            )
+        } else {
+            Vec::new()
+        };
+        let msg = CycleMessage {
+            shutting_down: self.shutting_down,
+            announcements: std::mem::take(&mut self.fresh),
+            cached: std::mem::take(&mut self.fresh_bits),
+            fail,
+        };
+        let gathered = comm.negotiate(&msg.encode())?;
+        let known = self.table.registered_count();
+        let mut messages = Vec::with_capacity(size);
+        for bytes in &gathered {
+            messages.push(CycleMessage::decode(bytes, self.rank, known)?);
+        }
+        let negotiated = Instant::now();
+        let decisions = self.table.apply(&messages, negotiated);
+        // Names registered now: their tensors move to their id's slot.
+        self.slots
+            .resize_with(self.table.registered_count(), || None);
+        for &id in self.table.newly_registered() {
+            if let Some(p) = self.unregistered.remove(self.table.name(id)) {
+                self.slots[id as usize] = Some(p);
+                self.queued += 1;
             }
-            let now = Instant::now();
-            let fail = if self.rank == 0 {
-                self.table.expired(
-                    now,
-                    self.config
-                        .stall_warning
-                        .saturating_add(self.config.stall_error),
-                )
-            } else {
-                Vec::new()
-            };
-            let msg = CycleMessage {
-                shutting_down: self.shutting_down,
-                announcements: std::mem::take(&mut self.fresh),
-                cached: std::mem::take(&mut self.fresh_bits),
-                fail,
-            };
-            let gathered = comm.negotiate(&msg.encode())?;
-            let known = self.table.registered_count();
-            let mut messages = Vec::with_capacity(size);
-            for bytes in &gathered {
-                messages.push(CycleMessage::decode(bytes, self.rank, known)?);
-            }
-            let negotiated = Instant::now();
-            let decisions = self.table.apply(&messages, negotiated);
-            // Names registered now: their tensors move to their id's slot.
-            self.slots
-                .resize_with(self.table.registered_count(), || None);
-            for &id in self.table.newly_registered() {
-                if let Some(p) = self.unregistered.remove(self.table.name(id)) {
-                    self.slots[id as usize] = Some(p);
-                    self.queued += 1;
-                }
-            }
-            for w in self
-                .table
-                .take_warnings(negotiated, self.config.stall_warning)
-            {
-                if w.submitted.contains(&self.rank) {
-                    eprintln!(
+        }
+        for w in self
+            .table
+            .take_warnings(negotiated, self.config.stall_warning)
+        {
+            if w.submitted.contains(&self.rank) {
+                eprintln!(
                         "ringtrain-collective: rank {}: WARNING: tensor `{}` was submitted on ranks {:?} but ranks {:?} have not submitted it after {:.1?}; it fails in {:.1?} unless they do",
                         self.rank, w.name, w.submitted, w.missing, w.waited, self.config.stall_error
                     );
-                }
             }
-            let mut ready = Vec::new();
-            for d in decisions {
-                match d {
-                    Decision::Fail { id, name, failure } => self.fail(id, name, failure),
-                    Decision::Reduce { id, dtype, len } => ready.push((id, dtype, len)),
-                }
+        }
+        let mut ready = Vec::new();
+        for d in decisions {
+            match d {
+                Decision::Fail { id, name, failure } => self.fail(id, name, failure),
+                Decision::Reduce { id, dtype, len } => ready.push((id, dtype, len)),
             }
-            self.reduce_ready(comm, ready, negotiated)?;
-            if self.table.all_shut_down() {
-                let mut failed = Vec::new();
-                for (id, slot) in self.slots.iter_mut().enumerate() {
-                    if let Some(p) = slot.take() {
-                        let name = self.table.name(id as u32);
-                        let reason =
-                            format!("every rank shut down before tensor `{name}` was reduced");
-                        failed.push((p.ticket, Err(Error::EngineStopped { reason })));
-                    }
-                }
-                for (name, p) in self.unregistered.drain() {
+        }
+        self.reduce_ready(comm, ready, negotiated)?;
+        if self.table.all_shut_down() {
+            let mut failed = Vec::new();
+            for (id, slot) in self.slots.iter_mut().enumerate() {
+                if let Some(p) = slot.take() {
+                    let name = self.table.name(id as u32);
                     let reason = format!("every rank shut down before tensor `{name}` was reduced");
                     failed.push((p.ticket, Err(Error::EngineStopped { reason })));
                 }
-                self.queued = 0;
-                self.board.post(failed);
-                return Ok(());
             }
+            for (name, p) in self.unregistered.drain() {
+                let reason = format!("every rank shut down before tensor `{name}` was reduced");
+                failed.push((p.ticket, Err(Error::EngineStopped { reason })));
+            }
+            self.queued = 0;
+            self.board.post(failed);
+            return Ok(true);
         }
+        Ok(false)
     }
 
     fn fail(&mut self, id: u32, name: String, failure: Failure) {

@@ -750,7 +750,9 @@ mod tests {
         assert_eq!(m.cached.iter().collect::<Vec<_>>(), vec![70, 200]);
         assert!(CycleMessage::decode(&bytes[..5], 0, 201).is_err());
         // A bit vector beyond the registered names is refused, not allocated.
-        let err = CycleMessage::decode(&bytes, 0, 100).unwrap_err().to_string();
+        let err = CycleMessage::decode(&bytes, 0, 100)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("registered tensor names"), "{err}");
     }
 
@@ -842,9 +844,15 @@ mod tests {
     #[test]
     fn cache_hits_spread_over_cycles_wait_for_every_rank() {
         let mut t = ReadyTable::new(2);
-        cycle(&[message(&t, &["a", "b"], 2), message(&t, &["a", "b"], 2)], &mut t);
+        cycle(
+            &[message(&t, &["a", "b"], 2), message(&t, &["a", "b"], 2)],
+            &mut t,
+        );
         // Rank 0 submits both now, rank 1 only "a": "b" waits for it (a cache miss).
-        let d = cycle(&[message(&t, &["a", "b"], 2), message(&t, &["a"], 2)], &mut t);
+        let d = cycle(
+            &[message(&t, &["a", "b"], 2), message(&t, &["a"], 2)],
+            &mut t,
+        );
         assert_eq!(reduced(&d), vec![0]);
         assert!(!t.is_empty());
         // Rank 1's "b" arrives by bit a cycle later and completes the entry.
@@ -901,11 +909,14 @@ mod tests {
         let all = message(&t, &["x", "y"], 1);
         cycle(&[all.clone(), all.clone(), all], &mut t);
         // Only rank 1 submits "y" again, by its bit: an entry waits for ranks 0 and 2.
-        let d = cycle(&[
+        let d = cycle(
+            &[
                 CycleMessage::default(),
                 message(&t, &["y"], 1),
                 CycleMessage::default(),
-            ], &mut t);
+            ],
+            &mut t,
+        );
         assert!(d.is_empty());
         assert!(!t.is_empty());
         let later = start + Duration::from_secs(5);

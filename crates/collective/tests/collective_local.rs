@@ -686,7 +686,11 @@ fn submitting_a_name_twice_before_it_completes_is_an_error() {
 }
 
 /// Submits `(name, len)` f32 tensors filled with `rank + 1` and synchronizes.
-fn fused_step(engine: &FusionEngine, r: usize, tensors: &[(&str, usize)]) -> Result<Vec<Vec<f32>>, Error> {
+fn fused_step(
+    engine: &FusionEngine,
+    r: usize,
+    tensors: &[(&str, usize)],
+) -> Result<Vec<Vec<f32>>, Error> {
     let handles = tensors
         .iter()
         .map(|&(name, len)| engine.submit(name, vec![(r + 1) as f32; len]))
@@ -731,9 +735,11 @@ fn fusion_cache_follows_names_orders_and_shapes_across_steps() {
             check(out, &lens, "reordered step")?;
         }
         // "b" grows on every rank.
-        let out = fused_step(&engine, r, &[("a", 5), ("b", 9), ("c", 1)]).map_err(|e| e.to_string())?;
+        let out =
+            fused_step(&engine, r, &[("a", 5), ("b", 9), ("c", 1)]).map_err(|e| e.to_string())?;
         check(out, &[5, 9, 1], "b resized everywhere")?;
-        let out = fused_step(&engine, r, &[("b", 9), ("a", 5), ("c", 1)]).map_err(|e| e.to_string())?;
+        let out =
+            fused_step(&engine, r, &[("b", 9), ("a", 5), ("c", 1)]).map_err(|e| e.to_string())?;
         check(out, &[9, 5, 1], "b cached at its new size")?;
         // "c" changes on rank 2 only: it fails on every rank, the others are reduced.
         let c_len = if r == 2 { 2 } else { 1 };
@@ -746,8 +752,14 @@ fn fusion_cache_follows_names_orders_and_shapes_across_steps() {
         let (a, b, c) = (results.next(), results.next(), results.next());
         check(
             vec![
-                a.ok_or("no a")?.map_err(|e| e.to_string())?.into_vec::<f32>().map_err(|e| e.to_string())?,
-                b.ok_or("no b")?.map_err(|e| e.to_string())?.into_vec::<f32>().map_err(|e| e.to_string())?,
+                a.ok_or("no a")?
+                    .map_err(|e| e.to_string())?
+                    .into_vec::<f32>()
+                    .map_err(|e| e.to_string())?,
+                b.ok_or("no b")?
+                    .map_err(|e| e.to_string())?
+                    .into_vec::<f32>()
+                    .map_err(|e| e.to_string())?,
             ],
             &[5, 9],
             "a and b beside the mismatch",
@@ -756,11 +768,15 @@ fn fusion_cache_follows_names_orders_and_shapes_across_steps() {
             Ok(t) => return Err(format!("rank {r}: mismatched c was reduced: {t:?}")),
             Err(e) => e.to_string(),
         };
-        if !(msg.contains("`c`") && msg.contains("rank 0: f32[1]") && msg.contains("rank 2: f32[2]")) {
+        if !(msg.contains("`c`")
+            && msg.contains("rank 0: f32[1]")
+            && msg.contains("rank 2: f32[2]"))
+        {
             return Err(format!("rank {r}: {msg}"));
         }
         // Agreed again on the next step.
-        let out = fused_step(&engine, r, &[("c", 1), ("a", 5), ("b", 9)]).map_err(|e| e.to_string())?;
+        let out =
+            fused_step(&engine, r, &[("c", 1), ("a", 5), ("b", 9)]).map_err(|e| e.to_string())?;
         check(out, &[1, 5, 9], "after the mismatch")?;
         engine.shutdown().map_err(|e| e.to_string())?;
         Ok(())
@@ -789,7 +805,11 @@ fn a_cached_name_submitted_on_one_rank_only_fails_as_a_stall_on_every_rank() {
         assert!(both.iter().flatten().all(|&v| v == 6.0), "{both:?}");
         let x = engine.submit("x", vec![1.0f32; 3]).expect("submit");
         let y = (r == 0).then(|| engine.submit("y", vec![1.0f32; 2]).expect("submit"));
-        let x = x.wait().expect("x is reduced").into_vec::<f32>().expect("f32");
+        let x = x
+            .wait()
+            .expect("x is reduced")
+            .into_vec::<f32>()
+            .expect("f32");
         assert_eq!(x, vec![3.0; 3]);
         let result = match y {
             Some(h) => h.wait().map(|_| ()),
@@ -811,7 +831,10 @@ fn a_cached_name_submitted_on_one_rank_only_fails_as_a_stall_on_every_rank() {
     .expect("run");
     for out in outs {
         let msg = out.expect_err("the stall must fail").to_string();
-        assert!(msg.contains("`y`") && msg.contains("not on ranks [1, 2]"), "{msg}");
+        assert!(
+            msg.contains("`y`") && msg.contains("not on ranks [1, 2]"),
+            "{msg}"
+        );
     }
 }
 
@@ -852,11 +875,15 @@ fn submitting_a_cached_name_twice_before_it_completes_is_an_error() {
 fn submitted_groups_mix_with_single_submissions_and_other_orders() {
     let outs = Communicator::run_local(3, |comm| -> Result<(), String> {
         let r = comm.rank();
-        let engine = FusionEngine::start(comm, FusionConfig::default()).map_err(|e| e.to_string())?;
+        let engine =
+            FusionEngine::start(comm, FusionConfig::default()).map_err(|e| e.to_string())?;
         let names = ["g/a", "g/b", "g/c", "g/d"];
         let lens = [3usize, 1, 6, 2];
         let tensors = |order: &[usize]| -> Vec<Vec<f32>> {
-            order.iter().map(|&i| vec![(r + 1) as f32; lens[i]]).collect()
+            order
+                .iter()
+                .map(|&i| vec![(r + 1) as f32; lens[i]])
+                .collect()
         };
         for step in 0..3 {
             // Rank 0 groups in name order, rank 1 groups in reverse, rank 2 submits each.
@@ -880,7 +907,10 @@ fn submitted_groups_mix_with_single_submissions_and_other_orders() {
             };
             for (k, &i) in order.iter().enumerate() {
                 if out[k] != vec![6.0f32; lens[i]] {
-                    return Err(format!("rank {r}, step {step}: {} gave {:?}", names[i], out[k]));
+                    return Err(format!(
+                        "rank {r}, step {step}: {} gave {:?}",
+                        names[i], out[k]
+                    ));
                 }
             }
         }
