@@ -14,9 +14,9 @@ use crate::transport::{LocalTransport, NodeRank, Transport};
 /// when it is reduced, large enough that per-message costs vanish.
 pub const DEFAULT_SEGMENT_BYTES: usize = 256 * 1024;
 
-/// Size below which [`Algorithm::Auto`] picks recursive doubling (and ring above) where
-/// the measured choice ([`crate::algorithm_choice`]) names `MPI_Allreduce` but the
-/// transport has none, or after [`Communicator::set_auto_threshold_bytes`].
+/// The size below which [`Algorithm::Auto`] picked recursive doubling before its choice
+/// was measured per rank count ([`crate::algorithm_choice`]); a rule
+/// [`Communicator::set_auto_threshold_bytes`] can bring back with any size.
 pub const DEFAULT_AUTO_THRESHOLD_BYTES: usize = 64 * 1024;
 
 /// Element range of chunk `chunk` when `len` elements are split over `size` ranks:
@@ -42,8 +42,6 @@ pub struct Communicator {
     segment_bytes: usize,
     /// Set by [`Communicator::set_auto_threshold_bytes`]: replaces the measured choice.
     auto_threshold_bytes: Option<usize>,
-    /// The transport has `MPI_Allreduce` for [`Algorithm::Auto`] to pick.
-    native: bool,
     /// Receive buffer, `u64`-backed so that any element type can view it aligned.
     scratch: Vec<u64>,
     /// Narrow copies of f32 data for wire compression.
@@ -132,7 +130,6 @@ impl Communicator {
     }
 
     fn boxed(transport: Box<dyn Transport>) -> Self {
-        let native = transport.has_native_all_reduce();
         let rank = transport.rank();
         let size = transport.size();
         Communicator {
@@ -141,7 +138,6 @@ impl Communicator {
             size,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             auto_threshold_bytes: None,
-            native,
             scratch: Vec::new(),
             wire_f16: Vec::new(),
             wire_bf16: Vec::new(),
@@ -272,25 +268,14 @@ impl Communicator {
     }
 
     /// The algorithm [`Algorithm::Auto`] resolves to for a message of `bytes` bytes:
-    /// the fastest one measured for this rank count and size
-    /// ([`crate::algorithm_choice`]), among those this transport has.
+    /// the faster of recursive doubling and the ring as measured for this rank count and
+    /// size ([`crate::algorithm_choice`]).
     pub fn resolve_algorithm(&self, algorithm: Algorithm, bytes: usize) -> Algorithm {
-        if algorithm != Algorithm::Auto {
-            return algorithm;
-        }
-        let two_way = |threshold: usize| {
-            if bytes < threshold {
-                Algorithm::RecursiveDoubling
-            } else {
-                Algorithm::Ring
-            }
-        };
-        match self.auto_threshold_bytes {
-            Some(threshold) => two_way(threshold),
-            None => match crate::algorithm_choice::measured_choice(self.size, bytes) {
-                Algorithm::Mpi if !self.native => two_way(DEFAULT_AUTO_THRESHOLD_BYTES),
-                choice => choice,
-            },
+        match (algorithm, self.auto_threshold_bytes) {
+            (Algorithm::Auto, Some(threshold)) if bytes < threshold => Algorithm::RecursiveDoubling,
+            (Algorithm::Auto, Some(_)) => Algorithm::Ring,
+            (Algorithm::Auto, None) => crate::algorithm_choice::measured_choice(self.size, bytes),
+            (other, _) => other,
         }
     }
 

@@ -1,22 +1,30 @@
 //! Tensor fusion with asynchronous submission, as Horovod does it.
 //!
-//! [`FusionEngine::submit`] hands a named tensor to a background thread and returns a
-//! [`Handle`]. Every cycle the background threads of all ranks agree on which tensors
-//! every rank has submitted: each sends every other rank the dtype and length of the
-//! tensors submitted on it since the last cycle (with the name the first time a name is
-//! seen, later a small id that every rank assigned identically, as Horovod's response cache
-//! does), and every rank feeds the same gathered lists, in rank order, into its own copy of
-//! one table, so all ranks take the same decisions in the same order. Rank 0 acts as
-//! coordinator for time-outs only: its list also names the tensors whose stall timeout ran
-//! out.
+//! [`FusionEngine::submit`] queues a named tensor and returns a [`Handle`];
+//! [`FusionEngine::submit_group`] queues a whole group (names made once as
+//! [`TensorNames`]) in one message and returns a [`GroupHandle`]. Every cycle the ranks
+//! agree on which tensors every rank has submitted: each sends every other rank what was
+//! submitted on it since the last cycle, and every rank feeds the same gathered lists, in
+//! rank order, into its own copy of one table, so all ranks take the same decisions in the
+//! same order. What a rank sends is Horovod's response cache: a tensor whose name every
+//! rank has registered and whose shape is the one it was last reduced with is one bit of a
+//! bit vector; a tensor whose bit is set on every rank in the same cycle is ready at once.
+//! A new name goes by name (the first time), a changed shape by id with its dtype and
+//! length; a tensor that only some ranks have announced waits in the table, which checks
+//! shapes and times out stalls. Rank 0 acts as coordinator for time-outs only: its list
+//! also names the tensors whose stall timeout ran out.
+//!
+//! Cycles run on a background thread while nobody waits (so reductions overlap the
+//! computation that submits them) and on the caller's thread while it waits for its
+//! results: a step that submits and then waits needs no hand-off between threads.
 //!
 //! Tensors ready everywhere are copied into a fusion buffer (per dtype, up to
 //! [`FusionConfig::threshold_bytes`]), all-reduced, copied back, and their handles
 //! complete. A shape disagreement fails the tensor on every rank, naming each rank's dtype
-//! and length; a tensor missing on some ranks is reported on stderr after
-//! [`FusionConfig::stall_warning`], naming the missing ranks, and fails on every rank
-//! [`FusionConfig::stall_error`] later (ranks that never submitted it see the error from
-//! [`FusionEngine::synchronize`] or [`FusionEngine::take_foreign_failure`]).
+//! and length (and clears its cache entry); a tensor missing on some ranks is reported on
+//! stderr after [`FusionConfig::stall_warning`], naming the missing ranks, and fails on
+//! every rank [`FusionConfig::stall_error`] later (ranks that never submitted it see the
+//! error from [`FusionEngine::synchronize`] or [`FusionEngine::take_foreign_failure`]).
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::path::PathBuf;

@@ -471,10 +471,6 @@ impl Transport for MpiTransport {
         Ok(())
     }
 
-    fn has_native_all_reduce(&self) -> bool {
-        true
-    }
-
     fn native_all_reduce(
         &self,
         send: &[u8],

@@ -1,9 +1,11 @@
 //! Agreement on which tensors are ready everywhere.
 //!
 //! Every cycle each rank all-gathers one [`CycleMessage`]: the tensors submitted on it since
-//! the last cycle (dtype, length, and the name the first time any rank announces it; later
-//! a small id, as Horovod's response cache does), whether it is shutting down, and (rank 0
-//! only, as coordinator) the tensors whose stall timeout ran out. Every rank feeds the same
+//! the last cycle, whether it is shutting down, and (rank 0 only, as coordinator) the
+//! tensors whose stall timeout ran out. A tensor goes as one bit of a bit vector when its
+//! name is registered and its shape is the one it was last reduced with (Horovod's
+//! response cache: the same tensors every step); otherwise by name the first time any rank
+//! announces it, later by a small id, with its dtype and length. Every rank feeds the same
 //! gathered messages, in rank order, into its own [`ReadyTable`], so every rank assigns the
 //! same ids and takes the same decisions in the same order without further messages.
 

@@ -63,8 +63,8 @@ pub enum Algorithm {
     /// Recursive doubling with a fold-in step for ranks beyond the largest power of two
     /// (latency-optimal; for small messages).
     RecursiveDoubling,
-    /// The fastest of the others as measured for the rank count and message size
-    /// ([`crate::algorithm_choice`]); `MPI_Allreduce` only where the transport has it.
+    /// Recursive doubling or the ring, whichever was measured faster for the rank count
+    /// and message size ([`crate::algorithm_choice`]).
     Auto,
 }
 

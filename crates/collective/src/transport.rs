@@ -97,12 +97,6 @@ pub trait Transport: Send {
         Ok(())
     }
 
-    /// True when [`Transport::native_all_reduce`] exists here (so that
-    /// [`crate::Algorithm::Auto`] may pick it).
-    fn has_native_all_reduce(&self) -> bool {
-        false
-    }
-
     /// The transport's own all-reduce (MPI_Allreduce), out of place. `Average` reduces
     /// as `Sum` (the caller scales). Transports without one return
     /// [`Error::AlgorithmUnavailable`].
