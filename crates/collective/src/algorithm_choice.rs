@@ -72,11 +72,12 @@ mod tests {
         let start = text
             .find("## Switch points")
             .expect("the markdown has a Switch points section");
+        // The first table after the heading: its header, separator, then the rows.
         text[start..]
             .lines()
-            .filter(|l| l.starts_with('|'))
+            .skip_while(|l| !l.starts_with('|'))
+            .take_while(|l| l.starts_with('|'))
             .skip(2)
-            .take_while(|l| !l.trim().is_empty())
             .map(|l| {
                 let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
                 let ranks = cells[0].parse().expect("ranks");
