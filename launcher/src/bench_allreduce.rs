@@ -11,7 +11,7 @@
 //! per fusion-overhead case, `{"case": "fusion_overhead", "ranks": R, "tensors": N,
 //! "tensor_bytes": B, "ratio": X, ...}` with the two times the ratio comes from, one per
 //! way of submitting (`"submission": "each"`, one `submit` per tensor as a backward pass
-//! does, or `"group"`, one `submit_group` for all of them).
+//! does, or `"group"`, one `all_reduce_group` for all of them).
 
 use std::path::PathBuf;
 
@@ -152,7 +152,7 @@ pub struct FusionOverheadEntry {
     pub tensors: usize,
     /// Bytes per tensor (f32).
     pub tensor_bytes: usize,
-    /// `each` (one `submit` per tensor) or `group` (one `submit_group`).
+    /// `each` (one `submit` per tensor) or `group` (one `all_reduce_group`).
     pub submission: &'static str,
     /// Median fused step (submit the tensors, wait for them) in microseconds, slowest rank.
     pub fused_us: f64,
@@ -682,7 +682,7 @@ mod measure {
         let mut wrong = 0usize;
         if rank == 0 {
             println!(
-                "# fusion overhead: a fused step of N f32 tensors (submission `each`: one submit per tensor, then synchronize; `group`: one submit_group) against one {} all-reduce of the same total bytes; {size} ranks, {steps} timed steps each, medians of the slowest rank, fusion cycle {} us",
+                "# fusion overhead: a fused step of N f32 tensors (submission `each`: one submit per tensor, then synchronize; `group`: one all_reduce_group) against one {} all-reduce of the same total bytes; {size} ranks, {steps} timed steps each, medians of the slowest rank, fusion cycle {} us",
                 opts.algorithm, args.cycle_time_us
             );
             println!(
@@ -737,9 +737,7 @@ mod measure {
                 }
                 other.barrier()?;
                 let start = Instant::now();
-                let reduced = engine
-                    .submit_group(&group, std::mem::take(&mut tensors))?
-                    .wait()?;
+                let reduced = engine.all_reduce_group(&group, std::mem::take(&mut tensors))?;
                 let grouped = start.elapsed().as_secs_f64();
                 for t in reduced {
                     let v = t.into_vec::<f32>()?;

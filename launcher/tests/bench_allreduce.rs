@@ -16,7 +16,14 @@ fn fusion_overhead_rows_are_printed_and_written_as_json_entries() {
     let json = dir.path().join("allreduce.json");
     let mut cmd = ringtrain();
     cmd.args(["launch", "--np", "2", "--", "bench", "allreduce"])
-        .args(["--min-bytes", "4K", "--max-bytes", "8K", "--small-tensors", "0"])
+        .args([
+            "--min-bytes",
+            "4K",
+            "--max-bytes",
+            "8K",
+            "--small-tensors",
+            "0",
+        ])
         .args(["--fusion-tensors", "3,5", "--fusion-tensor-bytes", "256,1K"])
         .args(["--fusion-steps", "2", "--json"])
         .arg(&json);
@@ -30,7 +37,10 @@ fn fusion_overhead_rows_are_printed_and_written_as_json_entries() {
         .lines()
         .find(|l| l.contains("fusion_overhead") && l.contains("allreduce_us"))
         .unwrap_or_else(|| panic!("no fusion-overhead header:\n{stdout}"));
-    assert!(header.contains("submission") && header.contains("fused_us"), "{header}");
+    assert!(
+        header.contains("submission") && header.contains("fused_us"),
+        "{header}"
+    );
     let rows: Vec<Vec<&str>> = stdout
         .lines()
         .map(|l| l.split_whitespace().collect::<Vec<_>>())
@@ -83,6 +93,9 @@ fn fusion_overhead_rows_are_printed_and_written_as_json_entries() {
         let fused = e["fused_us"].as_f64().expect("fused_us");
         let base = e["all_reduce_us"].as_f64().expect("all_reduce_us");
         assert!(ratio > 0.0 && fused > 0.0 && base > 0.0, "{e}");
-        assert!(((fused / base) / ratio - 1.0).abs() < 1e-9, "ratio = fused / base: {e}");
+        assert!(
+            ((fused / base) / ratio - 1.0).abs() < 1e-9,
+            "ratio = fused / base: {e}"
+        );
     }
 }

@@ -602,6 +602,26 @@ impl FusionEngine {
         names: &TensorNames,
         tensors: Vec<T>,
     ) -> Result<GroupHandle> {
+        self.queue_group(names, tensors, true)
+    }
+
+    /// All-reduces a group of tensors and returns them in the order of `names`:
+    /// [`FusionEngine::submit_group`] and [`GroupHandle::wait`] at once, without waking
+    /// the background thread (this thread runs the cycles).
+    pub fn all_reduce_group<T: Into<Tensor>>(
+        &self,
+        names: &TensorNames,
+        tensors: Vec<T>,
+    ) -> Result<Vec<Tensor>> {
+        self.queue_group(names, tensors, false)?.wait()
+    }
+
+    fn queue_group<T: Into<Tensor>>(
+        &self,
+        names: &TensorNames,
+        tensors: Vec<T>,
+        wake: bool,
+    ) -> Result<GroupHandle> {
         if tensors.len() != names.len() {
             return Err(Error::invalid(
                 "number of tensors in the group",
@@ -629,7 +649,9 @@ impl FusionEngine {
             at: self.timed.then(Instant::now),
         })
         .map_err(|_| stopped())?;
-        self.wake.queued();
+        if wake {
+            self.wake.queued();
+        }
         Ok(handle)
     }
 
@@ -834,12 +856,24 @@ fn background(core: Arc<Core>, wake: Arc<Wakeup>, cycle_time: Duration) {
             CoreState::Running(r) => (r.engine.busy(), r.engine.shutting_down),
             CoreState::Ended(_) => return,
         };
-        if shutting_down {
+        let idle_round = if shutting_down {
             std::thread::sleep(cycle_time.max(Duration::from_micros(100)));
+            false
         } else if busy || wake.wait_queued(IDLE_POLL) {
             wake.wait_flush_until(Instant::now() + cycle_time);
+            false
+        } else {
+            true
+        };
+        let mut state = core.lock();
+        if let CoreState::Running(r) = &*state {
+            // A caller that waited may have done the work of this window already: no
+            // round for nothing (the other ranks would have to join it).
+            if !idle_round && !r.engine.busy() && r.rx.is_empty() {
+                continue;
+            }
         }
-        Core::step(&mut core.lock());
+        Core::step(&mut state);
     }
 }
 

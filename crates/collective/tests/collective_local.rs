@@ -867,8 +867,9 @@ fn submitting_a_cached_name_twice_before_it_completes_is_an_error() {
     }
 }
 
-/// Groups submitted in one message: exact results in the order of the names, whether the
-/// other ranks submit the same tensors one by one or as a group of another order; a
+/// Groups submitted in one message (`all_reduce_group` on rank 0, `submit_group` on rank
+/// 1): exact results in the order of the names, whether the other ranks submit the same
+/// tensors one by one or as a group of another order; a
 /// count that does not match the names is refused before anything is queued; a name
 /// twice in one group fails that place only.
 #[test]
@@ -894,9 +895,14 @@ fn submitted_groups_mix_with_single_submissions_and_other_orders() {
             };
             let out: Vec<Vec<f32>> = if r < 2 {
                 let group = TensorNames::new(order.iter().map(|&i| names[i]));
-                engine
-                    .submit_group(&group, tensors(&order))
-                    .and_then(|h| h.wait())
+                let reduced = if r == 0 {
+                    engine.all_reduce_group(&group, tensors(&order))
+                } else {
+                    engine
+                        .submit_group(&group, tensors(&order))
+                        .and_then(|h| h.wait())
+                };
+                reduced
                     .map_err(|e| e.to_string())?
                     .into_iter()
                     .map(|t| t.into_vec::<f32>().map_err(|e| e.to_string()))
