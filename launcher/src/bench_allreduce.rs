@@ -1,10 +1,17 @@
 //! `ringtrain bench allreduce`: an nccl-tests-style all-reduce table (ring against
-//! `MPI_Allreduce`, same run) and the many-small-tensors case (per-tensor `MPI_Allreduce`
-//! against tensor fusion). Run it under mpirun:
+//! `MPI_Allreduce`, same run), the many-small-tensors case (per-tensor `MPI_Allreduce`
+//! against tensor fusion) and the fusion overhead (a fused step of many small tensors
+//! against one all-reduce of the same total bytes). Run it under mpirun:
 //!
 //! ```text
 //! mpirun -np 4 ringtrain bench allreduce --min-bytes 64K --max-bytes 64M --json allreduce.json
 //! ```
+//!
+//! The `--json` file is one array: the table's rows (nccl-tests' fields), then two entries
+//! per fusion-overhead case, `{"case": "fusion_overhead", "ranks": R, "tensors": N,
+//! "tensor_bytes": B, "ratio": X, ...}` with the two times the ratio comes from, one per
+//! way of submitting (`"submission": "each"`, one `submit` per tensor as a backward pass
+//! does, or `"group"`, one `all_reduce_group` for all of them).
 
 use std::path::PathBuf;
 
@@ -52,6 +59,16 @@ pub struct AllreduceBenchArgs {
     /// Fusion cycle time in microseconds for the many-small-tensors case.
     #[arg(long, default_value_t = 1000)]
     pub cycle_time_us: u64,
+    /// Tensor counts of the fusion-overhead cases, comma-separated (`0` skips them).
+    #[arg(long, value_delimiter = ',', default_value = "100,1000")]
+    pub fusion_tensors: Vec<usize>,
+    /// Bytes per tensor of the fusion-overhead cases, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "256,4K", value_parser = parse_bytes)]
+    pub fusion_tensor_bytes: Vec<usize>,
+    /// Timed steps per fusion-overhead case (each step: one fused step and one
+    /// all-reduce, taking turns; the medians are compared).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub fusion_steps: u64,
     /// Write a Chrome-trace timeline of the fused case (`FILE` becomes `FILE.rank<R>.json`).
     #[arg(long)]
     pub timeline: Option<PathBuf>,
@@ -122,6 +139,29 @@ pub struct AllreduceRow {
     pub wrong: usize,
 }
 
+/// One fusion-overhead case: a fused step of `tensors` tensors of `tensor_bytes` bytes
+/// against one all-reduce of the same total bytes, same options, same run.
+#[derive(Debug, Clone, serde::Serialize)]
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub struct FusionOverheadEntry {
+    /// Always `fusion_overhead`.
+    pub case: &'static str,
+    /// Ranks.
+    pub ranks: usize,
+    /// Tensors per step.
+    pub tensors: usize,
+    /// Bytes per tensor (f32).
+    pub tensor_bytes: usize,
+    /// `each` (one `submit` per tensor) or `group` (one `all_reduce_group`).
+    pub submission: &'static str,
+    /// Median fused step (submit the tensors, wait for them) in microseconds, slowest rank.
+    pub fused_us: f64,
+    /// Median all-reduce of `tensors * tensor_bytes` bytes in microseconds, slowest rank.
+    pub all_reduce_us: f64,
+    /// `fused_us / all_reduce_us`.
+    pub ratio: f64,
+}
+
 /// Runs the benchmark on this rank (every rank of the mpirun job must run it).
 #[cfg(feature = "mpi")]
 pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> {
@@ -162,9 +202,23 @@ pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
             measure::table::<ringtrain_collective::half::bf16>(&mut comm, args, &algorithms)?
         }
     };
+    let wrong: usize = rows.iter().map(|r| r.wrong).sum();
+    let comm = if args.small_tensors > 0 {
+        measure::small_tensors(comm, args)?
+    } else {
+        comm
+    };
+    let (comm, overhead) = measure::fusion_overhead(comm, args)?;
     if comm.rank() == 0 {
         if let Some(path) = &args.json {
-            let text = serde_json::to_string_pretty(&rows)?;
+            let mut entries = Vec::with_capacity(rows.len() + overhead.len());
+            for r in &rows {
+                entries.push(serde_json::to_value(r)?);
+            }
+            for o in &overhead {
+                entries.push(serde_json::to_value(o)?);
+            }
+            let text = serde_json::to_string_pretty(&entries)?;
             ringtrain_train::outputs::write_atomically(
                 path,
                 text.as_bytes(),
@@ -173,12 +227,6 @@ pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
             println!("# rows written to {}", path.display());
         }
     }
-    let wrong: usize = rows.iter().map(|r| r.wrong).sum();
-    let comm = if args.small_tensors > 0 {
-        measure::small_tensors(comm, args)?
-    } else {
-        comm
-    };
     drop(comm);
     if wrong > 0 {
         return Err(format!("{wrong} elements differed from the exact result").into());
@@ -200,7 +248,18 @@ fn bench_bytes_per_rank(args: &AllreduceBenchArgs, element_bytes: usize) -> Opti
     } else {
         0
     };
-    max.checked_mul(4)?.checked_add(small)
+    // The fusion-overhead cases: the tensors, the engine's fusion buffer and the one
+    // contiguous buffer of the same size, one case at a time.
+    let mut overhead = 0u128;
+    for &n in &args.fusion_tensors {
+        for &b in &args.fusion_tensor_bytes {
+            let case = (n as u128)
+                .checked_mul((b / 4).max(1) as u128 * 4)?
+                .checked_mul(3)?;
+            overhead = overhead.max(case);
+        }
+    }
+    max.checked_mul(4)?.checked_add(small.max(overhead))
 }
 
 /// `MemAvailable` of `/proc/meminfo` in bytes, where the system has one.
@@ -255,8 +314,9 @@ fn check_memory(
             gib(avail)
         ),
         _ => format!(
-            "--max-bytes {} and --small-tensors {} x --small-tensor-bytes {} are too large to \
-             allocate on one node: lower them",
+            "--max-bytes {}, --small-tensors {} x --small-tensor-bytes {} and the \
+             --fusion-tensors x --fusion-tensor-bytes cases are too large to allocate on one \
+             node: lower them",
             args.max_bytes, args.small_tensors, args.small_tensor_bytes
         ),
     }
@@ -307,9 +367,10 @@ mod measure {
 
     use ringtrain_collective::{
         Algorithm, AllReduceOptions, Communicator, Element, FusionConfig, FusionEngine, ReduceOp,
+        TensorNames,
     };
 
-    use super::{AllreduceBenchArgs, AllreduceRow};
+    use super::{AllreduceBenchArgs, AllreduceRow, FusionOverheadEntry};
 
     type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -576,5 +637,155 @@ mod measure {
             return Err(format!("fusion gave {wrong} wrong elements on rank {rank}").into());
         }
         Ok(comm)
+    }
+
+    /// The median of `v` (not empty).
+    fn median(v: &mut [f64]) -> f64 {
+        v.sort_by(f64::total_cmp);
+        let m = v.len() / 2;
+        if v.len() % 2 == 1 {
+            v[m]
+        } else {
+            (v[m - 1] + v[m]) / 2.0
+        }
+    }
+
+    /// For every `--fusion-tensors` x `--fusion-tensor-bytes` case: a fused step of N f32
+    /// tensors (submit each, synchronize) against one all-reduce of the same total bytes
+    /// with the same options, taking turns step by step; prints the ratio of the medians.
+    pub(super) fn fusion_overhead(
+        comm: Communicator,
+        args: &AllreduceBenchArgs,
+    ) -> BoxResult<(Communicator, Vec<FusionOverheadEntry>)> {
+        let cases: Vec<(usize, usize)> = args
+            .fusion_tensors
+            .iter()
+            .filter(|&&n| n > 0)
+            .flat_map(|&n| args.fusion_tensor_bytes.iter().map(move |&b| (n, b)))
+            .collect();
+        if cases.is_empty() {
+            return Ok((comm, Vec::new()));
+        }
+        let (rank, size) = (comm.rank(), comm.size());
+        let opts = AllReduceOptions::sum();
+        // The one all-reduce runs on a duplicate while the engine holds `comm`.
+        let mut other = comm.duplicate()?;
+        let config = FusionConfig {
+            cycle_time: Duration::from_micros(args.cycle_time_us),
+            options: opts,
+            ..FusionConfig::default()
+        };
+        let engine = FusionEngine::start(comm, config)?;
+        let steps = args.fusion_steps as usize;
+        let warmup = 3;
+        let mut entries = Vec::with_capacity(cases.len());
+        let mut wrong = 0usize;
+        if rank == 0 {
+            println!(
+                "# fusion overhead: a fused step of N f32 tensors (submission `each`: one submit per tensor, then synchronize; `group`: one all_reduce_group) against one {} all-reduce of the same total bytes; {size} ranks, {steps} timed steps each, medians of the slowest rank, fusion cycle {} us",
+                opts.algorithm, args.cycle_time_us
+            );
+            println!(
+                "{:>8} {:>12} {:>12} {:>10} {:>14} {:>14} {:>16}",
+                "tensors",
+                "tensor_bytes",
+                "total_bytes",
+                "submission",
+                "allreduce_us",
+                "fused_us",
+                "fusion_overhead"
+            );
+        }
+        for (n, tensor_bytes) in cases {
+            let len = (tensor_bytes / 4).max(1);
+            let names: Vec<String> = (0..n)
+                .map(|i| format!("overhead/{n}x{tensor_bytes}/{i}"))
+                .collect();
+            let mut tensors: Vec<Vec<f32>> = (0..n).map(|_| vec![1.0f32; len]).collect();
+            let mut flat = vec![1.0f32; n * len];
+            let group = TensorNames::new(&names);
+            let mut fused_times = Vec::with_capacity(steps);
+            let mut group_times = Vec::with_capacity(steps);
+            let mut flat_times = Vec::with_capacity(steps);
+            for step in 0..warmup + steps {
+                flat.fill(1.0);
+                other.barrier()?;
+                let start = Instant::now();
+                other.all_reduce(&mut flat, &opts)?;
+                let one = start.elapsed().as_secs_f64();
+                wrong += flat.iter().filter(|&&x| x != size as f32).count();
+
+                for t in tensors.iter_mut() {
+                    t.fill(1.0);
+                }
+                other.barrier()?;
+                let start = Instant::now();
+                let mut handles = Vec::with_capacity(n);
+                for (name, t) in names.iter().zip(tensors.drain(..)) {
+                    handles.push(engine.submit(name, t)?);
+                }
+                let reduced = engine.synchronize(handles)?;
+                let fused = start.elapsed().as_secs_f64();
+                for t in reduced {
+                    let v = t.into_vec::<f32>()?;
+                    wrong += v.iter().filter(|&&x| x != size as f32).count();
+                    tensors.push(v);
+                }
+
+                for t in tensors.iter_mut() {
+                    t.fill(1.0);
+                }
+                other.barrier()?;
+                let start = Instant::now();
+                let reduced = engine.all_reduce_group(&group, std::mem::take(&mut tensors))?;
+                let grouped = start.elapsed().as_secs_f64();
+                for t in reduced {
+                    let v = t.into_vec::<f32>()?;
+                    wrong += v.iter().filter(|&&x| x != size as f32).count();
+                    tensors.push(v);
+                }
+                if step >= warmup {
+                    flat_times.push(one);
+                    fused_times.push(fused);
+                    group_times.push(grouped);
+                }
+            }
+            let all_reduce = max_over_ranks(&mut other, median(&mut flat_times))?;
+            for (submission, times) in [("each", &mut fused_times), ("group", &mut group_times)] {
+                let fused = max_over_ranks(&mut other, median(times))?;
+                let ratio = fused / all_reduce;
+                if rank == 0 {
+                    println!(
+                        "{:>8} {:>12} {:>12} {:>10} {:>14.1} {:>14.1} {:>15.2}x",
+                        n,
+                        len * 4,
+                        n * len * 4,
+                        submission,
+                        all_reduce * 1e6,
+                        fused * 1e6,
+                        ratio
+                    );
+                }
+                entries.push(FusionOverheadEntry {
+                    case: "fusion_overhead",
+                    ranks: size,
+                    tensors: n,
+                    tensor_bytes: len * 4,
+                    submission,
+                    fused_us: fused * 1e6,
+                    all_reduce_us: all_reduce * 1e6,
+                    ratio,
+                });
+            }
+        }
+        let comm = engine.shutdown()?;
+        drop(other);
+        if wrong > 0 {
+            return Err(format!(
+                "the fusion-overhead cases gave {wrong} wrong elements on rank {rank}"
+            )
+            .into());
+        }
+        Ok((comm, entries))
     }
 }

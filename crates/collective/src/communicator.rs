@@ -14,7 +14,9 @@ use crate::transport::{LocalTransport, NodeRank, Transport};
 /// when it is reduced, large enough that per-message costs vanish.
 pub const DEFAULT_SEGMENT_BYTES: usize = 256 * 1024;
 
-/// Default size below which [`Algorithm::Auto`] picks recursive doubling.
+/// The size below which [`Algorithm::Auto`] picked recursive doubling before its choice
+/// was measured per rank count ([`crate::algorithm_choice`]); a rule
+/// [`Communicator::set_auto_threshold_bytes`] can bring back with any size.
 pub const DEFAULT_AUTO_THRESHOLD_BYTES: usize = 64 * 1024;
 
 /// Element range of chunk `chunk` when `len` elements are split over `size` ranks:
@@ -38,7 +40,8 @@ pub struct Communicator {
     rank: usize,
     size: usize,
     segment_bytes: usize,
-    auto_threshold_bytes: usize,
+    /// Set by [`Communicator::set_auto_threshold_bytes`]: replaces the measured choice.
+    auto_threshold_bytes: Option<usize>,
     /// Receive buffer, `u64`-backed so that any element type can view it aligned.
     scratch: Vec<u64>,
     /// Narrow copies of f32 data for wire compression.
@@ -134,7 +137,7 @@ impl Communicator {
             rank,
             size,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
-            auto_threshold_bytes: DEFAULT_AUTO_THRESHOLD_BYTES,
+            auto_threshold_bytes: None,
             scratch: Vec::new(),
             wire_f16: Vec::new(),
             wire_bf16: Vec::new(),
@@ -258,17 +261,21 @@ impl Communicator {
         self.segment_bytes
     }
 
-    /// Sets the message size below which [`Algorithm::Auto`] uses recursive doubling.
+    /// Replaces the measured choice of [`Algorithm::Auto`] with a fixed rule: recursive
+    /// doubling below `bytes`, ring from `bytes` up.
     pub fn set_auto_threshold_bytes(&mut self, bytes: usize) {
-        self.auto_threshold_bytes = bytes;
+        self.auto_threshold_bytes = Some(bytes);
     }
 
-    /// The algorithm [`Algorithm::Auto`] resolves to for a message of `bytes` bytes.
+    /// The algorithm [`Algorithm::Auto`] resolves to for a message of `bytes` bytes:
+    /// the faster of recursive doubling and the ring as measured for this rank count and
+    /// size ([`crate::algorithm_choice`]).
     pub fn resolve_algorithm(&self, algorithm: Algorithm, bytes: usize) -> Algorithm {
-        match algorithm {
-            Algorithm::Auto if bytes < self.auto_threshold_bytes => Algorithm::RecursiveDoubling,
-            Algorithm::Auto => Algorithm::Ring,
-            other => other,
+        match (algorithm, self.auto_threshold_bytes) {
+            (Algorithm::Auto, Some(threshold)) if bytes < threshold => Algorithm::RecursiveDoubling,
+            (Algorithm::Auto, Some(_)) => Algorithm::Ring,
+            (Algorithm::Auto, None) => crate::algorithm_choice::measured_choice(self.size, bytes),
+            (other, _) => other,
         }
     }
 

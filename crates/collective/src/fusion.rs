@@ -1,24 +1,30 @@
 //! Tensor fusion with asynchronous submission, as Horovod does it.
 //!
-//! [`FusionEngine::submit`] hands a named tensor to a background thread and returns a
-//! [`Handle`]. Every cycle the background threads of all ranks agree on which tensors
-//! every rank has submitted: each sends every other rank the dtype and length of the
-//! tensors submitted on it since the last cycle (with the name the first time a name is
-//! seen, later a small id that every rank assigned identically, as Horovod's response cache
-//! does), and every rank feeds the same gathered lists, in rank order, into its own copy of
-//! one table, so all ranks take the same decisions in the same order. Rank 0 acts as
-//! coordinator for time-outs only: its list also names the tensors whose stall timeout ran
-//! out.
+//! [`FusionEngine::submit`] queues a named tensor and returns a [`Handle`];
+//! [`FusionEngine::submit_group`] queues a whole group (names made once as
+//! [`TensorNames`]) in one message and returns a [`GroupHandle`]. Every cycle the ranks
+//! agree on which tensors every rank has submitted: each sends every other rank what was
+//! submitted on it since the last cycle, and every rank feeds the same gathered lists, in
+//! rank order, into its own copy of one table, so all ranks take the same decisions in the
+//! same order. What a rank sends is Horovod's response cache: a tensor whose name every
+//! rank has registered and whose shape is the one it was last reduced with is one bit of a
+//! bit vector; a tensor whose bit is set on every rank in the same cycle is ready at once.
+//! A new name goes by name (the first time), a changed shape by id with its dtype and
+//! length; a tensor that only some ranks have announced waits in the table, which checks
+//! shapes and times out stalls. Rank 0 acts as coordinator for time-outs only: its list
+//! also names the tensors whose stall timeout ran out.
+//!
+//! Cycles run on a background thread while nobody waits (so reductions overlap the
+//! computation that submits them) and on the caller's thread while it waits for its
+//! results: a step that submits and then waits needs no hand-off between threads.
 //!
 //! Tensors ready everywhere are copied into a fusion buffer (per dtype, up to
 //! [`FusionConfig::threshold_bytes`]), all-reduced, copied back, and their handles
 //! complete. A shape disagreement fails the tensor on every rank, naming each rank's dtype
-//! and length; a tensor missing on some ranks is reported on stderr after
-//! [`FusionConfig::stall_warning`], naming the missing ranks, and fails on every rank
-//! [`FusionConfig::stall_error`] later (ranks that never submitted it see the error from
-//! [`FusionEngine::synchronize`] or [`FusionEngine::take_foreign_failure`]).
-
-use std::collections::hash_map::Entry;
+//! and length (and clears its cache entry); a tensor missing on some ranks is reported on
+//! stderr after [`FusionConfig::stall_warning`], naming the missing ranks, and fails on
+//! every rank [`FusionConfig::stall_error`] later (ranks that never submitted it see the
+//! error from [`FusionEngine::synchronize`] or [`FusionEngine::take_foreign_failure`]).
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::path::PathBuf;
@@ -32,7 +38,9 @@ use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 use crate::communicator::Communicator;
 use crate::dtype::{DType, Element, Tensor};
 use crate::error::{Error, Result};
-use crate::negotiation::{Announcement, CycleMessage, Decision, Failure, ReadyTable};
+use crate::negotiation::{
+    Announce, Announcement, CycleMessage, Decision, Failure, IdBits, ReadyTable,
+};
 use crate::options::AllReduceOptions;
 use crate::timeline::Timeline;
 
@@ -136,12 +144,34 @@ impl Wakeup {
 
 enum Command {
     Submit {
-        name: String,
+        name: Arc<str>,
         tensor: Tensor,
         ticket: u64,
-        at: Instant,
+        at: Option<Instant>,
+    },
+    SubmitGroup {
+        names: TensorNames,
+        tensors: Vec<Tensor>,
+        batch: u64,
+        at: Option<Instant>,
     },
     Shutdown,
+}
+
+/// Where a result goes: a [`Handle`], or one place of a [`GroupHandle`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ticket {
+    One(u64),
+    Member { batch: u64, index: u32 },
+}
+
+/// The results of one submitted group, filled as its tensors complete.
+#[derive(Debug)]
+struct Batch {
+    results: Vec<Option<Result<Tensor>>>,
+    remaining: usize,
+    /// The handle was dropped unwaited: the batch is discarded once complete.
+    abandoned: bool,
 }
 
 /// Where the background thread leaves results for handles: one lock and one wake-up per
@@ -156,6 +186,7 @@ struct Board {
 #[derive(Debug, Default)]
 struct BoardState {
     done: HashMap<u64, Result<Tensor>>,
+    batches: HashMap<u64, Batch>,
     /// Tickets whose handle was dropped unwaited: their results are discarded.
     abandoned: HashSet<u64>,
     /// Set when the background thread has ended.
@@ -171,15 +202,98 @@ impl Board {
         self.next_ticket.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn post(&self, results: impl IntoIterator<Item = (u64, Result<Tensor>)>) {
+    fn post(&self, results: impl IntoIterator<Item = (Ticket, Result<Tensor>)>) {
         let mut s = self.lock();
         for (ticket, r) in results {
-            if !s.abandoned.remove(&ticket) {
-                s.done.insert(ticket, r);
+            match ticket {
+                Ticket::One(ticket) => {
+                    if !s.abandoned.remove(&ticket) {
+                        s.done.insert(ticket, r);
+                    }
+                }
+                Ticket::Member { batch, index } => {
+                    let Some(b) = s.batches.get_mut(&batch) else {
+                        continue;
+                    };
+                    let Some(slot) = b.results.get_mut(index as usize) else {
+                        continue;
+                    };
+                    if slot.is_none() {
+                        b.remaining -= 1;
+                    }
+                    *slot = Some(r);
+                    if b.abandoned && b.remaining == 0 {
+                        s.batches.remove(&batch);
+                    }
+                }
             }
         }
         drop(s);
         self.cv.notify_all();
+    }
+
+    /// A ticket for a group of `n` tensors, with room for their results.
+    fn open_batch(&self, n: usize) -> u64 {
+        let batch = self.ticket();
+        let results = (0..n).map(|_| None).collect();
+        self.lock().batches.insert(
+            batch,
+            Batch {
+                results,
+                remaining: n,
+                abandoned: false,
+            },
+        );
+        batch
+    }
+
+    fn batch_done(&self, batch: u64) -> bool {
+        self.lock()
+            .batches
+            .get(&batch)
+            .is_none_or(|b| b.remaining == 0)
+    }
+
+    /// Waits until every tensor of the group has a result (or the engine has ended).
+    fn take_batch(&self, batch: u64, names: &TensorNames) -> Vec<Result<Tensor>> {
+        let mut s = self.lock();
+        loop {
+            let complete = s.batches.get(&batch).is_none_or(|b| b.remaining == 0);
+            if complete || s.closed.is_some() {
+                let reason = s.closed.clone().unwrap_or_default();
+                let results = s.batches.remove(&batch).map(|b| b.results);
+                let results = results.unwrap_or_default();
+                return results
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, r)| {
+                        r.unwrap_or_else(|| {
+                            Err(Error::EngineStopped {
+                                reason: format!(
+                                    "tensor `{}` was not reduced before the background thread ended ({reason})",
+                                    names.get(i).unwrap_or("?")
+                                ),
+                            })
+                        })
+                    })
+                    .collect();
+            }
+            s = self.cv.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn abandon_batch(&self, batch: u64) {
+        let mut s = self.lock();
+        let complete = match s.batches.get_mut(&batch) {
+            Some(b) => {
+                b.abandoned = true;
+                b.remaining == 0
+            }
+            None => false,
+        };
+        if complete {
+            s.batches.remove(&batch);
+        }
     }
 
     fn close(&self, reason: String) {
@@ -189,6 +303,11 @@ impl Board {
 
     fn is_done(&self, ticket: u64) -> bool {
         self.lock().done.contains_key(&ticket)
+    }
+
+    fn all_done(&self, mut tickets: impl Iterator<Item = u64>) -> bool {
+        let s = self.lock();
+        tickets.all(|t| s.done.contains_key(&t))
     }
 
     fn take(&self, ticket: u64, name: &str) -> Result<Tensor> {
@@ -219,10 +338,10 @@ impl Board {
 /// A submitted tensor's future result.
 #[derive(Debug)]
 pub struct Handle {
-    name: String,
+    name: Arc<str>,
     ticket: u64,
     board: Arc<Board>,
-    wake: Arc<Wakeup>,
+    core: Arc<Core>,
     waited: bool,
 }
 
@@ -234,12 +353,12 @@ impl Handle {
 
     /// Blocks until the tensor is reduced (or failed) and returns it.
     ///
-    /// Waiting ends the engine's current collection window at once: nothing this rank
-    /// submits later can join a fusion this caller is already waiting for.
+    /// Waiting ends the engine's current collection window at once (the caller runs
+    /// the engine's cycles itself until its tensor is done): nothing this rank submits
+    /// later can join a fusion this caller is already waiting for.
     pub fn wait(mut self) -> Result<Tensor> {
-        if !self.board.is_done(self.ticket) {
-            self.wake.flush();
-        }
+        let (board, ticket) = (&self.board, self.ticket);
+        self.core.help(|| board.is_done(ticket));
         self.take()
     }
 
@@ -257,6 +376,92 @@ impl Drop for Handle {
     }
 }
 
+/// The names of tensors submitted together (every step, typically), made once and reused:
+/// [`FusionEngine::submit_group`] hands a whole group to the background thread in one
+/// message, where [`FusionEngine::submit`] takes one per tensor.
+#[derive(Clone, Debug)]
+pub struct TensorNames {
+    names: Arc<[Arc<str>]>,
+}
+
+impl TensorNames {
+    /// The names, in the order their tensors will be passed.
+    pub fn new<I, S>(names: I) -> TensorNames
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        TensorNames {
+            names: names.into_iter().map(|n| Arc::from(n.as_ref())).collect(),
+        }
+    }
+
+    /// Number of names.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    /// True when there are none.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    /// The name at `index`.
+    pub fn get(&self, index: usize) -> Option<&str> {
+        self.names.get(index).map(|n| &**n)
+    }
+}
+
+/// A submitted group's future results ([`FusionEngine::submit_group`]).
+#[derive(Debug)]
+pub struct GroupHandle {
+    batch: u64,
+    names: TensorNames,
+    board: Arc<Board>,
+    core: Arc<Core>,
+    foreign: ForeignFailures,
+    waited: bool,
+}
+
+impl GroupHandle {
+    /// Blocks until every tensor of the group is reduced (or failed) and returns them in
+    /// the order they were passed; the first error instead, after waiting for all (also
+    /// a failure of a tensor this rank never submitted, as
+    /// [`FusionEngine::synchronize`] reports it).
+    pub fn wait(mut self) -> Result<Vec<Tensor>> {
+        self.waited = true;
+        let (board, batch) = (&self.board, self.batch);
+        self.core.help(|| board.batch_done(batch));
+        let mut out = Vec::with_capacity(self.names.len());
+        let mut first_err = None;
+        for r in self.board.take_batch(self.batch, &self.names) {
+            match r {
+                Ok(t) => out.push(t),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        let mut foreign = self.foreign.lock().unwrap_or_else(|p| p.into_inner());
+        if !foreign.is_empty() {
+            let (name, f) = foreign.remove(0);
+            return Err(f.to_error(&name));
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for GroupHandle {
+    fn drop(&mut self) {
+        if !self.waited {
+            self.board.abandon_batch(self.batch);
+        }
+    }
+}
+
 /// Failures of tensors this rank never submitted (so no handle can carry them).
 type ForeignFailures = Arc<Mutex<Vec<(String, Failure)>>>;
 
@@ -264,10 +469,13 @@ type ForeignFailures = Arc<Mutex<Vec<(String, Failure)>>>;
 /// must eventually call [`FusionEngine::shutdown`].
 pub struct FusionEngine {
     tx: Option<Sender<Command>>,
-    thread: Option<JoinHandle<Result<Communicator>>>,
+    thread: Option<JoinHandle<()>>,
+    core: Arc<Core>,
     foreign: ForeignFailures,
     wake: Arc<Wakeup>,
     board: Arc<Board>,
+    /// Submissions are time-stamped only for a timeline.
+    timed: bool,
     rank: usize,
     size: usize,
 }
@@ -300,27 +508,49 @@ impl FusionEngine {
                 "use a positive size (Horovod's default is 64 MiB)",
             ));
         }
+        let timed = config.timeline.is_some();
         let (tx, rx) = unbounded();
         let foreign: ForeignFailures = Arc::default();
         let rank = comm.rank();
         let size = comm.size();
-        let worker_foreign = Arc::clone(&foreign);
         let wake = Arc::new(Wakeup::default());
-        let worker_wake = Arc::clone(&wake);
         let board = Arc::new(Board::default());
-        let worker_board = Arc::clone(&board);
+        let cycle_time = config.cycle_time;
+        let engine = Engine {
+            rank,
+            slots: Vec::new(),
+            queued: 0,
+            unregistered: HashMap::default(),
+            fresh: Vec::new(),
+            fresh_bits: IdBits::default(),
+            failed: HashMap::default(),
+            shutting_down: false,
+            table: ReadyTable::new(size),
+            foreign: Arc::clone(&foreign),
+            board: Arc::clone(&board),
+            buffer: Vec::new(),
+            timeline: Timeline::new(config.timeline.as_deref(), rank, Instant::now()),
+            config,
+        };
+        let core = Arc::new(Core {
+            state: Mutex::new(CoreState::Running(Box::new(Running { engine, comm, rx }))),
+        });
+        let worker_core = Arc::clone(&core);
+        let worker_wake = Arc::clone(&wake);
         let thread = std::thread::Builder::new()
             .name(format!("ringtrain-fusion-{rank}"))
-            .spawn(move || run_engine(comm, config, rx, worker_foreign, worker_wake, worker_board))
+            .spawn(move || background(worker_core, worker_wake, cycle_time))
             .map_err(|e| Error::EngineStopped {
                 reason: format!("cannot start the background thread: {e}"),
             })?;
         Ok(FusionEngine {
             tx: Some(tx),
             thread: Some(thread),
+            core,
             foreign,
             wake,
             board,
+            timed,
             rank,
             size,
         })
@@ -344,21 +574,85 @@ impl FusionEngine {
             reason: "the background thread has exited; shutdown() returns the cause".into(),
         };
         let tx = self.tx.as_ref().ok_or_else(stopped)?;
+        // One allocation for the name, shared by the handle and the engine.
+        let name: Arc<str> = Arc::from(name);
         tx.send(Command::Submit {
-            name: name.to_owned(),
+            name: Arc::clone(&name),
             tensor: tensor.into(),
             ticket,
-            at: Instant::now(),
+            at: self.timed.then(Instant::now),
         })
         .map_err(|_| stopped())?;
         self.wake.queued();
         Ok(Handle {
-            name: name.to_owned(),
+            name,
             ticket,
             board: Arc::clone(&self.board),
-            wake: Arc::clone(&self.wake),
+            core: Arc::clone(&self.core),
             waited: false,
         })
+    }
+
+    /// Queues a group of tensors for all-reduce, `tensors[i]` under `names.get(i)`, in one
+    /// message to the background thread. The same rules as [`FusionEngine::submit`]
+    /// apply to each (every rank submits every name, with the same dtype and length, in
+    /// any order and grouped in any way); each tensor is fused and negotiated on its own.
+    pub fn submit_group<T: Into<Tensor>>(
+        &self,
+        names: &TensorNames,
+        tensors: Vec<T>,
+    ) -> Result<GroupHandle> {
+        self.queue_group(names, tensors, true)
+    }
+
+    /// All-reduces a group of tensors and returns them in the order of `names`:
+    /// [`FusionEngine::submit_group`] and [`GroupHandle::wait`] at once, without waking
+    /// the background thread (this thread runs the cycles).
+    pub fn all_reduce_group<T: Into<Tensor>>(
+        &self,
+        names: &TensorNames,
+        tensors: Vec<T>,
+    ) -> Result<Vec<Tensor>> {
+        self.queue_group(names, tensors, false)?.wait()
+    }
+
+    fn queue_group<T: Into<Tensor>>(
+        &self,
+        names: &TensorNames,
+        tensors: Vec<T>,
+        wake: bool,
+    ) -> Result<GroupHandle> {
+        if tensors.len() != names.len() {
+            return Err(Error::invalid(
+                "number of tensors in the group",
+                format!("{} (for {} names)", tensors.len(), names.len()),
+                "pass one tensor per name, in the order of the names",
+            ));
+        }
+        let stopped = || Error::EngineStopped {
+            reason: "the background thread has exited; shutdown() returns the cause".into(),
+        };
+        let tx = self.tx.as_ref().ok_or_else(stopped)?;
+        let batch = self.board.open_batch(names.len());
+        let handle = GroupHandle {
+            batch,
+            names: names.clone(),
+            board: Arc::clone(&self.board),
+            core: Arc::clone(&self.core),
+            foreign: Arc::clone(&self.foreign),
+            waited: false,
+        };
+        tx.send(Command::SubmitGroup {
+            names: names.clone(),
+            tensors: tensors.into_iter().map(Into::into).collect(),
+            batch,
+            at: self.timed.then(Instant::now),
+        })
+        .map_err(|_| stopped())?;
+        if wake {
+            self.wake.queued();
+        }
+        Ok(handle)
     }
 
     /// Waits for every handle and returns the tensors in the same order. Returns the first
@@ -367,7 +661,8 @@ impl FusionEngine {
     pub fn synchronize(&self, handles: Vec<Handle>) -> Result<Vec<Tensor>> {
         let mut out = Vec::with_capacity(handles.len());
         let mut first_err = None;
-        self.wake.flush();
+        self.core
+            .help(|| self.board.all_done(handles.iter().map(|h| h.ticket)));
         for mut h in handles {
             match h.take() {
                 Ok(t) => out.push(t),
@@ -411,10 +706,18 @@ impl FusionEngine {
         let thread = self.thread.take().ok_or_else(|| Error::EngineStopped {
             reason: "shutdown was already called".into(),
         })?;
-        match thread.join() {
-            Ok(r) => r,
-            Err(_) => Err(Error::EngineStopped {
+        if thread.join().is_err() {
+            return Err(Error::EngineStopped {
                 reason: "the background thread panicked".into(),
+            });
+        }
+        match std::mem::replace(&mut *self.core.lock(), CoreState::Ended(None)) {
+            CoreState::Ended(Some(result)) => result,
+            CoreState::Ended(None) => Err(Error::EngineStopped {
+                reason: "shutdown was already called".into(),
+            }),
+            CoreState::Running(_) => Err(Error::EngineStopped {
+                reason: "internal: the background thread ended before the engine".into(),
             }),
         }
     }
@@ -430,70 +733,148 @@ impl Drop for FusionEngine {
 
 struct Pending {
     tensor: Tensor,
-    ticket: u64,
-    submitted: Instant,
+    ticket: Ticket,
+    /// When it was submitted (only with a timeline).
+    submitted: Option<Instant>,
 }
 
 struct Engine {
     config: FusionConfig,
     rank: usize,
-    local: HashMap<String, Pending>,
+    /// Tensors queued here, by registered id.
+    slots: Vec<Option<Pending>>,
+    /// How many of `slots` are occupied.
+    queued: usize,
+    /// Tensors queued here whose name is not registered yet (announced by name).
+    unregistered: HashMap<Arc<str>, Pending>,
+    /// This cycle's announcements by name or id, and by cache bit.
     fresh: Vec<Announcement>,
+    fresh_bits: IdBits,
     failed: HashMap<String, Failure>,
     shutting_down: bool,
     table: ReadyTable,
     foreign: ForeignFailures,
-    wake: Arc<Wakeup>,
     board: Arc<Board>,
     buffer: Vec<u64>,
     timeline: Timeline,
 }
 
-fn run_engine(
-    mut comm: Communicator,
-    config: FusionConfig,
+/// The engine with its communicator, run one cycle at a time under a lock: by the
+/// background thread while nobody waits, and by a caller that waits for its results
+/// (so a step whose caller waits at once needs no hand-off between threads, which on a
+/// loaded machine costs a scheduler slice each way).
+struct Core {
+    state: Mutex<CoreState>,
+}
+
+enum CoreState {
+    Running(Box<Running>),
+    /// The engine has ended: the communicator, or why it ended (taken by shutdown).
+    Ended(Option<Result<Communicator>>),
+}
+
+struct Running {
+    engine: Engine,
+    comm: Communicator,
     rx: Receiver<Command>,
-    foreign: ForeignFailures,
-    wake: Arc<Wakeup>,
-    board: Arc<Board>,
-) -> Result<Communicator> {
-    let rank = comm.rank();
-    let timeline = Timeline::new(config.timeline.as_deref(), rank, Instant::now());
-    let mut engine = Engine {
-        rank,
-        local: HashMap::default(),
-        fresh: Vec::new(),
-        failed: HashMap::default(),
-        shutting_down: false,
-        table: ReadyTable::new(comm.size()),
-        foreign,
-        wake,
-        board,
-        buffer: Vec::new(),
-        timeline,
-        config,
-    };
-    let result = engine.run(&mut comm, &rx);
-    let reason = match &result {
-        Ok(()) => "the engine was shut down".to_string(),
-        Err(e) => e.to_string(),
-    };
-    engine.board.post(engine.local.drain().map(|(_, p)| {
-        (
-            p.ticket,
-            Err(Error::EngineStopped {
-                reason: reason.clone(),
-            }),
-        )
-    }));
-    engine.board.close(reason);
-    if let Err(e) = engine.timeline.write() {
-        // The path was writable at start; report a late failure without losing the
-        // communicator.
-        eprintln!("ringtrain-collective: rank {rank}: WARNING: {e}");
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Core")
     }
-    result?;
-    Ok(comm)
+}
+
+impl Core {
+    fn lock(&self) -> std::sync::MutexGuard<'_, CoreState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the queued submissions and runs one cycle; ends the engine after the last
+    /// cycle or an error.
+    fn step(state: &mut CoreState) {
+        let CoreState::Running(r) = state else {
+            return;
+        };
+        r.engine.drain(&r.rx);
+        let outcome = r.engine.cycle(&mut r.comm);
+        match outcome {
+            Ok(false) => {}
+            Ok(true) => Self::finish(state, Ok(())),
+            Err(e) => Self::finish(state, Err(e)),
+        }
+    }
+
+    /// Fails what is still queued, closes the board, writes the timeline.
+    fn finish(state: &mut CoreState, result: Result<()>) {
+        let CoreState::Running(r) = std::mem::replace(state, CoreState::Ended(None)) else {
+            return;
+        };
+        let Running {
+            mut engine, comm, ..
+        } = *r;
+        let reason = match &result {
+            Ok(()) => "the engine was shut down".to_string(),
+            Err(e) => e.to_string(),
+        };
+        let left = engine.take_all_queued();
+        engine.board.post(left.into_iter().map(|p| {
+            (
+                p.ticket,
+                Err(Error::EngineStopped {
+                    reason: reason.clone(),
+                }),
+            )
+        }));
+        engine.board.close(reason);
+        if let Err(e) = engine.timeline.write() {
+            // The path was writable at start; report a late failure without losing the
+            // communicator.
+            eprintln!("ringtrain-collective: rank {}: WARNING: {e}", engine.rank);
+        }
+        *state = CoreState::Ended(Some(result.map(|()| comm)));
+    }
+
+    /// Runs cycles on the calling thread until `done()` or the engine has ended.
+    fn help(&self, done: impl Fn() -> bool) {
+        while !done() {
+            let mut state = self.lock();
+            if done() || matches!(*state, CoreState::Ended(_)) {
+                return;
+            }
+            Self::step(&mut state);
+        }
+    }
+}
+
+/// The background thread: waits for submissions (an idle engine joins a round every
+/// [`IDLE_POLL`] so that the other ranks can detect stalls), gathers for the cycle
+/// time or until a caller waits, and runs a cycle, until the engine ends.
+fn background(core: Arc<Core>, wake: Arc<Wakeup>, cycle_time: Duration) {
+    loop {
+        let (busy, shutting_down) = match &*core.lock() {
+            CoreState::Running(r) => (r.engine.busy(), r.engine.shutting_down),
+            CoreState::Ended(_) => return,
+        };
+        let idle_round = if shutting_down {
+            std::thread::sleep(cycle_time.max(Duration::from_micros(100)));
+            false
+        } else if busy || wake.wait_queued(IDLE_POLL) {
+            wake.wait_flush_until(Instant::now() + cycle_time);
+            false
+        } else {
+            true
+        };
+        let mut state = core.lock();
+        if let CoreState::Running(r) = &*state {
+            // A caller that waited may have done the work of this window already: no
+            // round for nothing (the other ranks would have to join it).
+            if !idle_round && !r.engine.busy() && r.rx.is_empty() {
+                continue;
+            }
+        }
+        Core::step(&mut state);
+    }
 }
 
 impl Engine {
@@ -505,52 +886,100 @@ impl Engine {
                 tensor,
                 ticket,
                 at,
+            } => self.accept_one(name, tensor, Ticket::One(ticket), at),
+            Command::SubmitGroup {
+                names,
+                tensors,
+                batch,
+                at,
             } => {
+                for (index, (name, tensor)) in names.names.iter().zip(tensors).enumerate() {
+                    let ticket = Ticket::Member {
+                        batch,
+                        index: index as u32,
+                    };
+                    self.accept_one(Arc::clone(name), tensor, ticket, at);
+                }
+            }
+        }
+    }
+
+    fn accept_one(&mut self, name: Arc<str>, tensor: Tensor, ticket: Ticket, at: Option<Instant>) {
+        {
+            {
                 let failed = if self.failed.is_empty() {
                     None
                 } else {
-                    self.failed.remove(&name)
+                    self.failed.remove(&*name)
                 };
                 if let Some(f) = failed {
                     self.board.post([(ticket, Err(f.to_error(&name)))]);
                     return;
                 }
-                let announcement =
-                    self.table
-                        .announcement(&name, tensor.dtype(), tensor.len() as u64);
-                match self.local.entry(name) {
-                    Entry::Occupied(e) => {
-                        let err = Error::DuplicateName {
-                            name: e.key().clone(),
-                            rank: self.rank,
-                        };
-                        self.board.post([(ticket, Err(err))]);
+                let pending = Pending {
+                    tensor,
+                    ticket,
+                    submitted: at,
+                };
+                let (dtype, len) = (pending.tensor.dtype(), pending.tensor.len() as u64);
+                let id = match self.table.announcement(&name, dtype, len) {
+                    Announce::Cached(id) => Some((id, None)),
+                    Announce::Explicit(a @ Announcement::Known { id, .. }) => Some((id, Some(a))),
+                    Announce::Explicit(a @ Announcement::New { .. }) => {
+                        if self.unregistered.contains_key(&name) {
+                            self.duplicate(&name, ticket);
+                            return;
+                        }
+                        self.unregistered.insert(name, pending);
+                        self.fresh.push(a);
+                        return;
                     }
-                    Entry::Vacant(e) => {
-                        self.fresh.push(announcement);
-                        e.insert(Pending {
-                            tensor,
-                            ticket,
-                            submitted: at,
-                        });
+                };
+                if let Some((id, explicit)) = id {
+                    let slot = &mut self.slots[id as usize];
+                    if slot.is_some() {
+                        self.duplicate(&name, ticket);
+                        return;
+                    }
+                    *slot = Some(pending);
+                    self.queued += 1;
+                    match explicit {
+                        Some(a) => self.fresh.push(a),
+                        None => self.fresh_bits.insert(id),
                     }
                 }
             }
         }
     }
 
-    /// Collects submissions for one cycle: an idle engine waits for the first
-    /// submission; then it gathers for `cycle_time`, or less when a caller waits on its
-    /// handles.
-    fn collect(&mut self, rx: &Receiver<Command>) {
-        let busy = self.shutting_down
-            || !self.local.is_empty()
+    fn duplicate(&self, name: &str, ticket: Ticket) {
+        let err = Error::DuplicateName {
+            name: name.to_owned(),
+            rank: self.rank,
+        };
+        self.board.post([(ticket, Err(err))]);
+    }
+
+    /// Every tensor still queued here.
+    fn take_all_queued(&mut self) -> Vec<Pending> {
+        self.queued = 0;
+        let mut out: Vec<Pending> = self.slots.iter_mut().filter_map(Option::take).collect();
+        out.extend(self.unregistered.drain().map(|(_, p)| p));
+        out
+    }
+
+    /// True when something waits for a cycle (or shutdown is under way).
+    fn busy(&self) -> bool {
+        self.shutting_down
+            || self.queued > 0
+            || !self.unregistered.is_empty()
             || !self.fresh.is_empty()
-            || !self.table.is_empty();
-        if busy || self.wake.wait_queued(IDLE_POLL) {
-            self.wake
-                .wait_flush_until(Instant::now() + self.config.cycle_time);
-        }
+            || !self.fresh_bits.is_empty()
+            || !self.table.is_empty()
+    }
+
+    /// Takes every submission queued so far.
+    fn drain(&mut self, rx: &Receiver<Command>) {
         loop {
             match rx.try_recv() {
                 Ok(cmd) => self.accept(cmd),
@@ -563,74 +992,87 @@ impl Engine {
         }
     }
 
-    fn run(&mut self, comm: &mut Communicator, rx: &Receiver<Command>) -> Result<()> {
+    /// One negotiation round and the reductions it agrees on; true once every rank has
+    /// shut down.
+    fn cycle(&mut self, comm: &mut Communicator) -> Result<bool> {
         let size = comm.size();
-        loop {
-            if self.shutting_down {
-                std::thread::sleep(self.config.cycle_time.max(Duration::from_micros(100)));
-            } else {
-                self.collect(rx);
+        let now = Instant::now();
+        let fail = if self.rank == 0 {
+            self.table.expired(
+                now,
+                self.config
+                    .stall_warning
+                    .saturating_add(self.config.stall_error),
+            )
+        } else {
+            Vec::new()
+        };
+        let msg = CycleMessage {
+            shutting_down: self.shutting_down,
+            announcements: std::mem::take(&mut self.fresh),
+            cached: std::mem::take(&mut self.fresh_bits),
+            fail,
+        };
+        let gathered = comm.negotiate(&msg.encode())?;
+        let known = self.table.registered_count();
+        let mut messages = Vec::with_capacity(size);
+        for bytes in &gathered {
+            messages.push(CycleMessage::decode(bytes, self.rank, known)?);
+        }
+        let negotiated = Instant::now();
+        let decisions = self.table.apply(&messages, negotiated);
+        // Names registered now: their tensors move to their id's slot.
+        self.slots
+            .resize_with(self.table.registered_count(), || None);
+        for &id in self.table.newly_registered() {
+            if let Some(p) = self.unregistered.remove(self.table.name(id)) {
+                self.slots[id as usize] = Some(p);
+                self.queued += 1;
             }
-            let now = Instant::now();
-            let fail = if self.rank == 0 {
-                self.table.expired(
-                    now,
-                    self.config
-                        .stall_warning
-                        .saturating_add(self.config.stall_error),
-                )
-            } else {
-                Vec::new()
-            };
-            let msg = CycleMessage {
-                shutting_down: self.shutting_down,
-                announcements: std::mem::take(&mut self.fresh),
-                fail,
-            };
-            let gathered = comm.negotiate(&msg.encode())?;
-            let mut messages = Vec::with_capacity(size);
-            for bytes in &gathered {
-                messages.push(CycleMessage::decode(bytes, self.rank)?);
-            }
-            let negotiated = Instant::now();
-            let decisions = self.table.apply(&messages, negotiated);
-            for w in self
-                .table
-                .take_warnings(negotiated, self.config.stall_warning)
-            {
-                if w.submitted.contains(&self.rank) {
-                    eprintln!(
+        }
+        for w in self
+            .table
+            .take_warnings(negotiated, self.config.stall_warning)
+        {
+            if w.submitted.contains(&self.rank) {
+                eprintln!(
                         "ringtrain-collective: rank {}: WARNING: tensor `{}` was submitted on ranks {:?} but ranks {:?} have not submitted it after {:.1?}; it fails in {:.1?} unless they do",
                         self.rank, w.name, w.submitted, w.missing, w.waited, self.config.stall_error
                     );
-                }
-            }
-            let mut ready = Vec::new();
-            for d in decisions {
-                match d {
-                    Decision::Fail { name, failure } => self.fail(name, failure),
-                    Decision::Reduce { name, dtype, len } => ready.push((name, dtype, len)),
-                }
-            }
-            self.reduce_ready(comm, ready, negotiated)?;
-            if self.table.all_shut_down() {
-                let failed: Vec<_> = self
-                    .local
-                    .drain()
-                    .map(|(name, p)| {
-                        let reason =
-                            format!("every rank shut down before tensor `{name}` was reduced");
-                        (p.ticket, Err(Error::EngineStopped { reason }))
-                    })
-                    .collect();
-                self.board.post(failed);
-                return Ok(());
             }
         }
+        let mut ready = Vec::new();
+        for d in decisions {
+            match d {
+                Decision::Fail { id, name, failure } => self.fail(id, name, failure),
+                Decision::Reduce { id, dtype, len } => ready.push((id, dtype, len)),
+            }
+        }
+        self.reduce_ready(comm, ready, negotiated)?;
+        if self.table.all_shut_down() {
+            let mut failed = Vec::new();
+            for (id, slot) in self.slots.iter_mut().enumerate() {
+                if let Some(p) = slot.take() {
+                    let name = self.table.name(id as u32);
+                    let reason = format!("every rank shut down before tensor `{name}` was reduced");
+                    failed.push((p.ticket, Err(Error::EngineStopped { reason })));
+                }
+            }
+            for (name, p) in self.unregistered.drain() {
+                let reason = format!("every rank shut down before tensor `{name}` was reduced");
+                failed.push((p.ticket, Err(Error::EngineStopped { reason })));
+            }
+            self.queued = 0;
+            self.board.post(failed);
+            return Ok(true);
+        }
+        Ok(false)
     }
 
-    fn fail(&mut self, name: String, failure: Failure) {
-        if let Some(p) = self.local.remove(&name) {
+    fn fail(&mut self, id: u32, name: String, failure: Failure) {
+        let queued = self.slots.get_mut(id as usize).and_then(Option::take);
+        if let Some(p) = queued {
+            self.queued -= 1;
             self.board.post([(p.ticket, Err(failure.to_error(&name)))]);
         } else {
             // Not submitted here (yet): report it on the next synchronize, and to a late
@@ -647,7 +1089,7 @@ impl Engine {
     fn reduce_ready(
         &mut self,
         comm: &mut Communicator,
-        ready: Vec<(String, DType, usize)>,
+        ready: Vec<(u32, DType, usize)>,
         negotiated: Instant,
     ) -> Result<()> {
         let mut i = 0;
@@ -663,26 +1105,28 @@ impl Engine {
                 j += 1;
             }
             let mut group = Vec::with_capacity(j - i);
-            for (name, _, len) in &ready[i..j] {
-                let Some(p) = self.local.remove(name) else {
+            for &(id, _, len) in &ready[i..j] {
+                let Some(p) = self.slots.get_mut(id as usize).and_then(Option::take) else {
                     return Err(Error::EngineStopped {
                         reason: format!(
-                            "internal: tensor `{name}` was agreed on but is not queued on rank {}",
+                            "internal: tensor `{}` was agreed on but is not queued on rank {}",
+                            self.table.name(id),
                             self.rank
                         ),
                     });
                 };
-                debug_assert_eq!(p.tensor.len(), *len);
+                self.queued -= 1;
+                debug_assert_eq!(p.tensor.len(), len);
                 if self.timeline.enabled() {
                     self.timeline.phase(
-                        name,
+                        self.table.name(id),
                         "queued",
-                        p.submitted,
+                        p.submitted.unwrap_or(negotiated),
                         negotiated,
                         serde_json::json!({ "bytes": p.tensor.size_bytes() }),
                     );
                 }
-                group.push((name.clone(), p));
+                group.push((id, p));
             }
             let result = match dtype {
                 DType::F32 => self.reduce_group::<f32>(comm, &mut group),
@@ -714,16 +1158,16 @@ impl Engine {
     fn reduce_group<T: Element>(
         &mut self,
         comm: &mut Communicator,
-        group: &mut [(String, Pending)],
+        group: &mut [(u32, Pending)],
     ) -> Result<()> {
         let opts = self.config.options;
-        if let [(name, p)] = group {
+        if let [(id, p)] = group {
             let start = Instant::now();
             comm.all_reduce(typed_mut::<T>(&mut p.tensor)?, &opts)?;
             let end = Instant::now();
             if self.timeline.enabled() {
                 self.timeline.phase(
-                    name,
+                    self.table.name(*id),
                     "all_reduce",
                     start,
                     end,
@@ -772,7 +1216,8 @@ impl Engine {
         }
         if timed {
             let args = serde_json::json!({ "fused_tensors": group.len(), "fused_bytes": total * T::BYTES });
-            for (k, (name, _)) in group.iter().enumerate() {
+            for (k, (id, _)) in group.iter().enumerate() {
+                let name = self.table.name(*id);
                 self.timeline.phase(
                     name,
                     "copy_in",

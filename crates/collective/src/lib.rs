@@ -93,6 +93,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod algorithm_choice;
 mod communicator;
 mod dtype;
 mod error;
@@ -114,7 +115,7 @@ pub use communicator::{
 };
 pub use dtype::{DType, Element, Tensor, TensorMut};
 pub use error::{Error, Result};
-pub use fusion::{FusionConfig, FusionEngine, Handle};
+pub use fusion::{FusionConfig, FusionEngine, GroupHandle, Handle, TensorNames};
 #[cfg(feature = "mpi")]
 pub use mpi_transport::MpiTransport;
 pub use options::{Algorithm, AllReduceOptions, ReduceOp, WireCompression};

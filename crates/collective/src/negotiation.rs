@@ -1,9 +1,11 @@
 //! Agreement on which tensors are ready everywhere.
 //!
 //! Every cycle each rank all-gathers one [`CycleMessage`]: the tensors submitted on it since
-//! the last cycle (dtype, length, and the name the first time any rank announces it; later
-//! a small id, as Horovod's response cache does), whether it is shutting down, and (rank 0
-//! only, as coordinator) the tensors whose stall timeout ran out. Every rank feeds the same
+//! the last cycle, whether it is shutting down, and (rank 0 only, as coordinator) the
+//! tensors whose stall timeout ran out. A tensor goes as one bit of a bit vector when its
+//! name is registered and its shape is the one it was last reduced with (Horovod's
+//! response cache: the same tensors every step); otherwise by name the first time any rank
+//! announces it, later by a small id, with its dtype and length. Every rank feeds the same
 //! gathered messages, in rank order, into its own [`ReadyTable`], so every rank assigns the
 //! same ids and takes the same decisions in the same order without further messages.
 
@@ -13,7 +15,7 @@ use std::time::{Duration, Instant};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// One submitted tensor, as announced to the other ranks.
+/// One submitted tensor, as announced to the other ranks when the cache cannot say it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Announcement {
     /// A name no rank has announced before (as far as this rank had seen).
@@ -22,8 +24,97 @@ pub(crate) enum Announcement {
         dtype: DType,
         len: u64,
     },
-    /// A name already in every rank's registry, by id.
+    /// A name already in every rank's registry, by id, with a shape other than the one it
+    /// was last reduced with (or it has not been reduced yet).
     Known { id: u32, dtype: DType, len: u64 },
+}
+
+/// How a rank announces a submitted tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Announce {
+    /// One bit: a registered name with the shape it was last reduced with (the response
+    /// cache hit of Horovod: the same tensors come every step).
+    Cached(u32),
+    /// Spelled out: a new name, or a shape that differs from the cached one.
+    Explicit(Announcement),
+}
+
+/// A set of registered ids as a bit vector: bit `i % 64` of word `i / 64` is id `i`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct IdBits {
+    words: Vec<u64>,
+}
+
+impl IdBits {
+    pub(crate) fn insert(&mut self, id: u32) {
+        let w = id as usize / 64;
+        if self.words.len() <= w {
+            self.words.resize(w + 1, 0);
+        }
+        self.words[w] |= 1 << (id % 64);
+    }
+
+    pub(crate) fn contains(&self, id: u32) -> bool {
+        self.words
+            .get(id as usize / 64)
+            .is_some_and(|w| w & (1 << (id % 64)) != 0)
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.words.iter().all(|&w| w == 0)
+    }
+
+    /// The ids in ascending order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.words.iter().enumerate().flat_map(|(k, &w)| {
+            let mut rest = w;
+            std::iter::from_fn(move || {
+                if rest == 0 {
+                    return None;
+                }
+                let bit = rest.trailing_zeros();
+                rest &= rest - 1;
+                Some(k as u32 * 64 + bit)
+            })
+        })
+    }
+
+    /// The ids in every set.
+    fn intersection<'a>(sets: impl Iterator<Item = &'a IdBits>) -> IdBits {
+        let mut out: Option<Vec<u64>> = None;
+        for s in sets {
+            out = Some(match out {
+                None => s.words.clone(),
+                Some(mut acc) => {
+                    acc.truncate(s.words.len());
+                    for (a, b) in acc.iter_mut().zip(&s.words) {
+                        *a &= b;
+                    }
+                    acc
+                }
+            });
+        }
+        IdBits {
+            words: out.unwrap_or_default(),
+        }
+    }
+
+    /// Zero words at both ends are left out: `first word, count, words`.
+    fn encode(&self, out: &mut Vec<u8>) {
+        let first = self.words.iter().position(|&w| w != 0);
+        let (first, words) = match first {
+            Some(f) => {
+                let last = self.words.iter().rposition(|&w| w != 0).unwrap_or(f);
+                (f, &self.words[f..=last])
+            }
+            None => (0, &self.words[..0]),
+        };
+        out.extend_from_slice(&(first as u32).to_le_bytes());
+        out.extend_from_slice(&(words.len() as u32).to_le_bytes());
+        for w in words {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+    }
 }
 
 /// What one rank says in one cycle.
@@ -31,6 +122,8 @@ pub(crate) enum Announcement {
 pub(crate) struct CycleMessage {
     pub shutting_down: bool,
     pub announcements: Vec<Announcement>,
+    /// Registered tensors submitted with their cached shape.
+    pub cached: IdBits,
     /// Ids of tensors to fail as stalled (only rank 0's list is acted on).
     pub fail: Vec<u32>,
 }
@@ -108,6 +201,7 @@ impl CycleMessage {
                 }
             }
         }
+        self.cached.encode(&mut out);
         out.extend_from_slice(&(self.fail.len() as u32).to_le_bytes());
         for f in &self.fail {
             out.extend_from_slice(&f.to_le_bytes());
@@ -115,8 +209,9 @@ impl CycleMessage {
         out
     }
 
-    /// Decodes a message; `rank` is the receiving rank (for error messages).
-    pub(crate) fn decode(bytes: &[u8], rank: usize) -> Result<CycleMessage> {
+    /// Decodes a message; `rank` is the receiving rank (for error messages), `known_ids`
+    /// the names registered before this cycle (the most a bit vector can refer to).
+    pub(crate) fn decode(bytes: &[u8], rank: usize, known_ids: usize) -> Result<CycleMessage> {
         let mut r = Reader { bytes, at: 0, rank };
         let bad = |what: String| Error::Transport { rank, detail: what };
         let shutting_down = r.u8()? != 0;
@@ -145,6 +240,23 @@ impl CycleMessage {
                 None => Announcement::Known { id, dtype, len },
             });
         }
+        let first = r.u32()? as usize;
+        let count = r.u32()? as usize;
+        if first.saturating_add(count) > known_ids.div_ceil(64) {
+            return Err(bad(format!(
+                "negotiation message has a bit vector of {count} words from word {first}, beyond the {known_ids} registered tensor names: ranks run different versions of ringtrain?"
+            )));
+        }
+        // Bounded by the message's own length: `take` fails past its end.
+        let words = r.take(count * 8)?;
+        let mut cached = IdBits {
+            words: vec![0; first + count],
+        };
+        for (k, w) in words.chunks_exact(8).enumerate() {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(w);
+            cached.words[first + k] = u64::from_le_bytes(a);
+        }
         let n = r.u32()? as usize;
         let mut fail = Vec::with_capacity(n.min(1 << 16));
         for _ in 0..n {
@@ -153,6 +265,7 @@ impl CycleMessage {
         Ok(CycleMessage {
             shutting_down,
             announcements,
+            cached,
             fail,
         })
     }
@@ -195,17 +308,20 @@ impl Failure {
 /// A decision every rank takes identically.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Decision {
-    /// Reduce this tensor now (decisions come in agreed order).
-    Reduce {
+    /// Reduce this registered tensor now (decisions come in agreed order).
+    Reduce { id: u32, dtype: DType, len: usize },
+    /// Fail this registered tensor on every rank.
+    Fail {
+        id: u32,
         name: String,
-        dtype: DType,
-        len: usize,
+        failure: Failure,
     },
-    /// Fail this tensor on every rank.
-    Fail { name: String, failure: Failure },
 }
 
+/// Which ranks have announced a registered tensor that is not ready everywhere yet.
+/// Kept per id across steps (only reset), so a step allocates nothing here.
 struct Entry {
+    active: bool,
     seq: u64,
     shapes: Vec<Option<(DType, u64)>>,
     announced: usize,
@@ -214,6 +330,16 @@ struct Entry {
 }
 
 impl Entry {
+    fn idle(now: Instant) -> Entry {
+        Entry {
+            active: false,
+            seq: 0,
+            shapes: Vec::new(),
+            announced: 0,
+            first_seen: now,
+            warned: false,
+        }
+    }
     fn submitted(&self) -> Vec<usize> {
         (0..self.shapes.len())
             .filter(|&r| self.shapes[r].is_some())
@@ -235,17 +361,27 @@ pub(crate) struct StallWarning {
 }
 
 /// The tensor names every rank has seen announced, with ids assigned in the agreed
-/// processing order, and which ranks have announced which pending tensor. Identical on
-/// every rank.
+/// processing order; the shape each was last reduced with (the response cache); and
+/// which ranks have announced which pending tensor. Identical on every rank.
+///
+/// A tensor announced by its cache bit on every rank in the same cycle is ready at once,
+/// without touching its entry (the steady state: the same tensors every step). Anything
+/// else (a new name, a changed shape, a tensor some ranks announced in an earlier cycle
+/// or not at all) goes through its entry, which checks shapes and times out stalls.
 pub(crate) struct ReadyTable {
     size: usize,
     next_seq: u64,
     names: Vec<String>,
     ids: HashMap<String, u32>,
-    /// Pending entries by id.
-    entries: Vec<Option<Entry>>,
+    /// By id.
+    entries: Vec<Entry>,
+    /// By id: the shape the tensor was last reduced with; `None` before its first
+    /// reduction and after a mismatch.
+    cached: Vec<Option<(DType, u64)>>,
     pending: usize,
     shut_down: Vec<bool>,
+    /// Ids registered by the last [`ReadyTable::apply`].
+    registered: Vec<u32>,
 }
 
 impl ReadyTable {
@@ -256,20 +392,39 @@ impl ReadyTable {
             names: Vec::new(),
             ids: HashMap::default(),
             entries: Vec::new(),
+            cached: Vec::new(),
             pending: 0,
             shut_down: vec![false; size],
+            registered: Vec::new(),
         }
     }
 
-    /// How this rank announces a tensor: by id when the name is registered.
-    pub(crate) fn announcement(&self, name: &str, dtype: DType, len: u64) -> Announcement {
+    /// The name of a registered id.
+    pub(crate) fn name(&self, id: u32) -> &str {
+        &self.names[id as usize]
+    }
+
+    /// Names registered so far (ids are `0..count`).
+    pub(crate) fn registered_count(&self) -> usize {
+        self.names.len()
+    }
+
+    /// Ids registered by the last [`ReadyTable::apply`].
+    pub(crate) fn newly_registered(&self) -> &[u32] {
+        &self.registered
+    }
+
+    /// How this rank announces a tensor: by its cache bit when the name is registered
+    /// and was last reduced with this shape, by id when registered, else by name.
+    pub(crate) fn announcement(&self, name: &str, dtype: DType, len: u64) -> Announce {
         match self.ids.get(name) {
-            Some(&id) => Announcement::Known { id, dtype, len },
-            None => Announcement::New {
+            Some(&id) if self.cached[id as usize] == Some((dtype, len)) => Announce::Cached(id),
+            Some(&id) => Announce::Explicit(Announcement::Known { id, dtype, len }),
+            None => Announce::Explicit(Announcement::New {
                 name: name.to_owned(),
                 dtype,
                 len,
-            },
+            }),
         }
     }
 
@@ -283,18 +438,20 @@ impl ReadyTable {
         self.shut_down.iter().all(|&s| s)
     }
 
-    fn register(&mut self, name: &str) -> u32 {
+    fn register(&mut self, name: &str, now: Instant) -> u32 {
         if let Some(&id) = self.ids.get(name) {
             return id;
         }
         let id = self.names.len() as u32;
         self.names.push(name.to_owned());
         self.ids.insert(name.to_owned(), id);
-        self.entries.push(None);
+        self.entries.push(Entry::idle(now));
+        self.cached.push(None);
+        self.registered.push(id);
         id
     }
 
-    fn failure_of(&self, e: &Entry, now: Instant) -> Failure {
+    fn failure_of(e: &Entry, now: Instant) -> Failure {
         Failure::Stalled {
             submitted: e.submitted(),
             missing: e.missing(),
@@ -302,16 +459,64 @@ impl ReadyTable {
         }
     }
 
+    /// Records that `rank` announced `id` with `shape`; pushes `(seq, id)` to `complete`
+    /// once every rank has.
+    fn note(
+        &mut self,
+        rank: usize,
+        id: u32,
+        shape: (DType, u64),
+        now: Instant,
+        complete: &mut Vec<(u64, u32)>,
+    ) {
+        let size = self.size;
+        let e = &mut self.entries[id as usize];
+        if !e.active {
+            e.active = true;
+            e.seq = self.next_seq;
+            self.next_seq += 1;
+            e.shapes.clear();
+            e.shapes.resize(size, None);
+            e.announced = 0;
+            e.first_seen = now;
+            e.warned = false;
+            self.pending += 1;
+        }
+        if e.shapes[rank].is_none() {
+            e.announced += 1;
+        }
+        e.shapes[rank] = Some(shape);
+        if e.announced == size {
+            complete.push((e.seq, id));
+        }
+    }
+
+    /// Ends an active entry; returns it for its failure description.
+    fn retire(&mut self, id: u32) -> Option<&Entry> {
+        let e = self.entries.get_mut(id as usize)?;
+        if !e.active {
+            return None;
+        }
+        e.active = false;
+        self.pending -= 1;
+        Some(&self.entries[id as usize])
+    }
+
     /// Feeds one cycle's messages (index = rank) and returns the decisions: failures
-    /// first, then the tensors to reduce in the order they were first announced.
+    /// first, then the tensors to reduce (those that waited for an entry in the order
+    /// they were first announced, then the cache hits in id order).
     pub(crate) fn apply(&mut self, messages: &[CycleMessage], now: Instant) -> Vec<Decision> {
+        self.registered.clear();
+        let known = self.names.len() as u32;
         let mut complete: Vec<(u64, u32)> = Vec::new();
         for (rank, msg) in messages.iter().enumerate() {
             for a in &msg.announcements {
                 let (id, dtype, len) = match a {
-                    Announcement::New { name, dtype, len } => (self.register(name), *dtype, *len),
+                    Announcement::New { name, dtype, len } => {
+                        (self.register(name, now), *dtype, *len)
+                    }
                     Announcement::Known { id, dtype, len } => {
-                        if (*id as usize) >= self.names.len() {
+                        if *id >= known {
                             // Cannot happen with identical registries; ignore rather than
                             // index out of range.
                             continue;
@@ -319,29 +524,35 @@ impl ReadyTable {
                         (*id, *dtype, *len)
                     }
                 };
-                let size = self.size;
-                let slot = &mut self.entries[id as usize];
-                if slot.is_none() {
-                    *slot = Some(Entry {
-                        seq: self.next_seq,
-                        shapes: vec![None; size],
-                        announced: 0,
-                        first_seen: now,
-                        warned: false,
-                    });
-                    self.next_seq += 1;
-                    self.pending += 1;
-                }
-                if let Some(e) = slot.as_mut() {
-                    if e.shapes[rank].is_none() {
-                        e.announced += 1;
-                    }
-                    e.shapes[rank] = Some((dtype, len));
-                    if e.announced == size {
-                        complete.push((e.seq, id));
-                    }
-                }
+                self.note(rank, id, (dtype, len), now, &mut complete);
             }
+        }
+        // Cache hits on every rank in this cycle are ready without an entry.
+        let everywhere = if messages.len() == self.size {
+            IdBits::intersection(messages.iter().map(|m| &m.cached))
+        } else {
+            IdBits::default()
+        };
+        let mut hits = Vec::new();
+        for (rank, msg) in messages.iter().enumerate() {
+            for id in msg.cached.iter() {
+                if id >= known {
+                    continue;
+                }
+                let Some(shape) = self.cached[id as usize] else {
+                    // Cannot happen with identical tables: the sender saw this shape.
+                    continue;
+                };
+                if everywhere.contains(id) && !self.entries[id as usize].active {
+                    if rank == 0 {
+                        hits.push(id);
+                    }
+                    continue;
+                }
+                self.note(rank, id, shape, now, &mut complete);
+            }
+        }
+        for (rank, msg) in messages.iter().enumerate() {
             if msg.shutting_down {
                 self.shut_down[rank] = true;
             }
@@ -349,60 +560,79 @@ impl ReadyTable {
         let mut failures = Vec::new();
         if let Some(coordinator) = messages.first() {
             for &id in &coordinator.fail {
-                if let Some(e) = self.entries.get_mut(id as usize).and_then(Option::take) {
-                    self.pending -= 1;
+                if let Some(e) = self.retire(id) {
+                    let failure = Self::failure_of(e, now);
                     failures.push(Decision::Fail {
+                        id,
                         name: self.names[id as usize].clone(),
-                        failure: self.failure_of(&e, now),
+                        failure,
                     });
                 }
             }
         }
         if self.shut_down.iter().any(|&d| d) && self.pending > 0 {
             // Entries waiting for a rank that has shut down will never complete.
-            for id in 0..self.entries.len() {
-                let abandoned = self.entries[id].as_ref().is_some_and(|e| {
-                    e.shapes
+            for id in 0..self.entries.len() as u32 {
+                let e = &self.entries[id as usize];
+                let abandoned = e.active
+                    && e.shapes
                         .iter()
                         .zip(&self.shut_down)
-                        .any(|(s, &down)| s.is_none() && down)
-                });
+                        .any(|(s, &down)| s.is_none() && down);
                 if abandoned {
-                    if let Some(e) = self.entries[id].take() {
-                        self.pending -= 1;
+                    if let Some(e) = self.retire(id) {
+                        let failure = Self::failure_of(e, now);
                         failures.push(Decision::Fail {
-                            name: self.names[id].clone(),
-                            failure: self.failure_of(&e, now),
+                            id,
+                            name: self.names[id as usize].clone(),
+                            failure,
                         });
                     }
                 }
             }
         }
         complete.sort_unstable();
-        let mut reduce = Vec::with_capacity(complete.len());
+        let mut reduce = Vec::with_capacity(complete.len() + hits.len());
         for (_, id) in complete {
-            let Some(e) = self.entries[id as usize].take() else {
+            let Some(e) = self.retire(id) else {
                 continue;
             };
-            self.pending -= 1;
-            let name = self.names[id as usize].clone();
-            let shapes: Vec<(DType, u64)> = e.shapes.iter().flatten().copied().collect();
-            if shapes.iter().all(|s| *s == shapes[0]) {
+            let mut shapes = e.shapes.iter().flatten().copied();
+            let first = shapes.next();
+            let agreed = first.filter(|f| shapes.all(|s| s == *f));
+            match agreed {
+                Some((dtype, len)) => {
+                    self.cached[id as usize] = Some((dtype, len));
+                    reduce.push(Decision::Reduce {
+                        id,
+                        dtype,
+                        len: len as usize,
+                    });
+                }
+                None => {
+                    let detail = e
+                        .shapes
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(r, s)| s.map(|(d, l)| format!("rank {r}: {d}[{l}]")))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    // The cache no longer speaks for this name.
+                    self.cached[id as usize] = None;
+                    failures.push(Decision::Fail {
+                        id,
+                        name: self.names[id as usize].clone(),
+                        failure: Failure::Mismatch(detail),
+                    });
+                }
+            }
+        }
+        for id in hits {
+            if let Some((dtype, len)) = self.cached[id as usize] {
                 reduce.push(Decision::Reduce {
-                    name,
-                    dtype: shapes[0].0,
-                    len: shapes[0].1 as usize,
-                });
-            } else {
-                let detail = shapes
-                    .iter()
-                    .enumerate()
-                    .map(|(r, (d, l))| format!("rank {r}: {d}[{l}]"))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                failures.push(Decision::Fail {
-                    name,
-                    failure: Failure::Mismatch(detail),
+                    id,
+                    dtype,
+                    len: len as usize,
                 });
             }
         }
@@ -416,18 +646,19 @@ impl ReadyTable {
         if self.pending == 0 {
             return out;
         }
-        for (id, slot) in self.entries.iter_mut().enumerate() {
-            if let Some(e) = slot {
-                let waited = now.saturating_duration_since(e.first_seen);
-                if !e.warned && waited >= after {
-                    e.warned = true;
-                    out.push(StallWarning {
-                        name: self.names[id].clone(),
-                        submitted: e.submitted(),
-                        missing: e.missing(),
-                        waited,
-                    });
-                }
+        for (id, e) in self.entries.iter_mut().enumerate() {
+            if !e.active {
+                continue;
+            }
+            let waited = now.saturating_duration_since(e.first_seen);
+            if !e.warned && waited >= after {
+                e.warned = true;
+                out.push(StallWarning {
+                    name: self.names[id].clone(),
+                    submitted: e.submitted(),
+                    missing: e.missing(),
+                    waited,
+                });
             }
         }
         out
@@ -440,9 +671,8 @@ impl ReadyTable {
         }
         (0..self.entries.len() as u32)
             .filter(|&id| {
-                self.entries[id as usize]
-                    .as_ref()
-                    .is_some_and(|e| now.saturating_duration_since(e.first_seen) >= after)
+                let e = &self.entries[id as usize];
+                e.active && now.saturating_duration_since(e.first_seen) >= after
             })
             .collect()
     }
@@ -460,8 +690,50 @@ mod tests {
         }
     }
 
+    fn explicit(a: Announce) -> Announcement {
+        match a {
+            Announce::Explicit(a) => a,
+            Announce::Cached(id) => panic!("expected an explicit announcement, got bit {id}"),
+        }
+    }
+
+    /// What `rank` would send for `names` (all f32 of length `len`), as the engine builds it.
+    fn message(t: &ReadyTable, names: &[&str], len: u64) -> CycleMessage {
+        let mut m = CycleMessage::default();
+        for name in names {
+            match t.announcement(name, DType::F32, len) {
+                Announce::Cached(id) => m.cached.insert(id),
+                Announce::Explicit(a) => m.announcements.push(a),
+            }
+        }
+        m
+    }
+
+    /// Round-trips every message through the wire format, as the engine does.
+    fn cycle(messages: &[CycleMessage], t: &mut ReadyTable) -> Vec<Decision> {
+        let known = t.registered_count();
+        let decoded: Vec<_> = messages
+            .iter()
+            .map(|m| CycleMessage::decode(&m.encode(), 0, known).unwrap())
+            .collect();
+        assert_eq!(decoded, messages);
+        t.apply(&decoded, Instant::now())
+    }
+
+    fn reduced(d: &[Decision]) -> Vec<u32> {
+        d.iter()
+            .filter_map(|d| match d {
+                Decision::Reduce { id, .. } => Some(*id),
+                Decision::Fail { .. } => None,
+            })
+            .collect()
+    }
+
     #[test]
     fn messages_round_trip() {
+        let mut cached = IdBits::default();
+        cached.insert(70);
+        cached.insert(200);
         let m = CycleMessage {
             shutting_down: true,
             announcements: vec![
@@ -472,10 +744,18 @@ mod tests {
                     len: 0,
                 },
             ],
+            cached,
             fail: vec![9],
         };
-        assert_eq!(CycleMessage::decode(&m.encode(), 0).unwrap(), m);
-        assert!(CycleMessage::decode(&m.encode()[..5], 0).is_err());
+        let bytes = m.encode();
+        assert_eq!(CycleMessage::decode(&bytes, 0, 201).unwrap(), m);
+        assert_eq!(m.cached.iter().collect::<Vec<_>>(), vec![70, 200]);
+        assert!(CycleMessage::decode(&bytes[..5], 0, 201).is_err());
+        // A bit vector beyond the registered names is refused, not allocated.
+        let err = CycleMessage::decode(&bytes, 0, 100)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("registered tensor names"), "{err}");
     }
 
     #[test]
@@ -508,47 +788,174 @@ mod tests {
             d,
             vec![
                 Decision::Fail {
+                    id: 0,
                     name: "w".into(),
                     failure: Failure::Mismatch("rank 0: f32[4], rank 1: f32[5]".into())
                 },
                 Decision::Reduce {
-                    name: "v".into(),
+                    id: 1,
                     dtype: DType::F32,
                     len: 3
                 },
             ]
         );
         assert!(t.is_empty());
-        // The next step announces by id.
-        let a = t.announcement("v", DType::F32, 3);
+        // The next step announces "v" by its cache bit, "w" (which failed) by id.
+        assert_eq!(t.announcement("v", DType::F32, 3), Announce::Cached(1));
         assert_eq!(
-            a,
-            Announcement::Known {
-                id: 1,
+            t.announcement("w", DType::F32, 4),
+            Announce::Explicit(Announcement::Known {
+                id: 0,
                 dtype: DType::F32,
-                len: 3
+                len: 4
+            })
+        );
+    }
+
+    #[test]
+    fn cache_hit_on_every_rank_is_ready_in_one_cycle_in_any_submission_order() {
+        let mut t = ReadyTable::new(3);
+        let names = ["a", "b", "c", "d"];
+        // Step 1: by name, in different orders.
+        let m0 = message(&t, &names, 8);
+        let m1 = message(&t, &["d", "c", "b", "a"], 8);
+        let m2 = message(&t, &["b", "d", "a", "c"], 8);
+        assert!(m0.cached.is_empty() && m0.announcements.len() == 4);
+        assert_eq!(reduced(&cycle(&[m0, m1, m2], &mut t)), vec![0, 1, 2, 3]);
+        // Step 2: the same tensors in other orders are four bits, and no entry.
+        let m0 = message(&t, &["c", "a", "d", "b"], 8);
+        let m1 = message(&t, &names, 8);
+        let m2 = message(&t, &["d", "b", "c", "a"], 8);
+        for m in [&m0, &m1, &m2] {
+            assert!(m.announcements.is_empty());
+            assert_eq!(m.cached.iter().collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        }
+        let d = cycle(&[m0, m1, m2], &mut t);
+        assert_eq!(reduced(&d), vec![0, 1, 2, 3]);
+        assert!(t.is_empty());
+        assert!(d.iter().all(|d| matches!(
+            d,
+            Decision::Reduce {
+                dtype: DType::F32,
+                len: 8,
+                ..
             }
+        )));
+    }
+
+    #[test]
+    fn cache_hits_spread_over_cycles_wait_for_every_rank() {
+        let mut t = ReadyTable::new(2);
+        cycle(
+            &[message(&t, &["a", "b"], 2), message(&t, &["a", "b"], 2)],
+            &mut t,
         );
-        let d = t.apply(
-            &[
-                CycleMessage {
-                    announcements: vec![a.clone()],
-                    ..Default::default()
-                },
-                CycleMessage {
-                    announcements: vec![a],
-                    ..Default::default()
-                },
-            ],
-            now,
+        // Rank 0 submits both now, rank 1 only "a": "b" waits for it (a cache miss).
+        let d = cycle(
+            &[message(&t, &["a", "b"], 2), message(&t, &["a"], 2)],
+            &mut t,
         );
+        assert_eq!(reduced(&d), vec![0]);
+        assert!(!t.is_empty());
+        // Rank 1's "b" arrives by bit a cycle later and completes the entry.
+        let d = cycle(&[CycleMessage::default(), message(&t, &["b"], 2)], &mut t);
+        assert_eq!(reduced(&d), vec![1]);
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn a_changed_shape_misses_the_cache_and_is_checked_again() {
+        let mut t = ReadyTable::new(2);
+        cycle(&[message(&t, &["w"], 4), message(&t, &["w"], 4)], &mut t);
+        assert_eq!(t.announcement("w", DType::F32, 4), Announce::Cached(0));
+        // Both ranks change the shape alike: announced by id, reduced, cached anew.
+        let m = message(&t, &["w"], 6);
+        assert!(m.cached.is_empty());
+        let d = cycle(&[m.clone(), m], &mut t);
         assert_eq!(
             d,
             vec![Decision::Reduce {
-                name: "v".into(),
+                id: 0,
                 dtype: DType::F32,
-                len: 3
+                len: 6
             }]
         );
+        assert_eq!(t.announcement("w", DType::F32, 6), Announce::Cached(0));
+        // One rank changes it: rank 0's bit and rank 1's explicit shape disagree.
+        let d = cycle(&[message(&t, &["w"], 6), message(&t, &["w"], 7)], &mut t);
+        assert_eq!(
+            d,
+            vec![Decision::Fail {
+                id: 0,
+                name: "w".into(),
+                failure: Failure::Mismatch("rank 0: f32[6], rank 1: f32[7]".into())
+            }]
+        );
+        // The failure invalidates the cache entry: the next step spells it out again.
+        assert!(matches!(
+            explicit(t.announcement("w", DType::F32, 6)),
+            Announcement::Known { id: 0, .. }
+        ));
+        // A new name next to cached ones is announced by name and gets the next id.
+        let m = message(&t, &["w", "fresh"], 6);
+        assert_eq!(m.announcements.len(), 2);
+        let d = cycle(&[m.clone(), m], &mut t);
+        assert_eq!(reduced(&d), vec![0, 1]);
+        assert_eq!(t.name(1), "fresh");
+    }
+
+    #[test]
+    fn a_cached_tensor_only_one_rank_submits_times_out_naming_the_others() {
+        let start = Instant::now();
+        let mut t = ReadyTable::new(3);
+        let all = message(&t, &["x", "y"], 1);
+        cycle(&[all.clone(), all.clone(), all], &mut t);
+        // Only rank 1 submits "y" again, by its bit: an entry waits for ranks 0 and 2.
+        let d = cycle(
+            &[
+                CycleMessage::default(),
+                message(&t, &["y"], 1),
+                CycleMessage::default(),
+            ],
+            &mut t,
+        );
+        assert!(d.is_empty());
+        assert!(!t.is_empty());
+        let later = start + Duration::from_secs(5);
+        let warnings = t.take_warnings(later, Duration::from_secs(1));
+        assert_eq!(warnings.len(), 1);
+        assert_eq!(warnings[0].name, "y");
+        assert_eq!(warnings[0].submitted, vec![1]);
+        assert_eq!(warnings[0].missing, vec![0, 2]);
+        let expired = t.expired(later, Duration::from_secs(1));
+        assert_eq!(expired, vec![1]);
+        let d = t.apply(
+            &[
+                CycleMessage {
+                    fail: expired,
+                    ..Default::default()
+                },
+                CycleMessage::default(),
+                CycleMessage::default(),
+            ],
+            later,
+        );
+        match &d[..] {
+            [Decision::Fail {
+                id: 1,
+                name,
+                failure:
+                    Failure::Stalled {
+                        submitted, missing, ..
+                    },
+            }] => {
+                assert_eq!(name, "y");
+                assert_eq!((submitted.clone(), missing.clone()), (vec![1], vec![0, 2]));
+            }
+            other => panic!("expected the stall of y, got {other:?}"),
+        }
+        assert!(t.is_empty());
+        // A stall is no mismatch: the cache still holds "y"'s shape.
+        assert_eq!(t.announcement("y", DType::F32, 1), Announce::Cached(1));
     }
 }

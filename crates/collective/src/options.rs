@@ -63,7 +63,8 @@ pub enum Algorithm {
     /// Recursive doubling with a fold-in step for ranks beyond the largest power of two
     /// (latency-optimal; for small messages).
     RecursiveDoubling,
-    /// Recursive doubling below the communicator's threshold, ring above.
+    /// Recursive doubling or the ring, whichever was measured faster for the rank count
+    /// and message size ([`crate::algorithm_choice`]).
     Auto,
 }
 

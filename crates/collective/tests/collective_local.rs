@@ -10,7 +10,7 @@ use proptest::prelude::*;
 use ringtrain_collective::{
     ring_chunk_range, Algorithm, AllReduceOptions, Communicator, DType, Element, Error,
     FusionConfig, FusionEngine, GradientPacker, GradientSpec, PackingConfig, ReduceOp, Tensor,
-    TensorMut, WireCompression,
+    TensorMut, TensorNames, WireCompression,
 };
 
 /// Small integer input of rank `rank` at element `i`: in [-3, 3].
@@ -682,6 +682,266 @@ fn submitting_a_name_twice_before_it_completes_is_an_error() {
             out.expect("reduced").into_vec::<f32>().expect("f32"),
             vec![2.0; 4]
         );
+    }
+}
+
+/// Submits `(name, len)` f32 tensors filled with `rank + 1` and synchronizes.
+fn fused_step(
+    engine: &FusionEngine,
+    r: usize,
+    tensors: &[(&str, usize)],
+) -> Result<Vec<Vec<f32>>, Error> {
+    let handles = tensors
+        .iter()
+        .map(|&(name, len)| engine.submit(name, vec![(r + 1) as f32; len]))
+        .collect::<Result<Vec<_>, _>>()?;
+    engine
+        .synchronize(handles)?
+        .into_iter()
+        .map(|t| t.into_vec::<f32>())
+        .collect()
+}
+
+/// The response cache across steps: the same names in other orders (cache hits), a shape
+/// that changes on every rank (a miss, reduced and cached anew), a shape that changes on
+/// one rank only (a mismatch on every rank, which clears the cache entry) and the next
+/// step after it (agreed again).
+#[test]
+fn fusion_cache_follows_names_orders_and_shapes_across_steps() {
+    let outs = Communicator::run_local(3, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        let config = FusionConfig {
+            cycle_time: Duration::from_micros(200),
+            ..FusionConfig::default()
+        };
+        let engine = FusionEngine::start(comm, config).map_err(|e| e.to_string())?;
+        let sum = 6.0f32;
+        let check = |out: Vec<Vec<f32>>, lens: &[usize], step: &str| -> Result<(), String> {
+            let got: Vec<usize> = out.iter().map(Vec::len).collect();
+            if got != lens || out.iter().flatten().any(|&x| x != sum) {
+                return Err(format!("rank {r}, {step}: got {out:?}"));
+            }
+            Ok(())
+        };
+        let first = [("a", 5), ("b", 7), ("c", 1)];
+        let out = fused_step(&engine, r, &first).map_err(|e| e.to_string())?;
+        check(out, &[5, 7, 1], "first step")?;
+        // Each rank its own order; every name is a cache hit.
+        for step in 0..3 {
+            let mut order = first.to_vec();
+            order.rotate_left((r + step) % 3);
+            let lens: Vec<usize> = order.iter().map(|t| t.1).collect();
+            let out = fused_step(&engine, r, &order).map_err(|e| e.to_string())?;
+            check(out, &lens, "reordered step")?;
+        }
+        // "b" grows on every rank.
+        let out =
+            fused_step(&engine, r, &[("a", 5), ("b", 9), ("c", 1)]).map_err(|e| e.to_string())?;
+        check(out, &[5, 9, 1], "b resized everywhere")?;
+        let out =
+            fused_step(&engine, r, &[("b", 9), ("a", 5), ("c", 1)]).map_err(|e| e.to_string())?;
+        check(out, &[9, 5, 1], "b cached at its new size")?;
+        // "c" changes on rank 2 only: it fails on every rank, the others are reduced.
+        let c_len = if r == 2 { 2 } else { 1 };
+        let handles = [("a", 5), ("b", 9), ("c", c_len)]
+            .iter()
+            .map(|&(n, l)| engine.submit(n, vec![(r + 1) as f32; l]))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let mut results = handles.into_iter().map(|h| h.wait());
+        let (a, b, c) = (results.next(), results.next(), results.next());
+        check(
+            vec![
+                a.ok_or("no a")?
+                    .map_err(|e| e.to_string())?
+                    .into_vec::<f32>()
+                    .map_err(|e| e.to_string())?,
+                b.ok_or("no b")?
+                    .map_err(|e| e.to_string())?
+                    .into_vec::<f32>()
+                    .map_err(|e| e.to_string())?,
+            ],
+            &[5, 9],
+            "a and b beside the mismatch",
+        )?;
+        let msg = match c.ok_or("no c")? {
+            Ok(t) => return Err(format!("rank {r}: mismatched c was reduced: {t:?}")),
+            Err(e) => e.to_string(),
+        };
+        if !(msg.contains("`c`")
+            && msg.contains("rank 0: f32[1]")
+            && msg.contains("rank 2: f32[2]"))
+        {
+            return Err(format!("rank {r}: {msg}"));
+        }
+        // Agreed again on the next step.
+        let out =
+            fused_step(&engine, r, &[("c", 1), ("a", 5), ("b", 9)]).map_err(|e| e.to_string())?;
+        check(out, &[1, 5, 9], "after the mismatch")?;
+        engine.shutdown().map_err(|e| e.to_string())?;
+        Ok(())
+    })
+    .expect("run");
+    for out in outs {
+        out.expect("rank");
+    }
+}
+
+/// A name every rank submitted once, submitted again on rank 0 only: the cache bit alone
+/// does not make it ready; it fails as a stall on every rank, naming the missing ranks,
+/// and the tensor every rank submitted beside it is reduced.
+#[test]
+fn a_cached_name_submitted_on_one_rank_only_fails_as_a_stall_on_every_rank() {
+    let config = FusionConfig {
+        stall_warning: Duration::from_millis(100),
+        stall_error: Duration::from_millis(100),
+        cycle_time: Duration::from_micros(200),
+        ..FusionConfig::default()
+    };
+    let outs = Communicator::run_local(3, |comm| {
+        let r = comm.rank();
+        let engine = FusionEngine::start(comm, config.clone()).expect("start");
+        let both = fused_step(&engine, r, &[("x", 3), ("y", 2)]).expect("first step");
+        assert!(both.iter().flatten().all(|&v| v == 6.0), "{both:?}");
+        let x = engine.submit("x", vec![1.0f32; 3]).expect("submit");
+        let y = (r == 0).then(|| engine.submit("y", vec![1.0f32; 2]).expect("submit"));
+        let x = x
+            .wait()
+            .expect("x is reduced")
+            .into_vec::<f32>()
+            .expect("f32");
+        assert_eq!(x, vec![3.0; 3]);
+        let result = match y {
+            Some(h) => h.wait().map(|_| ()),
+            None => {
+                let mut seen = None;
+                for _ in 0..300 {
+                    if let Some(e) = engine.take_foreign_failure() {
+                        seen = Some(e);
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                seen.map_or(Ok(()), Err)
+            }
+        };
+        engine.shutdown().expect("shutdown");
+        result
+    })
+    .expect("run");
+    for out in outs {
+        let msg = out.expect_err("the stall must fail").to_string();
+        assert!(
+            msg.contains("`y`") && msg.contains("not on ranks [1, 2]"),
+            "{msg}"
+        );
+    }
+}
+
+/// A cached name submitted twice before it completes is refused like a new one.
+#[test]
+fn submitting_a_cached_name_twice_before_it_completes_is_an_error() {
+    let outs = Communicator::run_local(2, |comm| {
+        let r = comm.rank();
+        let engine = FusionEngine::start(comm, FusionConfig::default()).expect("start");
+        fused_step(&engine, r, &[("w", 4)]).expect("first step");
+        let result = if r == 0 {
+            let first = engine.submit("w", vec![1.0f32; 4]).expect("submit");
+            let second = engine.submit("w", vec![1.0f32; 4]).expect("submit");
+            let dup = second.wait().expect_err("duplicate must fail").to_string();
+            assert!(dup.contains("`w`") && dup.contains("rank 0"), "{dup}");
+            first.wait()
+        } else {
+            std::thread::sleep(Duration::from_millis(200));
+            engine.submit("w", vec![1.0f32; 4]).expect("submit").wait()
+        };
+        engine.shutdown().expect("shutdown");
+        result
+    })
+    .expect("run");
+    for out in outs {
+        assert_eq!(
+            out.expect("reduced").into_vec::<f32>().expect("f32"),
+            vec![2.0; 4]
+        );
+    }
+}
+
+/// Groups submitted in one message (`all_reduce_group` on rank 0, `submit_group` on rank
+/// 1): exact results in the order of the names, whether the other ranks submit the same
+/// tensors one by one or as a group of another order; a
+/// count that does not match the names is refused before anything is queued; a name
+/// twice in one group fails that place only.
+#[test]
+fn submitted_groups_mix_with_single_submissions_and_other_orders() {
+    let outs = Communicator::run_local(3, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        let engine =
+            FusionEngine::start(comm, FusionConfig::default()).map_err(|e| e.to_string())?;
+        let names = ["g/a", "g/b", "g/c", "g/d"];
+        let lens = [3usize, 1, 6, 2];
+        let tensors = |order: &[usize]| -> Vec<Vec<f32>> {
+            order
+                .iter()
+                .map(|&i| vec![(r + 1) as f32; lens[i]])
+                .collect()
+        };
+        for step in 0..3 {
+            // Rank 0 groups in name order, rank 1 groups in reverse, rank 2 submits each.
+            let order: Vec<usize> = match r {
+                0 => vec![0, 1, 2, 3],
+                1 => vec![3, 2, 1, 0],
+                _ => vec![1, 3, 0, 2],
+            };
+            let out: Vec<Vec<f32>> = if r < 2 {
+                let group = TensorNames::new(order.iter().map(|&i| names[i]));
+                let reduced = if r == 0 {
+                    engine.all_reduce_group(&group, tensors(&order))
+                } else {
+                    engine
+                        .submit_group(&group, tensors(&order))
+                        .and_then(|h| h.wait())
+                };
+                reduced
+                    .map_err(|e| e.to_string())?
+                    .into_iter()
+                    .map(|t| t.into_vec::<f32>().map_err(|e| e.to_string()))
+                    .collect::<Result<_, _>>()?
+            } else {
+                let list: Vec<(&str, usize)> = order.iter().map(|&i| (names[i], lens[i])).collect();
+                fused_step(&engine, r, &list).map_err(|e| e.to_string())?
+            };
+            for (k, &i) in order.iter().enumerate() {
+                if out[k] != vec![6.0f32; lens[i]] {
+                    return Err(format!(
+                        "rank {r}, step {step}: {} gave {:?}",
+                        names[i], out[k]
+                    ));
+                }
+            }
+        }
+        let err = engine
+            .submit_group(&TensorNames::new(["x", "y"]), vec![vec![1.0f32]])
+            .expect_err("two names, one tensor")
+            .to_string();
+        if !(err.contains("1 (for 2 names)") && err.contains("one tensor per name")) {
+            return Err(err);
+        }
+        // "dup" twice in one group: the second place fails, the first is reduced.
+        let group = TensorNames::new(["dup", "dup"]);
+        let h = engine
+            .submit_group(&group, vec![vec![1.0f32; 2], vec![1.0f32; 2]])
+            .map_err(|e| e.to_string())?;
+        let err = h.wait().expect_err("a name twice").to_string();
+        if !(err.contains("`dup`") && err.contains(&format!("rank {r}"))) {
+            return Err(err);
+        }
+        engine.shutdown().map_err(|e| e.to_string())?;
+        Ok(())
+    })
+    .expect("run");
+    for out in outs {
+        out.expect("rank");
     }
 }
 

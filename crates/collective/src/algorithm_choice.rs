@@ -1,0 +1,158 @@
+//! Which algorithm [`crate::Algorithm::Auto`] runs: the switch points between recursive
+//! doubling and the ring measured with `ringtrain bench allreduce` (against
+//! `MPI_Allreduce` in the same runs), kept beside the measurements that chose them
+//! (`algorithm_choice.md`, shown below; `scripts/measure-algorithm-choice` measures them
+//! again).
+//!
+//! For every measured rank count the table lists, by message size, the faster of the
+//! two; rank counts above the largest measured one use its row.
+//! [`crate::Communicator::set_auto_threshold_bytes`] replaces the table with a fixed
+//! two-way rule.
+//!
+//! `MPI_Allreduce` is not a candidate, even where it was measured faster: a rank that
+//! waits inside it cannot say which rank it waits for (MPI does not tell), and every
+//! reduction of the fusion engine and the trainer runs `auto`, whose stall errors name
+//! the stopped rank. Choose [`crate::Algorithm::Mpi`] explicitly to use it.
+//!
+#![doc = include_str!("algorithm_choice.md")]
+
+use crate::options::Algorithm;
+
+/// Switch points per rank count: `(ranks, [(below_bytes, algorithm), ...])`, sizes
+/// increasing; the algorithm of the first entry whose `below_bytes` exceeds the message
+/// size is chosen (`usize::MAX` ends every row). Keep in step with
+/// `algorithm_choice.md` (a test compares them).
+pub const SWITCH_POINTS: &[(usize, &[(usize, Algorithm)])] = &[
+    (
+        2,
+        &[
+            (4 << 10, Algorithm::RecursiveDoubling),
+            (usize::MAX, Algorithm::Ring),
+        ],
+    ),
+    (
+        3,
+        &[
+            (64 << 10, Algorithm::RecursiveDoubling),
+            (usize::MAX, Algorithm::Ring),
+        ],
+    ),
+    (
+        4,
+        &[
+            (128 << 10, Algorithm::RecursiveDoubling),
+            (usize::MAX, Algorithm::Ring),
+        ],
+    ),
+];
+
+/// The measured choice for `bytes` bytes on `ranks` ranks (before the transport's
+/// abilities are considered).
+pub fn measured_choice(ranks: usize, bytes: usize) -> Algorithm {
+    let row = SWITCH_POINTS
+        .iter()
+        .rev()
+        .find(|(r, _)| *r <= ranks)
+        .or(SWITCH_POINTS.first())
+        .map(|(_, row)| *row)
+        .unwrap_or(&[]);
+    row.iter()
+        .find(|(below, _)| bytes < *below)
+        .map(|(_, a)| *a)
+        .unwrap_or(Algorithm::Ring)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The "Switch points" table of the markdown, as `(ranks, below_bytes, algorithm)`.
+    fn documented() -> Vec<(usize, usize, Algorithm)> {
+        let text = include_str!("algorithm_choice.md");
+        let start = text
+            .find("## Switch points")
+            .expect("the markdown has a Switch points section");
+        // The first table after the heading: its header, separator, then the rows.
+        text[start..]
+            .lines()
+            .skip_while(|l| !l.starts_with('|'))
+            .take_while(|l| l.starts_with('|'))
+            .skip(2)
+            .map(|l| {
+                let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
+                let ranks = cells[0].parse().expect("ranks");
+                let below = match cells[1] {
+                    "any" => usize::MAX,
+                    b => b.parse().expect("below bytes"),
+                };
+                (ranks, below, cells[2].parse().expect("algorithm"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn auto_resolves_through_the_table_unless_a_threshold_is_set() {
+        for ranks in [2usize, 3, 4, 6] {
+            let mut comm = crate::Communicator::local(ranks).unwrap().remove(0);
+            for bytes in [4usize, 4 << 10, 8 << 10, 64 << 10, 128 << 10, 1 << 20] {
+                assert_eq!(
+                    comm.resolve_algorithm(Algorithm::Auto, bytes),
+                    measured_choice(ranks, bytes),
+                    "{ranks} ranks, {bytes} bytes"
+                );
+                assert_eq!(
+                    comm.resolve_algorithm(Algorithm::Mpi, bytes),
+                    Algorithm::Mpi
+                );
+            }
+            comm.set_auto_threshold_bytes(100);
+            assert_eq!(
+                comm.resolve_algorithm(Algorithm::Auto, 99),
+                Algorithm::RecursiveDoubling
+            );
+            assert_eq!(
+                comm.resolve_algorithm(Algorithm::Auto, 100),
+                Algorithm::Ring
+            );
+        }
+    }
+
+    #[test]
+    fn the_markdown_and_the_table_agree() {
+        let code: Vec<(usize, usize, Algorithm)> = SWITCH_POINTS
+            .iter()
+            .flat_map(|(r, row)| row.iter().map(move |(b, a)| (*r, *b, *a)))
+            .collect();
+        assert_eq!(documented(), code);
+    }
+
+    #[test]
+    fn rows_increase_end_open_and_name_rd_or_ring_only() {
+        for (ranks, row) in SWITCH_POINTS {
+            assert!(row.windows(2).all(|w| w[0].0 < w[1].0), "ranks {ranks}");
+            assert_eq!(row.last().map(|e| e.0), Some(usize::MAX), "ranks {ranks}");
+            // Only algorithms whose stall errors name the rank waited for.
+            assert!(row
+                .iter()
+                .all(|(_, a)| matches!(a, Algorithm::RecursiveDoubling | Algorithm::Ring)));
+        }
+    }
+
+    #[test]
+    fn choice_follows_the_row_of_the_rank_count() {
+        // 4 bytes on 2 ranks: one exchange; 256 MiB: the ring on every rank count.
+        assert_eq!(measured_choice(2, 4), Algorithm::RecursiveDoubling);
+        for ranks in [2, 3, 4, 64] {
+            assert_eq!(measured_choice(ranks, 256 << 20), Algorithm::Ring);
+        }
+        // The switch moves up with the rank count: the ring's 2(N - 1) steps cost more.
+        assert_eq!(measured_choice(2, 8 << 10), Algorithm::Ring);
+        assert_eq!(measured_choice(3, 8 << 10), Algorithm::RecursiveDoubling);
+        assert_eq!(measured_choice(4, 64 << 10), Algorithm::RecursiveDoubling);
+        assert_eq!(measured_choice(3, 64 << 10), Algorithm::Ring);
+        // Unmeasured rank counts take the largest measured row below them.
+        for bytes in [4, 4096, 64 << 10, 1 << 20] {
+            assert_eq!(measured_choice(1024, bytes), measured_choice(4, bytes));
+        }
+    }
+}
