@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use ringtrain::collective::Communicator;
 use ringtrain::train::config::PipelineSchedule;
 use ringtrain::train::{
-    build_pipeline_stage, train, Batch, EncoderType, ModelKind, OptimizerKind, TrainConfig,
-    VariableUpdate,
+    build_pipeline_stage, train, Batch, Checkpoint, EncoderType, ModelKind, OptimizerKind,
+    OptimizerState, TrainConfig, VariableUpdate,
 };
 use training_runs::{batches, config, initial_model, max_diff, run, with, STEPS, VOCAB};
 
@@ -30,7 +30,25 @@ fn run_pipeline(cfg: &TrainConfig, ranks: usize) -> Vec<f32> {
             build_pipeline_stage(&seeded, VOCAB, VOCAB, 1, stage_comm).expect("the stage builds");
         let mut data = batches(&run, run.data_worker(rank)).into_iter();
         let out = train(&run, comm, model.as_mut(), &mut data, &mut |_| {}).unwrap();
-        assert_eq!(out.report.steps as usize, STEPS);
+        let report = &out.report;
+        let pipeline = report
+            .pipeline
+            .as_ref()
+            .expect("the report holds the pipeline");
+        let (k, m) = (ranks as f64, cfg.exchange.micro_batches as f64);
+        assert_eq!(pipeline.stages, ranks);
+        assert!((pipeline.bubble_formula - (k - 1.0) / (m + k - 1.0)).abs() < 1e-12);
+        assert_eq!(pipeline.per_stage.len(), ranks);
+        assert!(
+            (0.0..=1.0).contains(&pipeline.bubble_fraction),
+            "{pipeline:?}"
+        );
+        // The batch's words are counted once, by the last stage.
+        let timed = report.timed_batches as f64;
+        let words = run.local_batch_size(0) as f64 * 2.0 * cfg.data.src_max_len as f64;
+        if cfg.model.model == ModelKind::Nmt {
+            assert_eq!(report.timed_words, timed * words, "{report:?}");
+        }
         let (info, _) = model.pipeline_stage().expect("a pipeline stage");
         (info.own_params(), model.params().expect("params").to_vec())
     })
@@ -40,6 +58,20 @@ fn run_pipeline(cfg: &TrainConfig, ranks: usize) -> Vec<f32> {
         full[range.clone()].copy_from_slice(&params[range.clone()]);
     }
     full
+}
+
+/// Final parameters of one rank training on the whole batch (any step count: a resumed
+/// run goes on from its checkpoint's step).
+fn run_single(cfg: &TrainConfig) -> Vec<f32> {
+    let run = cfg.validate(1).expect("a valid config");
+    Communicator::run_local(1, |comm| {
+        let mut model = initial_model(cfg, 100);
+        let mut data = batches(&run, 0).into_iter();
+        train(&run, comm, model.as_mut(), &mut data, &mut |_| {}).unwrap();
+        model.params().expect("settled parameters").to_vec()
+    })
+    .unwrap()
+    .remove(0)
 }
 
 fn check(model: ModelKind, stages: usize, adam: bool) {
@@ -105,6 +137,78 @@ fn a_split_by_hand_equals_one_rank() {
     });
     let d = max_diff(&run_pipeline(&piped, 2), &single[0]);
     assert!(d <= 1e-5, "split 1,3 differs by {d}");
+}
+
+/// Checkpoints of a pipelined run hold every stage's parameters and optimizer state in
+/// the unpipelined format: either kind of run resumes the other's.
+#[test]
+fn pipelined_and_unpipelined_checkpoints_resume_each_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let (single_ck, piped_ck) = (dir.path().join("single.ck"), dir.path().join("piped.ck"));
+    let base = with(&config(ModelKind::Rnnlm, VariableUpdate::Replicated), |c| {
+        c.data.batch_size = 5;
+        c.run.optimizer = OptimizerKind::Adam;
+        c.run.learning_rate = Some(0.01);
+    });
+    let piped = |c: &mut TrainConfig| {
+        c.exchange.pipeline_stages = 3;
+        c.exchange.micro_batches = 2;
+    };
+    let single = run(
+        &with(&base, |c| c.output.checkpoint = Some(single_ck.clone())),
+        1,
+    );
+    let pipelined = run_pipeline(
+        &with(&base, |c| {
+            piped(c);
+            c.output.checkpoint = Some(piped_ck.clone());
+        }),
+        3,
+    );
+    assert!(max_diff(&single[0], &pipelined) <= 1e-5);
+    let a = Checkpoint::load(&single_ck).unwrap();
+    let b = Checkpoint::load(&piped_ck).unwrap();
+    assert!(
+        max_diff(&a.params, &b.params) <= 1e-5,
+        "the pipelined checkpoint lacks stages"
+    );
+    match (&a.optimizer, &b.optimizer) {
+        (
+            OptimizerState::Adam {
+                m: m1,
+                v: v1,
+                step: s1,
+            },
+            OptimizerState::Adam {
+                m: m2,
+                v: v2,
+                step: s2,
+            },
+        ) => {
+            assert_eq!(s1, s2);
+            assert!(max_diff(m1, m2) <= 1e-5 && max_diff(v1, v2) <= 1e-6);
+        }
+        other => panic!("Adam state expected: {other:?}"),
+    }
+    // Each resumes the other's checkpoint; both continue alike.
+    let resume = |c: &mut TrainConfig, path: &std::path::Path| {
+        c.output.checkpoint = Some(path.to_path_buf());
+        c.output.resume = true;
+    };
+    let single_from_piped = run_single(&with(&base, |c| resume(c, &piped_ck)));
+    let piped_from_single = run_pipeline(
+        &with(&base, |c| {
+            piped(c);
+            resume(c, &single_ck);
+        }),
+        3,
+    );
+    let d = max_diff(&single_from_piped, &piped_from_single);
+    assert!(d <= 1e-5, "resumed runs differ by {d}");
+    assert!(
+        max_diff(&single_from_piped, &single[0]) > 1e-4,
+        "the resumed runs trained"
+    );
 }
 
 #[test]

@@ -70,7 +70,7 @@ pub use input::{
     BatchSource, InputBatches, InputKind, InputPipeline, InputPosition, StreamPosition,
 };
 pub use optimizer::{LossScaler, Optimizer, OptimizerState};
-pub use report::{HostDeviceBytes, RankFigures, RunReport};
+pub use report::{HostDeviceBytes, PipelineReport, RankFigures, RunReport, StageFigures};
 pub use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, LstmImpl, SourceLengths};
 pub use run::run_rank;
 pub use strategy::{greedy_placement, StepContext, StepOutcome, StepStats, Strategy, Wire};

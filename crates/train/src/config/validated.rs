@@ -845,6 +845,73 @@ mod tests {
             .unwrap_or_default()
     }
 
+    fn pipelined(stages: usize, micro: usize) -> TrainConfig {
+        let mut cfg = TrainConfig::default();
+        cfg.exchange.pipeline_stages = stages;
+        cfg.exchange.micro_batches = micro;
+        cfg.data.batch_size = 8;
+        cfg
+    }
+
+    #[test]
+    fn pipeline_flags_that_cannot_work_fail_naming_the_flags() {
+        let ok = pipelined(2, 4).validate(2);
+        assert_eq!(ok.as_ref().map(|r| r.pipeline_stages()).ok(), Some(2));
+        assert_eq!(ok.as_ref().map(|r| r.workers()).ok(), Some(1));
+        assert_eq!(ok.as_ref().map(|r| r.data_worker(1)).ok(), Some(0));
+        assert_eq!(ok.as_ref().map(|r| r.local_batch_size(0)).ok(), Some(8));
+        // The default NMT has 2 decoder layers: 4 units.
+        let e = error(&pipelined(5, 1), 5);
+        assert!(
+            e.contains("--pipeline-stages") && e.contains("at most 4"),
+            "{e}"
+        );
+        let e = error(&pipelined(2, 0), 2);
+        assert!(
+            e.contains("--micro-batches") && e.contains("at least 1"),
+            "{e}"
+        );
+        let e = error(&pipelined(2, 9), 2);
+        assert!(e.contains("--micro-batches") && e.contains("8"), "{e}");
+        let mut total = pipelined(2, 4);
+        total.data.total_batch_size = Some(3);
+        let e = error(&total, 2);
+        assert!(e.contains("--micro-batches"), "{e}");
+        let e = error(&pipelined(2, 1), 3);
+        assert!(
+            e.contains("--pipeline-stages") && e.contains("multiple"),
+            "{e}"
+        );
+        let mut ps = pipelined(2, 2);
+        ps.exchange.variable_update = VariableUpdate::ParameterServer;
+        let e = error(&ps, 2);
+        assert!(
+            e.contains("--variable-update") && e.contains("--pipeline-stages"),
+            "{e}"
+        );
+        let mut split = pipelined(2, 2);
+        split.exchange.pipeline_split = vec![1, 2];
+        let e = error(&split, 2);
+        assert!(
+            e.contains("--pipeline-split") && e.contains("4 units"),
+            "{e}"
+        );
+        let e = error(&pipelined(1, 2), 1);
+        assert!(
+            e.contains("--micro-batches") && e.contains("--pipeline-stages"),
+            "{e}"
+        );
+        let mut rnnlm = pipelined(5, 1);
+        rnnlm.model.model = ModelKind::Rnnlm;
+        let e = error(&rnnlm, 5);
+        assert!(e.contains("--num-encoder-layers"), "{e}");
+        let e = error(&pipelined(2, 1), 4);
+        assert!(
+            e.contains("replicas") && e.contains("not supported yet"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn seed_names_select_the_seeds_models() {
         let cases = [

@@ -35,8 +35,8 @@ impl PipelineUpdate {
         self.comm
     }
 
-    /// Sums the step's figures (the last stage counts the batch's words, examples and
-    /// loss), divides the gradients by the examples, clips to the global norm and applies
+    /// Sums the step's figures (the trainer lets only the last stage count the batch's
+    /// words and examples, and only it has a loss), divides the gradients by the examples, clips to the global norm and applies
     /// the optimizer to this stage's parameters. A non-finite gradient on any stage
     /// skips the update on every stage.
     ///
@@ -52,12 +52,6 @@ impl PipelineUpdate {
         } = inputs;
         let start = Instant::now();
         let own = self.info.own_params();
-        if !self.info.is_last() {
-            local.words = 0.0;
-            local.examples = 0.0;
-            local.loss_sum = 0.0;
-            local.target_tokens = 0.0;
-        }
         let g = &mut grads[own.clone()];
         local.overflow = f64::from(u8::from(ringtrain_kernels::has_non_finite_f32(g)));
         let stats = local.summed(control)?;

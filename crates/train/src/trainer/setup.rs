@@ -159,7 +159,13 @@ impl<'a> Session<'a> {
         model: &dyn TrainableModel,
     ) -> Result<()> {
         let state = self.strategy.gather_optimizer_state(&self.optimizer)?;
-        let input = self.control.gather(&self.input)?;
+        // One position per data worker: the stages of a pipeline read alike.
+        let input = self
+            .control
+            .gather(&self.input)?
+            .into_iter()
+            .step_by(self.cfg.pipeline_stages())
+            .collect();
         let params = self.strategy.gather_params(model.params()?)?;
         let local = if self.rank == 0 {
             {

@@ -4,7 +4,8 @@
 use super::setup::Session;
 use crate::config::DeviceKind;
 use crate::error::Result;
-use crate::report::{HostDeviceBytes, RankFigures, RunReport};
+use crate::pipeline::bubble_formula;
+use crate::report::{HostDeviceBytes, PipelineReport, RankFigures, RunReport, StageFigures};
 use crate::strategy::StepStats;
 use crate::throughput::{words_per_sec, StepBreakdown, ThroughputSummary};
 use crate::trainable::TrainableModel;
@@ -19,6 +20,9 @@ pub(super) struct TimedTotals {
     /// Bytes this process copied host -> device and device -> host in the timed batches
     /// (`None` on cpu).
     pub(super) copied: Option<(u64, u64)>,
+    /// This rank's pipeline stage and its compute and wait seconds over the timed
+    /// batches (`None` without a pipeline).
+    pub(super) stage: Option<(usize, f64, f64)>,
 }
 
 /// Bytes this process has copied between host and device so far, as (to device, to
@@ -45,6 +49,14 @@ fn peak_device_bytes(device: DeviceKind) -> Option<u64> {
 }
 
 impl TimedTotals {
+    /// Adds one timed step of `model`'s pipeline stage, if it is one.
+    pub(super) fn add_stage(&mut self, model: &dyn TrainableModel) {
+        if let Some((info, times)) = model.pipeline_stage() {
+            let (_, compute, wait) = self.stage.unwrap_or((info.stage, 0.0, 0.0));
+            self.stage = Some((info.stage, compute + times.compute, wait + times.wait));
+        }
+    }
+
     /// Adds the bytes copied between the counts `before` and `after` of one timed step.
     pub(super) fn add_copied(&mut self, before: Option<(u64, u64)>, after: Option<(u64, u64)>) {
         if let (Some(b), Some(a)) = (before, after) {
@@ -77,6 +89,19 @@ impl Session<'_> {
                 }
             }),
             peak_device_bytes: peak_device_bytes(self.cfg.config().run.device),
+            pipeline_stage: timed.stage.map(|(stage, compute, wait)| {
+                let steps = meter.timed_batches.max(1) as f64;
+                StageFigures {
+                    stage,
+                    compute: compute / steps,
+                    wait: wait / steps,
+                    bubble_fraction: if compute + wait > 0.0 {
+                        wait / (compute + wait)
+                    } else {
+                        0.0
+                    },
+                }
+            }),
         }
     }
 
@@ -120,9 +145,27 @@ impl Session<'_> {
         let peak_device_bytes = per_rank.iter().filter_map(|r| r.peak_device_bytes).max();
         let timed_seconds = per_rank.iter().map(|r| r.seconds).fold(0.0, f64::max);
         let timed_words: f64 = per_rank.iter().map(|r| r.words).sum();
+        let per_stage: Vec<StageFigures> =
+            per_rank.iter().filter_map(|r| r.pipeline_stage).collect();
+        let pipeline = (self.cfg.is_pipelined() && !per_stage.is_empty()).then(|| {
+            let exchange = &self.cfg.config().exchange;
+            let stages = self.cfg.pipeline_stages();
+            PipelineReport {
+                stages,
+                micro_batches: exchange.micro_batches,
+                schedule: exchange.pipeline_schedule.to_string(),
+                bubble_fraction: per_stage.iter().map(|f| f.bubble_fraction).sum::<f64>()
+                    / per_stage.len() as f64,
+                bubble_formula: bubble_formula(stages, exchange.micro_batches),
+                per_stage,
+            }
+        });
         Ok(RunReport {
             config: self.cfg.config().clone(),
-            strategy: self.cfg.strategy_label(),
+            strategy: match self.cfg.pipeline_label() {
+                Some(pipeline) => format!("{} | {pipeline}", self.cfg.strategy_label()),
+                None => self.cfg.strategy_label(),
+            },
             model: model.describe(),
             parameters: model.params()?.len(),
             ranks: per_rank.len(),
@@ -144,6 +187,7 @@ impl Session<'_> {
             loss_scale: self.scaler.map(|s| s.scale),
             eval: Vec::new(),
             time_to_quality: None,
+            pipeline,
         })
     }
 }
