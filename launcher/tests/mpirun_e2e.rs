@@ -288,3 +288,43 @@ fn sweep_with_a_target_perplexity_reports_time_to_quality() {
     }
     assert_eq!(seen, 2);
 }
+
+#[test]
+fn two_pipeline_stages_under_mpirun_report_the_pipeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("pipeline.json");
+    let (stdout, json) = launch(
+        2,
+        &[
+            "--batch-size",
+            "6",
+            "--pipeline-stages",
+            "2",
+            "--micro-batches",
+            "3",
+            "--pipeline-schedule",
+            "1f1b",
+        ],
+        &report,
+    );
+    assert!(
+        stdout.contains("pipeline: 2 stages x 3 micro-batches (1f1b)")
+            && stdout.contains("25.0% by (K-1)/(M+K-1)")
+            && stdout.contains("balanced by parameter count"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("stage 1 (target embedding + decoder layer 0, decoder layer 1, projection + loss): compute"),
+        "{stdout}"
+    );
+    let p = &json["pipeline"];
+    assert_eq!(p["stages"], 2);
+    assert_eq!(p["micro_batches"], 3);
+    assert_eq!(p["schedule"], "1f1b");
+    assert!((p["bubble_formula"].as_f64().unwrap() - 0.25).abs() < 1e-12);
+    let bubble = p["bubble_fraction"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&bubble), "{bubble}");
+    // One replica of 6 sentences of 5 + 5 words per batch, counted once, 3 timed batches.
+    assert_eq!(json["timed_words"].as_f64().unwrap(), 6.0 * 10.0 * 3.0);
+    assert!(json["final_loss"].as_f64().unwrap() > 0.0);
+}

@@ -52,10 +52,12 @@ pub struct RankFigures {
 }
 
 /// One pipeline stage's mean time per timed batch.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StageFigures {
     /// The stage, `0..stages`.
     pub stage: usize,
+    /// The model's units it runs, e.g. `embedding, layer 0`.
+    pub units: String,
     /// Seconds in its forward and backward passes.
     pub compute: f64,
     /// Seconds blocked on a neighbour: sending, receiving and idle (the bubble).
@@ -261,8 +263,9 @@ impl RunReport {
             ));
             for f in &p.per_stage {
                 s.push_str(&format!(
-                    "  stage {}: compute {:.2} ms | send/receive wait {:.2} ms | bubble {:.1}%\n",
+                    "  stage {} ({}): compute {:.2} ms | send/receive wait {:.2} ms | bubble {:.1}%\n",
                     f.stage,
+                    f.units,
                     f.compute * 1e3,
                     f.wait * 1e3,
                     f.bubble_fraction * 100.0

@@ -826,8 +826,13 @@ impl ValidatedConfig {
     pub fn pipeline_label(&self) -> Option<String> {
         let exchange = &self.config.exchange;
         self.is_pipelined().then(|| {
+            let balance = if exchange.pipeline_split.is_empty() {
+                "balanced by parameter count"
+            } else {
+                "split by hand"
+            };
             format!(
-                "pipeline {} stages x {} micro-batches ({})",
+                "pipeline {} stages x {} micro-batches ({}, {balance})",
                 self.stages, exchange.micro_batches, exchange.pipeline_schedule
             )
         })

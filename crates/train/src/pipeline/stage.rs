@@ -71,6 +71,8 @@ pub struct StageInfo {
     pub units: Range<usize>,
     /// Every stage's range of the flat parameter buffer, in stage order.
     pub params: Vec<Range<usize>>,
+    /// The names of this stage's units, comma-separated.
+    pub unit_names: String,
 }
 
 impl StageInfo {
@@ -132,22 +134,18 @@ where
         let stages = cfg.pipeline_stages();
         let plan = plan_stages(&units, stages, &exchange.pipeline_split)?;
         let stage = cfg.pipeline_stage(comm.rank());
+        let names: Vec<&str> = units[plan[stage].clone()]
+            .iter()
+            .map(|u| u.name.as_str())
+            .collect();
         let info = StageInfo {
             stage,
             stages,
             units: plan[stage].clone(),
             params: plan.iter().map(|r| param_range(&units, r)).collect(),
+            unit_names: names.join(", "),
         };
         let own = info.own_params();
-        let names: Vec<&str> = units[info.units.clone()]
-            .iter()
-            .map(|u| u.name.as_str())
-            .collect();
-        let description = format!(
-            "{description} | stage {} of {stages}: {}",
-            stage + 1,
-            names.join(", ")
-        );
         Ok(PipelineTrainable {
             specs: param_specs(model.layout()),
             model,

@@ -11,7 +11,7 @@ use crate::throughput::{words_per_sec, StepBreakdown, ThroughputSummary};
 use crate::trainable::TrainableModel;
 
 /// What one rank counted over the timed batches, besides its meter's summary.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(super) struct TimedTotals {
     /// This rank's own words in the timed batches.
     pub(super) words: f64,
@@ -22,7 +22,7 @@ pub(super) struct TimedTotals {
     pub(super) copied: Option<(u64, u64)>,
     /// This rank's pipeline stage and its compute and wait seconds over the timed
     /// batches (`None` without a pipeline).
-    pub(super) stage: Option<(usize, f64, f64)>,
+    pub(super) stage: Option<(usize, String, f64, f64)>,
 }
 
 /// Bytes this process has copied between host and device so far, as (to device, to
@@ -52,8 +52,13 @@ impl TimedTotals {
     /// Adds one timed step of `model`'s pipeline stage, if it is one.
     pub(super) fn add_stage(&mut self, model: &dyn TrainableModel) {
         if let Some((info, times)) = model.pipeline_stage() {
-            let (_, compute, wait) = self.stage.unwrap_or((info.stage, 0.0, 0.0));
-            self.stage = Some((info.stage, compute + times.compute, wait + times.wait));
+            let (compute, wait) = self.stage.as_ref().map_or((0.0, 0.0), |s| (s.2, s.3));
+            self.stage = Some((
+                info.stage,
+                info.unit_names.clone(),
+                compute + times.compute,
+                wait + times.wait,
+            ));
         }
     }
 
@@ -89,10 +94,11 @@ impl Session<'_> {
                 }
             }),
             peak_device_bytes: peak_device_bytes(self.cfg.config().run.device),
-            pipeline_stage: timed.stage.map(|(stage, compute, wait)| {
+            pipeline_stage: timed.stage.clone().map(|(stage, units, compute, wait)| {
                 let steps = meter.timed_batches.max(1) as f64;
                 StageFigures {
                     stage,
+                    units,
                     compute: compute / steps,
                     wait: wait / steps,
                     bubble_fraction: if compute + wait > 0.0 {
@@ -145,8 +151,10 @@ impl Session<'_> {
         let peak_device_bytes = per_rank.iter().filter_map(|r| r.peak_device_bytes).max();
         let timed_seconds = per_rank.iter().map(|r| r.seconds).fold(0.0, f64::max);
         let timed_words: f64 = per_rank.iter().map(|r| r.words).sum();
-        let per_stage: Vec<StageFigures> =
-            per_rank.iter().filter_map(|r| r.pipeline_stage).collect();
+        let per_stage: Vec<StageFigures> = per_rank
+            .iter()
+            .filter_map(|r| r.pipeline_stage.clone())
+            .collect();
         let pipeline = (self.cfg.is_pipelined() && !per_stage.is_empty()).then(|| {
             let exchange = &self.cfg.config().exchange;
             let stages = self.cfg.pipeline_stages();
