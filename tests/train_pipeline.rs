@@ -12,7 +12,7 @@ use ringtrain::collective::Communicator;
 use ringtrain::train::config::PipelineSchedule;
 use ringtrain::train::{
     build_pipeline_stage, train, Batch, Checkpoint, EncoderType, ModelKind, OptimizerKind,
-    OptimizerState, TrainConfig, VariableUpdate,
+    OptimizerState, OverlapMode, TrainConfig, VariableUpdate,
 };
 use training_runs::{batches, config, initial_model, max_diff, run, with, STEPS, VOCAB};
 
@@ -35,8 +35,9 @@ fn run_pipeline(cfg: &TrainConfig, ranks: usize) -> Vec<f32> {
             .pipeline
             .as_ref()
             .expect("the report holds the pipeline");
-        let (k, m) = (ranks as f64, cfg.exchange.micro_batches as f64);
-        assert_eq!(pipeline.stages, ranks);
+        let k = cfg.exchange.pipeline_stages as f64;
+        let m = cfg.exchange.micro_batches as f64;
+        assert_eq!(pipeline.stages, cfg.exchange.pipeline_stages);
         assert!((pipeline.bubble_formula - (k - 1.0) / (m + k - 1.0)).abs() < 1e-12);
         assert_eq!(pipeline.per_stage.len(), ranks);
         assert!(
@@ -45,7 +46,7 @@ fn run_pipeline(cfg: &TrainConfig, ranks: usize) -> Vec<f32> {
         );
         // The batch's words are counted once, by the last stage.
         let timed = report.timed_batches as f64;
-        let words = run.local_batch_size(0) as f64 * 2.0 * cfg.data.src_max_len as f64;
+        let words = run.global_batch_size() as f64 * 2.0 * cfg.data.src_max_len as f64;
         if cfg.model.model == ModelKind::Nmt {
             assert_eq!(report.timed_words, timed * words, "{report:?}");
         }
@@ -54,8 +55,21 @@ fn run_pipeline(cfg: &TrainConfig, ranks: usize) -> Vec<f32> {
     })
     .unwrap();
     let mut full = stages[0].1.clone();
-    for (range, params) in &stages {
-        full[range.clone()].copy_from_slice(&params[range.clone()]);
+    let k = cfg.exchange.pipeline_stages;
+    for (rank, (range, params)) in stages.iter().enumerate() {
+        if rank < k {
+            full[range.clone()].copy_from_slice(&params[range.clone()]);
+        } else {
+            // The same stage of another replica holds the same parameters.
+            let d = max_diff(&full[range.clone()], &params[range.clone()]);
+            assert_eq!(
+                d,
+                0.0,
+                "replica {} of stage {} diverged",
+                rank / k,
+                rank % k
+            );
+        }
     }
     full
 }
@@ -137,6 +151,36 @@ fn a_split_by_hand_equals_one_rank() {
     });
     let d = max_diff(&run_pipeline(&piped, 2), &single[0]);
     assert!(d <= 1e-5, "split 1,3 differs by {d}");
+}
+
+/// K = 2 stages x D = 2 replicas: each stage all-reduces with the same stage of the
+/// other replica (after backward, and overlapped through the fusion engine).
+#[test]
+fn two_stages_times_two_replicas_equal_one_rank() {
+    for model in [ModelKind::Nmt, ModelKind::Rnnlm] {
+        let base = with(&config(model, VariableUpdate::Replicated), |c| {
+            c.data.total_batch_size = Some(9);
+            c.run.max_gradient_norm = 0.5;
+        });
+        let single = run(&base, 1);
+        for overlap in [OverlapMode::Off, OverlapMode::On] {
+            let hybrid = with(&base, |c| {
+                c.exchange.pipeline_stages = 2;
+                c.exchange.micro_batches = 2;
+                c.exchange.overlap_backward = overlap;
+                c.exchange.pipeline_schedule = PipelineSchedule::OneFOneB;
+            });
+            let d = max_diff(&run_pipeline(&hybrid, 4), &single[0]);
+            assert!(d <= 1e-5, "{model} 2x2 ({overlap}) vs 1 rank differ by {d}");
+        }
+        // f16 on the wire between the replicas: close, not equal.
+        let f16 = with(&base, |c| {
+            c.exchange.pipeline_stages = 2;
+            c.exchange.fp16_gradients = true;
+        });
+        let d = max_diff(&run_pipeline(&f16, 4), &single[0]);
+        assert!(d <= 1e-2, "{model} 2x2 with f16 gradients differs by {d}");
+    }
 }
 
 /// Checkpoints of a pipelined run hold every stage's parameters and optimizer state in

@@ -450,17 +450,6 @@ fn pipeline_stages(cfg: &TrainConfig, world: usize) -> Result<usize> {
             ),
         ));
     }
-    if world / stages > 1 {
-        return Err(Error::invalid(
-            "--pipeline-stages",
-            stages,
-            format!(
-                "{world} ranks would make {} replicas of the pipeline, and pipelines with \
-                 data-parallel replicas are not supported yet: launch exactly {stages} ranks",
-                world / stages
-            ),
-        ));
-    }
     if exchange.variable_update == VariableUpdate::ParameterServer {
         return Err(Error::invalid(
             "--variable-update",
@@ -491,7 +480,7 @@ fn pipeline_stages(cfg: &TrainConfig, world: usize) -> Result<usize> {
              with --pipeline-stages",
         ));
     }
-    if exchange.fp16_gradients {
+    if exchange.fp16_gradients && world == stages {
         return Err(Error::invalid(
             "--fp16-gradients",
             "true",
@@ -910,11 +899,11 @@ mod tests {
         rnnlm.model.model = ModelKind::Rnnlm;
         let e = error(&rnnlm, 5);
         assert!(e.contains("--num-encoder-layers"), "{e}");
-        let e = error(&pipelined(2, 1), 4);
-        assert!(
-            e.contains("replicas") && e.contains("not supported yet"),
-            "{e}"
-        );
+        // 2 stages x 2 replicas.
+        let hybrid = pipelined(2, 2).validate(4);
+        assert_eq!(hybrid.as_ref().map(|r| r.workers()).ok(), Some(2));
+        assert_eq!(hybrid.as_ref().map(|r| r.data_worker(3)).ok(), Some(1));
+        assert_eq!(hybrid.as_ref().map(|r| r.pipeline_stage(3)).ok(), Some(1));
     }
 
     #[test]

@@ -10,29 +10,102 @@ use super::StageInfo;
 use crate::config::ValidatedConfig;
 use crate::error::Result;
 use crate::optimizer::{Optimizer, OptimizerState};
-use crate::strategy::{correction_factor, StepInputs, StepOutcome, Wire};
+use crate::strategy::{correction_factor, Replicated, StepContext, StepInputs, StepOutcome};
+use crate::trainable::ParamSpec;
 
 /// Each stage updates its own parameters with its own optimizer state; the clipping
-/// norm is global (the stages' squared norms summed on the control plane).
+/// norm is global (the stages' squared norms summed on the control plane). With D > 1
+/// replicas of the pipeline, each stage first sums its gradients with the same stage of
+/// the other replicas by the replicated strategy's all-reduce over a subgroup of those
+/// D ranks (fusion, packing and the f16 wire apply as they do without a pipeline).
 pub struct PipelineUpdate {
     comm: Communicator,
     info: StageInfo,
     max_gradient_norm: f32,
+    replicas: Option<Replicated>,
+    replica_count: usize,
+    ctx: StepContext,
 }
 
 impl PipelineUpdate {
-    /// The update of the stage `info` describes; `comm` carries the checkpoint gathers.
-    pub fn new(cfg: &ValidatedConfig, comm: Communicator, info: StageInfo) -> Self {
-        PipelineUpdate {
+    /// The update of the stage `info` describes for the model's tensors `specs`; `comm`
+    /// (the world) carries the checkpoint gathers and, with replicas, makes the stage's
+    /// subgroup (collective: every rank calls it at the same point).
+    ///
+    /// # Errors
+    /// The collective's, when the subgroup or its reduction cannot start.
+    pub fn new(
+        cfg: &ValidatedConfig,
+        comm: Communicator,
+        info: StageInfo,
+        specs: &[ParamSpec],
+    ) -> Result<Self> {
+        let stages = cfg.pipeline_stages();
+        let replica_count = cfg.world() / stages;
+        let replicas = if replica_count > 1 {
+            let group: Vec<usize> = (0..replica_count)
+                .map(|r| r * stages + info.stage)
+                .collect();
+            let sub = comm.subgroup(&group)?;
+            let own = info.own_params();
+            let own_specs: Vec<ParamSpec> = specs
+                .iter()
+                .filter(|s| s.range.start >= own.start && s.range.end <= own.end)
+                .map(|s| ParamSpec {
+                    name: s.name.clone(),
+                    range: s.range.start - own.start..s.range.end - own.start,
+                })
+                .collect();
+            Some(Replicated::new(cfg, sub, &own_specs)?)
+        } else {
+            None
+        };
+        Ok(PipelineUpdate {
             comm,
             info,
             max_gradient_norm: cfg.config().run.max_gradient_norm,
+            replicas,
+            replica_count,
+            ctx: StepContext::default(),
+        })
+    }
+
+    /// Before backward: how gradients travel between the replicas.
+    pub fn begin_step(&mut self, ctx: StepContext) {
+        self.ctx = ctx;
+        if let Some(r) = self.replicas.as_mut() {
+            r.begin_step(ctx);
         }
     }
 
-    /// The communicator, for the caller.
-    pub fn into_comm(self) -> Communicator {
-        self.comm
+    /// A finished gradient range (the stage hands its whole buffer over at the end of
+    /// its pass): its own part goes to the replicas' reduction.
+    ///
+    /// # Errors
+    /// The reduction's.
+    pub fn on_ready(&mut self, range: Range<usize>, grads: &[f32]) -> Result<()> {
+        let own = self.info.own_params();
+        let Some(r) = self.replicas.as_mut() else {
+            return Ok(());
+        };
+        if range.start > own.start || range.end < own.end {
+            return Err(crate::error::Error::Internal(format!(
+                "the stage reported gradient range {range:?}, not its whole range {own:?}"
+            )));
+        }
+        let at = own.start - range.start..own.end - range.start;
+        r.on_ready(0..own.len(), &grads[at])
+    }
+
+    /// Stops the replicas' reduction and returns the world communicator.
+    ///
+    /// # Errors
+    /// The fusion engine's, when its thread failed.
+    pub fn shutdown(self) -> Result<Communicator> {
+        if let Some(r) = self.replicas {
+            r.shutdown()?;
+        }
+        Ok(self.comm)
     }
 
     /// Sums the step's figures (the trainer lets only the last stage count the batch's
@@ -53,7 +126,12 @@ impl PipelineUpdate {
         let start = Instant::now();
         let own = self.info.own_params();
         let g = &mut grads[own.clone()];
-        local.overflow = f64::from(u8::from(ringtrain_kernels::has_non_finite_f32(g)));
+        if let Some(r) = self.replicas.as_mut() {
+            r.reduce(g, &mut local)?;
+        }
+        if ringtrain_kernels::has_non_finite_f32(g) {
+            local.overflow = 1.0;
+        }
         let stats = local.summed(control)?;
         let communication = start.elapsed().as_secs_f64();
         let mut outcome = StepOutcome {
@@ -66,11 +144,12 @@ impl PipelineUpdate {
             return Ok(outcome);
         }
         let update = Instant::now();
-        let correction = correction_factor(Wire::F32, stats.examples);
+        let correction = correction_factor(self.ctx.wire, stats.examples);
         if correction != 1.0 {
             ringtrain_kernels::par::scale_f32(g, correction);
         }
-        let mut squares = [ringtrain_kernels::sum_of_squares(g)];
+        // Every replica of a stage holds the same gradients: count them once.
+        let mut squares = [ringtrain_kernels::sum_of_squares(g) / self.replica_count as f64];
         control.sum(&mut squares)?;
         let norm = squares[0].sqrt();
         if self.max_gradient_norm > 0.0 {

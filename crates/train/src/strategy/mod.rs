@@ -195,7 +195,7 @@ impl Strategy {
             Strategy::Replicated(s) => s.begin_step(ctx),
             Strategy::ParameterServer(s) => s.begin_step(ctx),
             Strategy::Independent(s) => s.begin_step(ctx),
-            Strategy::Pipeline(_) => {}
+            Strategy::Pipeline(s) => s.begin_step(ctx),
         }
     }
 
@@ -206,6 +206,7 @@ impl Strategy {
     pub fn on_ready(&mut self, range: Range<usize>, grads: &[f32]) -> Result<()> {
         match self {
             Strategy::Replicated(s) => s.on_ready(range, grads),
+            Strategy::Pipeline(s) => s.on_ready(range, grads),
             _ => Ok(()),
         }
     }
@@ -263,7 +264,7 @@ impl Strategy {
             Strategy::Replicated(s) => s.shutdown(),
             Strategy::ParameterServer(s) => Ok(s.into_comm()),
             Strategy::Independent(s) => Ok(s.into_comm()),
-            Strategy::Pipeline(s) => Ok(s.into_comm()),
+            Strategy::Pipeline(s) => s.shutdown(),
         }
     }
 }

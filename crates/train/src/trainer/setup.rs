@@ -98,7 +98,7 @@ impl<'a> Session<'a> {
         comm.broadcast(model.params_mut()?, 0)?;
 
         let strategy = match model.pipeline_stage() {
-            Some((info, _)) => Strategy::Pipeline(PipelineUpdate::new(cfg, comm, info)),
+            Some((info, _)) => Strategy::Pipeline(PipelineUpdate::new(cfg, comm, info, &specs)?),
             None => Strategy::new(cfg, comm, &specs)?,
         };
         let run = &cfg.config().run;
