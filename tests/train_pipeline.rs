@@ -31,6 +31,8 @@ fn run_pipeline(cfg: &TrainConfig, ranks: usize) -> Vec<f32> {
         let mut data = batches(&run, run.data_worker(rank)).into_iter();
         let out = train(&run, comm, model.as_mut(), &mut data, &mut |_| {}).unwrap();
         let report = &out.report;
+        let resumed = if cfg.output.resume { STEPS as u64 } else { 0 };
+        assert_eq!(report.steps, resumed + STEPS as u64);
         let pipeline = report
             .pipeline
             .as_ref()

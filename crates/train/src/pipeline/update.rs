@@ -22,7 +22,7 @@ pub struct PipelineUpdate {
     comm: Communicator,
     info: StageInfo,
     max_gradient_norm: f32,
-    replicas: Option<Replicated>,
+    replicas: Option<Box<Replicated>>,
     replica_count: usize,
     ctx: StepContext,
 }
@@ -56,7 +56,7 @@ impl PipelineUpdate {
                     range: s.range.start - own.start..s.range.end - own.start,
                 })
                 .collect();
-            Some(Replicated::new(cfg, sub, &own_specs)?)
+            Some(Box::new(Replicated::new(cfg, sub, &own_specs)?))
         } else {
             None
         };
