@@ -244,7 +244,8 @@ mod tests {
     fn micro_batches_cover_the_batch_near_evenly() {
         assert_eq!(micro_batch_ranges(7, 3), [0..3, 3..5, 5..7]);
         assert_eq!(micro_batch_ranges(2, 3), [0..1, 1..2]);
-        assert_eq!(micro_batch_ranges(4, 1), [0..4]);
+        let whole = micro_batch_ranges(4, 1);
+        assert_eq!((whole.len(), whole.first()), (1, Some(&(0..4))));
     }
 
     #[test]
