@@ -5,6 +5,15 @@
 //! time, and wall time with the evaluations), so that fixed total batch and fixed batch
 //! per rank can be compared by how soon they reach a quality, not by words/s alone.
 //!
+//! With `--compare data,pipeline` each rank count runs twice, data-parallel and as a
+//! pipeline of as many stages as ranks (`--pipeline-stages N` is added to the command,
+//! which keeps its `--micro-batches`), and the sweep prints seed 004's comparison
+//! (experiment, model, ranks, batch (micro-batches), throughput, speedup against the
+//! data-parallel run at the first count) and its per-batch split (time per batch,
+//! transfer time, backward time). Give the batch as `--total-batch-size` so that both
+//! experiments train on the same batch: the data-parallel run splits it over the ranks,
+//! the pipeline cuts it into micro-batches.
+//!
 //! `--json` and `--report-dir` are checked before the first count runs. When a count
 //! fails (or the sweep is stopped), the table of the counts that finished is printed
 //! (and written to `--json`) before the error.
@@ -47,6 +56,12 @@ pub struct SweepArgs {
     #[arg(long)]
     pub report_dir: Option<PathBuf>,
 
+    /// Compare parallelisms at each rank count: `data,pipeline` runs each count as
+    /// data-parallel replicas and as a pipeline of that many stages, and prints seed
+    /// 004's comparison table and per-batch split instead of the scaling table.
+    #[arg(long, value_delimiter = ',', value_parser = parse_experiment)]
+    pub compare: Vec<Experiment>,
+
     /// The training command, after `--`, e.g. `-- train --use-synthetic-data`.
     #[arg(
         trailing_var_arg = true,
@@ -77,6 +92,150 @@ pub struct SweepRow {
     /// When the run reached `--target-perplexity` (absent without a target).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub time_to_quality: Option<TimeToQuality>,
+}
+
+/// One way to use the ranks, for `--compare`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Experiment {
+    /// Data-parallel replicas.
+    Data,
+    /// One pipeline, a stage per rank.
+    Pipeline,
+}
+
+fn parse_experiment(s: &str) -> std::result::Result<Experiment, String> {
+    match s {
+        "data" => Ok(Experiment::Data),
+        "pipeline" => Ok(Experiment::Pipeline),
+        other => Err(format!(
+            "`{other}` is not an experiment: use data or pipeline"
+        )),
+    }
+}
+
+/// A row of seed 004's comparison table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompareRow {
+    /// `Dataparallel-2rank`, `Pipeline-2rank`.
+    pub experiment: String,
+    /// The model, as the run describes it.
+    pub model: String,
+    /// Ranks.
+    pub ranks: usize,
+    /// Examples per step over all ranks, with the micro-batches of a pipeline:
+    /// `64(4 micro-batches)`.
+    pub batch: String,
+    /// Words/s over all ranks.
+    pub throughput: f64,
+    /// Throughput against the data-parallel run at the first rank count.
+    pub speedup: f64,
+    /// Seconds per timed batch.
+    pub time_per_batch: f64,
+    /// Seconds per batch moving data between ranks: gradient exchange (data), or
+    /// waiting on neighbours' activations and gradients (pipeline, mean over stages).
+    pub transfer_time: f64,
+    /// Seconds per batch in backward (mean over ranks).
+    pub backward_time: f64,
+}
+
+/// The comparison rows of `runs` (experiment and report, in run order).
+pub fn compare_rows(runs: &[(Experiment, RunReport)]) -> Vec<CompareRow> {
+    let base = runs
+        .iter()
+        .find(|(e, _)| *e == Experiment::Data)
+        .map_or(0.0, |(_, r)| r.words_per_sec);
+    runs.iter()
+        .map(|(experiment, r)| {
+            let (name, batch, transfer) = match (experiment, &r.pipeline) {
+                (Experiment::Pipeline, Some(p)) => (
+                    "Pipeline",
+                    format!("{}({} micro-batches)", r.global_batch_size, p.micro_batches),
+                    p.per_stage.iter().map(|s| s.wait).sum::<f64>()
+                        / p.per_stage.len().max(1) as f64
+                        + r.breakdown.communication,
+                ),
+                _ => (
+                    "Dataparallel",
+                    r.global_batch_size.to_string(),
+                    r.breakdown.communication,
+                ),
+            };
+            CompareRow {
+                experiment: format!("{name}-{}rank", r.ranks),
+                model: r.config.model.model.to_string(),
+                ranks: r.ranks,
+                batch,
+                throughput: r.words_per_sec,
+                speedup: if base > 0.0 {
+                    r.words_per_sec / base
+                } else {
+                    0.0
+                },
+                time_per_batch: r.timed_seconds / r.timed_batches.max(1) as f64,
+                transfer_time: transfer,
+                backward_time: r.breakdown.backward,
+            }
+        })
+        .collect()
+}
+
+/// Seed 004's two tables: the comparison, then the per-batch split.
+pub fn compare_markdown(rows: &[CompareRow]) -> String {
+    let mut s = String::from(
+        "| Experiment | Model | Ranks | Batch size | Throughput (words/s) | Speed up |\n|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {:.1}/s | {:.3}x |\n",
+            r.experiment, r.model, r.ranks, r.batch, r.throughput, r.speedup
+        ));
+    }
+    s.push_str(
+        "\n| Train method | Ranks | Batch size | Time per batch (s) | Data transfer time (s) | Backward time (s) |\n|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        s.push_str(&format!(
+            "| {} | {} | {} | {:.4} | {:.4} | {:.4} |\n",
+            r.experiment, r.ranks, r.batch, r.time_per_batch, r.transfer_time, r.backward_time
+        ));
+    }
+    s
+}
+
+/// `command` for `experiment` at `np` ranks: data-parallel without the pipeline flags,
+/// or a pipeline of `np` stages (its own `--pipeline-stages` replaced).
+pub fn experiment_command(command: &[String], experiment: Experiment, np: usize) -> Vec<String> {
+    let drop: &[&str] = match experiment {
+        Experiment::Data => &[
+            "--pipeline-stages",
+            "--micro-batches",
+            "--pipeline-schedule",
+            "--pipeline-split",
+        ],
+        Experiment::Pipeline => &["--pipeline-stages", "--pipeline-split"],
+    };
+    let mut out = Vec::new();
+    let mut skip = false;
+    for a in command {
+        if skip {
+            skip = false;
+            continue;
+        }
+        if drop.contains(&a.as_str()) {
+            skip = true;
+            continue;
+        }
+        if drop.iter().any(|d| a.starts_with(&format!("{d}="))) {
+            continue;
+        }
+        out.push(a.clone());
+    }
+    if experiment == Experiment::Pipeline {
+        out.push("--pipeline-stages".to_string());
+        out.push(np.to_string());
+    }
+    out
 }
 
 /// Builds the rows from reports in run order.
@@ -196,6 +355,9 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     }
     let dir = args.report_dir.clone().unwrap_or_else(std::env::temp_dir);
     let base_cmd = without_json_report(&args.command);
+    if !args.compare.is_empty() {
+        return run_compare(args, &exe, &base_cmd, &dir);
+    }
     let mut reports = Vec::new();
     let mut failure = None;
     for &np in &args.np {
@@ -231,6 +393,65 @@ pub fn run(args: &SweepArgs) -> Result<()> {
                         done.join(", ")
                     )
                 }
+            );
+            Err(e)
+        }
+    }
+}
+
+/// `ringtrain sweep --compare`: every count, every experiment, then seed 004's tables
+/// (of what finished, when a run fails).
+fn run_compare(
+    args: &SweepArgs,
+    exe: &std::path::Path,
+    base_cmd: &[String],
+    dir: &std::path::Path,
+) -> Result<()> {
+    let mut runs = Vec::new();
+    let mut failure = None;
+    'counts: for &np in &args.np {
+        for &experiment in &args.compare {
+            let name = match experiment {
+                Experiment::Data => "data",
+                Experiment::Pipeline => "pipeline",
+            };
+            let report_path = dir.join(format!(
+                "ringtrain-sweep-{}-{name}-np{np}.json",
+                std::process::id()
+            ));
+            if runs.is_empty() {
+                check_output_file("--report-dir", &report_path, "report.json")?;
+            }
+            let cmd = experiment_command(base_cmd, experiment, np);
+            match run_count(args, exe, &cmd, np, &report_path) {
+                Ok(report) => runs.push((experiment, report)),
+                Err(e) => {
+                    failure = Some((np, name, e));
+                    break 'counts;
+                }
+            }
+        }
+    }
+    if !runs.is_empty() {
+        let rows = compare_rows(&runs);
+        println!("\n{}", compare_markdown(&rows));
+        let json =
+            serde_json::to_string_pretty(&rows).map_err(|e| LauncherError::Bench(e.to_string()))?;
+        println!("{json}");
+        if let Some(path) = &args.json {
+            ringtrain_train::outputs::write_atomically(
+                path,
+                (json + "\n").as_bytes(),
+                "writing the sweep table",
+            )?;
+        }
+    }
+    match failure {
+        None => Ok(()),
+        Some((np, name, e)) => {
+            eprintln!(
+                "ringtrain sweep: the {name} run at {np} ranks failed; the tables above hold \
+                 the runs that finished"
             );
             Err(e)
         }
@@ -329,6 +550,38 @@ mod tests {
             json.contains("\"time_to_quality\":{\"target\":50.0,\"reached\":true,\"step\":120"),
             "{json}"
         );
+    }
+
+    #[test]
+    fn compare_commands_add_or_drop_the_pipeline_flags() {
+        let cmd: Vec<String> = [
+            "train",
+            "--micro-batches",
+            "4",
+            "--pipeline-stages=3",
+            "--total-batch-size",
+            "8",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        assert_eq!(
+            experiment_command(&cmd, Experiment::Data, 2),
+            vec!["train", "--total-batch-size", "8"]
+        );
+        assert_eq!(
+            experiment_command(&cmd, Experiment::Pipeline, 2),
+            vec![
+                "train",
+                "--micro-batches",
+                "4",
+                "--total-batch-size",
+                "8",
+                "--pipeline-stages",
+                "2"
+            ]
+        );
+        assert!(parse_experiment("model").is_err());
     }
 
     #[test]

@@ -288,3 +288,101 @@ fn sweep_with_a_target_perplexity_reports_time_to_quality() {
     }
     assert_eq!(seen, 2);
 }
+
+#[test]
+fn two_pipeline_stages_under_mpirun_report_the_pipeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("pipeline.json");
+    let (stdout, json) = launch(
+        2,
+        &[
+            "--batch-size",
+            "6",
+            "--pipeline-stages",
+            "2",
+            "--micro-batches",
+            "3",
+            "--pipeline-schedule",
+            "1f1b",
+        ],
+        &report,
+    );
+    assert!(
+        stdout.contains("pipeline: 2 stages x 3 micro-batches (1f1b)")
+            && stdout.contains("25.0% by (K-1)/(M+K-1)")
+            && stdout.contains("balanced by parameter count"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("stage 1 (target embedding + decoder layer 0, decoder layer 1, projection + loss): compute"),
+        "{stdout}"
+    );
+    let p = &json["pipeline"];
+    assert_eq!(p["stages"], 2);
+    assert_eq!(p["micro_batches"], 3);
+    assert_eq!(p["schedule"], "1f1b");
+    assert!((p["bubble_formula"].as_f64().unwrap() - 0.25).abs() < 1e-12);
+    let bubble = p["bubble_fraction"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&bubble), "{bubble}");
+    // One replica of 6 sentences of 5 + 5 words per batch, counted once, 3 timed batches.
+    assert_eq!(json["timed_words"].as_f64().unwrap(), 6.0 * 10.0 * 3.0);
+    assert!(json["final_loss"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn sweep_compares_data_parallel_with_a_pipeline_at_the_same_rank_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let json_path = dir.path().join("compare.json");
+    let mut args = strings(&[
+        "sweep",
+        "--np",
+        "2",
+        "--compare",
+        "data,pipeline",
+        "--json",
+        &json_path.display().to_string(),
+        "--",
+        "train",
+    ]);
+    args.extend(strings(TINY));
+    args.extend(strings(&[
+        "--total-batch-size",
+        "4",
+        "--micro-batches",
+        "2",
+    ]));
+    let out = ringtrain(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(
+            "| Experiment | Model | Ranks | Batch size | Throughput (words/s) | Speed up |"
+        ) && stdout.contains("| Train method | Ranks | Batch size | Time per batch (s) | Data transfer time (s) | Backward time (s) |"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("| Dataparallel-2rank | nmt | 2 | 4 |")
+            && stdout.contains("| Pipeline-2rank | nmt | 2 | 4(2 micro-batches) |"),
+        "{stdout}"
+    );
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["speedup"].as_f64().unwrap(), 1.0);
+    for row in rows {
+        for key in [
+            "throughput",
+            "time_per_batch",
+            "transfer_time",
+            "backward_time",
+        ] {
+            assert!(row[key].as_f64().unwrap() >= 0.0, "{key}: {row}");
+        }
+    }
+    assert!(rows[1]["throughput"].as_f64().unwrap() > 0.0);
+}

@@ -198,6 +198,24 @@ impl Communicator {
         Ok(dup)
     }
 
+    /// The ranks `members` (ascending, this rank among them) as a communicator of their
+    /// own, ranks `0..members.len()` (`MPI_Comm_split`): e.g. the same pipeline stage of
+    /// every replica. Its messages never mix with this communicator's. Collective over
+    /// THIS communicator: every rank calls it at the same point, each with its group.
+    ///
+    /// # Errors
+    /// [`Error::Transport`] for a bad member list; the duplicate's errors.
+    pub fn subgroup(&self, members: &[usize]) -> Result<Communicator> {
+        let inner = self.transport.duplicate()?;
+        let mut sub = Communicator::boxed(Box::new(crate::subgroup::SubgroupTransport::new(
+            inner,
+            members.to_vec(),
+        )?));
+        sub.segment_bytes = self.segment_bytes;
+        sub.auto_threshold_bytes = self.auto_threshold_bytes;
+        Ok(sub)
+    }
+
     /// This rank's index among the ranks on its node and their number (one rank per GPU:
     /// the node rank picks the device). Collective: every rank calls it.
     pub fn node_rank(&self) -> Result<NodeRank> {

@@ -104,6 +104,7 @@ mod negotiation;
 mod options;
 mod packing;
 pub mod stall;
+mod subgroup;
 mod timeline;
 mod transport;
 
@@ -121,5 +122,6 @@ pub use mpi_transport::MpiTransport;
 pub use options::{Algorithm, AllReduceOptions, ReduceOp, WireCompression};
 pub use packing::{GradientPacker, GradientSpec, PackingConfig, ReductionUnit, UnitPiece};
 pub use stall::{StallWatch, DEFAULT_STALL_TIMEOUT, STALL_EXIT_CODE};
+pub use subgroup::SubgroupTransport;
 pub use timeline::timeline_path_for_rank;
 pub use transport::{LocalTransport, NodeRank, Transport};

@@ -392,6 +392,20 @@ impl Transport for MpiTransport {
         Ok(out)
     }
 
+    /// A non-blocking send, then a receive of unknown length (matched probe).
+    fn sendrecv_vec(&self, to: usize, send: &[u8], from: usize) -> Result<Vec<u8>> {
+        self.check(to, send.len())?;
+        self.check(from, 0)?;
+        let world = self.world();
+        let mut out = Vec::new();
+        mpi::request::scope(|scope| {
+            let sreq = world.process_at_rank(to as i32).immediate_send(scope, send);
+            out = self.receive_any_length(from);
+            self.complete(vec![(to, sreq)]);
+        });
+        Ok(out)
+    }
+
     fn sendrecv(&self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
         self.check(to, send.len())?;
         self.check(from, recv.len())?;

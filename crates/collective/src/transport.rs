@@ -38,6 +38,17 @@ pub trait Transport: Send {
     /// Receives one message of any length from `peer`.
     fn recv_vec(&self, peer: usize) -> Result<Vec<u8>>;
 
+    /// Sends `send` to `to` while receiving one message of any length from `from`,
+    /// without deadlocking when the two ranks call it towards each other at once (a
+    /// pipeline stage sends its activations on while it receives a gradient back).
+    ///
+    /// This default needs buffered sends (as the local transport has); transports whose
+    /// sends block override it.
+    fn sendrecv_vec(&self, to: usize, send: &[u8], from: usize) -> Result<Vec<u8>> {
+        self.send(to, send)?;
+        self.recv_vec(from)
+    }
+
     /// A second transport over the same ranks whose messages never match this one's
     /// (`MPI_Comm_dup`), so control messages cannot be confused with data in flight here,
     /// and the two may be used from different threads at once. Collective: every rank calls

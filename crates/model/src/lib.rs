@@ -91,6 +91,7 @@ mod model;
 pub mod nmt;
 pub mod params;
 pub mod rnnlm;
+pub mod stage;
 
 pub use backend::{
     view, view_mut, Backend, Binary, CheckedIds, CheckedTargets, CpuBackend, CudaBackend,
@@ -104,3 +105,4 @@ pub use model::{GradsReady, Model, StepStats};
 pub use nmt::{BiLayerInput, EncoderKind, NmtBatchView, NmtConfig, NmtModel, SourceLengths};
 pub use params::{ParamEntry, ParamInit, ParamLayout};
 pub use rnnlm::{LmBatchView, LmConfig, LmState, RnnLm};
+pub use stage::{PipelineModel, PipelineUnit};

@@ -94,11 +94,76 @@ impl LstmLm {
         })
     }
 
-    /// Forward over `steps` x `batch` tokens (time-major): embeds `inputs`, runs the layers
-    /// bottom up (layer `l` starting from `init(l)`, zeros when `None`) and returns the
-    /// summed loss of the projection's logits against `targets`.
+    /// The network's pipeline units in forward order: 0 the embedding, `1..=L` the
+    /// layers, `L + 1` the projection with the loss.
+    pub(crate) fn unit_count(&self) -> usize {
+        self.layers.len() + 2
+    }
+
+    /// Where the output of unit `u` (not the projection) lies: buffer, offset, length.
+    pub(crate) fn unit_output<'w, Buf>(
+        &self,
+        w: &'w LstmLmWork<Buf>,
+        u: usize,
+        steps: usize,
+        batch: usize,
+    ) -> (&'w Buf, usize, usize) {
+        if u == 0 {
+            (&w.emb.out, 0, steps * batch * self.emb.width)
+        } else {
+            let layer = &self.layers[u - 1];
+            (
+                &w.layers[u - 1].hiddens,
+                layer.output_offset(batch),
+                steps * batch * layer.hidden,
+            )
+        }
+    }
+
+    /// [`Self::unit_output`], to write into.
+    pub(crate) fn unit_output_mut<'w, Buf>(
+        &self,
+        w: &'w mut LstmLmWork<Buf>,
+        u: usize,
+        steps: usize,
+        batch: usize,
+    ) -> (&'w mut Buf, usize, usize) {
+        if u == 0 {
+            (&mut w.emb.out, 0, steps * batch * self.emb.width)
+        } else {
+            let layer = &self.layers[u - 1];
+            (
+                &mut w.layers[u - 1].hiddens,
+                layer.output_offset(batch),
+                steps * batch * layer.hidden,
+            )
+        }
+    }
+
+    /// Where the gradient w.r.t. the output of unit `u` (not the projection) lies.
+    pub(crate) fn unit_output_grad<'w, Buf>(
+        &self,
+        w: &'w mut LstmLmWork<Buf>,
+        u: usize,
+        steps: usize,
+        batch: usize,
+    ) -> (&'w mut Buf, usize, usize) {
+        if u == 0 {
+            (&mut w.emb.dx, 0, steps * batch * self.emb.width)
+        } else {
+            let hidden = self.layers[u - 1].hidden;
+            (&mut w.layers[u - 1].dh, 0, steps * batch * hidden)
+        }
+    }
+
+    /// Forward over `steps` x `batch` tokens (time-major) through the units `units`
+    /// (see [`Self::unit_count`]): embeds `inputs`, runs the layers bottom up (layer `l`
+    /// starting from `init(l)`, zeros when `None`) and, with the projection, returns the
+    /// summed loss of its logits against `targets`. The first unit reads the output of
+    /// the unit before it where that unit left it in `w` (a pipeline stage puts its
+    /// neighbour's activations there).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn forward_loss<'a, B: Backend>(
+    pub(crate) fn forward_units<'a, B: Backend>(
         &self,
         be: &B,
         imp: LstmImpl,
@@ -109,12 +174,18 @@ impl LstmLm {
         batch: usize,
         w: &mut LstmLmWork<B::Buffer>,
         init: impl Fn(usize) -> Option<InitState<'a, B::Buffer>>,
-    ) -> Result<f64>
+        units: Range<usize>,
+    ) -> Result<Option<f64>>
     where
         B::Buffer: 'a,
     {
-        self.emb.forward(be, params, inputs, &mut w.emb)?;
+        if units.contains(&0) {
+            self.emb.forward(be, params, inputs, &mut w.emb)?;
+        }
         for (l, layer) in self.layers.iter().enumerate() {
+            if !units.contains(&(l + 1)) {
+                continue;
+            }
             let (below, rest) = w.layers.split_at_mut(l);
             let x = if l == 0 {
                 LayerInput {
@@ -141,18 +212,23 @@ impl LstmLm {
                 batch,
             )?;
         }
+        if !units.contains(&(self.layers.len() + 1)) {
+            return Ok(None);
+        }
         let top = self.layers.len() - 1;
         let h = self.top_output(steps, batch);
-        self.proj.forward(
-            be,
-            params,
-            view(&w.layers[top].hiddens, h),
-            targets,
-            &mut w.head,
-        )
+        self.proj
+            .forward(
+                be,
+                params,
+                view(&w.layers[top].hiddens, h),
+                targets,
+                &mut w.head,
+            )
+            .map(Some)
     }
 
-    /// Gradients of the summed loss of the last [`Self::forward_loss`] over the same
+    /// Gradients of the summed loss of the last [`Self::forward_units`] over all units of the same
     /// batch: the projection, the layers top down (none gets a gradient w.r.t. its final
     /// cell state; each keeps its `dh0` in its work when `need_dh0`, and leaves the
     /// gradient w.r.t. its initial cell state in `dc`), then the embedding. `on_ready` is
@@ -172,8 +248,35 @@ impl LstmLm {
         w: &mut LstmLmWork<B::Buffer>,
         on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
     ) -> Result<()> {
+        let all = 0..self.unit_count();
+        self.backward_units(
+            be, imp, params, grads, inputs, targets, steps, batch, need_dh0, w, on_ready, all,
+        )
+    }
+
+    /// [`Self::backward`] over the units `units` only: when they end below the
+    /// projection, the gradient w.r.t. the last unit's output must already be in `w`
+    /// where [`Self::unit_output_grad`] says (a pipeline stage puts its neighbour's
+    /// there); the gradient w.r.t. the first unit's input is left where
+    /// `unit_output_grad` of the unit before says. Writes only the units' gradients.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn backward_units<B: Backend>(
+        &self,
+        be: &B,
+        imp: LstmImpl,
+        params: &B::Buffer,
+        grads: &mut B::Buffer,
+        inputs: &B::Ids,
+        targets: &B::Targets,
+        steps: usize,
+        batch: usize,
+        need_dh0: bool,
+        w: &mut LstmLmWork<B::Buffer>,
+        on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
+        units: Range<usize>,
+    ) -> Result<()> {
         let top = self.layers.len() - 1;
-        {
+        if units.contains(&(self.layers.len() + 1)) {
             let top_work = &mut w.layers[top];
             self.proj.backward(
                 be,
@@ -191,6 +294,9 @@ impl LstmLm {
             )?;
         }
         for (l, layer) in self.layers.iter().enumerate().rev() {
+            if !units.contains(&(l + 1)) {
+                continue;
+            }
             let (below, rest) = w.layers.split_at_mut(l);
             let lw = &mut rest[0];
             let dc = Layout::contiguous(0, batch * layer.hidden);
@@ -227,6 +333,9 @@ impl LstmLm {
                 on_ready,
             )?;
         }
-        self.emb.backward(be, grads, inputs, &w.emb, on_ready)
+        if units.contains(&0) {
+            self.emb.backward(be, grads, inputs, &w.emb, on_ready)?;
+        }
+        Ok(())
     }
 }

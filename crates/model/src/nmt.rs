@@ -34,6 +34,11 @@ use crate::model::{
     check_init, check_len, check_positive, check_sizes, impl_model, GradsReady, Model, StepStats,
 };
 use crate::params::ParamLayout;
+use crate::stage::{
+    check_boundary, check_units, units_from_layout, write_from, BoundaryReader, PipelineModel,
+    PipelineUnit,
+};
+use std::ops::Range;
 
 /// Encoder kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -530,10 +535,33 @@ impl<B: Backend> NmtModel<B> {
 
     /// Forward pass; returns (loss sum, tokens).
     fn forward(&mut self, b: &StagedNmt<B>) -> Result<(f64, f64)> {
+        let loss = self.forward_units(b, 0..self.unit_count())?;
+        Ok((loss.unwrap_or(0.0), b.tokens))
+    }
+
+    /// The pipeline units: the encoder (with the source embedding), the decoder layers
+    /// (the first with the target embedding), the projection with the loss.
+    fn unit_count(&self) -> usize {
+        self.config.layers + 2
+    }
+
+    /// The decoder network's units (see [`LstmLm::unit_count`]) of the model's `units`.
+    fn decoder_units(units: &Range<usize>) -> Range<usize> {
+        let start = if units.start <= 1 { 0 } else { units.start };
+        start..units.end.max(start)
+    }
+
+    /// Forward over `units`; the loss when they hold the projection. A decoder layer
+    /// whose encoder layer is not among them reads the encoder's final state where the
+    /// encoder would have left it in the work (a pipeline stage puts it there).
+    fn forward_units(&mut self, b: &StagedNmt<B>, units: Range<usize>) -> Result<Option<f64>> {
         self.ensure_work(b)?;
         let Some(w) = self.work.as_mut() else {
-            return Ok((0.0, 0.0));
+            return Ok(None);
         };
+        if !units.contains(&0) {
+            return self.forward_decoder(b, units);
+        }
         let be = &self.backend;
         let imp = self.config.lstm;
         let (batch, ts, tt) = (b.batch, b.src_len, b.tgt_len);
@@ -576,8 +604,22 @@ impl<B: Backend> NmtModel<B> {
                 )?;
             }
         }
+        self.forward_decoder(b, units)
+    }
+
+    /// The decoder part of [`Self::forward_units`].
+    fn forward_decoder(&mut self, b: &StagedNmt<B>, units: Range<usize>) -> Result<Option<f64>> {
+        let Some(w) = self.work.as_mut() else {
+            return Ok(None);
+        };
+        if units.end <= 1 {
+            return Ok(None);
+        }
+        let be = &self.backend;
+        let imp = self.config.lstm;
+        let (batch, ts, tt) = (b.batch, b.src_len, b.tgt_len);
         let (encoder, encoder_work) = (&self.encoder, &w.encoder);
-        let loss = self.decoder.forward_loss(
+        self.decoder.forward_units(
             be,
             imp,
             &self.params,
@@ -595,13 +637,25 @@ impl<B: Backend> NmtModel<B> {
                     c_offset: final_offset,
                 })
             },
-        )?;
-        Ok((loss, b.tokens))
+            Self::decoder_units(&units),
+        )
     }
 
     fn backward(
         &mut self,
         b: &StagedNmt<B>,
+        on_ready: &mut GradsReady<'_, B::Buffer>,
+    ) -> Result<()> {
+        self.backward_units(b, 0..self.unit_count(), on_ready)
+    }
+
+    /// Backward over `units` (after [`Self::forward_units`] over them). A stage that
+    /// ends before the projection finds the gradient w.r.t. its output in the work: the
+    /// decoder layer's `dh`, and `dh0`/`dc` of the decoder layers past it.
+    fn backward_units(
+        &mut self,
+        b: &StagedNmt<B>,
+        units: Range<usize>,
         on_ready: &mut GradsReady<'_, B::Buffer>,
     ) -> Result<()> {
         let Some(w) = self.work.as_mut() else {
@@ -612,19 +666,25 @@ impl<B: Backend> NmtModel<B> {
         let (batch, ts, tt) = (b.batch, b.src_len, b.tgt_len);
         let bh = batch * self.config.hidden;
         let (depth, stride) = self.config.encoder_shape();
-        self.decoder.backward(
-            be,
-            imp,
-            &self.params,
-            &mut self.grads,
-            &b.tgt_in,
-            &b.tgt_out,
-            tt,
-            batch,
-            true,
-            &mut w.decoder,
-            on_ready,
-        )?;
+        if units.end > 1 {
+            self.decoder.backward_units(
+                be,
+                imp,
+                &self.params,
+                &mut self.grads,
+                &b.tgt_in,
+                &b.tgt_out,
+                tt,
+                batch,
+                true,
+                &mut w.decoder,
+                on_ready,
+                Self::decoder_units(&units),
+            )?;
+        }
+        if !units.contains(&0) {
+            return Ok(());
+        }
         for d in (0..depth).rev() {
             for r in 0..stride {
                 let i = d * stride + r;
@@ -709,6 +769,194 @@ impl<B: Backend> NmtModel<B> {
 }
 
 impl_model!(NmtModel, NmtBatchView);
+
+/// A micro-batch of an [`NmtModel`] pipeline stage: its activations and staged batch
+/// between forward and backward.
+pub struct NmtSlot<B: Backend> {
+    work: Option<NmtWork<B::Buffer>>,
+    staged: Option<StagedNmt<B>>,
+}
+
+impl<B: Backend> Default for NmtSlot<B> {
+    fn default() -> Self {
+        NmtSlot {
+            work: None,
+            staged: None,
+        }
+    }
+}
+
+impl<B: Backend> NmtModel<B> {
+    /// Runs `f` with `slot`'s workspace in place of the model's own.
+    fn with_slot<T>(&mut self, slot: &mut NmtSlot<B>, f: impl FnOnce(&mut Self) -> T) -> T {
+        std::mem::swap(&mut self.work, &mut slot.work);
+        let out = f(self);
+        std::mem::swap(&mut self.work, &mut slot.work);
+        out
+    }
+
+    /// Moves the boundary tensor in front of unit `at` (`at >= 1`) between `data` and
+    /// the work: the activations of decoder layer `at - 2` (when `at >= 2`), then the
+    /// final `(h, c)` of the encoder layers of decoder layers `at - 1 ..` (forward), or
+    /// their gradients (backward: `dh`, then `dh0`, `dc` of those decoder layers).
+    /// `Some(reader)` uploads from it; `None` appends to `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn move_boundary(
+        &mut self,
+        b: &StagedNmt<B>,
+        at: usize,
+        gradients: bool,
+        reader: Option<&[f32]>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let Some(w) = self.work.as_mut() else {
+            return Ok(());
+        };
+        let be = &self.backend;
+        let (batch, ts, tt) = (b.batch, b.src_len, b.tgt_len);
+        let bh = batch * self.config.hidden;
+        let layers = self.config.layers;
+        let expected = if at >= 2 { tt * bh } else { 0 } + 2 * (layers + 1 - at) * bh;
+        if let Some(data) = reader {
+            let name = if gradients {
+                "pipeline gradients"
+            } else {
+                "pipeline activations"
+            };
+            check_boundary(name, data.len(), expected)?;
+        }
+        let mut reader = reader.map(BoundaryReader::new);
+        let mut part = |buf: &mut B::Buffer, offset: usize, len: usize| -> Result<()> {
+            match reader.as_mut() {
+                Some(r) => r.read_into(be, buf, offset, len),
+                None => write_from(be, buf, offset, len, out),
+            }
+        };
+        if at >= 2 {
+            if gradients {
+                let (buf, offset, len) =
+                    self.decoder
+                        .unit_output_grad(&mut w.decoder, at - 1, tt, batch);
+                part(buf, offset, len)?;
+            } else {
+                let (buf, offset, len) =
+                    self.decoder
+                        .unit_output_mut(&mut w.decoder, at - 1, tt, batch);
+                part(buf, offset, len)?;
+            }
+        }
+        for j in at - 1..layers {
+            if gradients {
+                let dec = &mut w.decoder.layers[j];
+                part(&mut dec.dh0, 0, bh)?;
+                part(&mut dec.dc, 0, bh)?;
+            } else {
+                let offset = self.encoder[j].final_offset(ts, batch);
+                let enc = &mut w.encoder[j];
+                part(&mut enc.hiddens, offset, bh)?;
+                part(&mut enc.cells, offset, bh)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> PipelineModel for NmtModel<B> {
+    type Slot = NmtSlot<B>;
+
+    fn pipeline_units(&self) -> Vec<PipelineUnit> {
+        let layers = self.config.layers;
+        let mut names = vec!["source embedding + encoder".to_string()];
+        names.push("target embedding + decoder layer 0".to_string());
+        names.extend((1..layers).map(|l| format!("decoder layer {l}")));
+        names.push("projection + loss".to_string());
+        units_from_layout(&self.layout, names, |name| {
+            if name == "embedding/src" || name.starts_with("encoder/") {
+                Some(0)
+            } else if name == "embedding/tgt" {
+                Some(1)
+            } else if name == "proj/kernel" {
+                Some(layers + 1)
+            } else {
+                let rest = name.strip_prefix("decoder/layer_")?;
+                let l: usize = rest.split('/').next()?.parse().ok()?;
+                Some(l + 1)
+            }
+        })
+    }
+
+    fn stage_forward(
+        &mut self,
+        slot: &mut NmtSlot<B>,
+        batch: &NmtBatchView<'_>,
+        units: Range<usize>,
+        input: &[f32],
+        output: &mut Vec<f32>,
+    ) -> Result<StepStats> {
+        check_units(&units, self.unit_count())?;
+        let start = self.backend.launches();
+        let staged = self.stage(batch)?;
+        self.backend.begin_pass(&self.params);
+        let n = self.unit_count();
+        let result: Result<Option<f64>> = self.with_slot(slot, |m| {
+            m.ensure_work(&staged)?;
+            if units.start > 0 {
+                m.move_boundary(&staged, units.start, false, Some(input), &mut Vec::new())?;
+            }
+            let loss = m.forward_units(&staged, units.clone())?;
+            if units.end < n {
+                m.move_boundary(&staged, units.end, false, None, output)?;
+            }
+            Ok(loss)
+        });
+        self.backend.end_pass();
+        let loss = result?;
+        let tokens = if loss.is_some() { staged.tokens } else { 0.0 };
+        slot.staged = Some(staged);
+        Ok(StepStats {
+            loss_sum: loss.unwrap_or(0.0),
+            tokens,
+            launches: self.backend.launches() - start,
+        })
+    }
+
+    fn stage_backward(
+        &mut self,
+        slot: &mut NmtSlot<B>,
+        units: Range<usize>,
+        output_grad: &[f32],
+        input_grad: &mut Vec<f32>,
+        on_grads_ready: &mut GradsReady<'_, B::Buffer>,
+    ) -> Result<StepStats> {
+        check_units(&units, self.unit_count())?;
+        let start = self.backend.launches();
+        let Some(staged) = slot.staged.take() else {
+            return Err(batch_error(
+                "pipeline slot",
+                "empty",
+                "backward needs the micro-batch's forward pass first",
+            ));
+        };
+        self.backend.begin_pass(&self.params);
+        let n = self.unit_count();
+        let result: Result<()> = self.with_slot(slot, |m| {
+            if units.end < n {
+                m.move_boundary(&staged, units.end, true, Some(output_grad), &mut Vec::new())?;
+            }
+            m.backward_units(&staged, units.clone(), on_grads_ready)?;
+            if units.start > 0 {
+                m.move_boundary(&staged, units.start, true, None, input_grad)?;
+            }
+            Ok(())
+        });
+        self.backend.end_pass();
+        result?;
+        Ok(StepStats {
+            launches: self.backend.launches() - start,
+            ..StepStats::default()
+        })
+    }
+}
 
 /// The input parts of encoder layer (`d`, `r`) of a model with `config` and `encoder`
 /// layers: the source embeddings for `d == 0`; above, the layer(s) below in `below` (by

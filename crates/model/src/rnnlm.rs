@@ -22,6 +22,11 @@ use crate::model::{
     check_init, check_len, check_positive, check_sizes, impl_model, GradsReady, Model, StepStats,
 };
 use crate::params::ParamLayout;
+use crate::stage::{
+    check_boundary, check_units, units_from_layout, write_from, BoundaryReader, PipelineModel,
+    PipelineUnit,
+};
+use std::ops::Range;
 
 /// Sizes and choices of an [`RnnLm`].
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -314,16 +319,24 @@ impl<B: Backend> RnnLm<B> {
     }
 
     fn forward(&mut self, b: &StagedLm<B>) -> Result<(f64, f64)> {
+        let all = 0..self.net.unit_count();
+        let loss = self.forward_units(b, all)?;
+        Ok((loss.unwrap_or(0.0), b.tokens))
+    }
+
+    /// Forward over the network's `units` (see [`LstmLm::unit_count`]); the loss when
+    /// they hold the projection. The carried state of the units' layers moves on.
+    fn forward_units(&mut self, b: &StagedLm<B>, units: Range<usize>) -> Result<Option<f64>> {
         self.ensure_work(b)?;
         let Some(w) = self.work.as_mut() else {
-            return Ok((0.0, 0.0));
+            return Ok(None);
         };
         let be = &self.backend;
         if b.first_in_epoch {
             self.state.carried = None;
         }
         let carried = self.state.carried.as_ref();
-        let loss = self.net.forward_loss(
+        let loss = self.net.forward_units(
             be,
             self.config.lstm,
             &self.params,
@@ -340,6 +353,7 @@ impl<B: Backend> RnnLm<B> {
                     c_offset: 0,
                 })
             },
+            units.clone(),
         )?;
         // The final state of every layer becomes the next window's initial state; backward
         // reads the initial state from the layer's own workspace, so it can be replaced now.
@@ -357,6 +371,9 @@ impl<B: Backend> RnnLm<B> {
             },
         };
         for (l, layer) in self.net.layers.iter().enumerate() {
+            if !units.contains(&(l + 1)) {
+                continue;
+            }
             let last = Layout::contiguous(layer.final_offset(b.len, b.batch), bh);
             let to = Layout::contiguous(0, bh);
             be.copy(
@@ -369,7 +386,87 @@ impl<B: Backend> RnnLm<B> {
             )?;
         }
         self.state.carried = Some(next);
-        Ok((loss, b.tokens))
+        Ok(loss)
+    }
+
+    /// [`Self::forward_units`] as a pipeline stage: `input` is the output of the unit
+    /// before `units`, the output of their last unit is appended to `output`.
+    fn stage_forward_units(
+        &mut self,
+        b: &StagedLm<B>,
+        units: Range<usize>,
+        input: &[f32],
+        output: &mut Vec<f32>,
+    ) -> Result<Option<f64>> {
+        check_units(&units, self.net.unit_count())?;
+        self.ensure_work(b)?;
+        if units.start > 0 {
+            let Some(w) = self.work.as_mut() else {
+                return Ok(None);
+            };
+            let (buf, offset, len) =
+                self.net
+                    .unit_output_mut(&mut w.net, units.start - 1, b.len, b.batch);
+            check_boundary("pipeline activations", input.len(), len)?;
+            BoundaryReader::new(input).read_into(&self.backend, buf, offset, len)?;
+        }
+        let loss = self.forward_units(b, units.clone())?;
+        if units.end < self.net.unit_count() {
+            if let Some(w) = self.work.as_ref() {
+                let (buf, offset, len) =
+                    self.net.unit_output(&w.net, units.end - 1, b.len, b.batch);
+                write_from(&self.backend, buf, offset, len, output)?;
+            }
+        }
+        Ok(loss)
+    }
+
+    /// Backward over `units` as a pipeline stage (after [`Self::stage_forward_units`]).
+    fn stage_backward_units(
+        &mut self,
+        b: &StagedLm<B>,
+        units: Range<usize>,
+        output_grad: &[f32],
+        input_grad: &mut Vec<f32>,
+        on_ready: &mut GradsReady<'_, B::Buffer>,
+    ) -> Result<()> {
+        check_units(&units, self.net.unit_count())?;
+        let Some(w) = self.work.as_mut() else {
+            return Err(batch_error(
+                "pipeline slot",
+                "empty",
+                "backward needs the micro-batch's forward pass first",
+            ));
+        };
+        let be = &self.backend;
+        if units.end < self.net.unit_count() {
+            let (buf, offset, len) =
+                self.net
+                    .unit_output_grad(&mut w.net, units.end - 1, b.len, b.batch);
+            check_boundary("pipeline gradients", output_grad.len(), len)?;
+            BoundaryReader::new(output_grad).read_into(be, buf, offset, len)?;
+        }
+        self.net.backward_units(
+            be,
+            self.config.lstm,
+            &self.params,
+            &mut self.grads,
+            &b.inputs,
+            &b.targets,
+            b.len,
+            b.batch,
+            false,
+            &mut w.net,
+            on_ready,
+            units.clone(),
+        )?;
+        if units.start > 0 {
+            let (buf, offset, len) =
+                self.net
+                    .unit_output_grad(&mut w.net, units.start - 1, b.len, b.batch);
+            write_from(be, buf, offset, len, input_grad)?;
+        }
+        Ok(())
     }
 
     fn backward(
@@ -397,3 +494,108 @@ impl<B: Backend> RnnLm<B> {
 }
 
 impl_model!(RnnLm, LmBatchView);
+
+/// A micro-batch of an [`RnnLm`] pipeline stage: its activations and staged batch
+/// between forward and backward, and the LSTM state its rows carry to the next window.
+pub struct LmSlot<B: Backend> {
+    work: Option<LmWork<B::Buffer>>,
+    staged: Option<StagedLm<B>>,
+    state: LmState<B::Buffer>,
+}
+
+impl<B: Backend> Default for LmSlot<B> {
+    fn default() -> Self {
+        LmSlot {
+            work: None,
+            staged: None,
+            state: LmState::default(),
+        }
+    }
+}
+
+impl<B: Backend> RnnLm<B> {
+    /// Runs `f` with `slot`'s workspace and carried state in place of the model's own.
+    fn with_slot<T>(&mut self, slot: &mut LmSlot<B>, f: impl FnOnce(&mut Self) -> T) -> T {
+        std::mem::swap(&mut self.work, &mut slot.work);
+        std::mem::swap(&mut self.state, &mut slot.state);
+        let out = f(self);
+        std::mem::swap(&mut self.work, &mut slot.work);
+        std::mem::swap(&mut self.state, &mut slot.state);
+        out
+    }
+}
+
+impl<B: Backend> PipelineModel for RnnLm<B> {
+    type Slot = LmSlot<B>;
+
+    fn pipeline_units(&self) -> Vec<PipelineUnit> {
+        let layers = self.config.layers;
+        let mut names = vec!["embedding".to_string()];
+        names.extend((0..layers).map(|l| format!("layer {l}")));
+        names.push("projection + loss".to_string());
+        units_from_layout(&self.layout, names, |name| {
+            if name == "embedding/lm" {
+                Some(0)
+            } else if name == "proj/kernel" {
+                Some(layers + 1)
+            } else {
+                let rest = name.strip_prefix("lm/layer_")?;
+                let l: usize = rest.split('/').next()?.parse().ok()?;
+                Some(l + 1)
+            }
+        })
+    }
+
+    fn stage_forward(
+        &mut self,
+        slot: &mut LmSlot<B>,
+        batch: &LmBatchView<'_>,
+        units: Range<usize>,
+        input: &[f32],
+        output: &mut Vec<f32>,
+    ) -> Result<StepStats> {
+        let start = self.backend.launches();
+        let staged = self.stage(batch)?;
+        self.backend.begin_pass(&self.params);
+        let result = self.with_slot(slot, |m| {
+            m.stage_forward_units(&staged, units, input, output)
+        });
+        self.backend.end_pass();
+        let loss = result?;
+        let tokens = if loss.is_some() { staged.tokens } else { 0.0 };
+        slot.staged = Some(staged);
+        Ok(StepStats {
+            loss_sum: loss.unwrap_or(0.0),
+            tokens,
+            launches: self.backend.launches() - start,
+        })
+    }
+
+    fn stage_backward(
+        &mut self,
+        slot: &mut LmSlot<B>,
+        units: Range<usize>,
+        output_grad: &[f32],
+        input_grad: &mut Vec<f32>,
+        on_grads_ready: &mut GradsReady<'_, B::Buffer>,
+    ) -> Result<StepStats> {
+        let start = self.backend.launches();
+        let Some(staged) = slot.staged.take() else {
+            return Err(batch_error(
+                "pipeline slot",
+                "empty",
+                "backward needs the micro-batch's forward pass first",
+            ));
+        };
+        self.backend.begin_pass(&self.params);
+        let result = self.with_slot(slot, |m| {
+            m.stage_backward_units(&staged, units, output_grad, input_grad, on_grads_ready)
+        });
+        self.backend.end_pass();
+        result?;
+        Ok(StepStats {
+            launches: self.backend.launches() - start,
+            ..StepStats::default()
+        })
+    }
+}

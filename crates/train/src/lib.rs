@@ -49,6 +49,7 @@ pub mod input;
 pub mod interrupt;
 pub mod optimizer;
 pub mod outputs;
+pub mod pipeline;
 pub mod report;
 pub mod run;
 pub mod strategy;
@@ -69,10 +70,12 @@ pub use input::{
     BatchSource, InputBatches, InputKind, InputPipeline, InputPosition, StreamPosition,
 };
 pub use optimizer::{LossScaler, Optimizer, OptimizerState};
-pub use report::{HostDeviceBytes, RankFigures, RunReport};
+pub use report::{HostDeviceBytes, PipelineReport, RankFigures, RunReport, StageFigures};
 pub use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, LstmImpl, SourceLengths};
 pub use run::run_rank;
 pub use strategy::{greedy_placement, StepContext, StepOutcome, StepStats, Strategy, Wire};
 pub use throughput::{RateStats, StepBreakdown, ThroughputMeter, ThroughputSummary};
-pub use trainable::{build_model, Batch, ParamSpec, PassOutput, TrainableModel};
+pub use trainable::{
+    build_model, build_pipeline_stage, Batch, ParamSpec, PassOutput, TrainableModel,
+};
 pub use trainer::{train, train_evaluating, TrainOutcome};

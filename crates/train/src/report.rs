@@ -46,6 +46,41 @@ pub struct RankFigures {
     /// high-water mark, without the driver's context; absent on cpu).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_device_bytes: Option<u64>,
+    /// Its pipeline stage's time split (absent without a pipeline).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline_stage: Option<StageFigures>,
+}
+
+/// One pipeline stage's mean time per timed batch.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageFigures {
+    /// The stage, `0..stages`.
+    pub stage: usize,
+    /// The model's units it runs, e.g. `embedding, layer 0`.
+    pub units: String,
+    /// Seconds in its forward and backward passes.
+    pub compute: f64,
+    /// Seconds blocked on a neighbour: sending, receiving and idle (the bubble).
+    pub wait: f64,
+    /// `wait / (compute + wait)`.
+    pub bubble_fraction: f64,
+}
+
+/// The pipeline of a pipelined run, as the report holds it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PipelineReport {
+    /// Stages K.
+    pub stages: usize,
+    /// Micro-batches M per batch.
+    pub micro_batches: usize,
+    /// `gpipe` or `1f1b`.
+    pub schedule: String,
+    /// The measured bubble: the mean over the stages of their idle fractions.
+    pub bubble_fraction: f64,
+    /// `(K - 1) / (M + K - 1)`: the bubble of K equal stages.
+    pub bubble_formula: f64,
+    /// Each stage's figures (replica 0's stages first).
+    pub per_stage: Vec<StageFigures>,
 }
 
 /// Everything a run measured, as written by `--json-report`.
@@ -104,6 +139,9 @@ pub struct RunReport {
     /// When `--target-perplexity` was reached (`None`: no target was set).
     #[serde(default)]
     pub time_to_quality: Option<TimeToQuality>,
+    /// The pipeline's stages, micro-batches, schedule and bubble (absent without one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineReport>,
 }
 
 impl RunReport {
@@ -213,6 +251,26 @@ impl RunReport {
                 "peak device memory in buffers: {:.1} MiB (largest rank)\n",
                 peak as f64 / (1u64 << 20) as f64
             ));
+        }
+        if let Some(p) = &self.pipeline {
+            s.push_str(&format!(
+                "pipeline: {} stages x {} micro-batches ({}): bubble {:.1}% measured, {:.1}% by (K-1)/(M+K-1)\n",
+                p.stages,
+                p.micro_batches,
+                p.schedule,
+                p.bubble_fraction * 100.0,
+                p.bubble_formula * 100.0
+            ));
+            for f in &p.per_stage {
+                s.push_str(&format!(
+                    "  stage {} ({}): compute {:.2} ms | send/receive wait {:.2} ms | bubble {:.1}%\n",
+                    f.stage,
+                    f.units,
+                    f.compute * 1e3,
+                    f.wait * 1e3,
+                    f.bubble_fraction * 100.0
+                ));
+            }
         }
         s.push_str(&format!("total words/s: {:.1}\n", self.words_per_sec));
         s

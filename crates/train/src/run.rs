@@ -7,7 +7,7 @@ use crate::config::ValidatedConfig;
 use crate::device::{cpu_threads, LocalRank, LocalRankSource};
 use crate::error::{Error, Result};
 use crate::input::{BatchSource, InputPipeline};
-use crate::trainable::{build_model, check_memory};
+use crate::trainable::{build_model, build_pipeline_stage, check_memory};
 use crate::trainer::{train_evaluating, LogSink, TrainOutcome};
 
 /// Runs one rank: picks the device from the local rank, sizes the CPU thread pools,
@@ -55,7 +55,14 @@ pub fn run_rank(
         src_vocab_size,
         tgt_vocab_size,
         held_out,
-    } = InputPipeline::new(cfg, if cfg.is_worker(rank) { rank } else { 0 })?;
+    } = InputPipeline::new(
+        cfg,
+        if cfg.is_worker(rank) {
+            cfg.data_worker(rank)
+        } else {
+            0
+        },
+    )?;
     if rank == 0 {
         for note in notes {
             log(&format!("ringtrain: {note}"));
@@ -67,8 +74,20 @@ pub fn run_rank(
     } else {
         &mut no_batches
     };
-    check_memory(cfg, src_vocab_size, tgt_vocab_size, rank, &local)?;
-    let mut model = build_model(cfg, src_vocab_size, tgt_vocab_size, local.rank, threads)?;
+    check_memory(
+        cfg,
+        src_vocab_size,
+        tgt_vocab_size,
+        cfg.data_worker(rank),
+        &local,
+    )?;
+    let mut model = if cfg.is_pipelined() {
+        // The stages' activations travel on a communicator of their own.
+        let stage_comm = comm.duplicate()?;
+        build_pipeline_stage(cfg, src_vocab_size, tgt_vocab_size, threads, stage_comm)?
+    } else {
+        build_model(cfg, src_vocab_size, tgt_vocab_size, local.rank, threads)?
+    };
     // A dedicated parameter server holds no part of the held-out set either.
     let held_out = held_out.filter(|_| cfg.is_worker(rank));
     let outcome = train_evaluating(cfg, comm, model.as_mut(), source, held_out.as_ref(), log)?;

@@ -123,6 +123,17 @@ choice! {
 }
 
 choice! {
+    /// The order a pipeline stage runs its micro-batches' passes in (`--pipeline-schedule`).
+    PipelineSchedule, flag = "--pipeline-schedule" {
+        /// GPipe's fill-drain: every forward, then every backward.
+        Gpipe => "gpipe",
+        /// One forward, one backward: the same bubble, at most `stages` micro-batches'
+        /// activations in flight.
+        OneFOneB => "1f1b",
+    }
+}
+
+choice! {
     /// `--encoder-type`: the LSTM implementation alone (`fused`, `stepwise`; the model's
     /// semantics come from `--source-lengths` and `--bi-layer-input`), or a seed's name,
     /// which selects the seed's whole model.

@@ -42,7 +42,8 @@ mod validated;
 
 pub use choices::{
     parse_bi_layer_input, parse_encoder_kind, parse_gemm_precision, parse_source_lengths,
-    DeviceKind, EncoderType, ModelKind, OptimizerKind, OverlapMode, VariableUpdate,
+    DeviceKind, EncoderType, ModelKind, OptimizerKind, OverlapMode, PipelineSchedule,
+    VariableUpdate,
 };
 pub use validated::{DataSource, HeldOutSource, Reduction, ValidatedConfig};
 
@@ -230,8 +231,10 @@ options! {
 }
 
 options! {
-    /// How ranks share gradients and parameters.
+    /// How ranks share gradients and parameters, and how a pipeline cuts the model.
     #[cfg_attr(feature = "cli", command(next_help_heading = "Gradient exchange"))]
+    // Files written before a field existed read it as its default.
+    #[serde(default)]
     pub struct ExchangeOptions {
         /// How ranks share gradients: `replicated` (all-reduce; see --overlap-backward),
         /// `parameter_server` (tensors placed greedily on server ranks that average,
@@ -278,6 +281,25 @@ options! {
         /// waits for ever.
         #[arg(long, value_parser = seconds_or_off)]
         stall_timeout: f64 = DEFAULT_STALL_TIMEOUT.as_secs_f64(),
+        /// Pipeline stages K: the model's units (RNNLM: embedding, each LSTM layer,
+        /// projection + loss; NMT: source embedding + encoder, each decoder layer (the
+        /// first with the target embedding), projection + loss) are cut into K
+        /// consecutive stages, one per rank, that pass activations forward and their
+        /// gradients back. The rank count must be a multiple of K; 1 = no pipeline.
+        #[arg(long)]
+        pipeline_stages: usize = 1,
+        /// Micro-batches M each stage splits a batch into (pipeline): gradients are
+        /// summed over them before the one update of the batch. At most the batch size.
+        #[arg(long)]
+        micro_batches: usize = 1,
+        /// Pipeline schedule: `gpipe` (all M forward, then all M backward) or `1f1b` (one
+        /// forward, one backward).
+        #[arg(long, value_parser = parse::<PipelineSchedule>)]
+        pipeline_schedule: PipelineSchedule = PipelineSchedule::Gpipe,
+        /// Units per pipeline stage, comma-separated, e.g. `2,1,1` (K numbers that add up
+        /// to the model's units). Default: balanced by parameter count.
+        #[arg(long, value_delimiter = ',')]
+        pipeline_split: Vec<usize>,
     }
 }
 

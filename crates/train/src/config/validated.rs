@@ -69,6 +69,7 @@ pub struct ValidatedConfig {
     stall_timeout: Option<Duration>,
     data: DataSource,
     held_out: Option<HeldOutSource>,
+    stages: usize,
 }
 
 /// How the replicated strategy reduces the gradients, as the flags decide it.
@@ -235,10 +236,11 @@ impl TrainConfig {
                 ),
             ));
         }
+        let stages = pipeline_stages(self, world)?;
         let workers = if parameter_server && exchange.ps_ranks > 0 {
             world - exchange.ps_ranks
         } else {
-            world
+            world / stages
         };
         let batch = match data.total_batch_size {
             Some(total) => {
@@ -254,6 +256,23 @@ impl TrainConfig {
             }
             None => BatchSizing::PerRank(data.batch_size),
         };
+        if stages > 1 {
+            let smallest = (0..workers)
+                .filter_map(|w| batch.local_batch_size(w, workers).ok())
+                .min()
+                .unwrap_or(0);
+            if exchange.micro_batches > smallest {
+                return Err(Error::invalid(
+                    "--micro-batches",
+                    exchange.micro_batches,
+                    format!(
+                        "a micro-batch needs at least one example, and a pipeline replica's \
+                         batch has {smallest} (--batch-size / --total-batch-size): use at most \
+                         {smallest} micro-batches or a bigger batch"
+                    ),
+                ));
+            }
+        }
 
         if run.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
             return Err(Error::invalid(
@@ -364,8 +383,128 @@ impl TrainConfig {
             stall_timeout,
             data: source,
             held_out,
+            stages,
         })
     }
+}
+
+/// The pipeline units of the model `cfg` asks for: RNNLM embedding, LSTM layers,
+/// projection; NMT encoder, decoder layers, projection.
+pub(crate) fn pipeline_units(cfg: &TrainConfig) -> usize {
+    match cfg.model.model {
+        ModelKind::Nmt => cfg.model.num_decoder_layers + 2,
+        ModelKind::Rnnlm => cfg.model.num_encoder_layers + 2,
+    }
+}
+
+/// Checks the pipeline flags for `world` ranks and returns the stage count K.
+fn pipeline_stages(cfg: &TrainConfig, world: usize) -> Result<usize> {
+    let exchange = &cfg.exchange;
+    let stages = exchange.pipeline_stages;
+    at_least_one("--pipeline-stages", stages)?;
+    at_least_one("--micro-batches", exchange.micro_batches)?;
+    if stages == 1 {
+        if exchange.micro_batches > 1 {
+            return Err(Error::invalid(
+                "--micro-batches",
+                exchange.micro_batches,
+                "micro-batches are a pipeline's: give --pipeline-stages 2 or more, or leave \
+                 --micro-batches out",
+            ));
+        }
+        if !exchange.pipeline_split.is_empty() {
+            return Err(Error::invalid(
+                "--pipeline-split",
+                join(&exchange.pipeline_split),
+                "a split is a pipeline's: give --pipeline-stages 2 or more, or leave \
+                 --pipeline-split out",
+            ));
+        }
+        return Ok(1);
+    }
+    let units = pipeline_units(cfg);
+    let layers_flag = match cfg.model.model {
+        ModelKind::Nmt => "--num-decoder-layers",
+        ModelKind::Rnnlm => "--num-encoder-layers",
+    };
+    if stages > units {
+        return Err(Error::invalid(
+            "--pipeline-stages",
+            stages,
+            format!(
+                "the {} model can be cut into at most {units} stages ({units} units with \
+                 {layers_flag} {}): use fewer stages or more layers",
+                cfg.model.model,
+                units - 2
+            ),
+        ));
+    }
+    if world % stages != 0 {
+        return Err(Error::invalid(
+            "--pipeline-stages",
+            stages,
+            format!(
+                "the {world} ranks launched must be a multiple of the stages (K stages x D \
+                 data-parallel replicas): launch a multiple of {stages} ranks or change \
+                 --pipeline-stages"
+            ),
+        ));
+    }
+    if exchange.variable_update == VariableUpdate::ParameterServer {
+        return Err(Error::invalid(
+            "--variable-update",
+            exchange.variable_update,
+            "a pipeline's stages each own and update their parameters: use replicated (or \
+             independent) with --pipeline-stages",
+        ));
+    }
+    if !exchange.pipeline_split.is_empty() {
+        let split = &exchange.pipeline_split;
+        let sum: usize = split.iter().sum();
+        if split.len() != stages || split.contains(&0) || sum != units {
+            return Err(Error::invalid(
+                "--pipeline-split",
+                join(split),
+                format!(
+                    "give {stages} numbers of at least 1 (one per --pipeline-stages) that add \
+                     up to the model's {units} units"
+                ),
+            ));
+        }
+    }
+    if !cfg.data.eval_data.is_empty() {
+        return Err(Error::invalid(
+            "--eval-data",
+            "given",
+            "held-out evaluation does not run through a pipeline yet: leave --eval-data out \
+             with --pipeline-stages",
+        ));
+    }
+    if exchange.fp16_gradients && world == stages {
+        return Err(Error::invalid(
+            "--fp16-gradients",
+            "true",
+            "a single pipeline exchanges no gradients between replicas: leave it out with \
+             --pipeline-stages",
+        ));
+    }
+    if cfg.run.device != DeviceKind::Cpu {
+        return Err(Error::invalid(
+            "--device",
+            cfg.run.device,
+            "pipeline stages run on the CPU backend: use --device cpu with --pipeline-stages",
+        ));
+    }
+    Ok(stages)
+}
+
+/// `values` comma-separated, as the flag takes them.
+fn join(values: &[usize]) -> String {
+    values
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// `Err(InvalidValue)` naming `flag` when `path` is not UTF-8: reports and checkpoints
@@ -549,7 +688,29 @@ impl ValidatedConfig {
 
     /// Whether `rank` computes gradients.
     pub fn is_worker(&self, rank: usize) -> bool {
-        rank < self.workers
+        self.data_worker(rank) < self.workers
+    }
+
+    /// Pipeline stages per replica (`--pipeline-stages`; 1 without a pipeline).
+    pub fn pipeline_stages(&self) -> usize {
+        self.stages
+    }
+
+    /// Whether the model is cut into pipeline stages.
+    pub fn is_pipelined(&self) -> bool {
+        self.stages > 1
+    }
+
+    /// The data worker (replica) `rank` reads the batches of: the rank itself without a
+    /// pipeline; with one, ranks `r * K .. (r + 1) * K` are the K stages of replica `r`
+    /// and read its batches alike.
+    pub fn data_worker(&self, rank: usize) -> usize {
+        rank / self.stages
+    }
+
+    /// `rank`'s pipeline stage (0 without a pipeline).
+    pub fn pipeline_stage(&self, rank: usize) -> usize {
+        rank % self.stages
     }
 
     /// How many examples each worker takes per step.
@@ -648,6 +809,23 @@ impl ValidatedConfig {
             (VariableUpdate::Independent, _) => "independent".to_string(),
         }
     }
+
+    /// The pipeline as the logs and reports name it, e.g. `pipeline 2 stages x 4
+    /// micro-batches (gpipe)`; `None` without one.
+    pub fn pipeline_label(&self) -> Option<String> {
+        let exchange = &self.config.exchange;
+        self.is_pipelined().then(|| {
+            let balance = if exchange.pipeline_split.is_empty() {
+                "balanced by parameter count"
+            } else {
+                "split by hand"
+            };
+            format!(
+                "pipeline {} stages x {} micro-batches ({}, {balance})",
+                self.stages, exchange.micro_batches, exchange.pipeline_schedule
+            )
+        })
+    }
 }
 
 #[cfg(test)]
@@ -659,6 +837,73 @@ mod tests {
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default()
+    }
+
+    fn pipelined(stages: usize, micro: usize) -> TrainConfig {
+        let mut cfg = TrainConfig::default();
+        cfg.exchange.pipeline_stages = stages;
+        cfg.exchange.micro_batches = micro;
+        cfg.data.batch_size = 8;
+        cfg
+    }
+
+    #[test]
+    fn pipeline_flags_that_cannot_work_fail_naming_the_flags() {
+        let ok = pipelined(2, 4).validate(2);
+        assert_eq!(ok.as_ref().map(|r| r.pipeline_stages()).ok(), Some(2));
+        assert_eq!(ok.as_ref().map(|r| r.workers()).ok(), Some(1));
+        assert_eq!(ok.as_ref().map(|r| r.data_worker(1)).ok(), Some(0));
+        assert_eq!(ok.as_ref().map(|r| r.local_batch_size(0)).ok(), Some(8));
+        // The default NMT has 2 decoder layers: 4 units.
+        let e = error(&pipelined(5, 1), 5);
+        assert!(
+            e.contains("--pipeline-stages") && e.contains("at most 4"),
+            "{e}"
+        );
+        let e = error(&pipelined(2, 0), 2);
+        assert!(
+            e.contains("--micro-batches") && e.contains("at least 1"),
+            "{e}"
+        );
+        let e = error(&pipelined(2, 9), 2);
+        assert!(e.contains("--micro-batches") && e.contains("8"), "{e}");
+        let mut total = pipelined(2, 4);
+        total.data.total_batch_size = Some(3);
+        let e = error(&total, 2);
+        assert!(e.contains("--micro-batches"), "{e}");
+        let e = error(&pipelined(2, 1), 3);
+        assert!(
+            e.contains("--pipeline-stages") && e.contains("multiple"),
+            "{e}"
+        );
+        let mut ps = pipelined(2, 2);
+        ps.exchange.variable_update = VariableUpdate::ParameterServer;
+        let e = error(&ps, 2);
+        assert!(
+            e.contains("--variable-update") && e.contains("--pipeline-stages"),
+            "{e}"
+        );
+        let mut split = pipelined(2, 2);
+        split.exchange.pipeline_split = vec![1, 2];
+        let e = error(&split, 2);
+        assert!(
+            e.contains("--pipeline-split") && e.contains("4 units"),
+            "{e}"
+        );
+        let e = error(&pipelined(1, 2), 1);
+        assert!(
+            e.contains("--micro-batches") && e.contains("--pipeline-stages"),
+            "{e}"
+        );
+        let mut rnnlm = pipelined(5, 1);
+        rnnlm.model.model = ModelKind::Rnnlm;
+        let e = error(&rnnlm, 5);
+        assert!(e.contains("--num-encoder-layers"), "{e}");
+        // 2 stages x 2 replicas.
+        let hybrid = pipelined(2, 2).validate(4);
+        assert_eq!(hybrid.as_ref().map(|r| r.workers()).ok(), Some(2));
+        assert_eq!(hybrid.as_ref().map(|r| r.data_worker(3)).ok(), Some(1));
+        assert_eq!(hybrid.as_ref().map(|r| r.pipeline_stage(3)).ok(), Some(1));
     }
 
     #[test]

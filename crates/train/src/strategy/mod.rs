@@ -24,6 +24,7 @@ use crate::config::{ValidatedConfig, VariableUpdate};
 use crate::control::Control;
 use crate::error::Result;
 use crate::optimizer::{Optimizer, OptimizerState};
+use crate::pipeline::PipelineUpdate;
 use crate::trainable::ParamSpec;
 
 mod independent;
@@ -110,7 +111,7 @@ impl StepStats {
     }
 
     /// Sums the figures over the ranks (on the control plane).
-    fn summed(self, control: &mut Control) -> Result<StepStats> {
+    pub(crate) fn summed(self, control: &mut Control) -> Result<StepStats> {
         let mut v = self.to_array();
         control.sum(&mut v)?;
         Ok(StepStats::from_slice(&v))
@@ -163,6 +164,8 @@ pub enum Strategy {
     ParameterServer(ParameterServer),
     /// No communication.
     Independent(Independent),
+    /// A pipeline stage updating its own parameters.
+    Pipeline(PipelineUpdate),
 }
 
 impl Strategy {
@@ -192,6 +195,7 @@ impl Strategy {
             Strategy::Replicated(s) => s.begin_step(ctx),
             Strategy::ParameterServer(s) => s.begin_step(ctx),
             Strategy::Independent(s) => s.begin_step(ctx),
+            Strategy::Pipeline(s) => s.begin_step(ctx),
         }
     }
 
@@ -202,6 +206,7 @@ impl Strategy {
     pub fn on_ready(&mut self, range: Range<usize>, grads: &[f32]) -> Result<()> {
         match self {
             Strategy::Replicated(s) => s.on_ready(range, grads),
+            Strategy::Pipeline(s) => s.on_ready(range, grads),
             _ => Ok(()),
         }
     }
@@ -215,6 +220,7 @@ impl Strategy {
             Strategy::Replicated(s) => s.finish_step(inputs),
             Strategy::ParameterServer(s) => s.finish_step(inputs),
             Strategy::Independent(s) => s.finish_step(inputs),
+            Strategy::Pipeline(s) => s.finish_step(inputs),
         }
     }
 
@@ -225,7 +231,20 @@ impl Strategy {
     pub fn gather_optimizer_state(&mut self, optimizer: &Optimizer) -> Result<OptimizerState> {
         match self {
             Strategy::ParameterServer(s) => s.gather_optimizer_state(optimizer),
+            Strategy::Pipeline(s) => s.gather_optimizer_state(optimizer),
             _ => Ok(optimizer.state().clone()),
+        }
+    }
+
+    /// The full parameters on rank 0 for a checkpoint (pipeline stages each hold only
+    /// their own range up to date; collective).
+    ///
+    /// # Errors
+    /// Transport errors.
+    pub fn gather_params(&mut self, params: &[f32]) -> Result<Vec<f32>> {
+        match self {
+            Strategy::Pipeline(s) => s.gather_params(params),
+            _ => Ok(params.to_vec()),
         }
     }
 
@@ -245,6 +264,7 @@ impl Strategy {
             Strategy::Replicated(s) => s.shutdown(),
             Strategy::ParameterServer(s) => Ok(s.into_comm()),
             Strategy::Independent(s) => Ok(s.into_comm()),
+            Strategy::Pipeline(s) => s.shutdown(),
         }
     }
 }

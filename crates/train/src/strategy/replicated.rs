@@ -24,7 +24,8 @@ use ringtrain_collective::{
 };
 
 use super::{
-    correction_factor, to_wire_f16, update_replica, StepContext, StepInputs, StepOutcome, Wire,
+    correction_factor, to_wire_f16, update_replica, StepContext, StepInputs, StepOutcome,
+    StepStats, Wire,
 };
 use crate::config::{Reduction, ValidatedConfig};
 use crate::error::{Error, Result};
@@ -118,7 +119,7 @@ impl Replicated {
         matches!(self.mode, Mode::Overlapped { .. })
     }
 
-    pub(super) fn begin_step(&mut self, ctx: StepContext) {
+    pub(crate) fn begin_step(&mut self, ctx: StepContext) {
         self.ctx = ctx;
         if let Mode::Overlapped {
             pending,
@@ -131,7 +132,7 @@ impl Replicated {
         }
     }
 
-    pub(super) fn on_ready(&mut self, range: Range<usize>, grads: &[f32]) -> Result<()> {
+    pub(crate) fn on_ready(&mut self, range: Range<usize>, grads: &[f32]) -> Result<()> {
         let Mode::Overlapped {
             engine,
             pending,
@@ -160,15 +161,12 @@ impl Replicated {
         Ok(())
     }
 
-    pub(super) fn finish_step(&mut self, inputs: StepInputs<'_>) -> Result<StepOutcome> {
-        let StepInputs {
-            params,
-            grads,
-            mut local,
-            optimizer,
-            control,
-        } = inputs;
-        let comm_start = Instant::now();
+    /// Sums `grads` over the replicas (the exchange of [`Self::finish_step`], without
+    /// the update), noting in `local.overflow` whether this rank's f16 wire overflowed.
+    ///
+    /// # Errors
+    /// The collective's.
+    pub(crate) fn reduce(&mut self, grads: &mut [f32], local: &mut StepStats) -> Result<()> {
         let wire = self.ctx.wire;
         match &mut self.mode {
             Mode::Overlapped {
@@ -219,6 +217,20 @@ impl Replicated {
                 },
             },
         }
+        Ok(())
+    }
+
+    pub(super) fn finish_step(&mut self, inputs: StepInputs<'_>) -> Result<StepOutcome> {
+        let StepInputs {
+            params,
+            grads,
+            mut local,
+            optimizer,
+            control,
+        } = inputs;
+        let comm_start = Instant::now();
+        let wire = self.ctx.wire;
+        self.reduce(grads, &mut local)?;
         let stats = local.summed(control)?;
         let communication_seconds = comm_start.elapsed().as_secs_f64();
         let opt_start = Instant::now();
@@ -239,7 +251,7 @@ impl Replicated {
         })
     }
 
-    pub(super) fn shutdown(self) -> Result<Communicator> {
+    pub(crate) fn shutdown(self) -> Result<Communicator> {
         match self.mode {
             Mode::Packed { comm, .. } => Ok(comm),
             Mode::Overlapped { engine, .. } => Ok(engine.shutdown()?),

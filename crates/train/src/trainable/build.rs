@@ -2,10 +2,13 @@
 
 use ringtrain_model::{CpuBackend, LmConfig, MemoryEstimate, NmtConfig, NmtModel, RnnLm};
 
+use ringtrain_collective::Communicator;
+
 use super::{CpuTrainable, TrainableModel};
 use crate::config::{DeviceKind, ModelKind, OptimizerKind, ValidatedConfig, VariableUpdate};
 use crate::device::{check_host_memory, LocalRank};
 use crate::error::Result;
+use crate::pipeline::PipelineTrainable;
 
 /// Builds the model `cfg` asks for with the given vocabulary sizes, on the CPU with
 /// `threads` threads, or for `--device cuda` on GPU `local_rank % device count` (so
@@ -39,6 +42,36 @@ pub fn build_model(
         }
         DeviceKind::Cuda => on_gpu(cfg, shape, local_rank),
     }
+}
+
+/// Builds the pipeline stage `cfg.pipeline_stage(comm.rank())` of the model `cfg` asks
+/// for, on the CPU with `threads` threads; its activations travel over `comm`.
+///
+/// # Errors
+/// As [`build_model`]; `InvalidValue` when the stages do not fit the model.
+pub fn build_pipeline_stage(
+    cfg: &ValidatedConfig,
+    src_vocab: usize,
+    tgt_vocab: usize,
+    threads: usize,
+    comm: Communicator,
+) -> Result<Box<dyn TrainableModel>> {
+    let seed = cfg.config().run.seed;
+    let backend = CpuBackend::new(threads.max(1))?;
+    Ok(match ModelShape::new(cfg, src_vocab, tgt_vocab) {
+        ModelShape::Nmt(nmt, description) => Box::new(PipelineTrainable::new(
+            NmtModel::new(backend, nmt, seed)?,
+            comm,
+            cfg,
+            description,
+        )?),
+        ModelShape::Lm(lm, description) => Box::new(PipelineTrainable::new(
+            RnnLm::new(backend, lm, seed)?,
+            comm,
+            cfg,
+            description,
+        )?),
+    })
 }
 
 /// The memory worker `worker`'s model needs on its device: parameters, gradients and

@@ -26,7 +26,7 @@ mod gpu;
 pub mod pass;
 pub mod staging;
 
-pub use build::{build_model, check_memory};
+pub use build::{build_model, build_pipeline_stage, check_memory};
 pub use cpu::CpuTrainable;
 #[cfg(feature = "cuda")]
 pub use gpu::GpuTrainable;
@@ -150,4 +150,9 @@ pub trait TrainableModel: Send {
     fn evaluate(&mut self, batches: &[Batch]) -> Result<PassOutput>;
     /// A short description for logs (`nmt fused uni 2+2 layers, 64 units, ...`).
     fn describe(&self) -> String;
+    /// Where this model sits in a pipeline, and the time split of its last batch
+    /// (`None`: the whole model, not a pipeline stage).
+    fn pipeline_stage(&self) -> Option<(crate::pipeline::StageInfo, crate::pipeline::StageTimes)> {
+        None
+    }
 }

@@ -69,7 +69,7 @@ impl<B: Backend> TrainsOnBatch for NmtModel<B> {
 }
 
 /// `b` as the translation model's batch.
-fn nmt_view(b: &ringtrain_data::NmtBatch) -> ringtrain_model::NmtBatchView<'_> {
+pub(crate) fn nmt_view(b: &ringtrain_data::NmtBatch) -> ringtrain_model::NmtBatchView<'_> {
     ringtrain_model::NmtBatchView {
         batch: b.batch_size,
         src_len: b.src_len,
@@ -114,7 +114,7 @@ impl<B: Backend> TrainsOnBatch for RnnLm<B> {
 }
 
 /// `b` as the language model's batch.
-fn lm_view(b: &ringtrain_data::LmBatch) -> ringtrain_model::LmBatchView<'_> {
+pub(crate) fn lm_view(b: &ringtrain_data::LmBatch) -> ringtrain_model::LmBatchView<'_> {
     ringtrain_model::LmBatchView {
         batch: b.batch_size,
         len: b.steps,
@@ -125,7 +125,7 @@ fn lm_view(b: &ringtrain_data::LmBatch) -> ringtrain_model::LmBatchView<'_> {
     }
 }
 
-fn wrong_batch(model: &str) -> Error {
+pub(crate) fn wrong_batch(model: &str) -> Error {
     Error::invalid(
         "--model",
         model,

@@ -11,6 +11,7 @@ use crate::control::Control;
 use crate::error::{Error, Result};
 use crate::input::{BatchSource, InputPosition};
 use crate::optimizer::{LossScaler, Optimizer};
+use crate::pipeline::PipelineUpdate;
 use crate::strategy::Strategy;
 use crate::trainable::TrainableModel;
 
@@ -96,7 +97,10 @@ impl<'a> Session<'a> {
         };
         comm.broadcast(model.params_mut()?, 0)?;
 
-        let strategy = Strategy::new(cfg, comm, &specs)?;
+        let strategy = match model.pipeline_stage() {
+            Some((info, _)) => Strategy::Pipeline(PipelineUpdate::new(cfg, comm, info, &specs)?),
+            None => Strategy::new(cfg, comm, &specs)?,
+        };
         let run = &cfg.config().run;
         let mut optimizer = Optimizer::new(run.optimizer, cfg.learning_rate(), n_params);
         let fp16 = cfg.config().exchange.fp16_gradients;
@@ -125,7 +129,7 @@ impl<'a> Session<'a> {
             }
         }
         let batch_size = if cfg.is_worker(rank) {
-            cfg.local_batch_size(rank)
+            cfg.local_batch_size(cfg.data_worker(rank))
         } else {
             0
         };
@@ -155,19 +159,26 @@ impl<'a> Session<'a> {
         model: &dyn TrainableModel,
     ) -> Result<()> {
         let state = self.strategy.gather_optimizer_state(&self.optimizer)?;
-        let input = self.control.gather(&self.input)?;
+        // One position per data worker: the stages of a pipeline read alike.
+        let input = self
+            .control
+            .gather(&self.input)?
+            .into_iter()
+            .step_by(self.cfg.pipeline_stages())
+            .collect();
+        let params = self.strategy.gather_params(model.params()?)?;
         let local = if self.rank == 0 {
-            model.params().and_then(|params| {
+            {
                 Checkpoint {
                     config: self.cfg.config().clone(),
                     step: self.step,
-                    params: params.to_vec(),
+                    params,
                     optimizer: state,
                     loss_scaler: self.scaler,
                     input,
                 }
                 .save(path)
-            })
+            }
         } else {
             Ok(())
         };

@@ -71,11 +71,16 @@ impl Session<'_> {
             breakdown.forward = pass.forward_seconds;
             breakdown.backward = pass.backward_seconds;
             launches = pass.launches;
+            // Every stage of a pipeline reads the batch; the last one counts it.
+            let counts = model
+                .pipeline_stage()
+                .is_none_or(|(info, _)| info.is_last());
+            let share = if counts { 1.0 } else { 0.0 };
             local = StepStats {
                 loss_sum: pass.loss_sum,
                 target_tokens: pass.target_tokens,
-                words: batch.words() as f64,
-                examples: batch.examples() as f64,
+                words: share * batch.words() as f64,
+                examples: share * batch.examples() as f64,
                 overflow: 0.0,
             };
         } else {

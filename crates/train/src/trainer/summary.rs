@@ -4,13 +4,14 @@
 use super::setup::Session;
 use crate::config::DeviceKind;
 use crate::error::Result;
-use crate::report::{HostDeviceBytes, RankFigures, RunReport};
+use crate::pipeline::bubble_formula;
+use crate::report::{HostDeviceBytes, PipelineReport, RankFigures, RunReport, StageFigures};
 use crate::strategy::StepStats;
 use crate::throughput::{words_per_sec, StepBreakdown, ThroughputSummary};
 use crate::trainable::TrainableModel;
 
 /// What one rank counted over the timed batches, besides its meter's summary.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(super) struct TimedTotals {
     /// This rank's own words in the timed batches.
     pub(super) words: f64,
@@ -19,6 +20,9 @@ pub(super) struct TimedTotals {
     /// Bytes this process copied host -> device and device -> host in the timed batches
     /// (`None` on cpu).
     pub(super) copied: Option<(u64, u64)>,
+    /// This rank's pipeline stage and its compute and wait seconds over the timed
+    /// batches (`None` without a pipeline).
+    pub(super) stage: Option<(usize, String, f64, f64)>,
 }
 
 /// Bytes this process has copied between host and device so far, as (to device, to
@@ -45,6 +49,19 @@ fn peak_device_bytes(device: DeviceKind) -> Option<u64> {
 }
 
 impl TimedTotals {
+    /// Adds one timed step of `model`'s pipeline stage, if it is one.
+    pub(super) fn add_stage(&mut self, model: &dyn TrainableModel) {
+        if let Some((info, times)) = model.pipeline_stage() {
+            let (compute, wait) = self.stage.as_ref().map_or((0.0, 0.0), |s| (s.2, s.3));
+            self.stage = Some((
+                info.stage,
+                info.unit_names.clone(),
+                compute + times.compute,
+                wait + times.wait,
+            ));
+        }
+    }
+
     /// Adds the bytes copied between the counts `before` and `after` of one timed step.
     pub(super) fn add_copied(&mut self, before: Option<(u64, u64)>, after: Option<(u64, u64)>) {
         if let (Some(b), Some(a)) = (before, after) {
@@ -77,6 +94,20 @@ impl Session<'_> {
                 }
             }),
             peak_device_bytes: peak_device_bytes(self.cfg.config().run.device),
+            pipeline_stage: timed.stage.clone().map(|(stage, units, compute, wait)| {
+                let steps = meter.timed_batches.max(1) as f64;
+                StageFigures {
+                    stage,
+                    units,
+                    compute: compute / steps,
+                    wait: wait / steps,
+                    bubble_fraction: if compute + wait > 0.0 {
+                        wait / (compute + wait)
+                    } else {
+                        0.0
+                    },
+                }
+            }),
         }
     }
 
@@ -120,9 +151,29 @@ impl Session<'_> {
         let peak_device_bytes = per_rank.iter().filter_map(|r| r.peak_device_bytes).max();
         let timed_seconds = per_rank.iter().map(|r| r.seconds).fold(0.0, f64::max);
         let timed_words: f64 = per_rank.iter().map(|r| r.words).sum();
+        let per_stage: Vec<StageFigures> = per_rank
+            .iter()
+            .filter_map(|r| r.pipeline_stage.clone())
+            .collect();
+        let pipeline = (self.cfg.is_pipelined() && !per_stage.is_empty()).then(|| {
+            let exchange = &self.cfg.config().exchange;
+            let stages = self.cfg.pipeline_stages();
+            PipelineReport {
+                stages,
+                micro_batches: exchange.micro_batches,
+                schedule: exchange.pipeline_schedule.to_string(),
+                bubble_fraction: per_stage.iter().map(|f| f.bubble_fraction).sum::<f64>()
+                    / per_stage.len() as f64,
+                bubble_formula: bubble_formula(stages, exchange.micro_batches),
+                per_stage,
+            }
+        });
         Ok(RunReport {
             config: self.cfg.config().clone(),
-            strategy: self.cfg.strategy_label(),
+            strategy: match self.cfg.pipeline_label() {
+                Some(pipeline) => format!("{} | {pipeline}", self.cfg.strategy_label()),
+                None => self.cfg.strategy_label(),
+            },
             model: model.describe(),
             parameters: model.params()?.len(),
             ranks: per_rank.len(),
@@ -144,6 +195,7 @@ impl Session<'_> {
             loss_scale: self.scaler.map(|s| s.scale),
             eval: Vec::new(),
             time_to_quality: None,
+            pipeline,
         })
     }
 }

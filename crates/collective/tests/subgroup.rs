@@ -1,0 +1,43 @@
+//! Subgroups reduce among their own ranks only, and their messages never mix with the
+//! parent communicator's.
+
+use ringtrain_collective::{AllReduceOptions, Communicator};
+
+#[test]
+fn subgroups_reduce_among_their_members_only() {
+    let out = Communicator::run_local(4, |mut comm| {
+        let rank = comm.rank();
+        let members: Vec<usize> = (0..4).filter(|r| r % 2 == rank % 2).collect();
+        let mut sub = comm.subgroup(&members).unwrap();
+        assert_eq!((sub.rank(), sub.size()), (rank / 2, 2));
+        // A message on the parent in flight does not reach the subgroup.
+        let mut whole = [rank as f32 + 1.0];
+        let mut part = [rank as f32 + 1.0; 5];
+        sub.all_reduce(&mut part, &AllReduceOptions::sum()).unwrap();
+        comm.all_reduce(&mut whole, &AllReduceOptions::sum())
+            .unwrap();
+        let gathered = sub.all_gather(&[rank as u32]).unwrap();
+        (part[0], whole[0], gathered)
+    })
+    .unwrap();
+    // Even ranks: 1 + 3; odd: 2 + 4; everyone: 10.
+    assert_eq!(out[0].0, 4.0);
+    assert_eq!(out[2].0, 4.0);
+    assert_eq!(out[1].0, 6.0);
+    assert_eq!(out[3].0, 6.0);
+    assert!(out.iter().all(|o| o.1 == 10.0));
+    assert_eq!(out[3].2, vec![vec![1], vec![3]]);
+}
+
+#[test]
+fn a_group_without_this_rank_is_an_error() {
+    let out = Communicator::run_local(2, |comm| {
+        comm.subgroup(&[1 - comm.rank()])
+            .err()
+            .map(|e| e.to_string())
+    })
+    .unwrap();
+    assert!(out
+        .iter()
+        .all(|e| e.as_deref().is_some_and(|e| e.contains("subgroup"))));
+}

@@ -1,0 +1,219 @@
+//! [`PipelineUpdate`]: the update of a pipeline stage, and the gathering of every
+//! stage's parameters and optimizer state onto rank 0 for a checkpoint.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use ringtrain_collective::Communicator;
+
+use super::StageInfo;
+use crate::config::ValidatedConfig;
+use crate::error::Result;
+use crate::optimizer::{Optimizer, OptimizerState};
+use crate::strategy::{correction_factor, Replicated, StepContext, StepInputs, StepOutcome};
+use crate::trainable::ParamSpec;
+
+/// Each stage updates its own parameters with its own optimizer state; the clipping
+/// norm is global (the stages' squared norms summed on the control plane). With D > 1
+/// replicas of the pipeline, each stage first sums its gradients with the same stage of
+/// the other replicas by the replicated strategy's all-reduce over a subgroup of those
+/// D ranks (fusion, packing and the f16 wire apply as they do without a pipeline).
+pub struct PipelineUpdate {
+    comm: Communicator,
+    info: StageInfo,
+    max_gradient_norm: f32,
+    replicas: Option<Box<Replicated>>,
+    replica_count: usize,
+    ctx: StepContext,
+}
+
+impl PipelineUpdate {
+    /// The update of the stage `info` describes for the model's tensors `specs`; `comm`
+    /// (the world) carries the checkpoint gathers and, with replicas, makes the stage's
+    /// subgroup (collective: every rank calls it at the same point).
+    ///
+    /// # Errors
+    /// The collective's, when the subgroup or its reduction cannot start.
+    pub fn new(
+        cfg: &ValidatedConfig,
+        comm: Communicator,
+        info: StageInfo,
+        specs: &[ParamSpec],
+    ) -> Result<Self> {
+        let stages = cfg.pipeline_stages();
+        let replica_count = cfg.world() / stages;
+        let replicas = if replica_count > 1 {
+            let group: Vec<usize> = (0..replica_count)
+                .map(|r| r * stages + info.stage)
+                .collect();
+            let sub = comm.subgroup(&group)?;
+            let own = info.own_params();
+            let own_specs: Vec<ParamSpec> = specs
+                .iter()
+                .filter(|s| s.range.start >= own.start && s.range.end <= own.end)
+                .map(|s| ParamSpec {
+                    name: s.name.clone(),
+                    range: s.range.start - own.start..s.range.end - own.start,
+                })
+                .collect();
+            Some(Box::new(Replicated::new(cfg, sub, &own_specs)?))
+        } else {
+            None
+        };
+        Ok(PipelineUpdate {
+            comm,
+            info,
+            max_gradient_norm: cfg.config().run.max_gradient_norm,
+            replicas,
+            replica_count,
+            ctx: StepContext::default(),
+        })
+    }
+
+    /// Before backward: how gradients travel between the replicas.
+    pub fn begin_step(&mut self, ctx: StepContext) {
+        self.ctx = ctx;
+        if let Some(r) = self.replicas.as_mut() {
+            r.begin_step(ctx);
+        }
+    }
+
+    /// A finished gradient range (the stage hands its whole buffer over at the end of
+    /// its pass): its own part goes to the replicas' reduction.
+    ///
+    /// # Errors
+    /// The reduction's.
+    pub fn on_ready(&mut self, range: Range<usize>, grads: &[f32]) -> Result<()> {
+        let own = self.info.own_params();
+        let Some(r) = self.replicas.as_mut() else {
+            return Ok(());
+        };
+        if range.start > own.start || range.end < own.end {
+            return Err(crate::error::Error::Internal(format!(
+                "the stage reported gradient range {range:?}, not its whole range {own:?}"
+            )));
+        }
+        let at = own.start - range.start..own.end - range.start;
+        r.on_ready(0..own.len(), &grads[at])
+    }
+
+    /// Stops the replicas' reduction and returns the world communicator.
+    ///
+    /// # Errors
+    /// The fusion engine's, when its thread failed.
+    pub fn shutdown(self) -> Result<Communicator> {
+        if let Some(r) = self.replicas {
+            r.shutdown()?;
+        }
+        Ok(self.comm)
+    }
+
+    /// Sums the step's figures (the trainer lets only the last stage count the batch's
+    /// words and examples, and only it has a loss), divides the gradients by the examples, clips to the global norm and applies
+    /// the optimizer to this stage's parameters. A non-finite gradient on any stage
+    /// skips the update on every stage.
+    ///
+    /// # Errors
+    /// Control-plane and optimizer errors.
+    pub fn finish_step(&mut self, inputs: StepInputs<'_>) -> Result<StepOutcome> {
+        let StepInputs {
+            params,
+            grads,
+            mut local,
+            optimizer,
+            control,
+        } = inputs;
+        let start = Instant::now();
+        let own = self.info.own_params();
+        let g = &mut grads[own.clone()];
+        if let Some(r) = self.replicas.as_mut() {
+            r.reduce(g, &mut local)?;
+        }
+        if ringtrain_kernels::has_non_finite_f32(g) {
+            local.overflow = 1.0;
+        }
+        let stats = local.summed(control)?;
+        let communication = start.elapsed().as_secs_f64();
+        let mut outcome = StepOutcome {
+            stats,
+            skipped: stats.overflow > 0.0,
+            communication_seconds: communication,
+            ..StepOutcome::default()
+        };
+        if outcome.skipped {
+            return Ok(outcome);
+        }
+        let update = Instant::now();
+        let correction = correction_factor(self.ctx.wire, stats.examples);
+        if correction != 1.0 {
+            ringtrain_kernels::par::scale_f32(g, correction);
+        }
+        // Every replica of a stage holds the same gradients: count them once.
+        let mut squares = [ringtrain_kernels::sum_of_squares(g) / self.replica_count as f64];
+        control.sum(&mut squares)?;
+        let norm = squares[0].sqrt();
+        if self.max_gradient_norm > 0.0 {
+            let factor = ringtrain_kernels::clip_factor(norm, self.max_gradient_norm);
+            if factor != 1.0 {
+                ringtrain_kernels::par::scale_f32(g, factor);
+            }
+        }
+        optimizer.begin_step();
+        optimizer.apply_range(own.clone(), &mut params[own], g)?;
+        outcome.grad_norm = norm;
+        outcome.optimizer_seconds = update.elapsed().as_secs_f64();
+        Ok(outcome)
+    }
+
+    /// `values` with every stage's range filled in from that stage, on rank 0 (the other
+    /// ranks send theirs and get their own values back). Collective.
+    fn gather_ranges(&mut self, values: &[f32]) -> Result<Vec<f32>> {
+        let mut out = values.to_vec();
+        let rank = self.comm.rank();
+        let first = rank - self.info.stage;
+        let transport = self.comm.transport();
+        if self.info.stage == 0 {
+            for s in 1..self.info.stages {
+                let range: Range<usize> = self.info.params[s].clone();
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out[range]);
+                transport.recv(first + s, bytes)?;
+            }
+        } else {
+            let own = self.info.own_params();
+            transport.send(first, bytemuck::cast_slice(&values[own]))?;
+        }
+        Ok(out)
+    }
+
+    /// Every stage's parameters on rank 0 (see [`Self::gather_ranges`]).
+    ///
+    /// # Errors
+    /// Transport errors.
+    pub fn gather_params(&mut self, params: &[f32]) -> Result<Vec<f32>> {
+        self.gather_ranges(params)
+    }
+
+    /// Every stage's optimizer state on rank 0.
+    ///
+    /// # Errors
+    /// Transport errors.
+    pub fn gather_optimizer_state(&mut self, optimizer: &Optimizer) -> Result<OptimizerState> {
+        match optimizer.state() {
+            OptimizerState::Sgd => Ok(OptimizerState::Sgd),
+            OptimizerState::Adam { m, v, step } => {
+                let (m, v, step) = (m.clone(), v.clone(), *step);
+                let m = self.gather_ranges(&m)?;
+                let v = self.gather_ranges(&v)?;
+                Ok(OptimizerState::Adam { m, v, step })
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for PipelineUpdate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PipelineUpdate")
+            .field("info", &self.info)
+            .finish()
+    }
+}
