@@ -72,7 +72,9 @@ pub use optimizer::{LossScaler, Optimizer, OptimizerState};
 pub use report::{HostDeviceBytes, RankFigures, RunReport};
 pub use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, LstmImpl, SourceLengths};
 pub use run::run_rank;
-pub use strategy::{greedy_placement, StepContext, StepOutcome, StepStats, Strategy, Wire};
+pub use strategy::{
+    greedy_placement, DeviceStepInputs, StepContext, StepOutcome, StepStats, Strategy, Wire,
+};
 pub use throughput::{RateStats, StepBreakdown, ThroughputMeter, ThroughputSummary};
 pub use trainable::{build_model, Batch, ParamSpec, PassOutput, TrainableModel};
 pub use trainer::{train, train_evaluating, TrainOutcome};

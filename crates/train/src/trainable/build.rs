@@ -207,6 +207,9 @@ fn on_gpu(
         ));
     }
     let backend = CudaBackend::with_precision(local_rank % count, run.gemm_precision)?;
+    // The parameter servers update their shards on the host; every other strategy
+    // updates on the device.
+    let resident = cfg.config().exchange.variable_update != crate::config::VariableUpdate::ParameterServer;
     let on = |description: String| {
         format!(
             "{description}, GPU {} ({} matrix products)",
@@ -220,6 +223,7 @@ fn on_gpu(
             Box::new(GpuTrainable::new(
                 NmtModel::new(backend, nmt, run.seed)?,
                 description,
+                resident,
             )?)
         }
         ModelShape::Lm(lm, description) => {
@@ -227,6 +231,7 @@ fn on_gpu(
             Box::new(GpuTrainable::new(
                 RnnLm::new(backend, lm, run.seed)?,
                 description,
+                resident,
             )?)
         }
     })
