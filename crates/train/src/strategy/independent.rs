@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use ringtrain_collective::Communicator;
 
-use super::{correction_factor, to_wire_f16, update_replica, DeviceStepInputs, StepContext};
 use super::StepInputs;
+use super::{correction_factor, to_wire_f16, update_replica, DeviceStepInputs, StepContext};
 use super::{StepOutcome, Wire};
 use crate::config::ValidatedConfig;
 use crate::error::Result;
@@ -39,7 +39,10 @@ impl Independent {
 
     /// The device-resident twin of [`Independent::finish_step`]: the f16 round trip, the
     /// overflow check and the update all run on the model's device.
-    pub(super) fn finish_device_step(&mut self, inputs: DeviceStepInputs<'_>) -> Result<StepOutcome> {
+    pub(super) fn finish_device_step(
+        &mut self,
+        inputs: DeviceStepInputs<'_>,
+    ) -> Result<StepOutcome> {
         let DeviceStepInputs {
             model,
             mut local,

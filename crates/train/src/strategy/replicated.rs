@@ -204,7 +204,10 @@ impl Replicated {
 
     /// Reduces the model's host exchange buffer in place (several ranks), sums the
     /// figures, and has the model update on its device.
-    pub(super) fn finish_device_step(&mut self, inputs: DeviceStepInputs<'_>) -> Result<StepOutcome> {
+    pub(super) fn finish_device_step(
+        &mut self,
+        inputs: DeviceStepInputs<'_>,
+    ) -> Result<StepOutcome> {
         let DeviceStepInputs {
             model,
             mut local,
@@ -220,7 +223,9 @@ impl Replicated {
                 HostGradsMut::F16(g) => g.len(),
             };
             match &mut self.mode {
-                Mode::Overlapped { engine, pending, .. } => {
+                Mode::Overlapped {
+                    engine, pending, ..
+                } => {
                     let covered: usize = pending.iter().map(|(r, _)| r.len()).sum();
                     if covered != total {
                         return Err(Error::Internal(format!(

@@ -209,7 +209,8 @@ fn on_gpu(
     let backend = CudaBackend::with_precision(local_rank % count, run.gemm_precision)?;
     // The parameter servers update their shards on the host; every other strategy
     // updates on the device.
-    let resident = cfg.config().exchange.variable_update != crate::config::VariableUpdate::ParameterServer;
+    let resident =
+        cfg.config().exchange.variable_update != crate::config::VariableUpdate::ParameterServer;
     let on = |description: String| {
         format!(
             "{description}, GPU {} ({} matrix products)",

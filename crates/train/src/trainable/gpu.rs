@@ -33,8 +33,8 @@ use ringtrain_model::{Backend, CudaBackend, Model};
 use super::pass::{run_forward, run_pass, Delivery};
 use super::staging::TrainsOnBatch;
 use super::{
-    param_specs, Batch, DeviceResident, DeviceUpdate, ExchangeCallback, HostGrads,
-    HostGradsMut, ParamSpec, PassOutput, ReadyCallback, TrainableModel,
+    param_specs, Batch, DeviceResident, DeviceUpdate, ExchangeCallback, HostGrads, HostGradsMut,
+    ParamSpec, PassOutput, ReadyCallback, TrainableModel,
 };
 use crate::config::OptimizerKind;
 use crate::error::{Error, Result};
@@ -201,7 +201,10 @@ impl Delivery<GpuBuffer<f32>> for Exchanging<'_, '_, '_> {
     ) -> Result<()> {
         match self.wire {
             Wire::F16 { scale } => {
-                let half = self.half.as_deref_mut().ok_or_else(|| missing("f16 buffer"))?;
+                let half = self
+                    .half
+                    .as_deref_mut()
+                    .ok_or_else(|| missing("f16 buffer"))?;
                 let src = grads.slice(range.clone()).map_err(gpu_err)?;
                 let mut dst = half.slice_mut(range.clone()).map_err(gpu_err)?;
                 device_fp16::f32_to_f16_scaled(self.gpu, &src, scale, &mut dst, self.flag)
@@ -531,12 +534,18 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> DeviceResident for GpuTrain
         match state.last {
             Some((Wire::F32, true)) => {
                 let copies = state.host_f32.as_mut().ok_or_else(not_copied)?;
-                let host = copies.host.settled_mut().ok_or_else(|| unsettled("gradient"))?;
+                let host = copies
+                    .host
+                    .settled_mut()
+                    .ok_or_else(|| unsettled("gradient"))?;
                 Ok(HostGradsMut::F32(host))
             }
             Some((Wire::F16 { .. }, true)) => {
                 let copies = state.host_f16.as_mut().ok_or_else(not_copied)?;
-                let host = copies.host.settled_mut().ok_or_else(|| unsettled("gradient"))?;
+                let host = copies
+                    .host
+                    .settled_mut()
+                    .ok_or_else(|| unsettled("gradient"))?;
                 Ok(HostGradsMut::F16(host))
             }
             _ => Err(not_copied()),
@@ -656,11 +665,9 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> TrainableModel for GpuTrain
         on_ready: &mut ReadyCallback<'_>,
     ) -> Result<PassOutput> {
         if let Mode::Resident(_) = self.mode {
-            return self.forward_backward_exchanging(batch, Wire::F32, true, &mut |r, g| {
-                match g {
-                    HostGrads::F32(g) => on_ready(r, g),
-                    HostGrads::F16(_) => Err(missing("f32 gradients")),
-                }
+            return self.forward_backward_exchanging(batch, Wire::F32, true, &mut |r, g| match g {
+                HostGrads::F32(g) => on_ready(r, g),
+                HostGrads::F16(_) => Err(missing("f32 gradients")),
             });
         }
         let result = self.upload_params().and_then(|()| {

@@ -187,8 +187,12 @@ pub trait DeviceResident {
     ///
     /// # Errors
     /// Device errors; an update before [`DeviceResident::start_optimizer`].
-    fn update(&mut self, correction: f32, max_gradient_norm: f32, skip: bool)
-        -> Result<DeviceUpdate>;
+    fn update(
+        &mut self,
+        correction: f32,
+        max_gradient_norm: f32,
+        skip: bool,
+    ) -> Result<DeviceUpdate>;
     /// The optimizer's state, downloaded (for a checkpoint).
     ///
     /// # Errors

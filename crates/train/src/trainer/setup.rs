@@ -109,11 +109,7 @@ impl<'a> Session<'a> {
                 device.start_optimizer(run.optimizer, cfg.learning_rate())?;
                 None
             }
-            None => Some(Optimizer::new(
-                run.optimizer,
-                cfg.learning_rate(),
-                n_params,
-            )),
+            None => Some(Optimizer::new(run.optimizer, cfg.learning_rate(), n_params)),
         };
         let fp16 = cfg.config().exchange.fp16_gradients;
         let mut scaler = fp16.then(LossScaler::default);

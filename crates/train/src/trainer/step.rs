@@ -75,8 +75,9 @@ impl Session<'_> {
                     exchange,
                     &mut |range, grads| strategy.on_exchanged(range, grads),
                 )?,
-                None => model
-                    .forward_backward(&batch, &mut |range, grads| strategy.on_ready(range, grads))?,
+                None => model.forward_backward(&batch, &mut |range, grads| {
+                    strategy.on_ready(range, grads)
+                })?,
             };
             breakdown.forward = pass.forward_seconds;
             breakdown.backward = pass.backward_seconds;
