@@ -102,6 +102,9 @@ fn unsettled(mirror: &str) -> Error {
     ))
 }
 
+/// Takes a landed range of a pinned buffer.
+type Deliver<'a, T> = dyn FnMut(Range<usize>, &[T]) -> Result<()> + 'a;
+
 /// A pinned host buffer, and the ranges queued into it not yet handed over.
 struct PinnedCopies<T: Element> {
     host: PinnedBuffer<T>,
@@ -128,11 +131,7 @@ impl<T: Element> PinnedCopies<T> {
 
     /// Hands the landed ranges at the front of `pending` to `deliver`, in order; with
     /// `block`, waits for each in turn until none is left.
-    fn hand_over(
-        &mut self,
-        block: bool,
-        deliver: &mut dyn FnMut(Range<usize>, &[T]) -> Result<()>,
-    ) -> Result<()> {
+    fn hand_over(&mut self, block: bool, deliver: &mut Deliver<'_, T>) -> Result<()> {
         while let Some(front) = self.pending.front().cloned() {
             if !block && !self.host.is_ready(front.clone()).map_err(gpu_err)? {
                 break;
@@ -354,6 +353,15 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
         if to_host && half && state.host_f16.is_none() {
             state.host_f16 = Some(PinnedCopies::new(&gpu, n)?);
         }
+        for pending in [
+            state.host_f32.as_mut().map(|c| &mut c.pending),
+            state.host_f16.as_mut().map(|c| &mut c.pending),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            pending.clear();
+        }
         let ResidentState {
             flag,
             half: half_buf,
@@ -369,14 +377,8 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
             to_host,
             flag,
             half: half_buf.as_mut().filter(|_| half),
-            host_f32: host_f32.map(|c| {
-                c.pending.clear();
-                c
-            }),
-            host_f16: host_f16.map(|c| {
-                c.pending.clear();
-                c
-            }),
+            host_f32,
+            host_f16,
             on_ready,
         };
         let model = &mut self.model;
