@@ -220,10 +220,12 @@ pub trait DeviceResident {
 pub trait TrainableModel: Send {
     /// The tensors of the flat parameter buffer, in buffer order, covering it exactly.
     fn param_specs(&self) -> Vec<ParamSpec>;
-    /// The flat parameters.
+    /// The flat parameters. A device-resident model's host view is filled for the
+    /// broadcast, checkpoints and after training ([`DeviceResident::download_params`]).
     ///
     /// # Errors
-    /// [`crate::Error::Internal`] when a device mirror is not settled.
+    /// [`crate::Error::Internal`] when a device mirror is not settled, or when the device
+    /// holds newer parameters than the host view.
     fn params(&self) -> Result<&[f32]>;
     /// The flat parameters, for broadcasts and checkpoints.
     ///
