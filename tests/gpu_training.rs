@@ -278,6 +278,13 @@ fn clipped(cfg: &TrainConfig, optimizer: OptimizerKind) -> TrainConfig {
 #[test]
 fn the_device_update_trains_like_the_cpu_on_one_and_two_ranks() {
     let base = small_nmt();
+    // The GPU model updates on its device, except under parameter_server.
+    let cuda = with(&base, |c| c.run.device = DeviceKind::Cuda);
+    assert!(initial_model(&cuda, 100).device_resident().is_some());
+    let servers = with(&cuda, |c| {
+        c.exchange.variable_update = VariableUpdate::ParameterServer;
+    });
+    assert!(initial_model(&servers, 100).device_resident().is_none());
     for optimizer in [OptimizerKind::Sgd, OptimizerKind::Adam] {
         check_ranks(clipped(&base, optimizer), &format!("1 rank {optimizer}"), 1);
     }
