@@ -1,9 +1,11 @@
 //! Training on the GPU through the trainer: two ranks (threads over the collective's local
 //! transport, both on GPU 0) train NMT and RNNLM with the CUDA backend and end with the
 //! parameters the same run reaches on the CPU backend. This covers the trainer's GPU path:
-//! pinned host mirrors, gradient ranges copied on the copy stream while backward runs
-//! (with and without the overlapped reduction), f16 gradients on the wire, and the
-//! parameter upload after each update. Needs the `cuda` feature and a GPU (device 0);
+//! the device-resident update (SGD and Adam, clipping, f16 gradients cast and checked on
+//! the device) for one and two ranks, gradient ranges copied once each way through the
+//! pinned exchange buffer (with and without the overlapped reduction), the host mirrors
+//! of `parameter_server`, the bytes a step moves between host and device, and checkpoints
+//! and `--resume`. Needs the `cuda` feature and a GPU (device 0, or the emulated driver);
 //! built by `scripts/build-gpu-bundle` and run by `scripts/gpu-check`.
 #![cfg(feature = "cuda")]
 
@@ -11,7 +13,8 @@ mod training_runs;
 
 use ringtrain::collective::Communicator;
 use ringtrain::train::{
-    train, DeviceKind, LstmImpl, ModelKind, OverlapMode, RunReport, TrainConfig, VariableUpdate,
+    train, DeviceKind, LstmImpl, ModelKind, OptimizerKind, OverlapMode, RunReport, TrainConfig,
+    VariableUpdate,
 };
 use training_runs::{batches, config, initial_model, max_diff, run, with};
 
@@ -20,18 +23,24 @@ use training_runs::{batches, config, initial_model, max_diff, run, with};
 /// the parameters within this bound (the model-level test allows the same after five).
 const BACKEND_TOLERANCE: f32 = 1e-4;
 
-fn on(device: DeviceKind, cfg: &TrainConfig) -> Vec<Vec<f32>> {
-    run(&with(cfg, |c| c.run.device = device), 2)
+fn on(device: DeviceKind, cfg: &TrainConfig, ranks: usize) -> Vec<Vec<f32>> {
+    run(&with(cfg, |c| c.run.device = device), ranks)
 }
 
 fn check(cfg: TrainConfig, what: &str) {
-    let cpu = on(DeviceKind::Cpu, &cfg);
-    let gpu = on(DeviceKind::Cuda, &cfg);
-    assert_eq!(
-        max_diff(&gpu[0], &gpu[1]),
-        0.0,
-        "{what}: the two GPU replicas diverged"
-    );
+    check_ranks(cfg, what, 2)
+}
+
+fn check_ranks(cfg: TrainConfig, what: &str, ranks: usize) {
+    let cpu = on(DeviceKind::Cpu, &cfg, ranks);
+    let gpu = on(DeviceKind::Cuda, &cfg, ranks);
+    if ranks > 1 {
+        assert_eq!(
+            max_diff(&gpu[0], &gpu[1]),
+            0.0,
+            "{what}: the two GPU replicas diverged"
+        );
+    }
     let d = max_diff(&gpu[0], &cpu[0]);
     assert!(
         d <= BACKEND_TOLERANCE,
@@ -234,4 +243,195 @@ fn the_report_counts_host_device_bytes_and_peak_memory_on_cuda_only() {
         gpu.parameters
     );
     assert_eq!(json["peak_device_bytes"].as_u64(), Some(peak));
+}
+
+/// Adam's step size in these tests: Adam divides by the root of the second moment, so
+/// the backends' last-bit differences in small gradients move a parameter by up to about
+/// the step size; 1e-3 keeps four steps within [`BACKEND_TOLERANCE`].
+const ADAM_LR: f32 = 1e-3;
+
+/// The NMT test model, one layer each side and 8 units (the emulated driver is slow),
+/// batch 3 per worker.
+fn small_nmt() -> TrainConfig {
+    with(&config(ModelKind::Nmt, VariableUpdate::Replicated), |c| {
+        c.data.batch_size = 3;
+        c.model.num_units = 8;
+        c.model.num_encoder_layers = 1;
+        c.model.num_decoder_layers = 1;
+    })
+}
+
+/// Adam (or SGD) with a clipping norm the gradients exceed, so the clip acts.
+fn clipped(cfg: &TrainConfig, optimizer: OptimizerKind) -> TrainConfig {
+    with(cfg, |c| {
+        c.run.optimizer = optimizer;
+        c.run.max_gradient_norm = 0.5;
+        if optimizer == OptimizerKind::Adam {
+            c.run.learning_rate = Some(ADAM_LR);
+        }
+    })
+}
+
+/// The device-resident update (clip and optimizer on the device) equals the host's, on
+/// one rank (nothing exchanged) and on two (the pinned exchange buffer), in f32 and with
+/// f16 gradients cast and checked on the device.
+#[test]
+fn the_device_update_trains_like_the_cpu_on_one_and_two_ranks() {
+    let base = small_nmt();
+    // The GPU model updates on its device, except under parameter_server.
+    let cuda = with(&base, |c| c.run.device = DeviceKind::Cuda);
+    assert!(initial_model(&cuda, 100).device_resident().is_some());
+    let servers = with(&cuda, |c| {
+        c.exchange.variable_update = VariableUpdate::ParameterServer;
+    });
+    assert!(initial_model(&servers, 100).device_resident().is_none());
+    for optimizer in [OptimizerKind::Sgd, OptimizerKind::Adam] {
+        check_ranks(clipped(&base, optimizer), &format!("1 rank {optimizer}"), 1);
+    }
+    check_ranks(
+        with(&clipped(&base, OptimizerKind::Adam), |c| {
+            c.exchange.fp16_gradients = true;
+        }),
+        "1 rank adam fp16",
+        1,
+    );
+    for fp16_gradients in [false, true] {
+        let cfg = with(&clipped(&base, OptimizerKind::Adam), |c| {
+            c.exchange.fp16_gradients = fp16_gradients;
+            c.exchange.overlap_backward = OverlapMode::Off;
+        });
+        check_ranks(cfg, &format!("2 ranks adam fp16={fp16_gradients}"), 2);
+    }
+}
+
+/// Rank 0's report of a `ranks`-rank run of `cfg` on the GPU.
+fn gpu_report(cfg: &TrainConfig, ranks: usize) -> RunReport {
+    let cfg = with(cfg, |c| c.run.device = DeviceKind::Cuda);
+    let run = cfg.validate(ranks).expect("a valid test config");
+    let mut reports = Communicator::run_local(ranks, |comm| {
+        let rank = comm.rank();
+        let mut model = initial_model(&cfg, 100);
+        let mut data = batches(&run, rank).into_iter();
+        train(&run, comm, model.as_mut(), &mut data, &mut |_| {})
+            .unwrap()
+            .report
+    })
+    .unwrap();
+    reports.remove(0)
+}
+
+/// Rank 0's host<->device bytes per timed step, as (to device, to host).
+fn bytes_per_step(report: &RunReport) -> (f64, f64) {
+    let b = report.per_rank[0]
+        .host_device_bytes_per_step
+        .expect("a cuda run counts its copies");
+    (b.to_device, b.to_host)
+}
+
+/// One rank moves no gradient or parameter in a timed step: the batch goes up and a few
+/// scalars come back. Two ranks move exactly the gradients each way: 4 bytes per
+/// parameter, 2 with f16 gradients (the same run without exchange, `independent`, moves
+/// the same batches and scalars).
+#[test]
+fn a_step_moves_only_the_batch_scalars_and_the_exchanged_gradients() {
+    let base = with(&small_nmt(), |c| {
+        c.exchange.overlap_backward = OverlapMode::On;
+        c.run.optimizer = OptimizerKind::Adam;
+        c.run.learning_rate = Some(ADAM_LR);
+    });
+    let one = gpu_report(&base, 1);
+    let params = one.parameters as f64;
+    let (up, down) = bytes_per_step(&one);
+    assert!(up > 0.0 && down > 0.0, "{up} / {down} bytes");
+    assert!(
+        up < params && down <= 64.0,
+        "one rank moved {up} bytes up and {down} down per step ({params} parameters)"
+    );
+    for (fp16_gradients, width) in [(false, 4.0), (true, 2.0)] {
+        let cfg = with(&base, |c| c.exchange.fp16_gradients = fp16_gradients);
+        let exchanged = bytes_per_step(&gpu_report(&cfg, 2));
+        let kept = bytes_per_step(&gpu_report(
+            &with(&cfg, |c| {
+                c.exchange.variable_update = VariableUpdate::Independent
+            }),
+            2,
+        ));
+        // Per-step means over the timed steps: whole bytes up to the division's rounding.
+        assert_eq!(
+            (
+                (exchanged.0 - kept.0).round(),
+                (exchanged.1 - kept.1).round()
+            ),
+            (width * params, width * params),
+            "fp16={fp16_gradients}: two ranks moved {exchanged:?} bytes, without the exchange {kept:?}"
+        );
+    }
+}
+
+/// The optimizer's time is part of the report's step breakdown on both devices.
+#[test]
+fn the_step_breakdown_reports_the_optimizer_time_on_both_devices() {
+    let cfg = small_nmt();
+    for device in [DeviceKind::Cpu, DeviceKind::Cuda] {
+        let report = report_of(&with(&cfg, |c| c.run.device = device));
+        let json = serde_json::to_value(&report).unwrap();
+        let optimizer = json["per_rank"][0]["breakdown"]["optimizer"].as_f64();
+        assert!(optimizer.is_some_and(|t| t > 0.0), "{device}: {json}");
+    }
+}
+
+/// A cuda run with a checkpoint after step 2 of 4, resumed for the last 2 steps, ends with
+/// the parameters of the uninterrupted cuda run; both match the cpu run. The checkpoint
+/// holds the device's parameters and Adam's moments.
+#[test]
+fn a_resumed_cuda_run_continues_exactly_as_an_uninterrupted_one() {
+    use ringtrain::train::{build_model, Checkpoint, OptimizerState};
+
+    let dir = tempfile::tempdir().unwrap();
+    let base = with(&clipped(&small_nmt(), OptimizerKind::Adam), |c| {
+        c.run.warmup_batches = 0;
+    });
+    let leg = |device: DeviceKind, name: &str, from: usize, to: usize, resume: bool| {
+        let cfg = with(&base, |c| {
+            c.run.device = device;
+            c.run.timed_batches = to - from;
+            c.output.checkpoint = Some(dir.path().join(name));
+            c.output.resume = resume;
+        });
+        let run = cfg.validate(2).expect("a valid test config");
+        let mut params = Communicator::run_local(2, |comm| {
+            let rank = comm.rank();
+            let mut model = build_model(&run, training_runs::VOCAB, training_runs::VOCAB, 0, 1)?;
+            let mut data = batches(&run, rank).into_iter().skip(from).take(to - from);
+            train(&run, comm, model.as_mut(), &mut data, &mut |_| {})?;
+            Ok::<_, ringtrain::train::Error>(model.params()?.to_vec())
+        })
+        .unwrap();
+        params.remove(0).expect("trains")
+    };
+    let straight = leg(DeviceKind::Cuda, "straight.ckpt", 0, 4, false);
+    let cpu = leg(DeviceKind::Cpu, "cpu.ckpt", 0, 4, false);
+    let first = leg(DeviceKind::Cuda, "run.ckpt", 0, 2, false);
+    let ck = Checkpoint::load(&dir.path().join("run.ckpt")).unwrap();
+    assert_eq!(ck.step, 2);
+    assert_eq!(
+        ck.params, first,
+        "the checkpoint holds the device's parameters"
+    );
+    match &ck.optimizer {
+        OptimizerState::Adam { step, m, v } => {
+            assert_eq!(*step, 2);
+            assert!(m.iter().any(|x| *x != 0.0) && v.iter().any(|x| *x != 0.0));
+        }
+        other => panic!("expected Adam state, found {other:?}"),
+    }
+    let resumed = leg(DeviceKind::Cuda, "run.ckpt", 2, 4, true);
+    let d = max_diff(&resumed, &straight);
+    assert!(d <= 1e-6, "the resumed cuda run differs by {d:e}");
+    let d = max_diff(&straight, &cpu);
+    assert!(d <= BACKEND_TOLERANCE, "cuda and cpu differ by {d:e}");
+    assert!(
+        max_diff(&first, &straight) > 1e-4,
+        "the last steps changed nothing"
+    );
 }

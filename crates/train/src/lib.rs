@@ -73,7 +73,9 @@ pub use optimizer::{LossScaler, Optimizer, OptimizerState};
 pub use report::{HostDeviceBytes, PipelineReport, RankFigures, RunReport, StageFigures};
 pub use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, LstmImpl, SourceLengths};
 pub use run::run_rank;
-pub use strategy::{greedy_placement, StepContext, StepOutcome, StepStats, Strategy, Wire};
+pub use strategy::{
+    greedy_placement, DeviceStepInputs, StepContext, StepOutcome, StepStats, Strategy, Wire,
+};
 pub use throughput::{RateStats, StepBreakdown, ThroughputMeter, ThroughputSummary};
 pub use trainable::{
     build_model, build_pipeline_stage, Batch, ParamSpec, PassOutput, TrainableModel,

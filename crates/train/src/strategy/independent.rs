@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use ringtrain_collective::Communicator;
 
-use super::{correction_factor, to_wire_f16, update_replica, StepContext, StepInputs};
+use super::StepInputs;
+use super::{correction_factor, to_wire_f16, update_replica, DeviceStepInputs, StepContext};
 use super::{StepOutcome, Wire};
 use crate::config::ValidatedConfig;
 use crate::error::Result;
@@ -34,6 +35,32 @@ impl Independent {
 
     pub(super) fn into_comm(self) -> Communicator {
         self.comm
+    }
+
+    /// The device-resident twin of [`Independent::finish_step`]: the f16 round trip, the
+    /// overflow check and the update all run on the model's device.
+    pub(super) fn finish_device_step(
+        &mut self,
+        inputs: DeviceStepInputs<'_>,
+    ) -> Result<StepOutcome> {
+        let DeviceStepInputs {
+            model,
+            mut local,
+            control: _,
+        } = inputs;
+        let start = Instant::now();
+        let wire = self.ctx.wire;
+        let cast_overflow = model.cast_overflowed()?;
+        let correction = correction_factor(wire, local.examples);
+        let update = model.update(correction, self.max_gradient_norm, cast_overflow)?;
+        local.overflow = f64::from(u8::from(update.skipped));
+        Ok(StepOutcome {
+            stats: local,
+            skipped: update.skipped,
+            grad_norm: update.grad_norm,
+            communication_seconds: 0.0,
+            optimizer_seconds: start.elapsed().as_secs_f64(),
+        })
     }
 
     pub(super) fn finish_step(&mut self, inputs: StepInputs<'_>) -> Result<StepOutcome> {

@@ -14,6 +14,13 @@
 //! backward ([`Strategy::on_ready`]), then the buffers and this rank's figures at the end
 //! ([`Strategy::finish_step`]). Gradient data moves on the strategy's communicator; the
 //! step's figures are summed on the trainer's [`Control`] plane.
+//!
+//! A model that updates on its device ([`DeviceResident`], the GPU model) goes through
+//! [`Strategy::on_exchanged`] and [`Strategy::finish_device_step`] instead: the strategy
+//! reduces the host exchange buffer the model copied its gradients into, in place, and
+//! the model applies the update on its device. `parameter_server` updates on the host
+//! only (its servers apply the optimizer to the shards they own there), so the GPU
+//! model keeps host mirrors under it.
 
 use std::ops::Range;
 
@@ -25,7 +32,7 @@ use crate::control::Control;
 use crate::error::Result;
 use crate::optimizer::{Optimizer, OptimizerState};
 use crate::pipeline::PipelineUpdate;
-use crate::trainable::ParamSpec;
+use crate::trainable::{DeviceResident, HostGrads, ParamSpec};
 
 mod independent;
 mod parameter_server;
@@ -141,6 +148,16 @@ pub struct StepInputs<'a> {
     pub control: &'a mut Control,
 }
 
+/// What a rank hands the strategy at the end of a device-resident pass.
+pub struct DeviceStepInputs<'a> {
+    /// The model, holding its gradients (and, after an exchange, the host copy of them).
+    pub model: &'a mut dyn DeviceResident,
+    /// This rank's figures.
+    pub local: StepStats,
+    /// The control plane, for the step's figures.
+    pub control: &'a mut Control,
+}
+
 /// What the strategy did with one step.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepOutcome {
@@ -208,6 +225,47 @@ impl Strategy {
             Strategy::Replicated(s) => s.on_ready(range, grads),
             Strategy::Pipeline(s) => s.on_ready(range, grads),
             _ => Ok(()),
+        }
+    }
+
+    /// Whether a device-resident model's gradients must come to the host this step
+    /// (false when there is no other rank to reduce with).
+    pub fn exchanges_gradients(&self) -> bool {
+        match self {
+            Strategy::Replicated(s) => s.exchanges_gradients(),
+            Strategy::ParameterServer(_) | Strategy::Pipeline(_) => true,
+            Strategy::Independent(_) => false,
+        }
+    }
+
+    /// Called during a device-resident backward with each gradient range once its copy
+    /// to the host exchange buffer has landed.
+    ///
+    /// # Errors
+    /// The collective's, when the overlapped reduction cannot take the range.
+    pub fn on_exchanged(&mut self, range: Range<usize>, grads: HostGrads<'_>) -> Result<()> {
+        match self {
+            Strategy::Replicated(s) => s.on_exchanged(range, grads),
+            _ => Ok(()),
+        }
+    }
+
+    /// Reduces a device-resident model's gradients (in its host exchange buffer) and
+    /// has the model apply the update on its device.
+    ///
+    /// # Errors
+    /// Transport or device errors; [`crate::Error::Internal`] for `parameter_server`,
+    /// which updates on the host.
+    pub fn finish_device_step(&mut self, inputs: DeviceStepInputs<'_>) -> Result<StepOutcome> {
+        match self {
+            Strategy::Replicated(s) => s.finish_device_step(inputs),
+            Strategy::Independent(s) => s.finish_device_step(inputs),
+            Strategy::ParameterServer(_) => Err(crate::error::Error::Internal(
+                "parameter_server updates on the host: build the model with host mirrors".into(),
+            )),
+            Strategy::Pipeline(_) => Err(crate::error::Error::Internal(
+                "pipeline stages update on the host: build the model with host mirrors".into(),
+            )),
         }
     }
 

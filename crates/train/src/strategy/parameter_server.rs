@@ -11,6 +11,10 @@
 //! it, it divides by the examples of the step, clips with the global norm (the
 //! servers' squared norms are summed first) and applies the optimizer to its tensors;
 //! then it broadcasts its updated tensors to every rank.
+//!
+//! This strategy updates on the host: with `--device cuda` the model keeps pinned host
+//! mirrors of its parameters and gradients (each gradient crosses to the host and each
+//! parameter back once per step), where every other strategy updates on the device.
 
 use std::time::Instant;
 

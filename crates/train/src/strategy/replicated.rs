@@ -13,6 +13,14 @@
 //! With f16 gradients the tensors travel and are summed as f16; an overflow on any
 //! rank shows up as a non-finite sum (identical on every rank) or in the summed
 //! overflow flags, so every rank skips the same steps.
+//!
+//! A device-resident model (the GPU model) copies each gradient range into its pinned
+//! host exchange buffer, already cast for the wire on the device; after backward the
+//! ring reduces that buffer in place (one flat buffer, or through the packer), and the
+//! model copies it back and updates on the device. The overlapped reduction hands the
+//! fusion engine its own copy of each range and writes the sums back into the exchange
+//! buffer. The overflow flags come from the device's non-finite checks. With one rank
+//! nothing leaves the device.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -24,12 +32,12 @@ use ringtrain_collective::{
 };
 
 use super::{
-    correction_factor, to_wire_f16, update_replica, StepContext, StepInputs, StepOutcome,
-    StepStats, Wire,
+    correction_factor, to_wire_f16, update_replica, DeviceStepInputs, StepContext, StepInputs,
+    StepOutcome, StepStats, Wire,
 };
 use crate::config::{Reduction, ValidatedConfig};
 use crate::error::{Error, Result};
-use crate::trainable::ParamSpec;
+use crate::trainable::{HostGrads, HostGradsMut, ParamSpec};
 
 enum Mode {
     Overlapped {
@@ -50,6 +58,8 @@ pub struct Replicated {
     specs: Vec<ParamSpec>,
     max_gradient_norm: f32,
     ctx: StepContext,
+    /// Ranks of the communicator.
+    size: usize,
 }
 
 impl Replicated {
@@ -59,6 +69,7 @@ impl Replicated {
     /// The collective's, when the packer's plan or the fusion engine fails.
     pub fn new(cfg: &ValidatedConfig, comm: Communicator, specs: &[ParamSpec]) -> Result<Self> {
         let exchange = &cfg.config().exchange;
+        let size = comm.size();
         let mode = match cfg.reduction() {
             Reduction::Packed => {
                 let dtype = if exchange.fp16_gradients {
@@ -111,6 +122,7 @@ impl Replicated {
             specs: specs.to_vec(),
             max_gradient_norm: cfg.config().run.max_gradient_norm,
             ctx: StepContext::default(),
+            size,
         })
     }
 
@@ -159,6 +171,109 @@ impl Replicated {
         let handle = engine.submit(&name, tensor)?;
         pending.push((range, handle));
         Ok(())
+    }
+
+    /// Whether a device-resident model must copy its gradients to the host: only when
+    /// there are other ranks to reduce with.
+    pub(super) fn exchanges_gradients(&self) -> bool {
+        self.size > 1
+    }
+
+    /// A device-resident model's range in its host exchange buffer: submitted to the
+    /// fusion engine when reducing while backward runs.
+    pub(super) fn on_exchanged(&mut self, range: Range<usize>, grads: HostGrads<'_>) -> Result<()> {
+        let Mode::Overlapped {
+            engine, pending, ..
+        } = &mut self.mode
+        else {
+            return Ok(());
+        };
+        let (len, tensor): (usize, Tensor) = match grads {
+            HostGrads::F32(g) => (g.len(), g.to_vec().into()),
+            HostGrads::F16(g) => (g.len(), g.to_vec().into()),
+        };
+        if len != range.len() {
+            return Err(Error::Internal(format!(
+                "gradient range {range:?} came with {len} values"
+            )));
+        }
+        let handle = engine.submit(&format!("grad.{}", range.start), tensor)?;
+        pending.push((range, handle));
+        Ok(())
+    }
+
+    /// Reduces the model's host exchange buffer in place (several ranks), sums the
+    /// figures, and has the model update on its device.
+    pub(super) fn finish_device_step(
+        &mut self,
+        inputs: DeviceStepInputs<'_>,
+    ) -> Result<StepOutcome> {
+        let DeviceStepInputs {
+            model,
+            mut local,
+            control,
+        } = inputs;
+        let comm_start = Instant::now();
+        let wire = self.ctx.wire;
+        local.overflow = f64::from(u8::from(model.cast_overflowed()?));
+        if self.exchanges_gradients() {
+            let mut host = model.exchanged_grads()?;
+            let total = match &host {
+                HostGradsMut::F32(g) => g.len(),
+                HostGradsMut::F16(g) => g.len(),
+            };
+            match &mut self.mode {
+                Mode::Overlapped {
+                    engine, pending, ..
+                } => {
+                    let covered: usize = pending.iter().map(|(r, _)| r.len()).sum();
+                    if covered != total {
+                        return Err(Error::Internal(format!(
+                            "backward reported {covered} of {total} gradient elements ready"
+                        )));
+                    }
+                    let (ranges, handles): (Vec<_>, Vec<_>) = pending.drain(..).unzip();
+                    let reduced = engine.synchronize(handles)?;
+                    for (range, tensor) in ranges.into_iter().zip(reduced) {
+                        match &mut host {
+                            HostGradsMut::F32(g) => {
+                                g[range].copy_from_slice(&tensor.into_vec::<f32>()?)
+                            }
+                            HostGradsMut::F16(g) => {
+                                g[range].copy_from_slice(&tensor.into_vec::<f16>()?)
+                            }
+                        }
+                    }
+                }
+                Mode::Packed { comm, packer } => {
+                    let options = AllReduceOptions::sum();
+                    match (host, packer) {
+                        (HostGradsMut::F32(g), Some(packer)) => {
+                            packer.all_reduce(comm, &mut split_tensors(g, &self.specs), &options)?
+                        }
+                        (HostGradsMut::F16(g), Some(packer)) => {
+                            packer.all_reduce(comm, &mut split_tensors(g, &self.specs), &options)?
+                        }
+                        (HostGradsMut::F32(g), None) => comm.all_reduce(g, &options)?,
+                        (HostGradsMut::F16(g), None) => comm.all_reduce(g, &options)?,
+                    }
+                }
+            }
+        }
+        let stats = local.summed(control)?;
+        let communication_seconds = comm_start.elapsed().as_secs_f64();
+        let opt_start = Instant::now();
+        // Every replica holds the same sums, so the device's non-finite check agrees
+        // everywhere too.
+        let correction = correction_factor(wire, stats.examples);
+        let update = model.update(correction, self.max_gradient_norm, stats.overflow > 0.0)?;
+        Ok(StepOutcome {
+            stats,
+            skipped: update.skipped,
+            grad_norm: update.grad_norm,
+            communication_seconds,
+            optimizer_seconds: opt_start.elapsed().as_secs_f64(),
+        })
     }
 
     /// Sums `grads` over the replicas (the exchange of [`Self::finish_step`], without

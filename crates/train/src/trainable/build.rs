@@ -119,22 +119,39 @@ pub fn check_memory(
     worker: usize,
     local: &LocalRank,
 ) -> Result<()> {
-    let model = model_estimate(cfg, src_vocab, tgt_vocab, worker)?;
+    let mut model = model_estimate(cfg, src_vocab, tgt_vocab, worker)?;
     let params = model.terms.first().map_or(0.0, |t| t.bytes);
     let mut host = MemoryEstimate::default();
+    let adam = cfg.config().run.optimizer == OptimizerKind::Adam;
+    let exchange = cfg.config().exchange.variable_update;
     match cfg.config().run.device {
-        DeviceKind::Cpu => host.terms.extend(model.terms.iter().cloned()),
-        DeviceKind::Cuda => {
-            // The pinned host mirrors of the parameters and the gradients.
+        DeviceKind::Cpu => {
+            host.terms.extend(model.terms.iter().cloned());
+            if adam {
+                host.add_bytes("Adam moments", 2.0 * params);
+            }
+        }
+        DeviceKind::Cuda if exchange == VariableUpdate::ParameterServer => {
+            // The pinned host mirrors of the parameters and the gradients; the update
+            // runs on the host.
             host.add_bytes("host parameters", params);
             host.add_bytes("host gradients", params);
+            if adam {
+                host.add_bytes("Adam moments", 2.0 * params);
+            }
+            check_device_memory(&model, local)?;
+        }
+        DeviceKind::Cuda => {
+            // The host parameters (broadcast, checkpoints); the update runs on the
+            // device, with the optimizer's state there.
+            host.add_bytes("host parameters", params);
+            if adam {
+                model.add_bytes("Adam moments", 2.0 * params);
+            }
             check_device_memory(&model, local)?;
         }
     }
-    if cfg.config().run.optimizer == OptimizerKind::Adam {
-        host.add_bytes("Adam moments", 2.0 * params);
-    }
-    if cfg.config().exchange.variable_update != VariableUpdate::Independent {
+    if exchange != VariableUpdate::Independent {
         host.add_bytes("gradient exchange", params);
     }
     check_host_memory(&host, local.size)
@@ -240,6 +257,10 @@ fn on_gpu(
         ));
     }
     let backend = CudaBackend::with_precision(local_rank % count, run.gemm_precision)?;
+    // The parameter servers update their shards on the host; every other strategy
+    // updates on the device.
+    let resident =
+        cfg.config().exchange.variable_update != crate::config::VariableUpdate::ParameterServer;
     let on = |description: String| {
         format!(
             "{description}, GPU {} ({} matrix products)",
@@ -253,6 +274,7 @@ fn on_gpu(
             Box::new(GpuTrainable::new(
                 NmtModel::new(backend, nmt, run.seed)?,
                 description,
+                resident,
             )?)
         }
         ModelShape::Lm(lm, description) => {
@@ -260,6 +282,7 @@ fn on_gpu(
             Box::new(GpuTrainable::new(
                 RnnLm::new(backend, lm, run.seed)?,
                 description,
+                resident,
             )?)
         }
     })

@@ -1,49 +1,94 @@
 //! [`GpuTrainable`]: a model of the model crate on the CUDA backend.
 //!
-//! The trainer works on host slices, the model on device buffers, so the adapter keeps
-//! host mirrors of the flat parameter and gradient buffers in page-locked memory
-//! ([`PinnedBuffer`]):
+//! **Device-resident (every strategy but `parameter_server`).** Parameters, gradients
+//! and the optimizer's state (Adam's moments) live on the GPU; the global-norm clip, the
+//! non-finite check of f16 gradients and the update run there as the kernels of
+//! `ptx/optim.ptx` and `ptx/fp16.ptx` ([`DeviceResident`]). Per step the host sends the
+//! batch and reads back a few scalars (the loss, the non-finite flag, the gradient
+//! norm). With several ranks each gradient range backward finishes is cast for the wire
+//! on the device (f16 with `--fp16-gradients`), copied once into a page-locked host
+//! exchange buffer ([`PinnedBuffer`]) on the GPU's copy stream while backward goes on,
+//! reduced there in place by the ring, and copied back once before the update. The host
+//! parameter buffer is filled only for the initial broadcast, a resume, checkpoints and
+//! the end of the run ([`DeviceResident::download_params`]).
 //!
-//! * **Gradients, device → host, overlapping backward.** When the model reports a
-//!   gradient range final, [`PinnedCopies`] queues its copy into the pinned gradient
-//!   mirror on the GPU's copy stream (ordered after the backward kernels queued so far by
-//!   an event) and returns at once, so the host goes on queueing the rest of backward.
-//!   Ranges whose copies have landed are handed to the trainer in the order backward
-//!   finished them, checked after each new range and then, after the last one, waited
-//!   for one by one: the trainer's communication thread reduces the first ranges while
-//!   the GPU still computes and copies the later ones.
-//! * **Parameters, host → device.** After the optimizer (or a broadcast, or a checkpoint
-//!   restore) has changed the host parameters, the next pass queues one copy from the
-//!   pinned parameter mirror on the compute stream, ahead of the forward kernels.
+//! **Host mirrors (`parameter_server`).** The parameter servers apply the optimizer on
+//! the host to the shards they own, so this mode keeps pinned host mirrors of the
+//! parameters and gradients: each final gradient range is copied to the host on the copy
+//! stream as backward finishes it, and the parameters the host changed are copied up
+//! ahead of the next pass's kernels.
 //!
-//! Every copy has finished when [`TrainableModel::forward_backward`] returns, also after
-//! an error, so the trainer always sees settled mirrors; were one ever not settled, the
-//! mirrors' accessors return [`Error::Internal`].
+//! In both modes ranges are handed on in the order backward finished them once their
+//! copies have landed, and every copy has finished when a pass returns, also after an
+//! error; were a mirror ever not settled, its accessors return [`Error::Internal`].
 
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use ringtrain_cuda::PinnedBuffer;
+use half::f16;
+use ringtrain_cuda::optim as device_optim;
+use ringtrain_cuda::{fp16 as device_fp16, Element, Gpu, GpuBuffer, NonFiniteFlag, PinnedBuffer};
 use ringtrain_model::{Backend, CudaBackend, Model};
 
 use super::pass::{run_forward, run_pass, Delivery};
 use super::staging::TrainsOnBatch;
-use super::{param_specs, Batch, ParamSpec, PassOutput, ReadyCallback, TrainableModel};
+use super::{
+    param_specs, Batch, DeviceResident, DeviceUpdate, ExchangeCallback, HostGrads, HostGradsMut,
+    ParamSpec, PassOutput, ReadyCallback, TrainableModel,
+};
+use crate::config::OptimizerKind;
 use crate::error::{Error, Result};
+use crate::optimizer::{OptimizerState, ADAM_BETA1, ADAM_BETA2, ADAM_EPS};
+use crate::strategy::Wire;
 
-/// A model on the CUDA backend with pinned host mirrors of its parameters and gradients.
+/// A model on the CUDA backend, updated on the device or (for the parameter servers)
+/// through pinned host mirrors.
 pub struct GpuTrainable<M> {
     model: M,
     specs: Vec<ParamSpec>,
     description: String,
+    gpu: Gpu,
     params_host: PinnedBuffer<f32>,
-    grads: PinnedCopies,
     /// The host parameters changed since they were last copied to the device.
     params_dirty: bool,
+    /// The device parameters changed since they were last copied to the host.
+    host_stale: bool,
+    mode: Mode,
 }
 
-/// The CUDA backend's buffer type.
-type GpuBuffer = <CudaBackend as Backend>::Buffer;
+/// Where the update runs.
+enum Mode {
+    /// On the host, through the pinned gradient mirror.
+    HostMirrors(PinnedCopies<f32>),
+    /// On the device.
+    Resident(Box<ResidentState>),
+}
+
+/// The device-resident update's buffers.
+struct ResidentState {
+    optimizer: Option<DeviceOptimizer>,
+    /// The device's "a value was Inf or NaN" flag (f16 cast, gradient check).
+    flag: NonFiniteFlag,
+    /// The squared global gradient norm, accumulated on the device.
+    norm_sq: GpuBuffer<f64>,
+    /// The gradients cast to f16 for the wire (allocated on first use).
+    half: Option<GpuBuffer<f16>>,
+    /// The host exchange buffers (allocated on first use).
+    host_f32: Option<PinnedCopies<f32>>,
+    host_f16: Option<PinnedCopies<f16>>,
+    /// How the last pass's gradients left backward: the wire, and whether to the host.
+    last: Option<(Wire, bool)>,
+}
+
+/// The optimizer's state in device buffers.
+struct DeviceOptimizer {
+    kind: OptimizerKind,
+    lr: f32,
+    /// Adam's first and second moments.
+    moments: Option<(GpuBuffer<f32>, GpuBuffer<f32>)>,
+    /// Adam's updates applied so far.
+    step: u32,
+}
 
 /// A GPU runtime error as the trainer's error.
 fn gpu_err(e: ringtrain_cuda::Error) -> Error {
@@ -57,74 +102,177 @@ fn unsettled(mirror: &str) -> Error {
     ))
 }
 
-/// The pinned gradient mirror, and the ranges queued into it not yet handed over.
-struct PinnedCopies {
-    host: PinnedBuffer<f32>,
+/// Takes a landed range of a pinned buffer.
+type Deliver<'a, T> = dyn FnMut(Range<usize>, &[T]) -> Result<()> + 'a;
+
+/// A pinned host buffer, and the ranges queued into it not yet handed over.
+struct PinnedCopies<T: Element> {
+    host: PinnedBuffer<T>,
     pending: VecDeque<Range<usize>>,
 }
 
-impl PinnedCopies {
-    /// Hands the landed ranges at the front of `pending` to `on_ready`, in order; with
+impl<T: Element> PinnedCopies<T> {
+    fn new(gpu: &Gpu, len: usize) -> Result<Self> {
+        Ok(PinnedCopies {
+            host: gpu.pinned::<T>(len).map_err(gpu_err)?,
+            pending: VecDeque::new(),
+        })
+    }
+
+    /// Queues copying `src` (the device's `range`) into the host buffer.
+    fn start(&mut self, range: Range<usize>, src: &GpuBuffer<T>) -> Result<()> {
+        let view = src.slice(range.clone()).map_err(gpu_err)?;
+        self.host
+            .download_async(range.clone(), &view)
+            .map_err(gpu_err)?;
+        self.pending.push_back(range);
+        Ok(())
+    }
+
+    /// Hands the landed ranges at the front of `pending` to `deliver`, in order; with
     /// `block`, waits for each in turn until none is left.
-    fn hand_over(&mut self, on_ready: &mut ReadyCallback<'_>, block: bool) -> Result<()> {
+    fn hand_over(&mut self, block: bool, deliver: &mut Deliver<'_, T>) -> Result<()> {
         while let Some(front) = self.pending.front().cloned() {
             if !block && !self.host.is_ready(front.clone()).map_err(gpu_err)? {
                 break;
             }
             self.pending.pop_front();
             let grads = self.host.wait(front.clone()).map_err(gpu_err)?;
-            on_ready(front, grads)?;
+            deliver(front, grads)?;
         }
         Ok(())
     }
 }
 
-impl Delivery<GpuBuffer> for PinnedCopies {
+impl Delivery<GpuBuffer<f32>> for PinnedCopies<f32> {
     fn finished(
         &mut self,
         range: Range<usize>,
-        grads: &GpuBuffer,
+        grads: &GpuBuffer<f32>,
         on_ready: &mut ReadyCallback<'_>,
     ) -> Result<()> {
-        let view = grads.slice(range.clone()).map_err(gpu_err)?;
-        self.host
-            .download_async(range.clone(), &view)
-            .map_err(gpu_err)?;
-        self.pending.push_back(range);
-        self.hand_over(on_ready, false)
+        self.start(range, grads)?;
+        self.hand_over(false, on_ready)
     }
 
     fn drain(&mut self, on_ready: &mut ReadyCallback<'_>) -> Result<()> {
-        self.hand_over(on_ready, true)
+        self.hand_over(true, on_ready)
+    }
+}
+
+/// The device-resident pass's delivery: casts each final range for the wire and, when
+/// the gradients are exchanged, copies it to the host buffer and hands it on once landed.
+struct Exchanging<'s, 'c, 'cb> {
+    gpu: &'s Gpu,
+    wire: Wire,
+    to_host: bool,
+    flag: &'s mut NonFiniteFlag,
+    half: Option<&'s mut GpuBuffer<f16>>,
+    host_f32: Option<&'s mut PinnedCopies<f32>>,
+    host_f16: Option<&'s mut PinnedCopies<f16>>,
+    on_ready: &'c mut ExchangeCallback<'cb>,
+}
+
+impl Exchanging<'_, '_, '_> {
+    fn hand_over(&mut self, block: bool) -> Result<()> {
+        let on_ready = &mut *self.on_ready;
+        if let Some(copies) = self.host_f32.as_deref_mut() {
+            copies.hand_over(block, &mut |r, g| on_ready(r, HostGrads::F32(g)))?;
+        }
+        if let Some(copies) = self.host_f16.as_deref_mut() {
+            copies.hand_over(block, &mut |r, g| on_ready(r, HostGrads::F16(g)))?;
+        }
+        Ok(())
+    }
+}
+
+/// A buffer the pass needs but was not allocated: a bug of this adapter.
+fn missing(what: &str) -> Error {
+    Error::Internal(format!("the device-resident pass has no {what}"))
+}
+
+impl Delivery<GpuBuffer<f32>> for Exchanging<'_, '_, '_> {
+    fn finished(
+        &mut self,
+        range: Range<usize>,
+        grads: &GpuBuffer<f32>,
+        _on_ready: &mut ReadyCallback<'_>,
+    ) -> Result<()> {
+        match self.wire {
+            Wire::F16 { scale } => {
+                let half = self
+                    .half
+                    .as_deref_mut()
+                    .ok_or_else(|| missing("f16 buffer"))?;
+                let src = grads.slice(range.clone()).map_err(gpu_err)?;
+                let mut dst = half.slice_mut(range.clone()).map_err(gpu_err)?;
+                device_fp16::f32_to_f16_scaled(self.gpu, &src, scale, &mut dst, self.flag)
+                    .map_err(gpu_err)?;
+                if self.to_host {
+                    let copies = self
+                        .host_f16
+                        .as_deref_mut()
+                        .ok_or_else(|| missing("f16 exchange buffer"))?;
+                    copies.start(range, half)?;
+                }
+            }
+            Wire::F32 => {
+                if self.to_host {
+                    let copies = self
+                        .host_f32
+                        .as_deref_mut()
+                        .ok_or_else(|| missing("f32 exchange buffer"))?;
+                    copies.start(range, grads)?;
+                }
+            }
+        }
+        self.hand_over(false)
+    }
+
+    fn drain(&mut self, _on_ready: &mut ReadyCallback<'_>) -> Result<()> {
+        self.hand_over(true)
     }
 }
 
 impl<M: Model<Backend = CudaBackend>> GpuTrainable<M> {
-    /// Wraps `model`, reading its initial parameters into the host mirror.
+    /// Wraps `model` for the device-resident update (`resident`), or with host mirrors
+    /// for an update on the host (`parameter_server`); reads the initial parameters into
+    /// the host buffer.
     ///
     /// # Errors
-    /// GPU errors of the allocation or the copy.
-    pub fn new(model: M, description: String) -> Result<Self> {
+    /// GPU errors of the allocations or the copy.
+    pub fn new(model: M, description: String, resident: bool) -> Result<Self> {
         let specs = param_specs(model.layout());
         let total = model.layout().total_len();
         let gpu = model.backend().gpu().clone();
         let mut params_host = gpu.pinned::<f32>(total).map_err(gpu_err)?;
-        let grads_host = gpu.pinned::<f32>(total).map_err(gpu_err)?;
         model.backend().download(
             model.params(),
             0,
             params_host.as_mut_slice().map_err(gpu_err)?,
         )?;
+        let mode = if resident {
+            Mode::Resident(Box::new(ResidentState {
+                optimizer: None,
+                flag: NonFiniteFlag::new(&gpu).map_err(gpu_err)?,
+                norm_sq: gpu.zeros::<f64>(1).map_err(gpu_err)?,
+                half: None,
+                host_f32: None,
+                host_f16: None,
+                last: None,
+            }))
+        } else {
+            Mode::HostMirrors(PinnedCopies::new(&gpu, total)?)
+        };
         Ok(GpuTrainable {
             model,
             specs,
             description,
+            gpu,
             params_host,
-            grads: PinnedCopies {
-                host: grads_host,
-                pending: VecDeque::new(),
-            },
             params_dirty: false,
+            host_stale: false,
+            mode,
         })
     }
 
@@ -148,16 +296,328 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
         Ok(())
     }
 
-    /// One pass; copies may still be in flight when it returns early with an error.
-    fn pass(&mut self, batch: &Batch, on_ready: &mut ReadyCallback<'_>) -> Result<PassOutput> {
+    /// Waits for every copy of the pinned buffers; the first error of `result` wins.
+    fn settle<T>(&mut self, result: Result<T>) -> Result<T> {
+        let mut settled = self.params_host.wait_all().map_err(gpu_err);
+        let mut wait = |host: Option<&mut PinnedBuffer<f32>>| {
+            if let (Some(h), Ok(())) = (host, &settled) {
+                settled = h.wait_all().map_err(gpu_err);
+            }
+        };
+        match &mut self.mode {
+            Mode::HostMirrors(copies) => wait(Some(&mut copies.host)),
+            Mode::Resident(state) => {
+                wait(state.host_f32.as_mut().map(|c| &mut c.host));
+                if let (Some(c), Ok(())) = (state.host_f16.as_mut(), &settled) {
+                    settled = c.host.wait_all().map_err(gpu_err);
+                }
+            }
+        }
+        let output = result?;
+        settled?;
+        Ok(output)
+    }
+
+    fn resident(&mut self) -> Result<&mut ResidentState> {
+        match &mut self.mode {
+            Mode::Resident(state) => Ok(state),
+            Mode::HostMirrors(_) => Err(Error::Internal(
+                "the model keeps host mirrors: it is updated on the host".into(),
+            )),
+        }
+    }
+
+    /// One device-resident pass; copies may still be in flight when it returns early.
+    fn resident_pass(
+        &mut self,
+        batch: &Batch,
+        wire: Wire,
+        to_host: bool,
+        on_ready: &mut ExchangeCallback<'_>,
+    ) -> Result<PassOutput> {
         self.upload_params()?;
-        self.grads.pending.clear();
-        let model = &mut self.model;
-        run_pass(
-            |ready| model.train_on(batch, ready),
-            &mut self.grads,
+        let n = self.params_host.len();
+        let gpu = self.gpu.clone();
+        let Mode::Resident(state) = &mut self.mode else {
+            return Err(missing("device-resident state"));
+        };
+        state.last = None;
+        state.flag.reset().map_err(gpu_err)?;
+        let half = matches!(wire, Wire::F16 { .. });
+        if half && state.half.is_none() {
+            state.half = Some(gpu.alloc::<f16>(n).map_err(gpu_err)?);
+        }
+        if to_host && !half && state.host_f32.is_none() {
+            state.host_f32 = Some(PinnedCopies::new(&gpu, n)?);
+        }
+        if to_host && half && state.host_f16.is_none() {
+            state.host_f16 = Some(PinnedCopies::new(&gpu, n)?);
+        }
+        for pending in [
+            state.host_f32.as_mut().map(|c| &mut c.pending),
+            state.host_f16.as_mut().map(|c| &mut c.pending),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            pending.clear();
+        }
+        let ResidentState {
+            flag,
+            half: half_buf,
+            host_f32,
+            host_f16,
+            ..
+        } = &mut **state;
+        let host_f32 = host_f32.as_mut().filter(|_| to_host && !half);
+        let host_f16 = host_f16.as_mut().filter(|_| to_host && half);
+        let mut delivery = Exchanging {
+            gpu: &gpu,
+            wire,
+            to_host,
+            flag,
+            half: half_buf.as_mut().filter(|_| half),
+            host_f32,
+            host_f16,
             on_ready,
-        )
+        };
+        let model = &mut self.model;
+        let output = run_pass(
+            |ready| model.train_on(batch, ready),
+            &mut delivery,
+            &mut |_, _| Ok(()),
+        )?;
+        state.last = Some((wire, to_host));
+        Ok(output)
+    }
+
+    /// The update's device work; see [`DeviceResident::update`].
+    fn resident_update(
+        &mut self,
+        correction: f32,
+        max_gradient_norm: f32,
+        skip: bool,
+    ) -> Result<DeviceUpdate> {
+        let gpu = self.gpu.clone();
+        let Mode::Resident(state) = &mut self.mode else {
+            return Err(missing("device-resident state"));
+        };
+        let (wire, to_host) = state.last.take().ok_or_else(|| {
+            Error::Internal("a device-resident update without a pass before it".into())
+        })?;
+        let (params, grads) = self.model.params_and_grads_mut();
+        let n = grads.len();
+        match wire {
+            Wire::F16 { .. } => {
+                let half = state.half.as_mut().ok_or_else(|| missing("f16 buffer"))?;
+                if to_host {
+                    let copies = state
+                        .host_f16
+                        .as_mut()
+                        .ok_or_else(|| missing("f16 exchange buffer"))?;
+                    copies.host.upload_async(0..n, half).map_err(gpu_err)?;
+                }
+                device_fp16::f16_to_f32_unscaled(&gpu, half, 1.0, grads).map_err(gpu_err)?;
+            }
+            Wire::F32 => {
+                if to_host {
+                    let copies = state
+                        .host_f32
+                        .as_mut()
+                        .ok_or_else(|| missing("f32 exchange buffer"))?;
+                    copies.host.upload_async(0..n, grads).map_err(gpu_err)?;
+                }
+            }
+        }
+        state.flag.reset().map_err(gpu_err)?;
+        device_fp16::has_non_finite_f32(&gpu, grads, &mut state.flag).map_err(gpu_err)?;
+        if skip || state.flag.is_set().map_err(gpu_err)? {
+            return Ok(DeviceUpdate {
+                skipped: true,
+                grad_norm: 0.0,
+            });
+        }
+        if correction != 1.0 {
+            device_optim::scale_f32(&gpu, grads, correction).map_err(gpu_err)?;
+        }
+        state.norm_sq.fill_bytes(0).map_err(gpu_err)?;
+        device_optim::sum_of_squares(&gpu, grads, &mut state.norm_sq).map_err(gpu_err)?;
+        if max_gradient_norm > 0.0 {
+            device_optim::scale_by_clip_factor(&gpu, grads, &state.norm_sq, max_gradient_norm)
+                .map_err(gpu_err)?;
+        }
+        let optimizer = state.optimizer.as_mut().ok_or_else(|| {
+            Error::Internal("a device-resident update before start_optimizer".into())
+        })?;
+        match (&mut optimizer.moments, optimizer.kind) {
+            (None, OptimizerKind::Sgd) => {
+                device_optim::sgd_step(&gpu, params, grads, optimizer.lr, 0.0).map_err(gpu_err)?
+            }
+            (Some((m, v)), OptimizerKind::Adam) => {
+                optimizer.step += 1;
+                device_optim::adam_step(
+                    &gpu,
+                    params,
+                    grads,
+                    m,
+                    v,
+                    optimizer.lr,
+                    ADAM_BETA1,
+                    ADAM_BETA2,
+                    ADAM_EPS,
+                    0.0,
+                    optimizer.step,
+                )
+                .map_err(gpu_err)?
+            }
+            (_, kind) => {
+                return Err(Error::Internal(format!(
+                    "the device optimizer {kind} has the other optimizer's state"
+                )))
+            }
+        }
+        self.host_stale = true;
+        let norm_sq = state.norm_sq.to_host().map_err(gpu_err)?;
+        Ok(DeviceUpdate {
+            skipped: false,
+            grad_norm: norm_sq.first().copied().unwrap_or(0.0).sqrt(),
+        })
+    }
+}
+
+impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> DeviceResident for GpuTrainable<M> {
+    fn start_optimizer(&mut self, kind: OptimizerKind, learning_rate: f32) -> Result<()> {
+        let n = self.params_host.len();
+        let gpu = self.gpu.clone();
+        let moments = match kind {
+            OptimizerKind::Sgd => None,
+            OptimizerKind::Adam => Some((
+                gpu.zeros::<f32>(n).map_err(gpu_err)?,
+                gpu.zeros::<f32>(n).map_err(gpu_err)?,
+            )),
+        };
+        self.resident()?.optimizer = Some(DeviceOptimizer {
+            kind,
+            lr: learning_rate,
+            moments,
+            step: 0,
+        });
+        Ok(())
+    }
+
+    fn forward_backward_exchanging(
+        &mut self,
+        batch: &Batch,
+        wire: Wire,
+        to_host: bool,
+        on_ready: &mut ExchangeCallback<'_>,
+    ) -> Result<PassOutput> {
+        let result = self.resident_pass(batch, wire, to_host, on_ready);
+        // No copy may outlive the pass: the ring reads and writes the buffers next.
+        self.settle(result)
+    }
+
+    fn cast_overflowed(&mut self) -> Result<bool> {
+        let state = self.resident()?;
+        match state.last {
+            Some((Wire::F16 { .. }, _)) => {
+                let set = state.flag.is_set().map_err(gpu_err)?;
+                state.flag.reset().map_err(gpu_err)?;
+                Ok(set)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    fn exchanged_grads(&mut self) -> Result<HostGradsMut<'_>> {
+        let state = self.resident()?;
+        let not_copied =
+            || Error::Internal("the last pass did not copy its gradients to the host".into());
+        match state.last {
+            Some((Wire::F32, true)) => {
+                let copies = state.host_f32.as_mut().ok_or_else(not_copied)?;
+                let host = copies
+                    .host
+                    .settled_mut()
+                    .ok_or_else(|| unsettled("gradient"))?;
+                Ok(HostGradsMut::F32(host))
+            }
+            Some((Wire::F16 { .. }, true)) => {
+                let copies = state.host_f16.as_mut().ok_or_else(not_copied)?;
+                let host = copies
+                    .host
+                    .settled_mut()
+                    .ok_or_else(|| unsettled("gradient"))?;
+                Ok(HostGradsMut::F16(host))
+            }
+            _ => Err(not_copied()),
+        }
+    }
+
+    fn update(
+        &mut self,
+        correction: f32,
+        max_gradient_norm: f32,
+        skip: bool,
+    ) -> Result<DeviceUpdate> {
+        let result = self.resident_update(correction, max_gradient_norm, skip);
+        // The exchange buffers' uploads must have read them before the next pass.
+        self.settle(result)
+    }
+
+    fn optimizer_state(&mut self) -> Result<OptimizerState> {
+        let optimizer = self.resident()?.optimizer.as_ref().ok_or_else(|| {
+            Error::Internal("the device optimizer's state was read before it started".into())
+        })?;
+        Ok(match &optimizer.moments {
+            None => OptimizerState::Sgd,
+            Some((m, v)) => OptimizerState::Adam {
+                m: m.to_host().map_err(gpu_err)?,
+                v: v.to_host().map_err(gpu_err)?,
+                step: optimizer.step,
+            },
+        })
+    }
+
+    fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
+        let n = self.params_host.len();
+        let optimizer = self.resident()?.optimizer.as_mut().ok_or_else(|| {
+            Error::Internal("the device optimizer's state was loaded before it started".into())
+        })?;
+        match (state, &mut optimizer.moments) {
+            (OptimizerState::Sgd, None) => {}
+            (OptimizerState::Adam { m, v, step }, Some((dm, dv))) => {
+                if m.len() != n || v.len() != n {
+                    return Err(Error::Internal(format!(
+                        "Adam state has {} / {} elements but the model has {n} parameters",
+                        m.len(),
+                        v.len()
+                    )));
+                }
+                dm.copy_from_host(&m).map_err(gpu_err)?;
+                dv.copy_from_host(&v).map_err(gpu_err)?;
+                optimizer.step = step;
+            }
+            (_, _) => {
+                return Err(Error::invalid(
+                    "--optimizer",
+                    optimizer.kind,
+                    "the checkpoint was written with the other optimizer; resume with the same --optimizer",
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    fn download_params(&mut self) -> Result<()> {
+        if self.host_stale {
+            let host = self.params_host.as_mut_slice().map_err(gpu_err)?;
+            self.model
+                .backend()
+                .download(self.model.params(), 0, host)?;
+            self.host_stale = false;
+        }
+        Ok(())
     }
 }
 
@@ -166,23 +626,34 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> TrainableModel for GpuTrain
         self.specs.clone()
     }
     fn params(&self) -> Result<&[f32]> {
+        if self.host_stale {
+            return Err(Error::Internal(
+                "the device holds newer parameters: download them first (DeviceResident::download_params)".into(),
+            ));
+        }
         self.params_host
             .settled()
             .ok_or_else(|| unsettled("parameter"))
     }
     fn params_mut(&mut self) -> Result<&mut [f32]> {
+        self.download_params()?;
         self.params_dirty = true;
         self.params_host
             .settled_mut()
             .ok_or_else(|| unsettled("parameter"))
     }
     fn params_and_grads_mut(&mut self) -> Result<(&mut [f32], &mut [f32])> {
+        let Mode::HostMirrors(grads) = &mut self.mode else {
+            return Err(Error::Internal(
+                "the model keeps its gradients on the device: it is updated there (DeviceResident::update)".into(),
+            ));
+        };
         self.params_dirty = true;
         Ok((
             self.params_host
                 .settled_mut()
                 .ok_or_else(|| unsettled("parameter"))?,
-            self.grads
+            grads
                 .host
                 .settled_mut()
                 .ok_or_else(|| unsettled("gradient"))?,
@@ -195,33 +666,40 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> TrainableModel for GpuTrain
         batch: &Batch,
         on_ready: &mut ReadyCallback<'_>,
     ) -> Result<PassOutput> {
-        let result = self.pass(batch, on_ready);
+        if let Mode::Resident(_) = self.mode {
+            return self.forward_backward_exchanging(batch, Wire::F32, true, &mut |r, g| match g {
+                HostGrads::F32(g) => on_ready(r, g),
+                HostGrads::F16(_) => Err(missing("f32 gradients")),
+            });
+        }
+        let result = self.upload_params().and_then(|()| {
+            let Mode::HostMirrors(grads) = &mut self.mode else {
+                return Err(missing("host mirrors"));
+            };
+            grads.pending.clear();
+            let model = &mut self.model;
+            run_pass(|ready| model.train_on(batch, ready), grads, on_ready)
+        });
         // No copy may outlive the pass: the trainer reads and writes both mirrors next.
-        let settled = self
-            .grads
-            .host
-            .wait_all()
-            .and_then(|()| self.params_host.wait_all())
-            .map_err(gpu_err);
-        let output = result?;
-        settled?;
-        Ok(output)
+        self.settle(result)
     }
     /// Forward only, after the parameter copy a change of the host parameters needs;
     /// the loss comes back to the host with the forward kernels.
     fn evaluate(&mut self, batches: &[Batch]) -> Result<PassOutput> {
-        let uploaded = self.upload_params();
-        let result = uploaded.and_then(|()| {
+        let result = self.upload_params().and_then(|()| {
             let model = &mut self.model;
             run_forward(|| model.held_out_loss(batches))
         });
-        // The parameter copy must have landed before the trainer writes the mirror again.
-        let settled = self.params_host.wait_all().map_err(gpu_err);
-        let output = result?;
-        settled?;
-        Ok(output)
+        // The parameter copy must have landed before the trainer writes the buffer again.
+        self.settle(result)
     }
     fn describe(&self) -> String {
         self.description.clone()
+    }
+    fn device_resident(&mut self) -> Option<&mut dyn DeviceResident> {
+        match self.mode {
+            Mode::Resident(_) => Some(self),
+            Mode::HostMirrors(_) => None,
+        }
     }
 }

@@ -9,15 +9,21 @@
 //! - [`staging`]: a data batch as the model's batch view (both are time-major: no copy);
 //! - [`pass`]: one timed pass, handing finished gradient ranges on through a [`pass::Delivery`];
 //! - [`CpuTrainable`]: a model whose buffers are host memory, ranges delivered at once;
-//! - `GpuTrainable` (feature `cuda`): a model on the GPU with pinned host mirrors, ranges
-//!   delivered once their copies have landed;
+//! - `GpuTrainable` (feature `cuda`): a model on the GPU that keeps its parameters,
+//!   gradients and optimizer state there and updates on the device ([`DeviceResident`]);
+//!   under `parameter_server` it keeps pinned host mirrors instead and is updated on the
+//!   host like a CPU model;
 //! - [`build_model`]: the model a configuration asks for, on its device.
 
 use std::ops::Range;
 
+use half::f16;
 use ringtrain_data::{LmBatch, NmtBatch};
 
+use crate::config::OptimizerKind;
 use crate::error::Result;
+use crate::optimizer::OptimizerState;
+use crate::strategy::Wire;
 
 mod build;
 mod cpu;
@@ -106,6 +112,106 @@ pub struct PassOutput {
 /// Called with each gradient range as soon as backward has finished writing it.
 pub type ReadyCallback<'a> = dyn FnMut(Range<usize>, &[f32]) -> Result<()> + 'a;
 
+/// A gradient range in the host buffer it was copied into for the exchange: f32, or
+/// f16 when the device cast it for the wire.
+#[derive(Debug)]
+pub enum HostGrads<'a> {
+    /// f32 gradients.
+    F32(&'a [f32]),
+    /// f16 gradients carrying the wire's scale.
+    F16(&'a [f16]),
+}
+
+/// The whole host exchange buffer, for a reduction in place.
+#[derive(Debug)]
+pub enum HostGradsMut<'a> {
+    /// f32 gradients.
+    F32(&'a mut [f32]),
+    /// f16 gradients carrying the wire's scale.
+    F16(&'a mut [f16]),
+}
+
+/// Called with each gradient range of a device-resident pass once its copy to the host
+/// exchange buffer has landed.
+pub type ExchangeCallback<'a> = dyn FnMut(Range<usize>, HostGrads<'_>) -> Result<()> + 'a;
+
+/// What the device-resident update of one step did.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DeviceUpdate {
+    /// The update was skipped: told to, or the gradients held an Inf or NaN.
+    pub skipped: bool,
+    /// Global gradient norm before clipping (0 when skipped).
+    pub grad_norm: f64,
+}
+
+/// A model that keeps its parameters, gradients and optimizer state on its device:
+/// clipping and the update run there, and the host sees only the gradients a multi-rank
+/// exchange needs (once each way) and a few scalars per step.
+pub trait DeviceResident {
+    /// Allocates the optimizer's state on the device (zeros). Call once before the
+    /// first update.
+    ///
+    /// # Errors
+    /// Device errors.
+    fn start_optimizer(&mut self, kind: OptimizerKind, learning_rate: f32) -> Result<()>;
+    /// Forward and backward on `batch`. Each gradient range is cast for `wire` on the
+    /// device (f16 with its scale, setting the device's non-finite flag), and, with
+    /// `to_host`, copied into the host exchange buffer and handed to `on_ready` once
+    /// landed, while backward goes on. Without `to_host` no gradient leaves the device.
+    ///
+    /// # Errors
+    /// The model's, the device's, or the first error `on_ready` returned.
+    fn forward_backward_exchanging(
+        &mut self,
+        batch: &Batch,
+        wire: Wire,
+        to_host: bool,
+        on_ready: &mut ExchangeCallback<'_>,
+    ) -> Result<PassOutput>;
+    /// Whether the last pass's f16 cast met a value that is not finite in f16 (reads the
+    /// device's flag; false for an f32 wire).
+    ///
+    /// # Errors
+    /// Device errors.
+    fn cast_overflowed(&mut self) -> Result<bool>;
+    /// The host exchange buffer the last pass copied its gradients into, to be reduced
+    /// in place.
+    ///
+    /// # Errors
+    /// [`crate::Error::Internal`] when the last pass did not copy to the host.
+    fn exchanged_grads(&mut self) -> Result<HostGradsMut<'_>>;
+    /// The update: brings the exchanged (reduced) gradients back to the device once,
+    /// undoes the wire's cast, multiplies them by `correction`, clips them to
+    /// `max_gradient_norm` (0: no clipping) and applies the optimizer, unless `skip` or
+    /// a gradient is not finite (the device's flag).
+    ///
+    /// # Errors
+    /// Device errors; an update before [`DeviceResident::start_optimizer`].
+    fn update(
+        &mut self,
+        correction: f32,
+        max_gradient_norm: f32,
+        skip: bool,
+    ) -> Result<DeviceUpdate>;
+    /// The optimizer's state, downloaded (for a checkpoint).
+    ///
+    /// # Errors
+    /// Device errors.
+    fn optimizer_state(&mut self) -> Result<OptimizerState>;
+    /// Replaces the optimizer's state with `state` (a checkpoint's), uploading it.
+    ///
+    /// # Errors
+    /// `InvalidValue` naming `--optimizer` for another optimizer's state; a state of
+    /// another size; device errors.
+    fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()>;
+    /// Copies the device's parameters into the host view that
+    /// [`TrainableModel::params`] returns (for a checkpoint, or after training).
+    ///
+    /// # Errors
+    /// Device errors.
+    fn download_params(&mut self) -> Result<()>;
+}
+
 /// A model the trainer can train.
 ///
 /// The host views of the parameters and gradients are fallible: a device model keeps
@@ -114,10 +220,12 @@ pub type ReadyCallback<'a> = dyn FnMut(Range<usize>, &[f32]) -> Result<()> + 'a;
 pub trait TrainableModel: Send {
     /// The tensors of the flat parameter buffer, in buffer order, covering it exactly.
     fn param_specs(&self) -> Vec<ParamSpec>;
-    /// The flat parameters.
+    /// The flat parameters. A device-resident model's host view is filled for the
+    /// broadcast, checkpoints and after training ([`DeviceResident::download_params`]).
     ///
     /// # Errors
-    /// [`crate::Error::Internal`] when a device mirror is not settled.
+    /// [`crate::Error::Internal`] when a device mirror is not settled, or when the device
+    /// holds newer parameters than the host view.
     fn params(&self) -> Result<&[f32]>;
     /// The flat parameters, for broadcasts and checkpoints.
     ///
@@ -153,6 +261,11 @@ pub trait TrainableModel: Send {
     /// Where this model sits in a pipeline, and the time split of its last batch
     /// (`None`: the whole model, not a pipeline stage).
     fn pipeline_stage(&self) -> Option<(crate::pipeline::StageInfo, crate::pipeline::StageTimes)> {
+        None
+    }
+    /// The model's device-resident side, when it updates on its device; `None` (the
+    /// default) for a model the trainer updates through the host views above.
+    fn device_resident(&mut self) -> Option<&mut dyn DeviceResident> {
         None
     }
 }

@@ -35,7 +35,7 @@ use summary::TimedTotals;
 fn save(
     session: &mut Session<'_>,
     path: &std::path::Path,
-    model: &dyn TrainableModel,
+    model: &mut dyn TrainableModel,
     i: usize,
     total: usize,
 ) -> Result<()> {
@@ -231,7 +231,7 @@ pub fn train_evaluating(
         if let Some(path) = output.checkpoint.as_deref() {
             let every = output.checkpoint_every as u64;
             if every > 0 && session.step % every == 0 {
-                if let Err(e) = save(&mut session, path, &*model, i, total) {
+                if let Err(e) = save(&mut session, path, &mut *model, i, total) {
                     return Err(leave(session, e));
                 }
             }
@@ -246,10 +246,14 @@ pub fn train_evaluating(
     if let Some(path) = output.checkpoint.as_deref() {
         let every = output.checkpoint_every as u64;
         if every == 0 || session.step % every != 0 {
-            if let Err(e) = save(&mut session, path, &*model, total, total) {
+            if let Err(e) = save(&mut session, path, &mut *model, total, total) {
                 return Err(leave(session, e));
             }
         }
+    }
+    // A model that updated on its device leaves the run with its host parameters current.
+    if let Some(device) = model.device_resident() {
+        device.download_params()?;
     }
     let mut report = session.report(&*model, &meter.summary(), timed, last)?;
     report.eval = evals;

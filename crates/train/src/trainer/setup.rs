@@ -15,13 +15,19 @@ use crate::pipeline::PipelineUpdate;
 use crate::strategy::Strategy;
 use crate::trainable::TrainableModel;
 
+/// A session whose model neither updates on its device nor has a host optimizer.
+pub(super) fn no_optimizer() -> Error {
+    Error::Internal("the session has no optimizer for a model updated on the host".into())
+}
+
 /// One rank's training state between steps.
 pub(super) struct Session<'a> {
     pub(super) cfg: &'a ValidatedConfig,
     pub(super) rank: usize,
     pub(super) control: Control,
     pub(super) strategy: Strategy,
-    pub(super) optimizer: Optimizer,
+    /// The host optimizer (`None`: the model updates on its device with its own).
+    pub(super) optimizer: Option<Optimizer>,
     /// The dynamic loss scale of f16 gradients (`None`: f32 gradients).
     pub(super) scaler: Option<LossScaler>,
     /// Steps completed, counting those of a resumed checkpoint.
@@ -102,7 +108,13 @@ impl<'a> Session<'a> {
             None => Strategy::new(cfg, comm, &specs)?,
         };
         let run = &cfg.config().run;
-        let mut optimizer = Optimizer::new(run.optimizer, cfg.learning_rate(), n_params);
+        let mut optimizer = match model.device_resident() {
+            Some(device) => {
+                device.start_optimizer(run.optimizer, cfg.learning_rate())?;
+                None
+            }
+            None => Some(Optimizer::new(run.optimizer, cfg.learning_rate(), n_params)),
+        };
         let fp16 = cfg.config().exchange.fp16_gradients;
         let mut scaler = fp16.then(LossScaler::default);
         let mut step = 0;
@@ -122,8 +134,14 @@ impl<'a> Session<'a> {
             });
             step = ck.step;
             last_checkpoint = output.checkpoint.clone().map(|p| (p, ck.step));
-            optimizer.load_state(ck.optimizer)?;
-            strategy.localize_optimizer_state(&mut optimizer);
+            match (optimizer.as_mut(), model.device_resident()) {
+                (Some(optimizer), _) => {
+                    optimizer.load_state(ck.optimizer)?;
+                    strategy.localize_optimizer_state(optimizer);
+                }
+                (None, Some(device)) => device.load_optimizer_state(ck.optimizer)?,
+                (None, None) => return Err(no_optimizer()),
+            }
             if fp16 {
                 scaler = Some(ck.loss_scaler.unwrap_or_default());
             }
@@ -156,9 +174,14 @@ impl<'a> Session<'a> {
     pub(super) fn save_checkpoint(
         &mut self,
         path: &Path,
-        model: &dyn TrainableModel,
+        model: &mut dyn TrainableModel,
     ) -> Result<()> {
-        let state = self.strategy.gather_optimizer_state(&self.optimizer)?;
+        // The parameter servers gather their shards' state on every rank; a model that
+        // updates on its device hands its own over on rank 0, the rank that writes.
+        let gathered = match &self.optimizer {
+            Some(optimizer) => Some(self.strategy.gather_optimizer_state(optimizer)?),
+            None => None,
+        };
         // One position per data worker: the stages of a pipeline read alike.
         let input = self
             .control
@@ -166,9 +189,25 @@ impl<'a> Session<'a> {
             .into_iter()
             .step_by(self.cfg.pipeline_stages())
             .collect();
-        let params = self.strategy.gather_params(model.params()?)?;
+        // A pipeline's stages gather their parameters on rank 0 (every rank takes part); a
+        // device-resident model (never a pipeline stage) downloads its own there, below.
+        let gathered_params = match model.device_resident() {
+            Some(_) => None,
+            None => Some(self.strategy.gather_params(model.params()?)?),
+        };
         let local = if self.rank == 0 {
-            {
+            let state = match (gathered, model.device_resident()) {
+                (Some(state), _) => Ok(state),
+                (None, Some(device)) => device
+                    .download_params()
+                    .and_then(|()| device.optimizer_state()),
+                (None, None) => Err(no_optimizer()),
+            };
+            state.and_then(|state| {
+                let params = match gathered_params {
+                    Some(params) => params,
+                    None => model.params()?.to_vec(),
+                };
                 Checkpoint {
                     config: self.cfg.config().clone(),
                     step: self.step,
@@ -178,7 +217,7 @@ impl<'a> Session<'a> {
                     input,
                 }
                 .save(path)
-            }
+            })
         } else {
             Ok(())
         };

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::setup::Session;
 use crate::error::{Error, Result};
 use crate::input::BatchSource;
-use crate::strategy::{StepContext, StepInputs, StepOutcome, StepStats, Wire};
+use crate::strategy::{DeviceStepInputs, StepContext, StepInputs, StepOutcome, StepStats, Wire};
 use crate::throughput::StepBreakdown;
 use crate::trainable::TrainableModel;
 
@@ -53,7 +53,8 @@ impl Session<'_> {
     ) -> Result<StepResult> {
         let start = Instant::now();
         let mut breakdown = StepBreakdown::default();
-        self.strategy.begin_step(self.step_context());
+        let ctx = self.step_context();
+        self.strategy.begin_step(ctx);
         let mut local = StepStats::default();
         let mut launches = 0;
         if self.batch_size > 0 {
@@ -66,8 +67,18 @@ impl Session<'_> {
             self.input = batches.position();
             breakdown.data_wait = wait.elapsed().as_secs_f64();
             let strategy = &mut self.strategy;
-            let pass = model
-                .forward_backward(&batch, &mut |range, grads| strategy.on_ready(range, grads))?;
+            let exchange = strategy.exchanges_gradients();
+            let pass = match model.device_resident() {
+                Some(device) => device.forward_backward_exchanging(
+                    &batch,
+                    ctx.wire,
+                    exchange,
+                    &mut |range, grads| strategy.on_exchanged(range, grads),
+                )?,
+                None => model.forward_backward(&batch, &mut |range, grads| {
+                    strategy.on_ready(range, grads)
+                })?,
+            };
             breakdown.forward = pass.forward_seconds;
             breakdown.backward = pass.backward_seconds;
             launches = pass.launches;
@@ -87,14 +98,24 @@ impl Session<'_> {
             // A dedicated parameter server contributes nothing to the gradient sum.
             model.params_and_grads_mut()?.1.fill(0.0);
         }
-        let (params, grads) = model.params_and_grads_mut()?;
-        let outcome = self.strategy.finish_step(StepInputs {
-            params,
-            grads,
-            local,
-            optimizer: &mut self.optimizer,
-            control: &mut self.control,
-        })?;
+        let outcome = match (self.optimizer.as_mut(), model.device_resident()) {
+            (Some(optimizer), _) => {
+                let (params, grads) = model.params_and_grads_mut()?;
+                self.strategy.finish_step(StepInputs {
+                    params,
+                    grads,
+                    local,
+                    optimizer,
+                    control: &mut self.control,
+                })?
+            }
+            (None, Some(device)) => self.strategy.finish_device_step(DeviceStepInputs {
+                model: device,
+                local,
+                control: &mut self.control,
+            })?,
+            (None, None) => return Err(super::setup::no_optimizer()),
+        };
         breakdown.communication = outcome.communication_seconds;
         breakdown.optimizer = outcome.optimizer_seconds;
         if let Some(s) = self.scaler.as_mut() {

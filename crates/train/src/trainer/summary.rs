@@ -17,7 +17,7 @@ pub(super) struct TimedTotals {
     pub(super) words: f64,
     /// This rank's kernel launches in the timed batches.
     pub(super) launches: f64,
-    /// Bytes this process copied host -> device and device -> host in the timed batches
+    /// Bytes this rank copied host -> device and device -> host in the timed batches
     /// (`None` on cpu).
     pub(super) copied: Option<(u64, u64)>,
     /// This rank's pipeline stage and its compute and wait seconds over the timed
@@ -25,12 +25,13 @@ pub(super) struct TimedTotals {
     pub(super) stage: Option<(usize, String, f64, f64)>,
 }
 
-/// Bytes this process has copied between host and device so far, as (to device, to
-/// host): ringtrain-cuda's counters, incremented by its copy functions. `None` on cpu.
+/// Bytes this rank's thread has copied between host and device so far, as (to device,
+/// to host): ringtrain-cuda's counters, incremented by its copy functions (per thread,
+/// so ranks that share a process as threads count only their own). `None` on cpu.
 pub(super) fn copied_bytes(device: DeviceKind) -> Option<(u64, u64)> {
     #[cfg(feature = "cuda")]
     if device == DeviceKind::Cuda {
-        let t = ringtrain_cuda::TransferBytes::process();
+        let t = ringtrain_cuda::TransferBytes::this_thread();
         return Some((t.to_device, t.to_host));
     }
     let _ = device;
