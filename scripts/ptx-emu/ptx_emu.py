@@ -212,6 +212,13 @@ def _fma_f32(a, b, c):
     c64 = c.astype(np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
         s = p + c64
+        # Rounding s to float32 can differ from rounding p + c only where s lies exactly
+        # halfway between two float32 values: in the normal range its 29 low mantissa bits
+        # are then 1 followed by zeros; below it (float32 subnormals) more bits count, so
+        # every such s takes the exact path too. Otherwise one rounding is the answer.
+        halfway = (s.view(np.uint64) & np.uint64(0x1FFFFFFF)) == np.uint64(0x10000000)
+        if not (halfway | (np.abs(s) < np.float64(2.0**-126))).any():
+            return s.astype(np.float32)
         bb = s - p
         err = (p - (s - bb)) + (c64 - bb)  # TwoSum: s + err == p + c exactly
         r = s.astype(np.float32)
