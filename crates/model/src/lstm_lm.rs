@@ -108,15 +108,22 @@ impl LstmLm {
         steps: usize,
         batch: usize,
     ) -> (&'w Buf, usize, usize) {
+        let (offset, len) = self.unit_output_span(u, steps, batch);
+        let buf = if u == 0 {
+            &w.emb.out
+        } else {
+            &w.layers[u - 1].hiddens
+        };
+        (buf, offset, len)
+    }
+
+    /// Offset and length of unit `u`'s output in its buffer (see [`Self::unit_output`]).
+    fn unit_output_span(&self, u: usize, steps: usize, batch: usize) -> (usize, usize) {
         if u == 0 {
-            (&w.emb.out, 0, steps * batch * self.emb.width)
+            (0, steps * batch * self.emb.width)
         } else {
             let layer = &self.layers[u - 1];
-            (
-                &w.layers[u - 1].hiddens,
-                layer.output_offset(batch),
-                steps * batch * layer.hidden,
-            )
+            (layer.output_offset(batch), steps * batch * layer.hidden)
         }
     }
 
@@ -128,16 +135,13 @@ impl LstmLm {
         steps: usize,
         batch: usize,
     ) -> (&'w mut Buf, usize, usize) {
-        if u == 0 {
-            (&mut w.emb.out, 0, steps * batch * self.emb.width)
+        let (offset, len) = self.unit_output_span(u, steps, batch);
+        let buf = if u == 0 {
+            &mut w.emb.out
         } else {
-            let layer = &self.layers[u - 1];
-            (
-                &mut w.layers[u - 1].hiddens,
-                layer.output_offset(batch),
-                steps * batch * layer.hidden,
-            )
-        }
+            &mut w.layers[u - 1].hiddens
+        };
+        (buf, offset, len)
     }
 
     /// Where the gradient w.r.t. the output of unit `u` (not the projection) lies.
