@@ -69,6 +69,10 @@ pub struct AllreduceBenchArgs {
     /// all-reduce, taking turns; the medians are compared).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub fusion_steps: u64,
+    /// Draw the table's bus bandwidth against message size, a line per algorithm, into
+    /// this SVG file (rank 0; an existing one is replaced).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Write a Chrome-trace timeline of the fused case (`FILE` becomes `FILE.rank<R>.json`).
     #[arg(long)]
     pub timeline: Option<PathBuf>,
@@ -162,6 +166,28 @@ pub struct FusionOverheadEntry {
     pub ratio: f64,
 }
 
+/// The bus bandwidth of `rows` against message size, a line per algorithm.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub fn busbw_chart(rows: &[AllreduceRow], ranks: usize) -> crate::plot::Chart {
+    let mut lines: Vec<crate::plot::Line> = Vec::new();
+    for r in rows {
+        let point = (r.bytes as f64, r.busbw);
+        match lines.iter_mut().find(|l| l.name == r.algorithm) {
+            Some(line) => line.points.push(point),
+            None => lines.push(crate::plot::Line {
+                name: r.algorithm.clone(),
+                points: vec![point],
+                predicted: false,
+            }),
+        }
+    }
+    let dtype = rows.first().map_or("", |r| r.dtype.as_str());
+    crate::plot::Chart::Busbw {
+        title: format!("all-reduce bus bandwidth, {ranks} ranks, {dtype}"),
+        lines,
+    }
+}
+
 /// Runs the benchmark on this rank (every rank of the mpirun job must run it).
 #[cfg(feature = "mpi")]
 pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> {
@@ -225,6 +251,10 @@ pub fn run(args: &AllreduceBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
                 "writing the --json table",
             )?;
             println!("# rows written to {}", path.display());
+        }
+        if let Some(path) = &args.plot {
+            crate::plot::write_svg("--plot", path, &[busbw_chart(&rows, comm.size())])?;
+            println!("# plot written to {}", path.display());
         }
     }
     drop(comm);
@@ -336,6 +366,9 @@ fn check_outputs(
     let mut local = Ok(());
     if let (0, Some(path)) = (rank, &args.json) {
         local = check_output_file("--json", path, "allreduce.json");
+    }
+    if let (0, Ok(()), Some(path)) = (rank, &local, &args.plot) {
+        local = check_output_file("--plot", path, "busbw.svg");
     }
     if let (Ok(()), Some(path)) = (&local, &args.timeline) {
         let own = ringtrain_collective::timeline_path_for_rank(path, rank);

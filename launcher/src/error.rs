@@ -47,6 +47,16 @@ pub enum LauncherError {
     /// A signal handler could not be installed.
     #[error("installing the signal handlers failed: {0}")]
     Signals(#[source] std::io::Error),
+    /// A plot could not be drawn.
+    #[error("could not draw the plot for {flag} `{}`: {reason}", path.display())]
+    Plot {
+        /// The option that asked for it.
+        flag: &'static str,
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        reason: String,
+    },
     /// A benchmark failed.
     #[error("benchmark failed: {0}")]
     Bench(String),

@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand};
 mod bench_allreduce;
 mod error;
 mod launch;
+mod plot;
 mod sweep;
 mod train_cmd;
 

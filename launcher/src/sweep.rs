@@ -52,6 +52,11 @@ pub struct SweepArgs {
     #[arg(long)]
     pub json: Option<PathBuf>,
 
+    /// Draw the sweep into this SVG file (an existing one is replaced): speedup against
+    /// ranks with the ideal line, beside the step's breakdown as a stacked bar per run.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+
     /// Directory for each run's JSON report (default: the system temp directory).
     #[arg(long)]
     pub report_dir: Option<PathBuf>,
@@ -353,6 +358,9 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     if let Some(path) = &args.json {
         check_output_file("--json", path, "sweep.json")?;
     }
+    if let Some(path) = &args.plot {
+        check_output_file("--plot", path, "sweep.svg")?;
+    }
     let dir = args.report_dir.clone().unwrap_or_else(std::env::temp_dir);
     let base_cmd = without_json_report(&args.command);
     if !args.compare.is_empty() {
@@ -378,6 +386,11 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     }
     if !reports.is_empty() {
         print_rows(args, &rows(&reports))?;
+        let runs: Vec<(String, &RunReport)> = reports
+            .iter()
+            .map(|r| (r.config.model.model.to_string(), r))
+            .collect();
+        write_plot(args, &runs)?;
     }
     match failure {
         None => Ok(()),
@@ -411,10 +424,7 @@ fn run_compare(
     let mut failure = None;
     'counts: for &np in &args.np {
         for &experiment in &args.compare {
-            let name = match experiment {
-                Experiment::Data => "data",
-                Experiment::Pipeline => "pipeline",
-            };
+            let name = experiment_name(experiment);
             let report_path = dir.join(format!(
                 "ringtrain-sweep-{}-{name}-np{np}.json",
                 std::process::id()
@@ -445,6 +455,11 @@ fn run_compare(
                 "writing the sweep table",
             )?;
         }
+        let plotted: Vec<(String, &RunReport)> = runs
+            .iter()
+            .map(|(e, r)| (experiment_name(*e).to_string(), r))
+            .collect();
+        write_plot(args, &plotted)?;
     }
     match failure {
         None => Ok(()),
@@ -455,6 +470,72 @@ fn run_compare(
             );
             Err(e)
         }
+    }
+}
+
+/// The sweep's charts: speedup against ranks, a line per series (`runs` are
+/// `(series, report)` in run order; speedups are against the first run), with the
+/// ideal line, and the step breakdown as a stacked bar per run.
+pub fn charts(runs: &[(String, &RunReport)]) -> Vec<crate::plot::Chart> {
+    use crate::plot::{breakdown_phases, Bar, Chart, Line};
+
+    let base = runs.first().map_or(0.0, |(_, r)| r.words_per_sec);
+    let mut lines: Vec<Line> = Vec::new();
+    let mut bars = Vec::new();
+    let mut phases = Vec::new();
+    for (series, r) in runs {
+        let speedup = if base > 0.0 {
+            r.words_per_sec / base
+        } else {
+            0.0
+        };
+        let point = (r.ranks as f64, speedup);
+        match lines.iter_mut().find(|l| &l.name == series) {
+            Some(line) => line.points.push(point),
+            None => lines.push(Line {
+                name: series.clone(),
+                points: vec![point],
+                predicted: false,
+            }),
+        }
+        let (names, parts) = breakdown_phases(&r.breakdown);
+        phases = names;
+        let ranks = match r.ranks {
+            1 => "1 rank".to_string(),
+            n => format!("{n} ranks"),
+        };
+        let label = if runs.iter().all(|(s, _)| s == series) {
+            ranks
+        } else {
+            format!("{series}, {ranks}")
+        };
+        bars.push(Bar { label, parts });
+    }
+    vec![
+        Chart::Speedup {
+            title: "speedup against ranks".to_string(),
+            lines,
+        },
+        Chart::Breakdown {
+            title: "step breakdown".to_string(),
+            phases,
+            bars,
+        },
+    ]
+}
+
+fn write_plot(args: &SweepArgs, runs: &[(String, &RunReport)]) -> Result<()> {
+    if let Some(path) = &args.plot {
+        crate::plot::write_svg("--plot", path, &charts(runs))?;
+        println!("plot written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn experiment_name(e: Experiment) -> &'static str {
+    match e {
+        Experiment::Data => "data",
+        Experiment::Pipeline => "pipeline",
     }
 }
 

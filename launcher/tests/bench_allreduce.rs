@@ -1,6 +1,7 @@
 //! `ringtrain bench allreduce` under mpirun: the fusion-overhead rows (baseline, fused
 //! step and their ratio, per way of submitting) are printed and written to the `--json`
-//! file beside the table's rows. Times are only checked to be positive numbers.
+//! file beside the table's rows, and `--plot` draws the table. Times are only checked to be
+//! positive numbers.
 
 mod support;
 
@@ -14,6 +15,7 @@ const LIMIT: Duration = Duration::from_secs(180);
 fn fusion_overhead_rows_are_printed_and_written_as_json_entries() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("allreduce.json");
+    let plot = dir.path().join("busbw.svg");
     let mut cmd = ringtrain();
     cmd.args(["launch", "--np", "2", "--", "bench", "allreduce"])
         .args([
@@ -26,7 +28,9 @@ fn fusion_overhead_rows_are_printed_and_written_as_json_entries() {
         ])
         .args(["--fusion-tensors", "3,5", "--fusion-tensor-bytes", "256,1K"])
         .args(["--fusion-steps", "2", "--json"])
-        .arg(&json);
+        .arg(&json)
+        .arg("--plot")
+        .arg(&plot);
     let out = output_within(cmd, LIMIT, "ringtrain bench allreduce");
     let (stdout, stderr) = texts(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
@@ -98,4 +102,17 @@ fn fusion_overhead_rows_are_printed_and_written_as_json_entries() {
             "ratio = fused / base: {e}"
         );
     }
+
+    // The plot: bus bandwidth against size, a line with a point per size for each
+    // algorithm of the table (ring and MPI's).
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    for text in [
+        "all-reduce bus bandwidth, 2 ranks, f32",
+        "ring",
+        "mpi",
+        "busbw (GB/s)",
+    ] {
+        assert!(svg.contains(text), "the plot lacks `{text}`");
+    }
+    assert_eq!(svg.matches("<circle").count(), 4, "2 sizes x 2 algorithms");
 }

@@ -138,12 +138,15 @@ fn three_ranks_uneven_total_batch_and_parameter_server() {
 fn sweep_prints_the_seeds_table_and_json() {
     let dir = tempfile::tempdir().unwrap();
     let json_path = dir.path().join("sweep.json");
+    let plot_path = dir.path().join("sweep.svg");
     let mut args = strings(&[
         "sweep",
         "--np",
         "1,2",
         "--json",
         &json_path.display().to_string(),
+        "--plot",
+        &plot_path.display().to_string(),
         "--",
         "train",
     ]);
@@ -178,6 +181,21 @@ fn sweep_prints_the_seeds_table_and_json() {
         stdout.contains("| 1 | 2 |") && stdout.contains("| 2 | 2 |"),
         "{stdout}"
     );
+    // The plot: the speedup chart (measured points, the ideal line) beside the
+    // breakdown's stacked bars, one per rank count.
+    let svg = std::fs::read_to_string(&plot_path).unwrap();
+    assert!(svg.starts_with("<svg"), "{svg}");
+    for text in [
+        "speedup against ranks",
+        "ideal (linear)",
+        "step breakdown",
+        "1 rank",
+        "2 ranks",
+        "backward",
+    ] {
+        assert!(svg.contains(text), "the plot lacks `{text}`");
+    }
+    assert_eq!(svg.matches("<circle").count(), 2, "a point per rank count");
 }
 
 #[test]
@@ -333,6 +351,7 @@ fn two_pipeline_stages_under_mpirun_report_the_pipeline() {
 fn sweep_compares_data_parallel_with_a_pipeline_at_the_same_rank_count() {
     let dir = tempfile::tempdir().unwrap();
     let json_path = dir.path().join("compare.json");
+    let plot_path = dir.path().join("compare.svg");
     let mut args = strings(&[
         "sweep",
         "--np",
@@ -341,6 +360,8 @@ fn sweep_compares_data_parallel_with_a_pipeline_at_the_same_rank_count() {
         "data,pipeline",
         "--json",
         &json_path.display().to_string(),
+        "--plot",
+        &plot_path.display().to_string(),
         "--",
         "train",
     ]);
@@ -385,4 +406,8 @@ fn sweep_compares_data_parallel_with_a_pipeline_at_the_same_rank_count() {
         }
     }
     assert!(rows[1]["throughput"].as_f64().unwrap() > 0.0);
+    let svg = std::fs::read_to_string(&plot_path).unwrap();
+    for text in ["data, 2 ranks", "pipeline, 2 ranks", "communication"] {
+        assert!(svg.contains(text), "the plot lacks `{text}`");
+    }
 }

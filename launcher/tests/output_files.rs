@@ -215,13 +215,31 @@ fn sweep_checks_its_outputs_before_the_first_count() {
         !out.status.success() && stderr.contains("--report-dir") && !stderr.contains("mpirun -np"),
         "{stderr}"
     );
+    let mut cmd = ringtrain();
+    cmd.args(["sweep", "--np", "1", "--plot"])
+        .arg(dir.path())
+        .args(["--", "train"])
+        .args(TINY);
+    let out = output_within(cmd, LIMIT, "ringtrain sweep");
+    let (_, stderr) = texts(&out);
+    assert!(
+        !out.status.success()
+            && stderr.contains("--plot")
+            && stderr.contains("is a directory")
+            && !stderr.contains("mpirun -np"),
+        "{stderr}"
+    );
 }
 
 #[test]
 fn bench_checks_its_output_files_before_measuring() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("missing");
-    for (flag, file) in [("--json", "rows.json"), ("--timeline", "trace.json")] {
+    for (flag, file) in [
+        ("--json", "rows.json"),
+        ("--timeline", "trace.json"),
+        ("--plot", "busbw.svg"),
+    ] {
         let mut cmd = ringtrain();
         cmd.args(["launch", "--np", "2", "--", "bench", "allreduce"])
             .args([
