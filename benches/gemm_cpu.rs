@@ -4,7 +4,9 @@
 //! NN (forward), NT (gradient w.r.t. the input) and TN (weight gradient over all steps).
 //!
 //! Run: `cargo bench -p ringtrain --bench gemm_cpu`. Prints GFLOP/s of each crate with one
-//! and two threads and the ratio gemm / matrixmultiply.
+//! and two threads and the ratio gemm / matrixmultiply; then, at the same shapes, our bf16
+//! kernels (`ringtrain_kernels::gemm_bf16`, f32 accumulation; the path this CPU took is
+//! printed) against the `gemm` crate's f32 product, and the ratio bf16 / f32.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -266,6 +268,120 @@ fn main() {
     let n = shapes.len() as f64;
     println!(
         "geometric mean ratio gemm / matrixmultiply: 1 thread {:.2}, 2 threads {:.2}",
+        (sum_log_ratio[0] / n).exp(),
+        (sum_log_ratio[1] / n).exp()
+    );
+    bf16_table(&shapes, budget, &pool2);
+}
+
+/// Our bf16 products (operands already bf16, f32 accumulation) against the `gemm`
+/// crate's f32 product at the same shapes.
+fn bf16_table(shapes: &[Shape], budget: Duration, pool2: &rayon::ThreadPool) {
+    use ringtrain_kernels::bf16;
+    use ringtrain_kernels::gemm_bf16::{Bf16Path, MatRef};
+
+    let path = Bf16Path::detect();
+    println!();
+    println!(
+        "gemm_cpu bf16: GFLOP/s (baseline = gemm 0.19 f32, ours = ringtrain bf16 path `{}`), ratio = bf16 / f32",
+        path.name()
+    );
+    for p in Bf16Path::ALL {
+        if let Some(why) = p.unavailable_reason() {
+            println!("  path {} not on this CPU: {why}", p.name());
+        }
+    }
+    println!(
+        "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8} {:>8} {:>6} | {:>8} {:>8} {:>6}",
+        "product", "op", "M", "N", "K", "f32 1t", "bf16 1t", "ratio", "f32 2t", "bf16 2t", "ratio"
+    );
+    let mut sum_log_ratio = [0.0f64; 2];
+    for s in shapes {
+        let a: Vec<f32> = (0..s.m * s.k)
+            .map(|i| ((i % 97) as f32 - 48.0) * 0.01)
+            .collect();
+        let bm: Vec<f32> = (0..s.k * s.n)
+            .map(|i| ((i % 89) as f32 - 44.0) * 0.01)
+            .collect();
+        let a16: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
+        let b16: Vec<bf16> = bm.iter().map(|&x| bf16::from_f32(x)).collect();
+        let views = || {
+            let (a_rows, a_cols, b_rows, b_cols) = match s.layout {
+                Layout::Nn => (s.m, s.k, s.k, s.n),
+                Layout::Nt => (s.m, s.k, s.n, s.k),
+                Layout::Tn => (s.k, s.m, s.k, s.n),
+            };
+            let a = MatRef::row_major(&a16, a_rows, a_cols).expect("A's shape");
+            let b = MatRef::row_major(&b16, b_rows, b_cols).expect("B's shape");
+            match s.layout {
+                Layout::Nn => (a, b),
+                Layout::Nt => (a, b.t()),
+                Layout::Tn => (a.t(), b),
+            }
+        };
+        let (av, bv) = views();
+        let mut c32 = vec![0.0f32; s.m * s.n];
+        let mut c16 = vec![0.0f32; s.m * s.n];
+        gemm_crate(s, &a, &bm, &mut c32, 1);
+        if let Err(e) = ringtrain_kernels::gemm_bf16::gemm_bf16(path, av, bv, &mut c16, s.n, false)
+        {
+            eprintln!("gemm_cpu: bf16 {}: {e}", s.what);
+            std::process::exit(1);
+        }
+        // The operands differ by bf16 rounding only: the products must agree closely.
+        let scale = c32.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1.0);
+        let max_diff = c32
+            .iter()
+            .zip(&c16)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        if max_diff > 2e-2 * scale {
+            eprintln!(
+                "gemm_cpu: bf16 {} differs from f32 by {max_diff} (scale {scale})",
+                s.what
+            );
+            std::process::exit(1);
+        }
+        let flop = 2.0 * (s.m * s.n * s.k) as f64;
+        let mut row = Vec::new();
+        for threads in [1usize, 2] {
+            let (t32, t16) = pool2.install(|| {
+                let t32 = time_it(budget, || {
+                    gemm_crate(s, black_box(&a), &bm, &mut c32, threads)
+                });
+                let t16 = time_it(budget, || {
+                    let result = if threads > 1 {
+                        ringtrain_kernels::par::gemm_bf16(path, av, bv, &mut c16, s.n, false)
+                    } else {
+                        ringtrain_kernels::gemm_bf16::gemm_bf16(path, av, bv, &mut c16, s.n, false)
+                    };
+                    black_box(result).expect("checked above");
+                });
+                (t32, t16)
+            });
+            let (g32, g16) = (flop / t32 * 1e-9, flop / t16 * 1e-9);
+            sum_log_ratio[threads - 1] += (g16 / g32).ln();
+            row.push((g32, g16));
+        }
+        println!(
+            "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8.1} {:>8.1} {:>6.2} | {:>8.1} {:>8.1} {:>6.2}",
+            s.what,
+            s.layout.name(),
+            s.m,
+            s.n,
+            s.k,
+            row[0].0,
+            row[0].1,
+            row[0].1 / row[0].0,
+            row[1].0,
+            row[1].1,
+            row[1].1 / row[1].0
+        );
+    }
+    let n = shapes.len() as f64;
+    println!(
+        "geometric mean ratio bf16 ({}) / f32: 1 thread {:.2}, 2 threads {:.2}",
+        path.name(),
         (sum_log_ratio[0] / n).exp(),
         (sum_log_ratio[1] / n).exp()
     );

@@ -77,7 +77,9 @@
 //!
 //! # Features
 //!
-//! - `alloc`: [`lstm_cell_reference`].
+//! - `alloc`: [`lstm_cell_reference`], and [`gemm_bf16`]: matrix products of bf16
+//!   operands with f32 accumulation (AVX-512 BF16 where the CPU has it, detected at run
+//!   time with `std`; a portable path everywhere).
 //! - `std` (default): `alloc`, plus `std::error::Error` through `thiserror`.
 //! - `rayon`: `std`, plus the parallel twins in `par`.
 #![no_std]
@@ -89,6 +91,8 @@ extern crate alloc;
 extern crate std;
 
 mod error;
+#[cfg(feature = "alloc")]
+pub mod gemm_bf16;
 pub mod lstm;
 pub mod optim;
 #[cfg(feature = "rayon")]

@@ -1,7 +1,8 @@
 //! Parallel twins of the hot kernels (feature `rayon`), with the same names, signatures
 //! and errors as the serial functions.
 //!
-//! Work is split over batch rows (LSTM), logit rows (softmax) or fixed blocks of
+//! Work is split over batch rows (LSTM), logit rows (softmax), blocks of
+//! [`crate::gemm_bf16::MC`] rows of C (bf16 matrix products) or fixed blocks of
 //! [`PAR_BLOCK`] elements (element-wise kernels). Every element is computed by the same
 //! code as in the serial kernel and no value is ever combined across blocks in an order
 //! rayon chooses, so the results equal the serial ones bit for bit whatever the thread
@@ -384,4 +385,53 @@ fn adam_par(s: &optim::AdamStep, params: &mut [f32], grads: &[f32], m: &mut [f32
         .zip(m.par_chunks_mut(PAR_BLOCK))
         .zip(v.par_chunks_mut(PAR_BLOCK))
         .for_each(|(((p, g), m), v)| s.apply(p, g, m, v));
+}
+
+/// Parallel [`crate::gemm_bf16::gemm_bf16`]: C's rows split into blocks of
+/// [`crate::gemm_bf16::MC`], one task each (every task packs its own panels of B). Each
+/// element of C is computed by the same micro-kernel in the same order as in the serial
+/// product, so the results are the same bits.
+///
+/// # Errors
+/// As the serial kernel.
+pub fn gemm_bf16(
+    path: crate::gemm_bf16::Bf16Path,
+    a: crate::gemm_bf16::MatRef<'_>,
+    b: crate::gemm_bf16::MatRef<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) -> Result<()> {
+    use crate::gemm_bf16::{check, MC};
+
+    check(&a, &b, c, ldc)?;
+    if !path.available() {
+        // The serial kernel names the missing feature.
+        return crate::gemm_bf16::gemm_bf16(path, a, b, c, ldc, accumulate);
+    }
+    let (m, n) = (a.rows(), b.cols());
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let c = &mut c[..(m - 1) * ldc + n];
+    // Blocks of MC rows of C: every block but the last is MC full rows of ldc.
+    let mut blocks: alloc::vec::Vec<(usize, &mut [f32])> =
+        alloc::vec::Vec::with_capacity(m.div_ceil(MC));
+    let mut rest = c;
+    let mut row = 0;
+    while row < m {
+        let rows = MC.min(m - row);
+        let take = if row + rows == m {
+            rest.len()
+        } else {
+            rows * ldc
+        };
+        let (block, tail) = core::mem::take(&mut rest).split_at_mut(take);
+        blocks.push((row, block));
+        rest = tail;
+        row += rows;
+    }
+    blocks.into_par_iter().try_for_each(|(row, block)| {
+        crate::gemm_bf16::gemm_bf16(path, a.row_range(row, row + MC), b, block, ldc, accumulate)
+    })
 }

@@ -1,0 +1,665 @@
+//! Matrix products of bf16 operands with f32 accumulation: `C = A·B` or `C += A·B`, with
+//! A `[m, k]` and B `[k, n]` in any strides (so every layout a backend uses, NN, NT and
+//! TN, is a view of the stored matrix) and C row-major `[m, n]` with row stride `ldc`.
+//!
+//! ```
+//! use ringtrain_kernels::gemm_bf16::{gemm_bf16, Bf16Path, MatRef};
+//! use ringtrain_kernels::bf16;
+//!
+//! // A [2, 3] row-major, B [2, 3] row-major used transposed (NT): C = A·Bᵀ, [2, 2].
+//! let a: Vec<bf16> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0].iter().map(|&x| bf16::from_f32(x)).collect();
+//! let b = a.clone();
+//! let mut c = vec![0.0f32; 4];
+//! let path = Bf16Path::detect();
+//! gemm_bf16(path, MatRef::row_major(&a, 2, 3)?, MatRef::row_major(&b, 2, 3)?.t(), &mut c, 2, false)?;
+//! assert_eq!(c, [14.0, 32.0, 32.0, 77.0]);
+//! # Ok::<(), ringtrain_kernels::Error>(())
+//! ```
+//!
+//! # Paths
+//!
+//! [`Bf16Path::detect`] picks the fastest path the CPU has, at run time:
+//! - [`Bf16Path::Avx512Bf16`]: `VDPBF16PS`, which multiplies pairs of bf16 and adds both
+//!   products to an f32 lane. CPUs with AVX-512 BF16: Intel Cooper Lake, Sapphire Rapids
+//!   and later Xeons, AMD Zen 4 and Zen 5.
+//! - [`Bf16Path::Portable`]: every other CPU (and `no_std` builds, which cannot ask the
+//!   CPU). It gives the same bits as the f32 product of the operands widened to f32, each
+//!   element accumulated in order of `k` with one rounding per multiply and per add.
+//!
+//! An AMX-BF16 path (tile registers, `TDPBF16PS`; Sapphire Rapids and later) is not
+//! written yet: those CPUs take the AVX-512 BF16 path.
+//!
+//! # Accuracy
+//!
+//! The operands are exact bf16 values; products of two bf16 are exact in f32, so the
+//! only rounding is the f32 accumulation: every path is within `k · 2⁻²⁴ · Σ|a·b|` of the
+//! exact (f64) product of the same operands, which the tests check. `VDPBF16PS` adds the
+//! two products of a pair to the lane one after the other, treats subnormal inputs as
+//! zero and flushes subnormal results to zero, so it differs from the portable path in
+//! the last bits.
+//!
+//! # Blocking
+//!
+//! Both paths share one driver (the classic Goto layout): B is packed into panels of
+//! [`NR`] columns times [`KC`] rows, as pairs of consecutive `k` in one 32-bit word, A into
+//! panels of [`MR`] rows, and a micro-kernel keeps an `MR × NR` block of C in registers
+//! while it walks `k`. Edges are zero-padded in the packs, so any shape works, including
+//! 1 and sizes that are not multiples of the block.
+
+use alloc::vec;
+use alloc::vec::Vec;
+
+use half::bf16;
+
+use crate::error::{Error, Result, Value};
+
+/// Rows of C a micro-kernel computes at once.
+pub const MR: usize = 8;
+/// Columns of C a micro-kernel computes at once (two 16-lane f32 vectors).
+pub const NR: usize = 32;
+/// `k` per packed block (a multiple of 2: k is packed in pairs).
+pub const KC: usize = 256;
+/// Rows of A per packed block (a multiple of [`MR`]).
+pub const MC: usize = 128;
+/// Columns of B per packed block (a multiple of [`NR`]).
+pub const NC: usize = 1024;
+
+/// A read-only strided view of a bf16 matrix: element `(r, c)` is
+/// `data[r * row_stride + c * col_stride]`.
+#[derive(Debug, Clone, Copy)]
+pub struct MatRef<'a> {
+    data: &'a [bf16],
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// A row-major `[rows, cols]` matrix stored in the first `rows * cols` elements.
+    pub fn row_major(data: &'a [bf16], rows: usize, cols: usize) -> Result<Self> {
+        Self::strided(data, rows, cols, cols, 1)
+    }
+
+    /// A `[rows, cols]` view with the given strides (checked against `data`'s length).
+    pub fn strided(
+        data: &'a [bf16],
+        rows: usize,
+        cols: usize,
+        row_stride: usize,
+        col_stride: usize,
+    ) -> Result<Self> {
+        let span = if rows == 0 || cols == 0 {
+            0
+        } else {
+            (rows - 1) * row_stride + (cols - 1) * col_stride + 1
+        };
+        if data.len() < span {
+            return Err(Error::ShapeMismatch {
+                arg: "data",
+                expected: span,
+                actual: data.len(),
+            });
+        }
+        Ok(MatRef {
+            data,
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+        })
+    }
+
+    /// The transposed view (no copy).
+    pub fn t(self) -> Self {
+        MatRef {
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+            ..self
+        }
+    }
+
+    /// Rows `start..end` of the view (`end` clamped to the rows).
+    pub fn row_range(self, start: usize, end: usize) -> Self {
+        let end = end.min(self.rows);
+        let start = start.min(end);
+        MatRef {
+            data: if start == end {
+                &[]
+            } else {
+                &self.data[start * self.row_stride..]
+            },
+            rows: end - start,
+            ..self
+        }
+    }
+
+    /// Rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    #[inline]
+    fn bits(&self, r: usize, c: usize) -> u32 {
+        u32::from(self.data[r * self.row_stride + c * self.col_stride].to_bits())
+    }
+}
+
+/// Which kernel computes the product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Path {
+    /// Plain f32 arithmetic on the widened operands (every CPU).
+    Portable,
+    /// `VDPBF16PS` on 512-bit vectors (AVX-512 F and BF16).
+    Avx512Bf16,
+}
+
+impl Bf16Path {
+    /// The fastest path this CPU has (the portable one without `std`, which cannot ask).
+    pub fn detect() -> Self {
+        if Bf16Path::Avx512Bf16.available() {
+            Bf16Path::Avx512Bf16
+        } else {
+            Bf16Path::Portable
+        }
+    }
+
+    /// Whether this CPU can run the path.
+    pub fn available(self) -> bool {
+        match self {
+            Bf16Path::Portable => true,
+            Bf16Path::Avx512Bf16 => avx512::available(),
+        }
+    }
+
+    /// Why the path cannot run here (`None` when it can), for reports and skipped tests.
+    pub fn unavailable_reason(self) -> Option<&'static str> {
+        (!self.available()).then_some(match self {
+            Bf16Path::Portable => "",
+            Bf16Path::Avx512Bf16 => avx512::MISSING,
+        })
+    }
+
+    /// The name (`portable`, `avx512-bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Path::Portable => "portable",
+            Bf16Path::Avx512Bf16 => "avx512-bf16",
+        }
+    }
+
+    /// Every path, the portable one first.
+    pub const ALL: [Bf16Path; 2] = [Bf16Path::Portable, Bf16Path::Avx512Bf16];
+}
+
+/// A micro-kernel: `pairs` k-pairs of a packed A panel (`pairs * MR` words) and B panel
+/// (`pairs * NR` words), accumulated into the row-major `MR × NR` tile.
+type MicroKernel = unsafe fn(pairs: usize, a: *const u32, b: *const u32, tile: *mut f32);
+
+/// `C = A·B` (`accumulate == false`) or `C += A·B`, A `[m, k]`, B `[k, n]`, C row-major
+/// with row stride `ldc` (its first `(m - 1) * ldc + n` elements are used), on `path`.
+///
+/// Checks every shape first and writes nothing on an error; a path this CPU lacks is
+/// [`Error::InvalidValue`] (use [`Bf16Path::detect`]).
+pub fn gemm_bf16(
+    path: Bf16Path,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let kernel: MicroKernel = match path {
+        Bf16Path::Portable => portable_kernel,
+        Bf16Path::Avx512Bf16 => match avx512::kernel() {
+            Some(k) => k,
+            None => {
+                return Err(Error::InvalidValue {
+                    name: "path",
+                    value: Value::Count(1),
+                    reason: "this CPU lacks AVX-512 BF16: use Bf16Path::detect()",
+                })
+            }
+        },
+    };
+    drive(kernel, a, b, c, ldc, accumulate)
+}
+
+pub(crate) fn check(a: &MatRef<'_>, b: &MatRef<'_>, c: &[f32], ldc: usize) -> Result<()> {
+    if a.cols != b.rows {
+        return Err(Error::ShapeMismatch {
+            arg: "b (rows)",
+            expected: a.cols,
+            actual: b.rows,
+        });
+    }
+    let (m, n) = (a.rows, b.cols);
+    if m > 0 && n > 0 && ldc < n {
+        return Err(Error::InvalidValue {
+            name: "ldc",
+            value: Value::Count(ldc),
+            reason: "the row stride of C must be at least its columns (n)",
+        });
+    }
+    let span = if m == 0 || n == 0 {
+        0
+    } else {
+        (m - 1) * ldc + n
+    };
+    if c.len() < span {
+        return Err(Error::ShapeMismatch {
+            arg: "c",
+            expected: span,
+            actual: c.len(),
+        });
+    }
+    Ok(())
+}
+
+/// The blocked driver shared by every path.
+fn drive(
+    kernel: MicroKernel,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) -> Result<()> {
+    check(&a, &b, c, ldc)?;
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if !accumulate {
+        for row in 0..m {
+            c[row * ldc..row * ldc + n].fill(0.0);
+        }
+    }
+    if k == 0 {
+        return Ok(());
+    }
+    let mut b_pack: Vec<u32> = vec![0; NC * KC / 2];
+    let mut a_pack: Vec<u32> = vec![0; MC * KC / 2];
+    let mut tile = [0.0f32; MR * NR];
+    for jc in (0..n).step_by(NC) {
+        let nc = NC.min(n - jc);
+        for pc in (0..k).step_by(KC) {
+            let kc = KC.min(k - pc);
+            let pairs = kc.div_ceil(2);
+            pack_b(&b, pc, kc, jc, nc, &mut b_pack);
+            for ic in (0..m).step_by(MC) {
+                let mc = MC.min(m - ic);
+                pack_a(&a, ic, mc, pc, kc, &mut a_pack);
+                for jr in (0..nc).step_by(NR) {
+                    let nr = NR.min(nc - jr);
+                    let b_panel = &b_pack[(jr / NR) * pairs * NR..][..pairs * NR];
+                    for ir in (0..mc).step_by(MR) {
+                        let mr = MR.min(mc - ir);
+                        let a_panel = &a_pack[(ir / MR) * pairs * MR..][..pairs * MR];
+                        let c0 = (ic + ir) * ldc + jc + jr;
+                        tile.fill(0.0);
+                        for i in 0..mr {
+                            tile[i * NR..i * NR + nr]
+                                .copy_from_slice(&c[c0 + i * ldc..c0 + i * ldc + nr]);
+                        }
+                        // SAFETY: the panels hold `pairs * MR` and `pairs * NR` words (the
+                        // slices above are that long) and `tile` is `MR * NR` floats, which
+                        // is all a micro-kernel reads and writes; `kernel` is the portable
+                        // one or one whose CPU features were checked when it was chosen.
+                        unsafe {
+                            kernel(pairs, a_panel.as_ptr(), b_panel.as_ptr(), tile.as_mut_ptr())
+                        };
+                        for i in 0..mr {
+                            c[c0 + i * ldc..c0 + i * ldc + nr]
+                                .copy_from_slice(&tile[i * NR..i * NR + nr]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Two bf16 (element `k` in the low half, `k + 1` in the high half) as one word; zero
+/// past `k_end`.
+#[inline]
+fn pair(lo: u32, hi: u32) -> u32 {
+    lo | (hi << 16)
+}
+
+/// Packs B's rows `pc..pc + kc`, columns `jc..jc + nc` into panels of [`NR`] columns:
+/// panel `q`, pair `p`, column `j` at `(q * pairs + p) * NR + j`.
+fn pack_b(b: &MatRef<'_>, pc: usize, kc: usize, jc: usize, nc: usize, out: &mut [u32]) {
+    let pairs = kc.div_ceil(2);
+    for (q, j0) in (0..nc).step_by(NR).enumerate() {
+        let panel = &mut out[q * pairs * NR..(q + 1) * pairs * NR];
+        for p in 0..pairs {
+            let (k0, k1) = (pc + 2 * p, pc + 2 * p + 1);
+            for j in 0..NR {
+                let col = jc + j0 + j;
+                panel[p * NR + j] = if j0 + j >= nc {
+                    0
+                } else if k1 < pc + kc {
+                    pair(b.bits(k0, col), b.bits(k1, col))
+                } else {
+                    pair(b.bits(k0, col), 0)
+                };
+            }
+        }
+    }
+}
+
+/// Packs A's rows `ic..ic + mc`, columns `pc..pc + kc` into panels of [`MR`] rows:
+/// panel `q`, pair `p`, row `i` at `(q * pairs + p) * MR + i`.
+fn pack_a(a: &MatRef<'_>, ic: usize, mc: usize, pc: usize, kc: usize, out: &mut [u32]) {
+    let pairs = kc.div_ceil(2);
+    for (q, i0) in (0..mc).step_by(MR).enumerate() {
+        let panel = &mut out[q * pairs * MR..(q + 1) * pairs * MR];
+        for p in 0..pairs {
+            let (k0, k1) = (pc + 2 * p, pc + 2 * p + 1);
+            for i in 0..MR {
+                let row = ic + i0 + i;
+                panel[p * MR + i] = if i0 + i >= mc {
+                    0
+                } else if k1 < pc + kc {
+                    pair(a.bits(row, k0), a.bits(row, k1))
+                } else {
+                    pair(a.bits(row, k0), 0)
+                };
+            }
+        }
+    }
+}
+
+#[inline]
+fn widen(bits: u32) -> f32 {
+    f32::from_bits(bits << 16)
+}
+
+/// The portable micro-kernel: each element adds `a[k]·b[k]` then `a[k+1]·b[k+1]`, each
+/// product and sum rounded to f32 (the widened f32 product, in order of `k`).
+///
+/// # Safety
+/// `a` holds `pairs * MR` words, `b` `pairs * NR` words, `tile` `MR * NR` floats.
+unsafe fn portable_kernel(pairs: usize, a: *const u32, b: *const u32, tile: *mut f32) {
+    // SAFETY: the caller guarantees these lengths.
+    let (a, b, tile) = unsafe {
+        (
+            core::slice::from_raw_parts(a, pairs * MR),
+            core::slice::from_raw_parts(b, pairs * NR),
+            core::slice::from_raw_parts_mut(tile, MR * NR),
+        )
+    };
+    for p in 0..pairs {
+        let bp = &b[p * NR..(p + 1) * NR];
+        for i in 0..MR {
+            let w = a[p * MR + i];
+            let (a0, a1) = (widen(w & 0xffff), widen(w >> 16));
+            let row = &mut tile[i * NR..(i + 1) * NR];
+            for (acc, &bw) in row.iter_mut().zip(bp) {
+                let (b0, b1) = (widen(bw & 0xffff), widen(bw >> 16));
+                *acc += a0 * b0;
+                *acc += a1 * b1;
+            }
+        }
+    }
+}
+
+/// The micro-kernel's body over `MR × 2` vectors of 16 lanes, written once for the
+/// hardware (`$ops` = the intrinsics) and for the software model of the same
+/// instructions that tests the packing and indexing on CPUs without them.
+macro_rules! vector_kernel {
+    ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
+        $(#[$attr])*
+        unsafe fn $name(pairs: usize, a: *const u32, b: *const u32, tile: *mut f32) {
+            use $ops as ops;
+            use $crate::gemm_bf16::{MR, NR};
+            // SAFETY (whole body): the caller guarantees `a` holds `pairs * MR` words, `b`
+            // `pairs * NR` words and `tile` `MR * NR` floats; every offset below is inside.
+            unsafe {
+                let mut acc = [[ops::zero(); 2]; MR];
+                for (i, row) in acc.iter_mut().enumerate() {
+                    row[0] = ops::load(tile.add(i * NR));
+                    row[1] = ops::load(tile.add(i * NR + 16));
+                }
+                for p in 0..pairs {
+                    let b0 = ops::load_pairs(b.add(p * NR));
+                    let b1 = ops::load_pairs(b.add(p * NR + 16));
+                    for (i, row) in acc.iter_mut().enumerate() {
+                        let w = ops::broadcast(*a.add(p * MR + i));
+                        row[0] = ops::dot(row[0], w, b0);
+                        row[1] = ops::dot(row[1], w, b1);
+                    }
+                }
+                for (i, row) in acc.iter().enumerate() {
+                    ops::store(tile.add(i * NR), row[0]);
+                    ops::store(tile.add(i * NR + 16), row[1]);
+                }
+            }
+        }
+    };
+}
+
+/// A software model of the AVX-512 BF16 operations the vector kernel uses, lane by lane
+/// as the instruction set reference describes `VDPBF16PS` (the high pair first, subnormal
+/// inputs as zero, subnormal results flushed to zero).
+#[allow(dead_code)]
+mod model_ops {
+    pub type F32x16 = [f32; 16];
+    pub type Pairs = [u32; 16];
+
+    pub fn zero() -> F32x16 {
+        [0.0; 16]
+    }
+    pub unsafe fn load(p: *const f32) -> F32x16 {
+        // SAFETY: the caller guarantees 16 readable floats.
+        unsafe { core::ptr::read_unaligned(p as *const F32x16) }
+    }
+    pub unsafe fn store(p: *mut f32, v: F32x16) {
+        // SAFETY: the caller guarantees 16 writable floats.
+        unsafe { core::ptr::write_unaligned(p as *mut F32x16, v) }
+    }
+    pub unsafe fn load_pairs(p: *const u32) -> Pairs {
+        // SAFETY: the caller guarantees 16 readable words.
+        unsafe { core::ptr::read_unaligned(p as *const Pairs) }
+    }
+    pub fn broadcast(w: u32) -> Pairs {
+        [w; 16]
+    }
+    fn daz(x: f32) -> f32 {
+        if x.is_subnormal() {
+            0.0f32.copysign(x)
+        } else {
+            x
+        }
+    }
+    fn half(w: u32, high: bool) -> f32 {
+        daz(super::widen(if high { w >> 16 } else { w & 0xffff }))
+    }
+    pub fn dot(acc: F32x16, a: Pairs, b: Pairs) -> F32x16 {
+        let mut out = acc;
+        for l in 0..16 {
+            let hi = daz(out[l] + half(a[l], true) * half(b[l], true));
+            out[l] = daz(hi + half(a[l], false) * half(b[l], false));
+        }
+        out
+    }
+}
+
+vector_kernel!(
+    /// The vector kernel on the software model (tests only).
+    #[cfg_attr(not(test), allow(dead_code))]
+    fn modelled_vector_kernel,
+    model_ops
+);
+
+#[cfg(all(feature = "std", target_arch = "x86_64"))]
+mod avx512 {
+    use super::MicroKernel;
+
+    pub const MISSING: &str = "the CPU has no AVX-512 BF16 (avx512f and avx512bf16)";
+
+    pub fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+
+    pub fn kernel() -> Option<MicroKernel> {
+        available().then_some(avx512_kernel as MicroKernel)
+    }
+
+    /// The AVX-512 BF16 operations the vector kernel uses.
+    mod hw_ops {
+        use core::arch::x86_64::*;
+
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        pub unsafe fn zero() -> __m512 {
+            _mm512_setzero_ps()
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        pub unsafe fn load(p: *const f32) -> __m512 {
+            // SAFETY: the caller guarantees 16 readable floats.
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        pub unsafe fn store(p: *mut f32, v: __m512) {
+            // SAFETY: the caller guarantees 16 writable floats.
+            unsafe { _mm512_storeu_ps(p, v) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        pub unsafe fn load_pairs(p: *const u32) -> __m512bh {
+            // SAFETY: the caller guarantees 16 readable words; a vector of 32 bf16 has
+            // the size and layout of a vector of 16 words.
+            unsafe { core::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p.cast())) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        pub unsafe fn broadcast(w: u32) -> __m512bh {
+            // SAFETY: the same size and layout, as above.
+            unsafe { core::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(w as i32)) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        pub unsafe fn dot(acc: __m512, a: __m512bh, b: __m512bh) -> __m512 {
+            _mm512_dpbf16_ps(acc, a, b)
+        }
+    }
+
+    vector_kernel!(
+        /// The AVX-512 BF16 micro-kernel.
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        fn avx512_kernel,
+        hw_ops
+    );
+}
+
+#[cfg(not(all(feature = "std", target_arch = "x86_64")))]
+mod avx512 {
+    use super::MicroKernel;
+
+    pub const MISSING: &str = "AVX-512 BF16 needs an x86-64 CPU and the `std` feature to detect it";
+
+    pub fn available() -> bool {
+        false
+    }
+
+    pub fn kernel() -> Option<MicroKernel> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: &MatRef<'_>, b: &MatRef<'_>, c: &mut [f32], ldc: usize) {
+        for i in 0..a.rows {
+            for j in 0..b.cols {
+                let mut acc = c[i * ldc + j];
+                for k in 0..a.cols {
+                    acc += widen(a.bits(i, k)) * widen(b.bits(k, j));
+                }
+                c[i * ldc + j] = acc;
+            }
+        }
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<bf16> {
+        let mut s = seed.wrapping_mul(2654435761).wrapping_add(12345);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                bf16::from_f32((s % 2001) as f32 / 1000.0 - 1.0)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_modelled_vector_kernel_is_within_the_accumulation_bound_across_block_edges() {
+        // Shapes across MR, NR, KC, MC and NC edges, odd k.
+        for &(m, n, k) in &[(1, 1, 1), (9, 33, 257), (130, 40, 3), (3, 1030, 5)] {
+            let a_data = values(m * k, 1);
+            let b_data = values(k * n, 2);
+            let a = MatRef::row_major(&a_data, m, k).unwrap();
+            let b = MatRef::row_major(&b_data, k, n).unwrap();
+            let mut want = vec![0.5f32; m * n];
+            naive(&a, &b, &mut want, n);
+            let mut got = vec![0.5f32; m * n];
+            drive(modelled_vector_kernel, a, b, &mut got, n, true).unwrap();
+            for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
+                let bound = 4.0 * (k as f32 + 1.0) * f32::EPSILON * (k as f32 + 0.5);
+                assert!(
+                    (g - w).abs() <= bound,
+                    "({m},{n},{k}) element {idx}: {g} vs {w}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_portable_path_equals_the_widened_f32_product_bit_for_bit() {
+        let (m, n, k) = (17, 35, 261);
+        let a_data = values(m * k, 3);
+        let b_data = values(n * k, 4);
+        let a = MatRef::row_major(&a_data, m, k).unwrap();
+        let b = MatRef::row_major(&b_data, n, k).unwrap().t();
+        let mut want = vec![0.0f32; m * n];
+        naive(&a, &b, &mut want, n);
+        let mut got = vec![1.0f32; m * n];
+        gemm_bf16(Bf16Path::Portable, a, b, &mut got, n, false).unwrap();
+        assert_eq!(
+            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn the_model_of_vdpbf16ps_adds_the_high_pair_first_and_flushes_subnormals() {
+        let big = bf16::from_f32(1.0e8);
+        let (big_bits, one) = (u32::from(big.to_bits()), u32::from(bf16::ONE.to_bits()));
+        // a = (1, big) times b = (1, 1) onto -big: the high product cancels first, then 1
+        // is added exactly (the other order would lose the 1 against big).
+        let out = model_ops::dot(
+            [-big.to_f32(); 16],
+            [pair(one, big_bits); 16],
+            [pair(one, one); 16],
+        );
+        assert_eq!(out, [1.0; 16]);
+        let tiny = f32::MIN_POSITIVE / 4.0;
+        assert_eq!(model_ops::dot([tiny; 16], [0; 16], [0; 16]), [0.0; 16]);
+    }
+}

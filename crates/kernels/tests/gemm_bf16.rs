@@ -1,0 +1,229 @@
+//! The bf16 matrix products against the exact (f64) product of the same bf16 operands,
+//! on every path this CPU has, over shapes that cross every block edge and the three
+//! layouts a backend uses (NN, NT, TN).
+//!
+//! A path the CPU lacks is reported as skipped, with the reason, by
+//! `every_path_this_cpu_lacks_is_reported_with_the_reason` (run it with `--show-output` to
+//! see the report; `scripts/test` does); the portable path is always tested.
+
+use proptest::prelude::*;
+use ringtrain_kernels::bf16;
+use ringtrain_kernels::gemm_bf16::{gemm_bf16, Bf16Path, MatRef, KC, MC, MR, NC, NR};
+
+/// The paths this CPU can run; the others are named with the reason.
+fn runnable() -> Vec<Bf16Path> {
+    Bf16Path::ALL
+        .into_iter()
+        .filter(|p| p.available())
+        .collect()
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Layout {
+    /// A and B stored as they are used.
+    Nn,
+    /// B stored transposed (`[n, k]`).
+    Nt,
+    /// A stored transposed (`[k, m]`).
+    Tn,
+}
+
+fn values(n: usize, seed: u64) -> Vec<bf16> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            bf16::from_f32(((s >> 11) % 4001) as f32 / 1000.0 - 2.0)
+        })
+        .collect()
+}
+
+/// Checks `path` on `C (m × n, row stride ldc) (+)= A·B` against the f64 product of the
+/// same operands: within the f32 accumulation bound `(k + 2) · 2⁻²⁴ · (Σ|a·b| + |c|)`.
+fn check(path: Bf16Path, layout: Layout, m: usize, n: usize, k: usize, accumulate: bool) {
+    let ldc = n + 3;
+    let a_data = values(m * k, (m * 31 + k) as u64);
+    let b_data = values(k * n, (n * 17 + k) as u64 + 7);
+    let (a, b) = match layout {
+        Layout::Nn => (
+            MatRef::row_major(&a_data, m, k).unwrap(),
+            MatRef::row_major(&b_data, k, n).unwrap(),
+        ),
+        Layout::Nt => (
+            MatRef::row_major(&a_data, m, k).unwrap(),
+            MatRef::row_major(&b_data, n, k).unwrap().t(),
+        ),
+        Layout::Tn => (
+            MatRef::row_major(&a_data, k, m).unwrap().t(),
+            MatRef::row_major(&b_data, k, n).unwrap(),
+        ),
+    };
+    let at = |i: usize, kk: usize| -> f64 {
+        match layout {
+            Layout::Tn => a_data[kk * m + i].to_f64(),
+            _ => a_data[i * k + kk].to_f64(),
+        }
+    };
+    let bt = |kk: usize, j: usize| -> f64 {
+        match layout {
+            Layout::Nt => b_data[j * k + kk].to_f64(),
+            _ => b_data[kk * n + j].to_f64(),
+        }
+    };
+    let c0: Vec<f32> = (0..m * ldc).map(|i| (i % 7) as f32 * 0.25 - 0.5).collect();
+    let mut c = c0.clone();
+    gemm_bf16(path, a, b, &mut c, ldc, accumulate).unwrap();
+    let unit = 2f64.powi(-24);
+    for i in 0..m {
+        for j in 0..n {
+            let start = if accumulate {
+                f64::from(c0[i * ldc + j])
+            } else {
+                0.0
+            };
+            let (mut exact, mut magnitude) = (start, start.abs());
+            for kk in 0..k {
+                let t = at(i, kk) * bt(kk, j);
+                exact += t;
+                magnitude += t.abs();
+            }
+            let bound = (k as f64 + 2.0) * unit * magnitude + 1e-30;
+            let got = f64::from(c[i * ldc + j]);
+            assert!(
+                (got - exact).abs() <= bound,
+                "{} {layout:?} m {m} n {n} k {k}: C[{i}][{j}] = {got}, exact {exact}, bound {bound}",
+                path.name()
+            );
+        }
+        // The padding between rows is not touched.
+        for j in n..ldc {
+            if i + 1 < m {
+                assert_eq!(c[i * ldc + j], c0[i * ldc + j], "padding of row {i}");
+            }
+        }
+    }
+}
+
+#[test]
+fn every_path_this_cpu_lacks_is_reported_with_the_reason() {
+    for path in Bf16Path::ALL {
+        match path.unavailable_reason() {
+            None => println!("bf16 GEMM path {}: tested", path.name()),
+            Some(why) => println!("bf16 GEMM path {}: SKIPPED: {why}", path.name()),
+        }
+    }
+    assert!(
+        Bf16Path::Portable.available(),
+        "the portable path runs everywhere"
+    );
+    assert!(Bf16Path::detect().available());
+    println!("bf16 GEMM path chosen here: {}", Bf16Path::detect().name());
+}
+
+#[test]
+fn every_path_is_within_the_accumulation_bound_across_every_block_edge() {
+    for path in runnable() {
+        for &(m, n, k) in &[
+            (MR + 1, NR + 1, KC + 1),
+            (MC + 3, 2 * NR - 1, 2 * KC + 3),
+            (2, NC + 5, 7),
+        ] {
+            for layout in [Layout::Nn, Layout::Nt, Layout::Tn] {
+                check(path, layout, m, n, k, true);
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn every_path_is_within_the_accumulation_bound_for_any_shape(
+        m in 1usize..40,
+        n in 1usize..70,
+        k in 1usize..90,
+        layout in prop_oneof![Just(Layout::Nn), Just(Layout::Nt), Just(Layout::Tn)],
+        accumulate in any::<bool>(),
+    ) {
+        for path in runnable() {
+            check(path, layout, m, n, k, accumulate);
+        }
+    }
+}
+
+#[test]
+fn the_portable_path_equals_the_f32_product_of_the_widened_operands_bit_for_bit() {
+    let (m, n, k) = (MR * 2 + 3, NR + 7, KC + 9);
+    let a_data = values(k * m, 11);
+    let b_data = values(n * k, 12);
+    // TN and NT at once: A stored [k, m], B stored [n, k].
+    let a = MatRef::row_major(&a_data, k, m).unwrap().t();
+    let b = MatRef::row_major(&b_data, n, k).unwrap().t();
+    let mut c = vec![0.0f32; m * n];
+    gemm_bf16(Bf16Path::Portable, a, b, &mut c, n, false).unwrap();
+    for i in 0..m {
+        for j in 0..n {
+            let mut acc = 0.0f32;
+            for kk in 0..k {
+                acc += a_data[kk * m + i].to_f32() * b_data[j * k + kk].to_f32();
+            }
+            assert_eq!(c[i * n + j].to_bits(), acc.to_bits(), "C[{i}][{j}]");
+        }
+    }
+}
+
+#[test]
+fn zero_sized_products_write_only_what_they_must() {
+    for path in runnable() {
+        let a = [bf16::ONE; 6];
+        // k = 0: C = 0 without accumulate, unchanged with it.
+        let mut c = vec![5.0f32; 4];
+        let empty: [bf16; 0] = [];
+        let a0 = MatRef::row_major(&empty, 2, 0).unwrap();
+        let b0 = MatRef::row_major(&empty, 0, 2).unwrap();
+        gemm_bf16(path, a0, b0, &mut c, 2, true).unwrap();
+        assert_eq!(c, [5.0; 4]);
+        gemm_bf16(path, a0, b0, &mut c, 2, false).unwrap();
+        assert_eq!(c, [0.0; 4]);
+        // m = 0: nothing at all.
+        let mut c = vec![5.0f32; 4];
+        let am = MatRef::row_major(&a, 0, 3).unwrap();
+        let b = MatRef::row_major(&a, 3, 2).unwrap();
+        gemm_bf16(path, am, b, &mut c, 2, false).unwrap();
+        assert_eq!(c, [5.0; 4]);
+    }
+}
+
+#[test]
+fn bad_shapes_are_refused_before_anything_is_written() {
+    let a_data = [bf16::ONE; 12];
+    let a = MatRef::row_major(&a_data, 3, 4).unwrap();
+    let b = MatRef::row_major(&a_data, 3, 4).unwrap();
+    let mut c = vec![7.0f32; 12];
+    let err = gemm_bf16(Bf16Path::Portable, a, b, &mut c, 4, false).unwrap_err();
+    assert!(err.to_string().contains("b (rows)"), "{err}");
+    let b = MatRef::row_major(&a_data, 4, 3).unwrap();
+    let err = gemm_bf16(Bf16Path::Portable, a, b, &mut c[..8], 3, false).unwrap_err();
+    assert!(
+        err.to_string().contains("`c` has 8 elements, expected 9"),
+        "{err}"
+    );
+    let err = gemm_bf16(Bf16Path::Portable, a, b, &mut c, 2, false).unwrap_err();
+    assert!(err.to_string().contains("for ldc"), "{err}");
+    assert_eq!(c, [7.0; 12], "nothing written");
+    let err = MatRef::row_major(&a_data, 4, 4).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("`data` has 12 elements, expected 16"),
+        "{err}"
+    );
+    for path in Bf16Path::ALL {
+        if let Some(why) = path.unavailable_reason() {
+            let err = gemm_bf16(path, a, b, &mut c, 3, false).unwrap_err();
+            assert!(err.to_string().contains("Bf16Path::detect"), "{why}: {err}");
+        }
+    }
+}
