@@ -1,15 +1,24 @@
 //! The CPU backend: ringtrain-kernels for the LSTM and softmax kernels (their `par` twins
 //! on more than one thread), the `gemm` crate for matrix products, buffers in `Vec<f32>`.
+//!
+//! With [`GemmPrecision::Bf16`] ([`CpuBackend::with_precision`]) matrix products take bf16
+//! operands and accumulate in f32 (`ringtrain_kernels::gemm_bf16`, on the fastest path the
+//! CPU has); everything else stays f32. As on the GPU, the parameters are cast once per
+//! pass (the whole parameter buffer, on the first product of the pass that reads it) and
+//! other operands (activations, gradients) are cast on every product that reads them.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use rayon::ThreadPool;
 use ringtrain_kernels as kernels;
+use ringtrain_kernels::bf16;
+use ringtrain_kernels::gemm_bf16::{Bf16Path, MatRef};
 
 use super::operands::{self, arg, GemmMatrix};
 use super::{
-    Backend, Binary, CheckedIds, CheckedTargets, InPlace, Layout, LstmBackwardStep,
+    Backend, Binary, CheckedIds, CheckedTargets, GemmPrecision, InPlace, Layout, LstmBackwardStep,
     LstmForwardStep, Staged, Unary, View, ViewMut,
 };
 use crate::error::{Error, Result};
@@ -73,6 +82,76 @@ pub struct CpuBackend {
     threads: usize,
     pool: Option<ThreadPool>,
     launches: AtomicU64,
+    precision: GemmPrecision,
+    bf16: Mutex<Bf16Operands>,
+}
+
+/// The bf16 copies of matrix-product operands.
+#[derive(Default)]
+struct Bf16Operands {
+    /// The parameter buffer of the pass in progress: address and length.
+    pass: Option<(usize, usize)>,
+    /// Its bf16 copy, once cast in this pass.
+    params: Vec<bf16>,
+    params_cast: bool,
+    /// Other operands (A, B), cast on every product.
+    scratch: [Vec<bf16>; 2],
+}
+
+/// Where an operand's bf16 copy lies.
+#[derive(Clone, Copy)]
+enum Bf16Source {
+    /// In the pass's parameter copy, at the same offsets as in the f32 buffer.
+    Params,
+    /// In scratch slot `i`, from the operand's first element.
+    Scratch(usize),
+}
+
+impl Bf16Operands {
+    /// Casts what the operand `range` of `buf` needs and says where the copy lies.
+    fn prepare(
+        &mut self,
+        slot: usize,
+        buf: &[f32],
+        range: Range<usize>,
+        parallel: bool,
+    ) -> Result<Bf16Source> {
+        let cast = |src: &[f32], dst: &mut [bf16]| {
+            if parallel {
+                kernels::par::f32_to_bf16_scaled(src, 1.0, dst)
+            } else {
+                kernels::f32_to_bf16_scaled(src, 1.0, dst)
+            }
+        };
+        if self.pass == Some((buf.as_ptr() as usize, buf.len())) {
+            if !self.params_cast {
+                self.params.resize(buf.len(), bf16::ZERO);
+                cast(buf, &mut self.params)?;
+                self.params_cast = true;
+            }
+            return Ok(Bf16Source::Params);
+        }
+        let dst = &mut self.scratch[slot];
+        dst.resize(range.len(), bf16::ZERO);
+        cast(&buf[range], dst)?;
+        Ok(Bf16Source::Scratch(slot))
+    }
+
+    /// The strided view of an operand (`rows × cols`) prepared at `source`.
+    fn view(
+        &self,
+        source: Bf16Source,
+        m: &GemmMatrix,
+        rows: usize,
+        cols: usize,
+    ) -> Result<MatRef<'_>> {
+        let data: &[bf16] = match source {
+            Bf16Source::Params => &self.params[m.range.clone()],
+            Bf16Source::Scratch(slot) => &self.scratch[slot],
+        };
+        let (rs, cs) = if m.trans { (1, m.ld) } else { (m.ld, 1) };
+        Ok(MatRef::strided(data, rows, cols, rs, cs)?)
+    }
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -114,7 +193,65 @@ impl CpuBackend {
             threads,
             pool,
             launches: AtomicU64::new(0),
+            precision: GemmPrecision::F32,
+            bf16: Mutex::new(Bf16Operands::default()),
         })
+    }
+
+    /// A backend whose matrix products run in `precision`: f32, or bf16 operands with f32
+    /// accumulation (see the module docs).
+    ///
+    /// # Errors
+    /// As [`CpuBackend::new`]; `InvalidValue` for f16, which the CPU does not multiply in.
+    pub fn with_precision(threads: usize, precision: GemmPrecision) -> Result<Self> {
+        if precision == GemmPrecision::F16 {
+            return Err(crate::error::invalid_value(
+                "precision",
+                precision,
+                "the CPU backend multiplies in f32 or bf16: use bf16 (or f16 on a GPU)",
+            ));
+        }
+        Ok(CpuBackend {
+            precision,
+            ..CpuBackend::new(threads)?
+        })
+    }
+
+    /// The precision of the matrix products.
+    pub fn precision(&self) -> GemmPrecision {
+        self.precision
+    }
+
+    /// The bf16 path the matrix products take (`None` in f32).
+    pub fn bf16_path(&self) -> Option<Bf16Path> {
+        (self.precision == GemmPrecision::Bf16).then(Bf16Path::detect)
+    }
+
+    /// The checked product `g` in bf16 (operands cast as the module docs say).
+    fn gemm_bf16(
+        &self,
+        g: &operands::GemmOperands,
+        (a_buf, b_buf): (&[f32], &[f32]),
+        c: &mut [f32],
+        accumulate: bool,
+    ) -> Result<()> {
+        let path = Bf16Path::detect();
+        let parallel = self.pool.is_some();
+        let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
+        let sa = ops.prepare(0, a_buf, g.a.range.clone(), parallel)?;
+        let sb = ops.prepare(1, b_buf, g.b.range.clone(), parallel)?;
+        let a = ops.view(sa, &g.a, g.m, g.k)?;
+        let b = ops.view(sb, &g.b, g.k, g.n)?;
+        let c = &mut c[g.c.range.start..];
+        let ldc = g.c.ld;
+        self.run(|parallel| {
+            if parallel {
+                kernels::par::gemm_bf16(path, a, b, c, ldc, accumulate)
+            } else {
+                kernels::gemm_bf16::gemm_bf16(path, a, b, c, ldc, accumulate)
+            }
+        })?;
+        Ok(())
     }
 
     /// Number of threads the backend computes with.
@@ -147,6 +284,18 @@ impl Backend for CpuBackend {
 
     fn zeros(&self, len: usize) -> Result<Vec<f32>> {
         Ok(vec![0.0; len])
+    }
+
+    fn begin_pass(&self, params: &Vec<f32>) {
+        let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
+        ops.pass = Some((params.as_ptr() as usize, params.len()));
+        ops.params_cast = false;
+    }
+
+    fn end_pass(&self) {
+        let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
+        ops.pass = None;
+        ops.params_cast = false;
     }
 
     fn len(&self, buf: &Vec<f32>) -> usize {
@@ -233,6 +382,9 @@ impl Backend for CpuBackend {
         } else {
             (a.buf, b.buf)
         };
+        if self.precision == GemmPrecision::Bf16 {
+            return self.gemm_bf16(&g, (a_buf, b_buf), c.buf, accumulate);
+        }
         let strides = |x: &GemmMatrix| {
             if x.trans {
                 (1, x.ld as isize)
