@@ -81,10 +81,10 @@ fn config_conflicts_are_explained() {
         !out.status.success() && err.contains("--checkpoint"),
         "{err}"
     );
-    let out = train(&["--gemm-precision", "bf16"]);
+    let out = train(&["--gemm-precision", "f16"]);
     let err = stderr(&out);
     assert!(
-        !out.status.success() && err.contains("--gemm-precision") && err.contains("--device cuda"),
+        !out.status.success() && err.contains("--gemm-precision") && err.contains("use bf16"),
         "{err}"
     );
     let out = train(&["--gemm-precision", "f8"]);

@@ -282,12 +282,12 @@ impl TrainConfig {
                  link time; see scripts/build-gpu-bundle), or use --device cpu",
             ));
         }
-        if run.device == DeviceKind::Cpu && run.gemm_precision != GemmPrecision::F32 {
+        if run.device == DeviceKind::Cpu && run.gemm_precision == GemmPrecision::F16 {
             return Err(Error::invalid(
                 "--gemm-precision",
                 run.gemm_precision,
-                "16-bit matrix products are a GPU option: use it with --device cuda (the CPU \
-                 backend multiplies in f32)",
+                "the CPU backend multiplies in f32 or bf16: use bf16 on the CPU (f16 needs \
+                 --device cuda)",
             ));
         }
         let learning_rate = match run.learning_rate {
@@ -1035,12 +1035,14 @@ mod tests {
         assert!(error(&cfg, 3).contains("--total-batch-size"));
 
         let mut cfg = TrainConfig::default();
-        cfg.run.gemm_precision = GemmPrecision::Bf16;
+        cfg.run.gemm_precision = GemmPrecision::F16;
         let err = error(&cfg, 1);
         assert!(
-            err.contains("--gemm-precision") && err.contains("--device cuda"),
+            err.contains("--gemm-precision") && err.contains("use bf16 on the CPU"),
             "{err}"
         );
+        cfg.run.gemm_precision = GemmPrecision::Bf16;
+        assert!(cfg.validate(1).is_ok(), "bf16 runs on the CPU");
 
         let mut cfg = TrainConfig::default();
         cfg.output.resume = true;

@@ -28,7 +28,8 @@ pub fn build_model(
     let seed = cfg.config().run.seed;
     match cfg.config().run.device {
         DeviceKind::Cpu => {
-            let backend = CpuBackend::new(threads.max(1))?;
+            let backend =
+                CpuBackend::with_precision(threads.max(1), cfg.config().run.gemm_precision)?;
             Ok(match shape {
                 ModelShape::Nmt(nmt, description) => Box::new(CpuTrainable::new(
                     NmtModel::new(backend, nmt, seed)?,
@@ -57,7 +58,7 @@ pub fn build_pipeline_stage(
     comm: Communicator,
 ) -> Result<Box<dyn TrainableModel>> {
     let seed = cfg.config().run.seed;
-    let backend = CpuBackend::new(threads.max(1))?;
+    let backend = CpuBackend::with_precision(threads.max(1), cfg.config().run.gemm_precision)?;
     Ok(match ModelShape::new(cfg, src_vocab, tgt_vocab) {
         ModelShape::Nmt(nmt, description) => Box::new(PipelineTrainable::new(
             NmtModel::new(backend, nmt, seed)?,
