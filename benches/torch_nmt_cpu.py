@@ -26,6 +26,7 @@ Run ``python3 benches/torch_nmt_cpu.py --json``: the last line is one JSON objec
 
 import argparse
 import json
+import resource
 import sys
 import time
 import warnings
@@ -211,15 +212,25 @@ def main():
         dict(vocab_size=8000, emb=256, hidden=256, layers=2, src_len=30, batch_size=64),
     )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument(
+        "--precision",
+        choices=["f32", "bf16"],
+        default="f32",
+        help="bf16: the forward under torch.autocast('cpu', dtype=torch.bfloat16)",
+    )
     args = parser.parse_args()
     check_args(args)
     if args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: must be at least 1")
     torch.set_num_threads(args.threads)
-    result = run_benchmark(args, torch.device("cpu"))
+    autocast = torch.bfloat16 if args.precision == "bf16" else None
+    result = run_benchmark(args, torch.device("cpu"), autocast_dtype=autocast)
     result["threads"] = args.threads
     result["device"] = "cpu"
-    report(result, "pytorch cpu", args.json)
+    result["precision"] = args.precision
+    # Peak resident set of the whole process (Linux reports KiB).
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report(result, f"pytorch cpu {args.precision}", args.json)
 
 
 if __name__ == "__main__":

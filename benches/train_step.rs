@@ -6,16 +6,34 @@
 //! batch 64, Adam (lr 1e-3), global-norm clipping at 5, 2 threads. Throughput follows the
 //! seeds' rule: 10 warm-up batches, then 20 timed; words = source + target.
 //!
+//! Four runs, each in a process of its own so that its peak resident set is its own:
+//! PyTorch f32, PyTorch with the forward under `torch.autocast("cpu", dtype=bfloat16)`,
+//! ringtrain f32 and ringtrain `--gemm-precision bf16` (the bf16 path this CPU takes is
+//! printed). It prints words/s and peak RSS of each, the ratios, and ends with the two
+//! lines `ratio ringtrain bf16 / pytorch autocast bf16: R` and
+//! `ratio ringtrain bf16 / pytorch f32: R`.
+//!
 //! `cargo bench --bench train_step [-- --warmup-batches N --timed-batches N]`
-//! The PyTorch side is `python3 benches/torch_nmt_cpu.py --json` (run scripts/bench-setup
-//! first if torch is missing). Target: ringtrain ≥ 1.5× PyTorch.
+//! The PyTorch side is `python3 benches/torch_nmt_cpu.py --json [--precision bf16]` (run
+//! scripts/bench-setup first if torch is missing). Targets: ringtrain bf16 ≥ 1.5× PyTorch
+//! autocast bf16 and ≥ 2.5× PyTorch f32; ringtrain's peak RSS ≤ PyTorch's.
 
 use std::process::Command;
 
 use ringtrain::collective::Communicator;
-use ringtrain::train::{EncoderKind, LstmImpl, ModelKind, TrainConfig};
+use ringtrain::train::{EncoderKind, GemmPrecision, LstmImpl, ModelKind, TrainConfig};
 
-const TARGET_RATIO: f64 = 1.5;
+/// ringtrain bf16 against PyTorch autocast bf16.
+const TARGET_AUTOCAST: f64 = 1.5;
+/// ringtrain bf16 against PyTorch f32.
+const TARGET_F32: f64 = 2.5;
+
+/// One run's figures.
+#[derive(Debug, Clone, Copy)]
+struct Figures {
+    words_per_sec: f64,
+    peak_rss_bytes: f64,
+}
 
 fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();
@@ -26,7 +44,7 @@ fn arg(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-fn torch_words_per_sec(warmup: usize, timed: usize) -> Result<f64, String> {
+fn torch_run(warmup: usize, timed: usize, precision: &str) -> Result<Figures, String> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/torch_nmt_cpu.py");
     let out = Command::new("python3")
         .args([
@@ -48,6 +66,8 @@ fn torch_words_per_sec(warmup: usize, timed: usize) -> Result<f64, String> {
             "64",
             "--clip-norm",
             "5",
+            "--precision",
+            precision,
             "--warmup-batches",
             &warmup.to_string(),
             "--timed-batches",
@@ -57,6 +77,12 @@ fn torch_words_per_sec(warmup: usize, timed: usize) -> Result<f64, String> {
         .map_err(|e| {
             format!("could not run python3 ({e}): install Python 3, then run scripts/bench-setup")
         })?;
+    let v = json_line(&out, "benches/torch_nmt_cpu.py")?;
+    figures(&v)
+}
+
+/// The last JSON line a run printed, or its error.
+fn json_line(out: &std::process::Output, what: &str) -> Result<serde_json::Value, String> {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() {
@@ -64,21 +90,42 @@ fn torch_words_per_sec(warmup: usize, timed: usize) -> Result<f64, String> {
         {
             return Err("PyTorch is not installed for python3: run scripts/bench-setup, then rerun this benchmark".into());
         }
-        return Err(format!("benches/torch_nmt_cpu.py failed:\n{stderr}"));
+        return Err(format!("{what} failed:\n{stderr}"));
     }
     let line = stdout
         .lines()
         .rev()
         .find(|l| l.trim_start().starts_with('{'))
-        .ok_or_else(|| format!("benches/torch_nmt_cpu.py printed no JSON line:\n{stdout}"))?;
-    let v: serde_json::Value =
-        serde_json::from_str(line).map_err(|e| format!("bad JSON from the baseline: {e}"))?;
-    v["words_per_sec"]
-        .as_f64()
-        .ok_or_else(|| format!("no words_per_sec in {line}"))
+        .ok_or_else(|| format!("{what} printed no JSON line:\n{stdout}"))?;
+    serde_json::from_str(line).map_err(|e| format!("bad JSON from {what}: {e}"))
 }
 
-fn ringtrain_report(warmup: usize, timed: usize) -> Result<ringtrain::train::RunReport, String> {
+fn figures(v: &serde_json::Value) -> Result<Figures, String> {
+    let field = |name: &str| v[name].as_f64().ok_or_else(|| format!("no {name} in {v}"));
+    Ok(Figures {
+        words_per_sec: field("words_per_sec")?,
+        peak_rss_bytes: field("peak_rss_bytes")?,
+    })
+}
+
+/// This process's peak resident set (`VmHWM`), in bytes.
+fn peak_rss_bytes() -> Result<f64, String> {
+    let status = std::fs::read_to_string("/proc/self/status")
+        .map_err(|e| format!("reading /proc/self/status: {e}"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map(|kib| kib * 1024.0)
+        .ok_or_else(|| "no VmHWM in /proc/self/status".to_string())
+}
+
+/// The ringtrain run itself (in the child process `--only-ringtrain PRECISION`).
+fn ringtrain_report(
+    warmup: usize,
+    timed: usize,
+    precision: GemmPrecision,
+) -> Result<ringtrain::train::RunReport, String> {
     let mut cfg = TrainConfig::default();
     cfg.model.model = ModelKind::Nmt;
     cfg.model.encoder_type = LstmImpl::Fused.into();
@@ -93,6 +140,7 @@ fn ringtrain_report(warmup: usize, timed: usize) -> Result<ringtrain::train::Run
     cfg.run.timed_batches = timed;
     cfg.run.threads = 2;
     cfg.run.max_gradient_norm = 5.0;
+    cfg.run.gemm_precision = precision;
     cfg.output.display_every = 0;
     let cfg = cfg.validate(1).map_err(|e| e.to_string())?;
     let results = Communicator::run_local(1, |comm| {
@@ -107,43 +155,135 @@ fn ringtrain_report(warmup: usize, timed: usize) -> Result<ringtrain::train::Run
         .map_err(|e| e.to_string())
 }
 
-fn main() {
-    let warmup = arg("--warmup-batches", 10);
-    let timed = arg("--timed-batches", 20);
-    println!(
-        "train_step: NMT vocab 8000, emb/hidden 256, 2+2 layers (bi encoder), fused LSTM, length 30, batch 64, \
-         Adam, clip 5, 2 threads; {warmup} warm-up + {timed} timed batches"
-    );
-    let ours = match ringtrain_report(warmup, timed) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("error: ringtrain run failed: {e}");
-            std::process::exit(1);
-        }
+/// Runs ringtrain in `precision` in a child process (this benchmark, `--only-ringtrain`).
+fn ringtrain_run(warmup: usize, timed: usize, precision: &str) -> Result<Figures, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("own executable: {e}"))?;
+    let out = Command::new(exe)
+        .args([
+            "--only-ringtrain",
+            precision,
+            "--warmup-batches",
+            &warmup.to_string(),
+            "--timed-batches",
+            &timed.to_string(),
+        ])
+        .output()
+        .map_err(|e| format!("could not rerun this benchmark: {e}"))?;
+    let v = json_line(&out, &format!("the ringtrain {precision} run"))?;
+    let f = figures(&v)?;
+    if let Some(line) = v["summary"].as_str() {
+        println!("{line}");
+    }
+    Ok(f)
+}
+
+/// The child: one ringtrain run, a summary line and a JSON line.
+fn only_ringtrain(precision: &str, warmup: usize, timed: usize) -> Result<(), String> {
+    let p: GemmPrecision = precision
+        .parse()
+        .map_err(|e| format!("--only-ringtrain {precision}: {e}"))?;
+    let report = ringtrain_report(warmup, timed, p)?;
+    let b = &report.breakdown;
+    let path = match p {
+        GemmPrecision::Bf16 => format!(
+            ", kernel path {}",
+            ringtrain::kernels::gemm_bf16::Bf16Path::detect().name()
+        ),
+        _ => String::new(),
     };
-    let baseline = match torch_words_per_sec(warmup, timed) {
-        Ok(v) => v,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::exit(1);
-        }
-    };
-    let b = &ours.breakdown;
-    println!("  baseline  pytorch cpu nn.LSTM : {baseline:>10.1} words/s");
-    println!(
-        "  ours      ringtrain (cpu)     : {:>10.1} words/s  (per step ms: forward {:.1}, backward {:.1}, optimizer {:.1})",
-        ours.words_per_sec,
+    let summary = format!(
+        "  ringtrain {precision:<5}: {:>10.1} words/s  (per step ms: forward {:.1}, backward {:.1}, optimizer {:.1}{path})",
+        report.words_per_sec,
         b.forward * 1e3,
         b.backward * 1e3,
         b.optimizer * 1e3
     );
-    let ratio = ours.words_per_sec / baseline;
-    println!(
-        "  ratio     ringtrain / pytorch : {ratio:.2}x  (target >= {TARGET_RATIO}x: {})",
-        if ratio >= TARGET_RATIO {
-            "met"
-        } else {
-            "NOT met"
+    let v = serde_json::json!({
+        "words_per_sec": report.words_per_sec,
+        "peak_rss_bytes": peak_rss_bytes()?,
+        "summary": summary,
+    });
+    println!("{v}");
+    Ok(())
+}
+
+fn text_arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
+
+fn verdict(ratio: f64, target: f64) -> &'static str {
+    if ratio >= target {
+        "met"
+    } else {
+        "NOT met"
+    }
+}
+
+fn main() {
+    let warmup = arg("--warmup-batches", 10);
+    let timed = arg("--timed-batches", 20);
+    if let Some(precision) = text_arg("--only-ringtrain") {
+        if let Err(e) = only_ringtrain(&precision, warmup, timed) {
+            eprintln!("error: {e}");
+            std::process::exit(1);
         }
+        return;
+    }
+    println!(
+        "train_step: NMT vocab 8000, emb/hidden 256, 2+2 layers (bi encoder), fused LSTM, length 30, batch 64, \
+         Adam, clip 5, 2 threads; {warmup} warm-up + {timed} timed batches; each run in its own process"
     );
+    let run = |what: &str, f: &dyn Fn() -> Result<Figures, String>| match f() {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {what}: {e}");
+            std::process::exit(1);
+        }
+    };
+    let torch_f32 = run("pytorch f32", &|| torch_run(warmup, timed, "f32"));
+    let torch_bf16 = run("pytorch autocast bf16", &|| {
+        torch_run(warmup, timed, "bf16")
+    });
+    let ours_f32 = run("ringtrain f32", &|| ringtrain_run(warmup, timed, "f32"));
+    let ours_bf16 = run("ringtrain bf16", &|| ringtrain_run(warmup, timed, "bf16"));
+    let mib = |f: &Figures| f.peak_rss_bytes / (1024.0 * 1024.0);
+    println!("  {:<24} {:>12} {:>14}", "run", "words/s", "peak RSS MiB");
+    for (name, f) in [
+        ("pytorch f32", &torch_f32),
+        ("pytorch autocast bf16", &torch_bf16),
+        ("ringtrain f32", &ours_f32),
+        ("ringtrain bf16", &ours_bf16),
+    ] {
+        println!("  {name:<24} {:>12.1} {:>14.1}", f.words_per_sec, mib(f));
+    }
+    println!(
+        "  ratio ringtrain f32 / pytorch f32: {:.2}",
+        ours_f32.words_per_sec / torch_f32.words_per_sec
+    );
+    println!(
+        "  ratio ringtrain bf16 / ringtrain f32: {:.2}",
+        ours_bf16.words_per_sec / ours_f32.words_per_sec
+    );
+    for (ours, theirs, what) in [
+        (&ours_f32, &torch_f32, "f32"),
+        (&ours_bf16, &torch_bf16, "bf16"),
+    ] {
+        let r = ours.peak_rss_bytes / theirs.peak_rss_bytes;
+        println!(
+            "  peak RSS ringtrain / pytorch, {what}: {r:.2} (target <= 1: {})",
+            if r <= 1.0 { "met" } else { "NOT met" }
+        );
+    }
+    let autocast = ours_bf16.words_per_sec / torch_bf16.words_per_sec;
+    let f32_ratio = ours_bf16.words_per_sec / torch_f32.words_per_sec;
+    println!("  targets: bf16 / autocast >= {TARGET_AUTOCAST} ({}), bf16 / pytorch f32 >= {TARGET_F32} ({})",
+        verdict(autocast, TARGET_AUTOCAST),
+        verdict(f32_ratio, TARGET_F32)
+    );
+    println!("ratio ringtrain bf16 / pytorch autocast bf16: {autocast:.2}");
+    println!("ratio ringtrain bf16 / pytorch f32: {f32_ratio:.2}");
 }
