@@ -106,6 +106,12 @@ pub(crate) fn reduce_into<T: Element>(op: ReduceOp, acc: &mut [T], src: &[T]) ->
 /// Splits `buf` into a shared view of `read` and a mutable view of `write` (disjoint ranges).
 fn split_read_write<T>(buf: &mut [T], read: Range<usize>, write: Range<usize>) -> (&[T], &mut [T]) {
     debug_assert!(read.end <= write.start || write.end <= read.start);
+    if read.is_empty() {
+        return (&[], &mut buf[write]);
+    }
+    if write.is_empty() {
+        return (&buf[read], &mut []);
+    }
     if read.start < write.start {
         let (lo, hi) = buf.split_at_mut(write.start);
         (&lo[read], &mut hi[..write.len()])
@@ -320,6 +326,7 @@ impl Communicator {
             let name = match algorithm {
                 Algorithm::Ring | Algorithm::Auto => "ring all-reduce",
                 Algorithm::RecursiveDoubling => "recursive-doubling all-reduce",
+                Algorithm::HalvingDoubling => "halving-doubling all-reduce",
                 Algorithm::Mpi => "MPI_Allreduce",
             };
             self.begin(name, Some(T::DTYPE), bytes);
@@ -327,6 +334,7 @@ impl Communicator {
                 // resolve_algorithm turns Auto into one of the others.
                 Algorithm::Ring | Algorithm::Auto => self.ring_all_reduce(buf, opts.op)?,
                 Algorithm::RecursiveDoubling => self.recursive_doubling_all_reduce(buf, opts.op)?,
+                Algorithm::HalvingDoubling => self.halving_doubling_all_reduce(buf, opts.op)?,
                 Algorithm::Mpi => self.mpi_all_reduce_in_place(buf, opts.op)?,
             }
         } else if self.size > 1 && opts.algorithm == Algorithm::Mpi {
@@ -497,6 +505,67 @@ impl Communicator {
                 buf.copy_from_slice(tmp);
             }
             mask <<= 1;
+        }
+        if r < extra {
+            transport.send(r + p, bytes_of(buf))?;
+        }
+        Ok(())
+    }
+
+    /// Rabenseifner's halving-doubling. Ranks at or beyond the largest power of two `p`
+    /// fold into rank `r - p` first and get the result back at the end, as in recursive
+    /// doubling. Then, for `mask = p/2, p/4, .., 1`, a rank and `r ^ mask` split the window
+    /// they share in halves: the lower rank keeps (and reduces into) the lower half, the
+    /// other the upper, each sending the other half. Each rank ends owning one window of
+    /// about `len / p` elements fully reduced; the all-gather retraces the steps in
+    /// reverse, exchanging whole windows. Every element is reduced at one rank and copied
+    /// to the others, so every rank ends with identical bits.
+    fn halving_doubling_all_reduce<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let extra = n - p;
+        let bytes = std::mem::size_of_val(buf);
+        let Communicator {
+            transport, scratch, ..
+        } = self;
+        if r >= p {
+            transport.send(r - p, bytes_of(buf))?;
+            return transport.recv(r - p, bytes_of_mut(buf));
+        }
+        let tmp = elements_mut::<T>(scratch_bytes(scratch, bytes), r)?;
+        if r < extra {
+            transport.recv(r + p, bytes_of_mut(tmp))?;
+            reduce_into(op, buf, tmp)?;
+        }
+        // Reduce-scatter by recursive halving; `steps` records (partner, kept, given).
+        let mut window = 0..buf.len();
+        let mut steps: Vec<(usize, Range<usize>, Range<usize>)> = Vec::new();
+        let mut mask = p / 2;
+        while mask > 0 {
+            let partner = r ^ mask;
+            let mid = window.start + window.len() / 2;
+            let (lower, upper) = (window.start..mid, mid..window.end);
+            let (keep, give) = if r < partner {
+                (lower, upper)
+            } else {
+                (upper, lower)
+            };
+            let (send, acc) = split_read_write(buf, give.clone(), keep.clone());
+            let recv = &mut tmp[..keep.len()];
+            transport.sendrecv(partner, bytes_of(send), partner, bytes_of_mut(recv))?;
+            reduce_into(op, acc, recv)?;
+            steps.push((partner, keep.clone(), give));
+            window = keep;
+            mask /= 2;
+        }
+        // All-gather by recursive doubling: send the window owned, receive the partner's.
+        for (partner, keep, give) in steps.into_iter().rev() {
+            let (send, recv) = split_read_write(buf, keep, give);
+            transport.sendrecv(partner, bytes_of(send), partner, bytes_of_mut(recv))?;
         }
         if r < extra {
             transport.send(r + p, bytes_of(buf))?;

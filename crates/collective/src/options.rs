@@ -63,8 +63,12 @@ pub enum Algorithm {
     /// Recursive doubling with a fold-in step for ranks beyond the largest power of two
     /// (latency-optimal; for small messages).
     RecursiveDoubling,
-    /// Recursive doubling or the ring, whichever was measured faster for the rank count
-    /// and message size ([`crate::algorithm_choice`]).
+    /// Rabenseifner's halving-doubling: reduce-scatter by recursive halving, all-gather by
+    /// recursive doubling, with the same fold-in step as recursive doubling (bandwidth of
+    /// the ring in log₂ steps instead of N − 1; for mid-sized messages).
+    HalvingDoubling,
+    /// The fastest of recursive doubling, halving-doubling and the ring as measured for
+    /// the rank count and message size ([`crate::algorithm_choice`]).
     Auto,
 }
 
@@ -75,6 +79,7 @@ impl Algorithm {
             Algorithm::Ring => "ring",
             Algorithm::Mpi => "mpi",
             Algorithm::RecursiveDoubling => "rd",
+            Algorithm::HalvingDoubling => "hd",
             Algorithm::Auto => "auto",
         }
     }
@@ -93,11 +98,12 @@ impl FromStr for Algorithm {
             "ring" | "xring" => Ok(Algorithm::Ring),
             "mpi" => Ok(Algorithm::Mpi),
             "rd" | "recursive-doubling" | "recursive_doubling" => Ok(Algorithm::RecursiveDoubling),
+            "hd" | "halving-doubling" | "halving_doubling" => Ok(Algorithm::HalvingDoubling),
             "auto" => Ok(Algorithm::Auto),
             _ => Err(Error::invalid(
                 "all-reduce algorithm",
                 s,
-                "use one of ring, mpi, rd (recursive doubling), auto",
+                "use one of ring, mpi, rd (recursive doubling), hd (halving-doubling), auto",
             )),
         }
     }

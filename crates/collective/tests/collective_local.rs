@@ -196,6 +196,7 @@ fn algorithms() -> impl Strategy<Value = Algorithm> {
     prop_oneof![
         Just(Algorithm::Ring),
         Just(Algorithm::RecursiveDoubling),
+        Just(Algorithm::HalvingDoubling),
         Just(Algorithm::Auto)
     ]
 }
@@ -961,7 +962,11 @@ fn unwritable_timeline_path_fails_at_start_naming_the_file() {
 /// stall timeout, instead of blocking for ever.
 #[test]
 fn a_stalled_rank_is_named_by_the_waiting_ranks() {
-    for algorithm in [Algorithm::Ring, Algorithm::RecursiveDoubling] {
+    for algorithm in [
+        Algorithm::Ring,
+        Algorithm::RecursiveDoubling,
+        Algorithm::HalvingDoubling,
+    ] {
         let outs = Communicator::run_local(3, |mut comm| {
             comm.set_stall_timeout(Some(Duration::from_millis(300)));
             comm.set_stall_context("step 7");
@@ -1009,5 +1014,19 @@ fn stall_timeout_off_waits_for_a_slow_rank() {
     .expect("threads");
     for out in outs {
         assert_eq!(out.expect("no stall error when off"), vec![2.0f32; 10]);
+    }
+}
+
+/// Halving-doubling at every rank count from 1 to 9 (powers of two, and the fold-in of
+/// the ranks beyond one), with lengths below the rank count, odd lengths and windows that
+/// halve to nothing: exact, and the same bits on every rank.
+#[test]
+fn halving_doubling_is_exact_at_every_rank_count_and_length() {
+    for size in 1..=9 {
+        for len in [0usize, 1, 2, 3, 5, 8, 17, 1000] {
+            let opts = AllReduceOptions::sum().algorithm(Algorithm::HalvingDoubling);
+            check_all_reduce::<f32>(size, len, opts, 64, size + len)
+                .unwrap_or_else(|e| panic!("{size} ranks, length {len}: {e}"));
+        }
     }
 }

@@ -112,6 +112,7 @@ fn check_algorithms<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
             for alg in [
                 Algorithm::Ring,
                 Algorithm::RecursiveDoubling,
+                Algorithm::HalvingDoubling,
                 Algorithm::Auto,
                 Algorithm::Mpi,
             ] {
@@ -207,6 +208,7 @@ fn check_non_finite<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
             for alg in [
                 Algorithm::Ring,
                 Algorithm::RecursiveDoubling,
+                Algorithm::HalvingDoubling,
                 Algorithm::Auto,
                 Algorithm::Mpi,
             ] {
