@@ -80,6 +80,6 @@ pub use strategy::{
 pub use throughput::{RateStats, StepBreakdown, ThroughputMeter, ThroughputSummary};
 pub use timeline::StepWindow;
 pub use trainable::{
-    build_model, build_pipeline_stage, Batch, ParamSpec, PassOutput, TrainableModel,
+    build_model, build_pipeline_stage, Batch, DeviceSpan, ParamSpec, PassOutput, TrainableModel,
 };
 pub use trainer::{train, train_evaluating, TrainOutcome};

@@ -51,7 +51,7 @@ use crate::config::ValidatedConfig;
 use crate::control::Control;
 use crate::error::{Error, Result};
 use crate::outputs::write_atomically;
-use crate::trainable::ParamSpec;
+use crate::trainable::{DeviceSpan, ParamSpec};
 
 /// Barrier rounds of the clock synchronisation at the start.
 pub const CLOCK_ROUNDS: usize = 8;
@@ -270,14 +270,16 @@ impl TrainTimeline {
         self.sink.span(TRAIN_ROW, name, cat, start, end, args);
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    /// Records the device's own time of `name`: `ms` milliseconds ending at `end`
-    /// (a host time at or after the device finished it).
-    pub(crate) fn gpu_span(&self, name: &str, end: Instant, ms: f64, args: serde_json::Value) {
-        let end = self.sink.micros(end);
-        let dur = (ms * 1e3).max(0.0);
-        self.sink
-            .span_micros(GPU_ROW, name, "gpu", end - dur, dur, args);
+    /// Records device work timed with CUDA events on the GPU row.
+    pub(crate) fn device_span(&self, span: &DeviceSpan) {
+        self.sink.span(
+            GPU_ROW,
+            &span.name,
+            "gpu",
+            span.start,
+            span.end,
+            span.args.clone(),
+        );
     }
 
     /// One event per gradient range of at least `--timeline-layer-bytes` (f32), from the

@@ -57,6 +57,9 @@ impl Session<'_> {
         let ctx = self.step_context();
         // The timeline of this step, when one is recorded: `None` costs no clock read.
         let timeline = self.timeline.as_ref().filter(|t| t.recording());
+        if let (Some(t), Some(device)) = (&self.timeline, model.device_resident()) {
+            device.set_device_timing(t.recording());
+        }
         self.strategy.begin_step(ctx);
         let mut local = StepStats::default();
         let mut launches = 0;
@@ -152,6 +155,11 @@ impl Session<'_> {
                 .checked_sub(Duration::from_secs_f64(outcome.optimizer_seconds))
                 .map_or(exchanged, |u| u.max(exchanged));
             t.span("optimizer", "phase", updating, end, args);
+            if let Some(device) = model.device_resident() {
+                for span in device.take_device_spans()? {
+                    t.device_span(&span);
+                }
+            }
         }
         breakdown.communication = outcome.communication_seconds;
         breakdown.optimizer = outcome.optimizer_seconds;
