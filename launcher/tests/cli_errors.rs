@@ -207,6 +207,10 @@ fn help_explains_every_flag() {
         "--checkpoint",
         "--resume",
         "--seed",
+        "--timeline",
+        "--timeline-steps",
+        "--timeline-layer-bytes",
+        "--overwrite-timeline",
     ] {
         assert!(text.contains(flag), "--help does not mention {flag}");
     }
