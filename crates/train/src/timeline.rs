@@ -141,6 +141,29 @@ impl From<StepWindow> for String {
     }
 }
 
+/// Checks that `--timeline-steps` overlaps the steps of this run, which trains steps
+/// `first_step` to `first_step + total - 1` (numbers go on after `--resume`).
+///
+/// # Errors
+/// [`Error::InvalidValue`] naming `--timeline-steps` and the run's steps.
+pub fn check_window(cfg: &ValidatedConfig, first_step: u64) -> Result<()> {
+    let Some(window) = cfg.config().output.timeline_steps else {
+        return Ok(());
+    };
+    let last_step = first_step + cfg.total_steps() as u64 - 1;
+    if window.first > last_step || window.last < first_step {
+        return Err(Error::invalid(
+            "--timeline-steps",
+            window,
+            format!(
+                "this run trains steps {first_step} to {last_step}; choose a window that \
+                 overlaps them"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// How the ranks' clocks were put on rank 0's (see the module docs).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ClockSync {

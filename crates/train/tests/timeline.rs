@@ -311,6 +311,18 @@ fn bad_timeline_flags_fail_before_training_naming_the_flag() {
         "{e}"
     );
 
+    // A window past the run's steps (1 warm-up + 3 timed) would record nothing.
+    let mut cfg = config(&path);
+    cfg.output.timeline_steps = Some(StepWindow { first: 5, last: 9 });
+    for r in run(&cfg, 2) {
+        let e = r.expect_err("refused").to_string();
+        assert!(
+            e.contains("--timeline-steps") && e.contains("trains steps 1 to 4"),
+            "{e}"
+        );
+    }
+    assert!(!path.exists(), "nothing written");
+
     // A directory, a missing directory, and the checkpoint's path: refused at the start.
     for (bad, says) in [
         (dir.path().to_path_buf(), "is a directory"),

@@ -106,6 +106,10 @@ impl<'a> Session<'a> {
         };
         comm.broadcast(model.params_mut()?, 0)?;
 
+        // Step numbers go on from a resumed checkpoint's: a window outside this run's
+        // steps would record nothing (every rank holds the same step, so all fail alike).
+        let first_step = resumed.as_ref().map_or(0, |ck| ck.step) + 1;
+        crate::timeline::check_window(cfg, first_step)?;
         let timeline = TrainTimeline::start(cfg, &mut control, &specs)?;
         let events = timeline.as_ref().map(TrainTimeline::sink);
         let strategy = match model.pipeline_stage() {
