@@ -426,6 +426,44 @@ mod tests {
     }
 
     #[test]
+    fn ranges_from_the_threshold_get_events_named_after_their_parameters() {
+        let spec = |name: &str, range: Range<usize>| ParamSpec {
+            name: name.into(),
+            range,
+        };
+        let origin = Instant::now();
+        let timeline = TrainTimeline {
+            sink: EventSink::new(0, origin),
+            path: PathBuf::from("unused.json"),
+            window: None,
+            layer_bytes: 64,
+            specs: vec![spec("a/w", 0..16), spec("b/w", 16..20), spec("b/b", 20..24)],
+            sync: ClockSync::from_stamps(&[vec![0.0]]),
+            rank: 0,
+            world: 1,
+        };
+        let at = |us: u64| origin + std::time::Duration::from_micros(us);
+        // 16 elements (64 bytes): its own event; 4 (16 bytes): only part of backward;
+        // 8 over two tensors: 32 bytes, below the threshold too.
+        timeline.backward_ranges(
+            at(10),
+            &[(16..20, at(30)), (0..16, at(70)), (16..24, at(90))],
+        );
+        let spans: Vec<_> = timeline
+            .sink
+            .events()
+            .into_iter()
+            .filter(|e| e.ph == "X")
+            .collect();
+        assert_eq!(spans.len(), 1, "{spans:?}");
+        assert_eq!(spans[0].name, "backward a/w");
+        assert_eq!(spans[0].cat, "layer");
+        assert!((spans[0].ts - 30.0).abs() < 1e-6 && (spans[0].end() - 70.0).abs() < 1e-6);
+        assert_eq!(timeline.range_name(&(16..24)), "b/w..b/b (2 tensors)");
+        assert_eq!(timeline.range_name(&(30..40)), "30..40");
+    }
+
+    #[test]
     fn offsets_are_medians_of_the_differences_to_rank_0() {
         let sync = ClockSync::from_stamps(&[
             vec![10.0, 20.0, 30.0],
