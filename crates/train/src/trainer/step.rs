@@ -57,8 +57,10 @@ impl Session<'_> {
         let ctx = self.step_context();
         // The timeline of this step, when one is recorded: `None` costs no clock read.
         let timeline = self.timeline.as_ref().filter(|t| t.recording());
-        if let (Some(t), Some(device)) = (&self.timeline, model.device_resident()) {
-            device.set_device_timing(t.recording());
+        if let Some(t) = &self.timeline {
+            if let Some(device) = model.device_resident() {
+                device.set_device_timing(t.recording());
+            }
         }
         self.strategy.begin_step(ctx);
         let mut local = StepStats::default();
