@@ -528,30 +528,20 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
                 }
             }
         }
-        let uploaded = if to_host {
+        // The host-to-device copy of the reduced gradients (with the f16 wire, and its
+        // cast back to f32), then the update from there.
+        let update_from = if to_host && self.timing.is_some() {
+            let copied = DeviceTiming::mark(&self.timing, &gpu)?;
+            let element_bytes = if matches!(wire, Wire::F16 { .. }) {
+                2
+            } else {
+                4
+            };
+            let args = serde_json::json!({ "bytes": n * element_bytes });
+            DeviceTiming::span(&mut self.timing, "h2d", update_start, copied, args);
             DeviceTiming::mark(&self.timing, &gpu)?
         } else {
-            None
-        };
-        let bytes = n * if matches!(wire, Wire::F16 { .. }) {
-            2
-        } else {
-            4
-        };
-        // The host-to-device copy of the reduced gradients, then the update.
-        let update_from = match (&uploaded, update_start) {
-            (Some(_), start) => {
-                let to = DeviceTiming::mark(&self.timing, &gpu)?;
-                DeviceTiming::span(
-                    &mut self.timing,
-                    "h2d",
-                    start,
-                    to,
-                    serde_json::json!({ "bytes": bytes }),
-                );
-                uploaded
-            }
-            (None, start) => start,
+            update_start
         };
         state.flag.reset().map_err(gpu_err)?;
         device_fp16::has_non_finite_f32(&gpu, grads, &mut state.flag).map_err(gpu_err)?;
