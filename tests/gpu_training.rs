@@ -435,3 +435,76 @@ fn a_resumed_cuda_run_continues_exactly_as_an_uninterrupted_one() {
         "the last steps changed nothing"
     );
 }
+
+/// `--timeline` on cuda: each rank's file row has the device's own times, measured with
+/// CUDA events, on a row of its own: the pass, every gradient range's device-to-host
+/// copy, the host-to-device copy of the sums and the update, each inside its step.
+#[test]
+fn the_timeline_has_a_gpu_row_per_rank_inside_the_steps() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let path = dir.path().join("trace.json");
+    let cfg = with(&small_nmt(), |c| {
+        c.run.device = DeviceKind::Cuda;
+        c.run.warmup_batches = 1;
+        c.run.timed_batches = 1;
+        c.exchange.overlap_backward = OverlapMode::On;
+        c.output.timeline = Some(path.clone());
+    });
+    let run = cfg.validate(2).expect("a valid test config");
+    Communicator::run_local(2, |comm| {
+        let rank = comm.rank();
+        let mut model = initial_model(&cfg, 100);
+        let mut data = batches(&run, rank).into_iter();
+        train(&run, comm, model.as_mut(), &mut data, &mut |_| {}).map(drop)
+    })
+    .expect("the local transport runs")
+    .into_iter()
+    .for_each(|r| r.expect("the rank trains"));
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("written")).expect("JSON");
+    let events = json["traceEvents"].as_array().expect("events");
+    for rank in 0..2u64 {
+        let gpu_row = events
+            .iter()
+            .find(|e| {
+                e["pid"] == rank
+                    && e["name"] == "thread_name"
+                    && e["args"]["name"] == "gpu (CUDA events)"
+            })
+            .and_then(|e| e["tid"].as_u64())
+            .expect("a GPU row");
+        let steps: Vec<(f64, f64)> = events
+            .iter()
+            .filter(|e| e["pid"] == rank && e["cat"] == "step")
+            .map(|e| {
+                let ts = e["ts"].as_f64().unwrap();
+                (ts, ts + e["dur"].as_f64().unwrap())
+            })
+            .collect();
+        assert_eq!(steps.len(), 2, "rank {rank}");
+        let gpu: Vec<&serde_json::Value> = events
+            .iter()
+            .filter(|e| e["pid"] == rank && e["tid"] == gpu_row && e["ph"] == "X")
+            .collect();
+        let names: Vec<&str> = gpu.iter().filter_map(|e| e["name"].as_str()).collect();
+        for expected in ["gpu forward+backward", "h2d", "gpu update"] {
+            assert_eq!(
+                names.iter().filter(|n| **n == expected).count(),
+                2,
+                "rank {rank}: one {expected} per step: {names:?}"
+            );
+        }
+        assert!(
+            names.iter().any(|n| n.starts_with("d2h ")),
+            "rank {rank}: {names:?}"
+        );
+        for e in gpu {
+            let ts = e["ts"].as_f64().unwrap();
+            let end = ts + e["dur"].as_f64().unwrap();
+            assert!(
+                steps.iter().any(|&(a, b)| ts >= a - 1.0 && end <= b + 1.0),
+                "rank {rank}: outside its step: {e}"
+            );
+        }
+    }
+}

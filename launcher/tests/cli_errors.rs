@@ -207,6 +207,10 @@ fn help_explains_every_flag() {
         "--checkpoint",
         "--resume",
         "--seed",
+        "--timeline",
+        "--timeline-steps",
+        "--timeline-layer-bytes",
+        "--overwrite-timeline",
     ] {
         assert!(text.contains(flag), "--help does not mention {flag}");
     }
@@ -449,4 +453,39 @@ fn bad_held_out_input_fails_before_training() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(!stdout.contains("words/sec"), "{args:?} trained: {stdout}");
     }
+}
+
+#[test]
+fn bad_timeline_flags_name_the_flag_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.json");
+    let trace = trace.to_str().unwrap();
+    for (window, says) in [
+        ("7..3", "comes before the first"),
+        ("3", "expected A..B"),
+        ("x..4", "expected A..B"),
+        ("0..2", "numbered from 1"),
+    ] {
+        let out = train(&["--timeline", trace, "--timeline-steps", window]);
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{window} was accepted");
+        assert!(
+            err.contains("--timeline-steps") && err.contains(window) && err.contains(says),
+            "{window}: {err}"
+        );
+    }
+    let out = train(&["--timeline-steps", "1..2"]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("needs --timeline"),
+        "{err}"
+    );
+    let missing = dir.path().join("missing").join("t.json");
+    let out = train(&["--timeline", missing.to_str().unwrap()]);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("--timeline") && err.contains("mkdir -p"),
+        "{err}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("words/s"));
 }

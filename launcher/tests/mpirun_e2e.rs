@@ -411,3 +411,58 @@ fn sweep_compares_data_parallel_with_a_pipeline_at_the_same_rank_count() {
         assert!(svg.contains(text), "the plot lacks `{text}`");
     }
 }
+
+#[test]
+fn two_ranks_write_one_timeline_with_both_ranks_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("r.json");
+    let trace = dir.path().join("trace.json");
+    let trace_arg = trace.display().to_string();
+    launch(
+        2,
+        &[
+            "--batch-size",
+            "4",
+            "--overlap-backward",
+            "on",
+            "--timeline",
+            &trace_arg,
+            "--timeline-steps",
+            "2..4",
+        ],
+        &report,
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    for rank in 0..2u64 {
+        let mut steps: Vec<&str> = events
+            .iter()
+            .filter(|e| e["pid"] == rank && e["cat"] == "step")
+            .filter_map(|e| e["name"].as_str())
+            .collect();
+        steps.sort_unstable();
+        assert_eq!(steps, ["step 2", "step 3", "step 4"], "rank {rank}");
+        for phase in ["forward", "backward", "all_reduce"] {
+            assert!(
+                events
+                    .iter()
+                    .any(|e| e["pid"] == rank && e["name"] == phase),
+                "rank {rank} lacks {phase}"
+            );
+        }
+    }
+    for e in events.iter().filter(|e| e["ph"] == "X") {
+        for field in ["name", "cat", "ts", "dur", "pid", "tid"] {
+            assert!(!e[field].is_null(), "{field} missing: {e}");
+        }
+    }
+    let sync = &json["otherData"]["clock_sync"];
+    assert_eq!(sync["offsets_us"].as_array().map(Vec::len), Some(2));
+    // No file of another rank, and no temporary file, is left beside it.
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+}

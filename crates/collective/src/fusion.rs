@@ -42,7 +42,7 @@ use crate::negotiation::{
     Announce, Announcement, CycleMessage, Decision, Failure, IdBits, ReadyTable,
 };
 use crate::options::AllReduceOptions;
-use crate::timeline::Timeline;
+use crate::timeline::{EventSink, Timeline};
 
 /// Default [`FusionConfig::threshold_bytes`]: the largest fusion buffer.
 pub const DEFAULT_THRESHOLD_BYTES: usize = 64 * 1024 * 1024;
@@ -65,6 +65,10 @@ pub struct FusionConfig {
     pub options: AllReduceOptions,
     /// Write a Chrome-trace timeline per rank (`name.json` becomes `name.rank<R>.json`).
     pub timeline: Option<PathBuf>,
+    /// Record the phases into this sink instead (a trainer's timeline shares it); with
+    /// [`FusionConfig::timeline`] too, the per-rank file holds a copy of the sink's events.
+    /// Without either nothing is recorded and no clock is read for it.
+    pub events: Option<EventSink>,
 }
 
 impl Default for FusionConfig {
@@ -76,6 +80,7 @@ impl Default for FusionConfig {
             stall_error: Duration::from_secs(60),
             options: AllReduceOptions::default(),
             timeline: None,
+            events: None,
         }
     }
 }
@@ -508,7 +513,7 @@ impl FusionEngine {
                 "use a positive size (Horovod's default is 64 MiB)",
             ));
         }
-        let timed = config.timeline.is_some();
+        let timed = config.timeline.is_some() || config.events.is_some();
         let (tx, rx) = unbounded();
         let foreign: ForeignFailures = Arc::default();
         let rank = comm.rank();
@@ -529,7 +534,12 @@ impl FusionEngine {
             foreign: Arc::clone(&foreign),
             board: Arc::clone(&board),
             buffer: Vec::new(),
-            timeline: Timeline::new(config.timeline.as_deref(), rank, Instant::now()),
+            timeline: Timeline::new(
+                config.timeline.as_deref(),
+                config.events.as_ref(),
+                rank,
+                Instant::now(),
+            ),
             config,
         };
         let core = Arc::new(Core {
@@ -1013,7 +1023,19 @@ impl Engine {
             cached: std::mem::take(&mut self.fresh_bits),
             fail,
         };
+        // A round is drawn only when this rank had something in it: idle rounds (the
+        // stall checks between steps) would fill a timeline with nothing.
+        let drawn = self.timeline.enabled()
+            && (!msg.announcements.is_empty() || !msg.cached.is_empty() || self.queued > 0);
+        let round_start = drawn.then(Instant::now);
         let gathered = comm.negotiate(&msg.encode())?;
+        if let Some(start) = round_start {
+            let args = serde_json::json!({
+                "announced": msg.announcements.len(),
+                "queued": self.queued + self.unregistered.len(),
+            });
+            self.timeline.negotiation(start, Instant::now(), args);
+        }
         let known = self.table.registered_count();
         let mut messages = Vec::with_capacity(size);
         for bytes in &gathered {

@@ -105,7 +105,7 @@ mod options;
 mod packing;
 pub mod stall;
 mod subgroup;
-mod timeline;
+pub mod timeline;
 mod transport;
 
 /// The `half` crate whose `f16` / `bf16` the collectives reduce.
@@ -123,5 +123,5 @@ pub use options::{Algorithm, AllReduceOptions, ReduceOp, WireCompression};
 pub use packing::{GradientPacker, GradientSpec, PackingConfig, ReductionUnit, UnitPiece};
 pub use stall::{StallWatch, DEFAULT_STALL_TIMEOUT, STALL_EXIT_CODE};
 pub use subgroup::SubgroupTransport;
-pub use timeline::timeline_path_for_rank;
+pub use timeline::{timeline_path_for_rank, EventSink, TraceEvent};
 pub use transport::{LocalTransport, NodeRank, Transport};

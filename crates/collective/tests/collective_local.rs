@@ -636,13 +636,61 @@ fn fusion_timeline_is_chrome_trace_json_with_every_phase() {
             .filter(|e| e["ph"] == "X")
             .filter_map(|e| e["name"].as_str())
             .collect();
-        for p in ["queued", "copy_in", "all_reduce", "copy_out"] {
+        for p in ["negotiate", "queued", "copy_in", "all_reduce", "copy_out"] {
             assert!(
                 phases.contains(&p),
                 "rank {rank} lacks phase {p}: {phases:?}"
             );
         }
         assert!(events.iter().all(|e| e["pid"] == rank));
+    }
+}
+
+#[test]
+fn fusion_phases_go_into_a_shared_sink_only_while_it_records() {
+    use ringtrain_collective::EventSink;
+    let origin = std::time::Instant::now();
+    let outs = Communicator::run_local(2, |comm| {
+        let sink = EventSink::new(comm.rank(), origin);
+        let config = FusionConfig {
+            events: Some(sink.clone()),
+            ..FusionConfig::default()
+        };
+        let engine = FusionEngine::start(comm, config).expect("start");
+        sink.set_recording(false);
+        let hs = vec![engine.submit("hidden", vec![1.0f32; 8]).expect("submit")];
+        engine.synchronize(hs).expect("sync");
+        sink.set_recording(true);
+        let hs = vec![
+            engine.submit("a", vec![1.0f32; 8]).expect("submit"),
+            engine.submit("b", vec![1.0f32; 8]).expect("submit"),
+        ];
+        engine.synchronize(hs).expect("sync");
+        engine.shutdown().expect("shutdown");
+        sink.events()
+    })
+    .expect("run");
+    for (rank, events) in outs.into_iter().enumerate() {
+        let spans: Vec<_> = events.iter().filter(|e| e.ph == "X").collect();
+        let names: Vec<&str> = spans.iter().map(|e| e.name.as_str()).collect();
+        for p in ["negotiate", "queued", "copy_in", "all_reduce", "copy_out"] {
+            assert!(names.contains(&p), "rank {rank} lacks {p}: {names:?}");
+        }
+        let row = |tid: usize| {
+            events
+                .iter()
+                .find(|e| e.ph == "M" && e.tid == tid)
+                .and_then(|e| e.args["name"].as_str())
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let rows: Vec<String> = spans.iter().map(|e| row(e.tid)).collect();
+        assert!(!rows.iter().any(|r| r == "hidden"), "{rows:?}");
+        assert!(rows.iter().any(|r| r == "a") && rows.iter().any(|r| r == "b"));
+        assert!(events.iter().all(|e| e.pid == rank));
+        assert!(spans
+            .iter()
+            .all(|e| e.dur.is_some_and(|d| d >= 0.0) && e.ts >= 0.0));
     }
 }
 

@@ -158,7 +158,7 @@ pub use pinned::PinnedBuffer;
 #[cfg(feature = "cuda")]
 pub use runtime::{Gpu, KernelArg, LaunchConfig};
 #[cfg(feature = "cuda")]
-pub use timing::GpuTimer;
+pub use timing::{GpuTimer, StreamMark};
 pub use transfer::TransferBytes;
 
 /// Every PTX module of the crate, in `ptx/` file-name order.

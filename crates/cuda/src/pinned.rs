@@ -40,6 +40,7 @@ use cust::sys as cuda;
 use crate::context::{check, driver, DeviceContext};
 use crate::error::{Error, Result};
 use crate::memory::{AsDevSlice, AsDevSliceMut, Element};
+use crate::timing::StreamMark;
 
 /// An asynchronous copy touching `range` of a pinned buffer, done when `done` fires.
 #[derive(Debug)]
@@ -246,12 +247,35 @@ impl<T: Element> PinnedBuffer<T> {
     /// # Errors
     /// A range outside the buffer, a length or device mismatch, or a driver error.
     pub fn download_async(&mut self, range: Range<usize>, src: &impl AsDevSlice<T>) -> Result<()> {
+        self.download(range, src, false).map(drop)
+    }
+
+    /// [`download_async`](Self::download_async), timed with CUDA events on the copy
+    /// stream: the marks where the copy starts (after the compute work it waits for) and
+    /// ends. An empty range copies nothing and gives no marks.
+    ///
+    /// # Errors
+    /// As [`download_async`](Self::download_async).
+    pub fn download_async_timed(
+        &mut self,
+        range: Range<usize>,
+        src: &impl AsDevSlice<T>,
+    ) -> Result<Option<(StreamMark, StreamMark)>> {
+        self.download(range, src, true)
+    }
+
+    fn download(
+        &mut self,
+        range: Range<usize>,
+        src: &impl AsDevSlice<T>,
+        timed: bool,
+    ) -> Result<Option<(StreamMark, StreamMark)>> {
         let src = src.dev_slice();
         self.check_range("range", &range)?;
         crate::error::check_len("src", range.len(), src.len())?;
         self.device.check_device("src", src.device())?;
         if range.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         self.device.bind()?;
         self.settle(&range)?; // an earlier copy may still read or write these elements
@@ -263,6 +287,11 @@ impl<T: Element> PinnedBuffer<T> {
             .copy_stream()
             .wait_event(after_compute, StreamWaitEventFlags::DEFAULT)
             .map_err(driver("ordering the copy stream after the compute stream"))?;
+        let start = if timed {
+            Some(StreamMark::on_copy_of(&self.device)?)
+        } else {
+            None
+        };
         let bytes = range.len() * std::mem::size_of::<T>();
         // SAFETY: `range` lies inside the pinned allocation, which stays alive (Drop waits
         // for every in-flight copy) and is not touched by the host until `done` fires (the
@@ -282,7 +311,10 @@ impl<T: Element> PinnedBuffer<T> {
         done.record(self.device.copy_stream())
             .map_err(driver("recording an event on the copy stream"))?;
         self.in_flight.push(InFlight { range, done });
-        Ok(())
+        match start {
+            Some(start) => Ok(Some((start, StreamMark::on_copy_of(&self.device)?))),
+            None => Ok(None),
+        }
     }
 
     /// Queues copying `range` of this buffer into the device view `dst` on the GPU's

@@ -5,7 +5,7 @@
 
 use cust::event::{Event, EventFlags};
 
-use crate::context::driver;
+use crate::context::{driver, DeviceContext};
 use crate::error::Result;
 use crate::runtime::Gpu;
 
@@ -70,5 +70,70 @@ impl GpuTimer {
         }
         times.sort_by(f32::total_cmp);
         Ok(times[times.len() / 2])
+    }
+}
+
+/// One timing event recorded on a stream of a GPU: the device's own clock at the point
+/// the stream reached it. Two marks give the device time between them
+/// ([`StreamMark::ms_since`]), also across the compute and the copy stream of one GPU
+/// (timelines: `ringtrain train --timeline` on cuda).
+pub struct StreamMark {
+    device: DeviceContext,
+    event: Event,
+}
+
+impl std::fmt::Debug for StreamMark {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamMark")
+            .field("device", &self.device.ordinal())
+            .finish()
+    }
+}
+
+impl StreamMark {
+    fn record(device: &DeviceContext, copy: bool) -> Result<StreamMark> {
+        device.bind()?;
+        let event = Event::new(EventFlags::DEFAULT).map_err(driver("creating an event"))?;
+        let stream = if copy {
+            device.copy_stream()
+        } else {
+            device.stream()
+        };
+        event.record(stream).map_err(driver("recording an event"))?;
+        Ok(StreamMark {
+            device: device.clone(),
+            event,
+        })
+    }
+
+    /// A mark on `gpu`'s compute stream, after the work queued there so far.
+    pub fn on_compute(gpu: &Gpu) -> Result<StreamMark> {
+        Self::record(gpu.device(), false)
+    }
+
+    /// A mark on `gpu`'s copy stream, after the copies queued there so far.
+    pub fn on_copy(gpu: &Gpu) -> Result<StreamMark> {
+        Self::record(gpu.device(), true)
+    }
+
+    /// A mark on the copy stream of `device` (the pinned buffers' timed copies).
+    pub(crate) fn on_copy_of(device: &DeviceContext) -> Result<StreamMark> {
+        Self::record(device, true)
+    }
+
+    /// Milliseconds of device time from `earlier` to this mark (negative when this one
+    /// came first); waits until the stream has reached this mark.
+    pub fn ms_since(&self, earlier: &StreamMark) -> Result<f32> {
+        self.device.bind()?;
+        self.event
+            .synchronize()
+            .map_err(driver("waiting for an event"))?;
+        earlier
+            .event
+            .synchronize()
+            .map_err(driver("waiting for an event"))?;
+        self.event
+            .elapsed_time_f32(&earlier.event)
+            .map_err(driver("reading the time between events"))
     }
 }

@@ -54,6 +54,7 @@ pub mod report;
 pub mod run;
 pub mod strategy;
 pub mod throughput;
+pub mod timeline;
 pub mod trainable;
 pub mod trainer;
 
@@ -77,7 +78,8 @@ pub use strategy::{
     greedy_placement, DeviceStepInputs, StepContext, StepOutcome, StepStats, Strategy, Wire,
 };
 pub use throughput::{RateStats, StepBreakdown, ThroughputMeter, ThroughputSummary};
+pub use timeline::StepWindow;
 pub use trainable::{
-    build_model, build_pipeline_stage, Batch, ParamSpec, PassOutput, TrainableModel,
+    build_model, build_pipeline_stage, Batch, DeviceSpan, ParamSpec, PassOutput, TrainableModel,
 };
 pub use trainer::{train, train_evaluating, TrainOutcome};

@@ -6,7 +6,9 @@
 //! - [`check_run_outputs`] applies it to every file a training run writes
 //!   (`--checkpoint`, `--json-report`) and refuses to replace an existing checkpoint
 //!   unless `--resume` or `--overwrite-checkpoint` is given. A JSON report is output of
-//!   one run, like a compiler's `-o`: an existing one is replaced.
+//!   one run, like a compiler's `-o`: an existing one is replaced. A `--timeline` can be
+//!   large and is often kept to compare runs: an existing one is refused unless
+//!   `--overwrite-timeline` is given.
 //! - [`write_atomically`] is the one way files are written: a temporary file with a name
 //!   of its own (`FILE.tmp.<pid>.<n>`, so concurrent writers never share one), fsync,
 //!   rename over `FILE`, fsync of the directory. The temporary file is removed on every
@@ -142,6 +144,28 @@ pub fn check_run_outputs(config: &TrainConfig) -> Result<()> {
                 "--json-report",
                 path.display(),
                 "it is also the --checkpoint file; give the report a path of its own",
+            ));
+        }
+    }
+    if let Some(path) = &output.timeline {
+        check_output_file("--timeline", path, "timeline.json")?;
+        for (flag, other) in [
+            ("--checkpoint", &output.checkpoint),
+            ("--json-report", &output.json_report),
+        ] {
+            if other.as_deref() == Some(path.as_path()) {
+                return Err(Error::invalid(
+                    "--timeline",
+                    path.display(),
+                    format!("it is also the {flag} file; give the timeline a path of its own"),
+                ));
+            }
+        }
+        if !output.overwrite_timeline && fs::metadata(path).is_ok() {
+            return Err(Error::invalid(
+                "--timeline",
+                path.display(),
+                "the file exists; pass --overwrite-timeline to replace it, or choose another path",
             ));
         }
     }

@@ -7,7 +7,7 @@
 //! | [`DataOptions`] | synthetic or corpus input, vocabulary, batch size and length |
 //! | [`ExchangeOptions`] | how ranks share gradients: strategy, packing, fusion, f16 |
 //! | [`RunOptions`] | device, threads, optimizer, steps and seed |
-//! | [`OutputOptions`] | progress lines, checkpoints, the JSON report |
+//! | [`OutputOptions`] | progress lines, checkpoints, the JSON report, the timeline |
 //!
 //! Each field is declared once, with its documentation (which is also its `--help`
 //! text), its flag and its default: one declaration gives the struct, its [`Default`]
@@ -37,6 +37,8 @@ use ringtrain_collective::DEFAULT_STALL_TIMEOUT;
 use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, SourceLengths};
 use serde::{Deserialize, Serialize};
 
+use crate::timeline::StepWindow;
+
 mod choices;
 mod validated;
 
@@ -46,6 +48,9 @@ pub use choices::{
     VariableUpdate,
 };
 pub use validated::{DataSource, HeldOutSource, Reduction, ValidatedConfig};
+
+/// Default `--timeline-layer-bytes`: backward ranges from 64 KiB get their own event.
+pub const DEFAULT_TIMELINE_LAYER_BYTES: usize = 64 * 1024;
 
 /// Adam's learning rate when `--learning-rate` is not given (PyTorch's default).
 pub const DEFAULT_ADAM_LEARNING_RATE: f32 = 1e-3;
@@ -356,8 +361,10 @@ options! {
 }
 
 options! {
-    /// What the run writes: progress lines, checkpoints, the JSON report.
+    /// What the run writes: progress lines, checkpoints, the JSON report, the timeline.
     #[cfg_attr(feature = "cli", command(next_help_heading = "Output"))]
+    // Files written before a field existed read it as its default.
+    #[serde(default)]
     pub struct OutputOptions {
         /// Print a progress line every N steps (0 = only the final table).
         #[arg(long, alias = "display_every")]
@@ -388,6 +395,24 @@ options! {
         /// report is replaced, as each run's report is that run's output.
         #[arg(long, alias = "json_report")]
         json_report: Option<PathBuf>,
+        /// Write a Chrome-trace timeline of training to this file (rank 0 merges every
+        /// rank's row onto one clock at the end; open it in chrome://tracing or Perfetto).
+        /// Its directory must exist and be writable (checked before the first step); an
+        /// existing file is refused unless --overwrite-timeline.
+        #[arg(long)]
+        timeline: Option<PathBuf>,
+        /// Keep only steps A to B (both included, numbered as the log numbers them) in
+        /// the --timeline, so long runs stay small. Default: every step.
+        #[arg(long, value_parser = parse::<StepWindow>)]
+        timeline_steps: Option<StepWindow>,
+        /// Backward ranges of at least this many bytes of gradient get their own event
+        /// in the --timeline (smaller ones are only part of `backward`).
+        #[arg(long)]
+        timeline_layer_bytes: usize = DEFAULT_TIMELINE_LAYER_BYTES,
+        /// Replace an existing --timeline file (without this flag it is refused before
+        /// training).
+        #[arg(long)]
+        overwrite_timeline: bool,
     }
 }
 

@@ -343,6 +343,7 @@ impl TrainConfig {
         for (flag, path) in [
             ("--checkpoint", &output.checkpoint),
             ("--json-report", &output.json_report),
+            ("--timeline", &output.timeline),
         ] {
             if let Some(path) = path {
                 utf8_path(flag, path)?;
@@ -353,6 +354,23 @@ impl TrainConfig {
                 "--resume",
                 "true",
                 "needs --checkpoint FILE naming the checkpoint to load",
+            ));
+        }
+        if let Some(window) = &output.timeline_steps {
+            window.check()?;
+            if output.timeline.is_none() {
+                return Err(Error::invalid(
+                    "--timeline-steps",
+                    window,
+                    "needs --timeline FILE naming the timeline to write",
+                ));
+            }
+        }
+        if output.overwrite_timeline && output.timeline.is_none() {
+            return Err(Error::invalid(
+                "--overwrite-timeline",
+                "true",
+                "needs --timeline FILE naming the timeline to replace",
             ));
         }
         if output.overwrite_checkpoint && output.checkpoint.is_none() {

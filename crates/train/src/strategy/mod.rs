@@ -192,8 +192,23 @@ impl Strategy {
     /// # Errors
     /// The collective's, when the fusion engine or the packer cannot start.
     pub fn new(cfg: &ValidatedConfig, comm: Communicator, specs: &[ParamSpec]) -> Result<Self> {
+        Self::with_events(cfg, comm, specs, None)
+    }
+
+    /// [`Strategy::new`], the fusion engine (if any) recording its phases into `events`.
+    ///
+    /// # Errors
+    /// As [`Strategy::new`].
+    pub fn with_events(
+        cfg: &ValidatedConfig,
+        comm: Communicator,
+        specs: &[ParamSpec],
+        events: Option<&ringtrain_collective::EventSink>,
+    ) -> Result<Self> {
         Ok(match cfg.config().exchange.variable_update {
-            VariableUpdate::Replicated => Strategy::Replicated(Replicated::new(cfg, comm, specs)?),
+            VariableUpdate::Replicated => {
+                Strategy::Replicated(Replicated::with_events(cfg, comm, specs, events)?)
+            }
             VariableUpdate::ParameterServer => {
                 Strategy::ParameterServer(ParameterServer::new(cfg, comm, specs))
             }

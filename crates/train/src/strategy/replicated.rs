@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use half::f16;
 use ringtrain_collective::{
-    AllReduceOptions, Communicator, DType, FusionConfig, FusionEngine, GradientPacker,
+    AllReduceOptions, Communicator, DType, EventSink, FusionConfig, FusionEngine, GradientPacker,
     GradientSpec, Handle, PackingConfig, Tensor, TensorMut,
 };
 
@@ -68,6 +68,20 @@ impl Replicated {
     /// # Errors
     /// The collective's, when the packer's plan or the fusion engine fails.
     pub fn new(cfg: &ValidatedConfig, comm: Communicator, specs: &[ParamSpec]) -> Result<Self> {
+        Self::with_events(cfg, comm, specs, None)
+    }
+
+    /// [`Replicated::new`], the fusion engine recording its phases into `events` (a
+    /// `--timeline`'s sink; only the overlapped reduction has such phases).
+    ///
+    /// # Errors
+    /// As [`Replicated::new`].
+    pub fn with_events(
+        cfg: &ValidatedConfig,
+        comm: Communicator,
+        specs: &[ParamSpec],
+        events: Option<&EventSink>,
+    ) -> Result<Self> {
         let exchange = &cfg.config().exchange;
         let size = comm.size();
         let mode = match cfg.reduction() {
@@ -108,6 +122,7 @@ impl Replicated {
                     // stall timeout, failed on every rank at the timeout.
                     stall_warning: cfg.stall_timeout().map_or(Duration::MAX, |t| t / 2),
                     stall_error: cfg.stall_timeout().map_or(Duration::MAX, |t| t - t / 2),
+                    events: events.cloned(),
                     ..FusionConfig::default()
                 };
                 Mode::Overlapped {

@@ -24,17 +24,20 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use half::f16;
 use ringtrain_cuda::optim as device_optim;
-use ringtrain_cuda::{fp16 as device_fp16, Element, Gpu, GpuBuffer, NonFiniteFlag, PinnedBuffer};
+use ringtrain_cuda::{
+    fp16 as device_fp16, Element, Gpu, GpuBuffer, NonFiniteFlag, PinnedBuffer, StreamMark,
+};
 use ringtrain_model::{Backend, CudaBackend, Model};
 
 use super::pass::{run_forward, run_pass, Delivery};
 use super::staging::TrainsOnBatch;
 use super::{
-    param_specs, Batch, DeviceResident, DeviceUpdate, ExchangeCallback, HostGrads, HostGradsMut,
-    ParamSpec, PassOutput, ReadyCallback, TrainableModel,
+    param_specs, Batch, DeviceResident, DeviceSpan, DeviceUpdate, ExchangeCallback, HostGrads,
+    HostGradsMut, ParamSpec, PassOutput, ReadyCallback, TrainableModel,
 };
 use crate::config::OptimizerKind;
 use crate::error::{Error, Result};
@@ -54,6 +57,40 @@ pub struct GpuTrainable<M> {
     /// The device parameters changed since they were last copied to the host.
     host_stale: bool,
     mode: Mode,
+    /// CUDA-event marks of a timeline (`None`: nothing is timed).
+    timing: Option<Box<DeviceTiming>>,
+}
+
+/// Marks of the device work of one step, for [`DeviceResident::take_device_spans`].
+#[derive(Default)]
+struct DeviceTiming {
+    /// A mark at the start of the pass (the device idle) and the host time it was taken.
+    anchor: Option<(StreamMark, Instant)>,
+    /// What ran between two marks.
+    spans: Vec<(String, StreamMark, StreamMark, serde_json::Value)>,
+}
+
+impl DeviceTiming {
+    /// A mark on the compute stream, only when timing.
+    fn mark(timing: &Option<Box<DeviceTiming>>, gpu: &Gpu) -> Result<Option<StreamMark>> {
+        match timing {
+            Some(_) => Ok(Some(StreamMark::on_compute(gpu).map_err(gpu_err)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Records `name` from `start` to `end` (both given only when timing).
+    fn span(
+        timing: &mut Option<Box<DeviceTiming>>,
+        name: &str,
+        start: Option<StreamMark>,
+        end: Option<StreamMark>,
+        args: serde_json::Value,
+    ) {
+        if let (Some(t), Some(start), Some(end)) = (timing.as_mut(), start, end) {
+            t.spans.push((name.to_owned(), start, end, args));
+        }
+    }
 }
 
 /// Where the update runs.
@@ -109,6 +146,8 @@ type Deliver<'a, T> = dyn FnMut(Range<usize>, &[T]) -> Result<()> + 'a;
 struct PinnedCopies<T: Element> {
     host: PinnedBuffer<T>,
     pending: VecDeque<Range<usize>>,
+    /// Each copy's start and end marks on the copy stream (`None`: copies are not timed).
+    timed: Option<Vec<(Range<usize>, StreamMark, StreamMark)>>,
 }
 
 impl<T: Element> PinnedCopies<T> {
@@ -116,15 +155,28 @@ impl<T: Element> PinnedCopies<T> {
         Ok(PinnedCopies {
             host: gpu.pinned::<T>(len).map_err(gpu_err)?,
             pending: VecDeque::new(),
+            timed: None,
         })
     }
 
     /// Queues copying `src` (the device's `range`) into the host buffer.
     fn start(&mut self, range: Range<usize>, src: &GpuBuffer<T>) -> Result<()> {
         let view = src.slice(range.clone()).map_err(gpu_err)?;
-        self.host
-            .download_async(range.clone(), &view)
-            .map_err(gpu_err)?;
+        match self.timed.as_mut() {
+            Some(marks) => {
+                let timed = self
+                    .host
+                    .download_async_timed(range.clone(), &view)
+                    .map_err(gpu_err)?;
+                if let Some((start, end)) = timed {
+                    marks.push((range.clone(), start, end));
+                }
+            }
+            None => self
+                .host
+                .download_async(range.clone(), &view)
+                .map_err(gpu_err)?,
+        }
         self.pending.push_back(range);
         Ok(())
     }
@@ -273,6 +325,7 @@ impl<M: Model<Backend = CudaBackend>> GpuTrainable<M> {
             params_dirty: false,
             host_stale: false,
             mode,
+            timing: None,
         })
     }
 
@@ -338,6 +391,17 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
         self.upload_params()?;
         let n = self.params_host.len();
         let gpu = self.gpu.clone();
+        // The anchor of the step's device times: the device is idle here (the last
+        // update ended with a read of its result, and no copy outlives a pass).
+        if let Some(t) = self.timing.as_mut() {
+            t.spans.clear();
+            t.anchor = Some((
+                StreamMark::on_compute(&gpu).map_err(gpu_err)?,
+                Instant::now(),
+            ));
+        }
+        let timed = self.timing.is_some();
+        let pass_start = DeviceTiming::mark(&self.timing, &gpu)?;
         let Mode::Resident(state) = &mut self.mode else {
             return Err(missing("device-resident state"));
         };
@@ -361,6 +425,13 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
         .flatten()
         {
             pending.clear();
+        }
+        for copies in [state.host_f32.as_mut().map(|c| &mut c.timed)]
+            .into_iter()
+            .chain([state.host_f16.as_mut().map(|c| &mut c.timed)])
+            .flatten()
+        {
+            *copies = timed.then(Vec::new);
         }
         let ResidentState {
             flag,
@@ -388,6 +459,33 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
             &mut |_, _| Ok(()),
         )?;
         state.last = Some((wire, to_host));
+        let pass_end = DeviceTiming::mark(&self.timing, &gpu)?;
+        let args = serde_json::json!({ "launches": output.launches });
+        DeviceTiming::span(
+            &mut self.timing,
+            "gpu forward+backward",
+            pass_start,
+            pass_end,
+            args,
+        );
+        if let Some(t) = self.timing.as_mut() {
+            let element_bytes = if half { 2 } else { 4 };
+            let copies = state
+                .host_f32
+                .as_mut()
+                .and_then(|c| c.timed.take())
+                .into_iter()
+                .chain(state.host_f16.as_mut().and_then(|c| c.timed.take()))
+                .flatten();
+            for (range, start, end) in copies {
+                let args = serde_json::json!({
+                    "elements": range.len(),
+                    "bytes": range.len() * element_bytes,
+                });
+                let name = format!("d2h {}..{}", range.start, range.end);
+                t.spans.push((name, start, end, args));
+            }
+        }
         Ok(output)
     }
 
@@ -399,6 +497,7 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
         skip: bool,
     ) -> Result<DeviceUpdate> {
         let gpu = self.gpu.clone();
+        let update_start = DeviceTiming::mark(&self.timing, &gpu)?;
         let Mode::Resident(state) = &mut self.mode else {
             return Err(missing("device-resident state"));
         };
@@ -429,9 +528,27 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
                 }
             }
         }
+        // The host-to-device copy of the reduced gradients (with the f16 wire, and its
+        // cast back to f32), then the update from there.
+        let update_from = if to_host && self.timing.is_some() {
+            let copied = DeviceTiming::mark(&self.timing, &gpu)?;
+            let element_bytes = if matches!(wire, Wire::F16 { .. }) {
+                2
+            } else {
+                4
+            };
+            let args = serde_json::json!({ "bytes": n * element_bytes });
+            DeviceTiming::span(&mut self.timing, "h2d", update_start, copied, args);
+            DeviceTiming::mark(&self.timing, &gpu)?
+        } else {
+            update_start
+        };
         state.flag.reset().map_err(gpu_err)?;
         device_fp16::has_non_finite_f32(&gpu, grads, &mut state.flag).map_err(gpu_err)?;
         if skip || state.flag.is_set().map_err(gpu_err)? {
+            let end = DeviceTiming::mark(&self.timing, &gpu)?;
+            let args = serde_json::json!({ "skipped": true });
+            DeviceTiming::span(&mut self.timing, "gpu update", update_from, end, args);
             return Ok(DeviceUpdate {
                 skipped: true,
                 grad_norm: 0.0,
@@ -477,6 +594,9 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
             }
         }
         self.host_stale = true;
+        let end = DeviceTiming::mark(&self.timing, &gpu)?;
+        let args = serde_json::json!({ "skipped": false });
+        DeviceTiming::span(&mut self.timing, "gpu update", update_from, end, args);
         let norm_sq = state.norm_sq.to_host().map_err(gpu_err)?;
         Ok(DeviceUpdate {
             skipped: false,
@@ -515,6 +635,39 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> DeviceResident for GpuTrain
         let result = self.resident_pass(batch, wire, to_host, on_ready);
         // No copy may outlive the pass: the ring reads and writes the buffers next.
         self.settle(result)
+    }
+
+    fn set_device_timing(&mut self, on: bool) {
+        match (on, self.timing.is_some()) {
+            (true, false) => self.timing = Some(Box::default()),
+            (false, true) => self.timing = None,
+            _ => {}
+        }
+    }
+
+    fn take_device_spans(&mut self) -> Result<Vec<DeviceSpan>> {
+        let Some(timing) = self.timing.as_mut() else {
+            return Ok(Vec::new());
+        };
+        let spans = std::mem::take(&mut timing.spans);
+        let Some((anchor, host)) = timing.anchor.take() else {
+            return Ok(Vec::new());
+        };
+        let at = |mark: &StreamMark| -> Result<Instant> {
+            let ms = mark.ms_since(&anchor).map_err(gpu_err)?;
+            Ok(host + Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+        };
+        spans
+            .into_iter()
+            .map(|(name, start, end, args)| {
+                Ok(DeviceSpan {
+                    name,
+                    start: at(&start)?,
+                    end: at(&end)?,
+                    args,
+                })
+            })
+            .collect()
     }
 
     fn cast_overflowed(&mut self) -> Result<bool> {

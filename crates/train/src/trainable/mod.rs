@@ -144,6 +144,21 @@ pub struct DeviceUpdate {
     pub grad_norm: f64,
 }
 
+/// Device work timed with CUDA events, placed on the host's clock (a `--timeline`'s GPU
+/// row): the device times between marks, counted from a mark recorded at the start of the
+/// pass while the device was idle, added to the host time of that moment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceSpan {
+    /// What ran (`gpu forward+backward`, `d2h 0..64`, `h2d`, `gpu update`).
+    pub name: String,
+    /// When it started.
+    pub start: std::time::Instant,
+    /// When it ended.
+    pub end: std::time::Instant,
+    /// Details (elements, bytes).
+    pub args: serde_json::Value,
+}
+
 /// A model that keeps its parameters, gradients and optimizer state on its device:
 /// clipping and the update run there, and the host sees only the gradients a multi-rank
 /// exchange needs (once each way) and a few scalars per step.
@@ -204,6 +219,19 @@ pub trait DeviceResident {
     /// `InvalidValue` naming `--optimizer` for another optimizer's state; a state of
     /// another size; device errors.
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()>;
+    /// Times the device work of the following passes and updates with CUDA events
+    /// (for a timeline), or stops timing it. Off until turned on; the default
+    /// implementation times nothing.
+    fn set_device_timing(&mut self, on: bool) {
+        let _ = on;
+    }
+    /// The device work timed since the last call (empty when timing is off).
+    ///
+    /// # Errors
+    /// Device errors reading the events.
+    fn take_device_spans(&mut self) -> Result<Vec<DeviceSpan>> {
+        Ok(Vec::new())
+    }
     /// Copies the device's parameters into the host view that
     /// [`TrainableModel::params`] returns (for a checkpoint, or after training).
     ///

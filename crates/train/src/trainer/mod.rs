@@ -160,6 +160,12 @@ pub fn train_evaluating(
             return Err(leave(session, e));
         }
         session.control.set_step(session.step as usize + 1);
+        // The step's event covers its evaluation and checkpoint (timeline only).
+        let step_start = session
+            .timeline
+            .as_ref()
+            .filter(|t| t.begin_step(session.step + 1))
+            .map(|_| Instant::now());
         let copied_before = summary::copied_bytes(run.device);
         let done = session.step(model, batches)?;
         let copied_after = summary::copied_bytes(run.device);
@@ -202,7 +208,12 @@ pub fn train_evaluating(
         }
         let mut reached = false;
         if cfg.evaluates_after(session.step, i == total) {
+            let eval_start = step_start.map(|_| Instant::now());
             let record = evaluate(model, held_out, &mut session.control, session.step)?;
+            if let (Some(t), Some(from)) = (&session.timeline, eval_start) {
+                let args = serde_json::json!({ "perplexity": record.perplexity });
+                t.span("eval", "phase", from, Instant::now(), args);
+            }
             if rank == 0 {
                 log(&record.log_line());
             }
@@ -231,10 +242,35 @@ pub fn train_evaluating(
         if let Some(path) = output.checkpoint.as_deref() {
             let every = output.checkpoint_every as u64;
             if every > 0 && session.step % every == 0 {
+                let saving = step_start.map(|_| Instant::now());
                 if let Err(e) = save(&mut session, path, &mut *model, i, total) {
                     return Err(leave(session, e));
                 }
+                if let (Some(t), Some(from)) = (&session.timeline, saving) {
+                    t.span(
+                        "checkpoint",
+                        "phase",
+                        from,
+                        Instant::now(),
+                        serde_json::json!({}),
+                    );
+                }
             }
+        }
+        if let (Some(t), Some(from)) = (&session.timeline, step_start) {
+            let args = serde_json::json!({
+                "step": session.step,
+                "loss": loss,
+                "words": done.local.words,
+                "skipped": done.outcome.skipped,
+            });
+            t.span(
+                &format!("step {}", session.step),
+                "step",
+                from,
+                Instant::now(),
+                args,
+            );
         }
         if reached {
             break;
@@ -246,8 +282,17 @@ pub fn train_evaluating(
     if let Some(path) = output.checkpoint.as_deref() {
         let every = output.checkpoint_every as u64;
         if every == 0 || session.step % every != 0 {
+            let saving = session
+                .timeline
+                .as_ref()
+                .filter(|t| t.recording())
+                .map(|_| Instant::now());
             if let Err(e) = save(&mut session, path, &mut *model, total, total) {
                 return Err(leave(session, e));
+            }
+            if let (Some(t), Some(from)) = (&session.timeline, saving) {
+                let args = serde_json::json!({ "step": session.step });
+                t.span("final_checkpoint", "run", from, Instant::now(), args);
             }
         }
     }
@@ -258,6 +303,9 @@ pub fn train_evaluating(
     let mut report = session.report(&*model, &meter.summary(), timed, last)?;
     report.eval = evals;
     report.time_to_quality = quality;
+    if let Some(timeline) = session.timeline.take() {
+        timeline.finish(&mut session.control)?;
+    }
     let comm = session.strategy.shutdown()?;
     Ok(TrainOutcome { report, comm })
 }

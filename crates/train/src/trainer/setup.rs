@@ -1,5 +1,5 @@
 //! Before the first step: ranks agree on the flags and the model, the output files are
-//! checked (on the rank that writes them), a checkpoint is resumed, rank 0's parameters reach every rank, and the strategy and optimizer start.
+//! checked (on the rank that writes them), a checkpoint is resumed, rank 0's parameters reach every rank, the clocks of a `--timeline` are synchronised, and the strategy and optimizer start.
 
 use std::path::{Path, PathBuf};
 
@@ -13,6 +13,7 @@ use crate::input::{BatchSource, InputPosition};
 use crate::optimizer::{LossScaler, Optimizer};
 use crate::pipeline::PipelineUpdate;
 use crate::strategy::Strategy;
+use crate::timeline::TrainTimeline;
 use crate::trainable::TrainableModel;
 
 /// A session whose model neither updates on its device nor has a host optimizer.
@@ -40,6 +41,8 @@ pub(super) struct Session<'a> {
     pub(super) resumed: Option<String>,
     /// The last checkpoint known to be whole (resumed or written by this run), and its step.
     pub(super) last_checkpoint: Option<(PathBuf, u64)>,
+    /// The `--timeline` of this rank (`None`: no timeline, nothing recorded).
+    pub(super) timeline: Option<TrainTimeline>,
 }
 
 impl<'a> Session<'a> {
@@ -103,9 +106,15 @@ impl<'a> Session<'a> {
         };
         comm.broadcast(model.params_mut()?, 0)?;
 
+        // Step numbers go on from a resumed checkpoint's: a window outside this run's
+        // steps would record nothing (every rank holds the same step, so all fail alike).
+        let first_step = resumed.as_ref().map_or(0, |ck| ck.step) + 1;
+        crate::timeline::check_window(cfg, first_step)?;
+        let timeline = TrainTimeline::start(cfg, &mut control, &specs)?;
+        let events = timeline.as_ref().map(TrainTimeline::sink);
         let strategy = match model.pipeline_stage() {
             Some((info, _)) => Strategy::Pipeline(PipelineUpdate::new(cfg, comm, info, &specs)?),
-            None => Strategy::new(cfg, comm, &specs)?,
+            None => Strategy::with_events(cfg, comm, &specs, events)?,
         };
         let run = &cfg.config().run;
         let mut optimizer = match model.device_resident() {
@@ -163,6 +172,7 @@ impl<'a> Session<'a> {
             input: batches.position(),
             resumed: resume_note,
             last_checkpoint,
+            timeline,
         })
     }
 

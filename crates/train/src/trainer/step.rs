@@ -1,6 +1,7 @@
 //! One training step: batch, forward and backward (gradient ranges handed to the
 //! strategy as backward finishes them), exchange and update.
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use super::setup::Session;
@@ -54,6 +55,13 @@ impl Session<'_> {
         let start = Instant::now();
         let mut breakdown = StepBreakdown::default();
         let ctx = self.step_context();
+        // The timeline of this step, when one is recorded: `None` costs no clock read.
+        let timeline = self.timeline.as_ref().filter(|t| t.recording());
+        if let Some(t) = &self.timeline {
+            if let Some(device) = model.device_resident() {
+                device.set_device_timing(t.recording());
+            }
+        }
         self.strategy.begin_step(ctx);
         let mut local = StepStats::default();
         let mut launches = 0;
@@ -65,20 +73,42 @@ impl Session<'_> {
             })??;
             // The batch is consumed: a checkpoint from here on resumes after it.
             self.input = batches.position();
-            breakdown.data_wait = wait.elapsed().as_secs_f64();
+            let got = Instant::now();
+            breakdown.data_wait = got.duration_since(wait).as_secs_f64();
             let strategy = &mut self.strategy;
             let exchange = strategy.exchanges_gradients();
+            // When each gradient range was handed over (timeline only).
+            let mut ready: Option<Vec<(Range<usize>, Instant)>> = timeline.map(|_| Vec::new());
+            let mut note = |range: &Range<usize>| {
+                if let Some(r) = ready.as_mut() {
+                    r.push((range.clone(), Instant::now()));
+                }
+            };
             let pass = match model.device_resident() {
                 Some(device) => device.forward_backward_exchanging(
                     &batch,
                     ctx.wire,
                     exchange,
-                    &mut |range, grads| strategy.on_exchanged(range, grads),
+                    &mut |range, grads| {
+                        note(&range);
+                        strategy.on_exchanged(range, grads)
+                    },
                 )?,
                 None => model.forward_backward(&batch, &mut |range, grads| {
+                    note(&range);
                     strategy.on_ready(range, grads)
                 })?,
             };
+            if let Some(t) = timeline {
+                let end = Instant::now();
+                let args = serde_json::json!({});
+                t.span("data_wait", "phase", wait, got, args.clone());
+                let split = (got + Duration::from_secs_f64(pass.forward_seconds)).min(end);
+                let fwd_args = serde_json::json!({ "launches": pass.launches });
+                t.span("forward", "phase", got, split, fwd_args);
+                t.span("backward", "phase", split, end, args);
+                t.backward_ranges(split, ready.as_deref().unwrap_or_default());
+            }
             breakdown.forward = pass.forward_seconds;
             breakdown.backward = pass.backward_seconds;
             launches = pass.launches;
@@ -98,6 +128,7 @@ impl Session<'_> {
             // A dedicated parameter server contributes nothing to the gradient sum.
             model.params_and_grads_mut()?.1.fill(0.0);
         }
+        let finish_start = timeline.map(|_| Instant::now());
         let outcome = match (self.optimizer.as_mut(), model.device_resident()) {
             (Some(optimizer), _) => {
                 let (params, grads) = model.params_and_grads_mut()?;
@@ -116,6 +147,22 @@ impl Session<'_> {
             })?,
             (None, None) => return Err(super::setup::no_optimizer()),
         };
+        if let (Some(t), Some(from)) = (timeline, finish_start) {
+            let end = Instant::now();
+            let exchanged =
+                (from + Duration::from_secs_f64(outcome.communication_seconds)).min(end);
+            let args = serde_json::json!({});
+            t.span("exchange", "phase", from, exchanged, args.clone());
+            let updating = end
+                .checked_sub(Duration::from_secs_f64(outcome.optimizer_seconds))
+                .map_or(exchanged, |u| u.max(exchanged));
+            t.span("optimizer", "phase", updating, end, args);
+            if let Some(device) = model.device_resident() {
+                for span in device.take_device_spans()? {
+                    t.device_span(&span);
+                }
+            }
+        }
         breakdown.communication = outcome.communication_seconds;
         breakdown.optimizer = outcome.optimizer_seconds;
         if let Some(s) = self.scaler.as_mut() {
