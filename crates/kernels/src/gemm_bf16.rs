@@ -398,16 +398,20 @@ unsafe fn portable_kernel(pairs: usize, a: *const u32, b: *const u32, tile: *mut
             core::slice::from_raw_parts_mut(tile, MR * NR),
         )
     };
+    let (mut b0, mut b1) = ([0.0f32; NR], [0.0f32; NR]);
     for p in 0..pairs {
-        let bp = &b[p * NR..(p + 1) * NR];
+        // Widen the pair row of B once for all MR rows of A.
+        for (j, &w) in b[p * NR..(p + 1) * NR].iter().enumerate() {
+            b0[j] = widen(w & 0xffff);
+            b1[j] = widen(w >> 16);
+        }
         for i in 0..MR {
             let w = a[p * MR + i];
             let (a0, a1) = (widen(w & 0xffff), widen(w >> 16));
             let row = &mut tile[i * NR..(i + 1) * NR];
-            for (acc, &bw) in row.iter_mut().zip(bp) {
-                let (b0, b1) = (widen(bw & 0xffff), widen(bw >> 16));
-                *acc += a0 * b0;
-                *acc += a1 * b1;
+            for ((acc, &x0), &x1) in row.iter_mut().zip(&b0).zip(&b1) {
+                *acc += a0 * x0;
+                *acc += a1 * x1;
             }
         }
     }
