@@ -13,8 +13,8 @@ mod training_runs;
 
 use ringtrain::collective::Communicator;
 use ringtrain::train::{
-    train, DeviceKind, LstmImpl, ModelKind, OptimizerKind, OverlapMode, RunReport, TrainConfig,
-    VariableUpdate,
+    build_pipeline_stage, train, DeviceKind, LstmImpl, ModelKind, OptimizerKind, OverlapMode,
+    RunReport, TrainConfig, VariableUpdate,
 };
 use training_runs::{batches, config, initial_model, max_diff, run, with};
 
@@ -434,4 +434,101 @@ fn a_resumed_cuda_run_continues_exactly_as_an_uninterrupted_one() {
         max_diff(&first, &straight) > 1e-4,
         "the last steps changed nothing"
     );
+}
+
+/// Final parameters of a `stages`-stage pipeline on the GPU (threads over the local
+/// transport, every stage on GPU 0), each stage's own range taken from that stage.
+fn gpu_pipeline(cfg: &TrainConfig, stages: usize) -> Vec<f32> {
+    let cfg = with(cfg, |c| {
+        c.run.device = DeviceKind::Cuda;
+        c.exchange.pipeline_stages = stages;
+    });
+    let run = cfg.validate(stages).expect("a valid pipeline config");
+    let per_stage = Communicator::run_local(stages, |comm| {
+        let rank = comm.rank();
+        let seeded = with(&cfg, |c| c.run.seed = 100 + rank as u64)
+            .validate(stages)
+            .expect("valid");
+        let stage_comm = comm.duplicate()?;
+        let mut model = build_pipeline_stage(
+            &seeded,
+            training_runs::VOCAB,
+            training_runs::VOCAB,
+            0,
+            1,
+            stage_comm,
+        )?;
+        assert!(
+            model.device_resident().is_some(),
+            "a GPU stage updates there"
+        );
+        let mut data = batches(&run, run.data_worker(rank)).into_iter();
+        let out = train(&run, comm, model.as_mut(), &mut data, &mut |_| {})?;
+        let pipeline = out.report.pipeline.expect("the report holds the pipeline");
+        assert_eq!(pipeline.stages, stages);
+        let (info, _) = model.pipeline_stage().expect("a pipeline stage");
+        Ok::<_, ringtrain::train::Error>((info.own_params(), model.params()?.to_vec()))
+    })
+    .expect("the local transport runs");
+    let mut full = Vec::new();
+    for stage in per_stage {
+        let (range, params) = stage.expect("the stage trains");
+        if full.is_empty() {
+            full = params.clone();
+        }
+        full[range.clone()].copy_from_slice(&params[range]);
+    }
+    full
+}
+
+/// A 2-stage pipeline with each stage on the GPU (boundary tensors staged through the
+/// host, gradients summed over the micro-batches, clipped to the global norm and applied
+/// by Adam on the device) ends with the parameters of one CPU rank training on the whole
+/// batch: NMT under GPipe, RNNLM under 1F1B, 3 micro-batches of a batch of 4.
+#[test]
+fn a_two_stage_gpu_pipeline_trains_like_one_cpu_rank() {
+    use ringtrain::train::config::PipelineSchedule;
+    let tiny = |model: ModelKind| {
+        with(&config(model, VariableUpdate::Replicated), |c| {
+            c.data.batch_size = 4;
+            c.data.src_max_len = 3;
+            c.model.num_units = 4;
+            c.model.num_encoder_layers = 1;
+            c.model.num_decoder_layers = 1;
+            c.run.warmup_batches = 1;
+            c.run.timed_batches = 1;
+            c.exchange.micro_batches = 3;
+        })
+    };
+    for (model, schedule) in [
+        (ModelKind::Nmt, PipelineSchedule::Gpipe),
+        (ModelKind::Rnnlm, PipelineSchedule::OneFOneB),
+    ] {
+        let cfg = with(&clipped(&tiny(model), OptimizerKind::Adam), |c| {
+            c.exchange.pipeline_schedule = schedule;
+        });
+        let gpu = gpu_pipeline(&cfg, 2);
+        let whole = with(&cfg, |c| c.exchange.micro_batches = 1);
+        let cpu = {
+            let run = whole.validate(1).expect("a valid config");
+            Communicator::run_local(1, |comm| {
+                let mut model = initial_model(&whole, 100);
+                let mut data = batches(&run, 0).into_iter();
+                train(&run, comm, model.as_mut(), &mut data, &mut |_| {}).unwrap();
+                model.params().expect("settled").to_vec()
+            })
+            .expect("one rank")
+            .remove(0)
+        };
+        let d = max_diff(&gpu, &cpu);
+        assert!(
+            d <= BACKEND_TOLERANCE,
+            "{model} {schedule}: the GPU pipeline and one CPU rank differ by {d:e}"
+        );
+        let start = initial_model(&whole, 100);
+        assert!(
+            max_diff(start.params().expect("settled"), &gpu) > 1e-3,
+            "{model}: training did not change the parameters"
+        );
+    }
 }

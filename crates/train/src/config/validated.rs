@@ -488,13 +488,6 @@ fn pipeline_stages(cfg: &TrainConfig, world: usize) -> Result<usize> {
              --pipeline-stages",
         ));
     }
-    if cfg.run.device != DeviceKind::Cpu {
-        return Err(Error::invalid(
-            "--device",
-            cfg.run.device,
-            "pipeline stages run on the CPU backend: use --device cpu with --pipeline-stages",
-        ));
-    }
     Ok(stages)
 }
 

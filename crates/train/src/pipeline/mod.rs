@@ -38,9 +38,13 @@ use ringtrain_model::PipelineUnit;
 use crate::config::PipelineSchedule;
 use crate::error::{Error, Result};
 
+#[cfg(feature = "cuda")]
+mod device;
 mod stage;
 mod update;
 
+#[cfg(feature = "cuda")]
+pub use device::GpuPipelineStage;
 pub use stage::{PipelineTrainable, StageInfo, StageTimes, StagesOnBatch};
 pub use update::PipelineUpdate;
 

@@ -45,7 +45,8 @@ pub fn build_model(
 }
 
 /// Builds the pipeline stage `cfg.pipeline_stage(comm.rank())` of the model `cfg` asks
-/// for, on the CPU with `threads` threads; its activations travel over `comm`.
+/// for, on the CPU with `threads` threads, or for `--device cuda` on GPU
+/// `local_rank % device count` (updated there); its activations travel over `comm`.
 ///
 /// # Errors
 /// As [`build_model`]; `InvalidValue` when the stages do not fit the model.
@@ -53,12 +54,17 @@ pub fn build_pipeline_stage(
     cfg: &ValidatedConfig,
     src_vocab: usize,
     tgt_vocab: usize,
+    local_rank: usize,
     threads: usize,
     comm: Communicator,
 ) -> Result<Box<dyn TrainableModel>> {
     let seed = cfg.config().run.seed;
+    let shape = ModelShape::new(cfg, src_vocab, tgt_vocab);
+    if cfg.config().run.device == DeviceKind::Cuda {
+        return stage_on_gpu(cfg, shape, local_rank, comm);
+    }
     let backend = CpuBackend::new(threads.max(1))?;
-    Ok(match ModelShape::new(cfg, src_vocab, tgt_vocab) {
+    Ok(match shape {
         ModelShape::Nmt(nmt, description) => Box::new(PipelineTrainable::new(
             NmtModel::new(backend, nmt, seed)?,
             comm,
@@ -237,17 +243,12 @@ impl ModelShape {
     }
 }
 
+/// The CUDA backend on GPU `local_rank % device count`.
 #[cfg(feature = "cuda")]
-fn on_gpu(
-    cfg: &ValidatedConfig,
-    shape: ModelShape,
-    local_rank: usize,
-) -> Result<Box<dyn TrainableModel>> {
-    use super::GpuTrainable;
+fn gpu_backend(cfg: &ValidatedConfig, local_rank: usize) -> Result<ringtrain_model::CudaBackend> {
     use crate::error::Error;
     use ringtrain_model::CudaBackend;
 
-    let run = &cfg.config().run;
     let count = CudaBackend::device_count()?;
     if count == 0 {
         return Err(Error::invalid(
@@ -256,7 +257,74 @@ fn on_gpu(
             "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES), or use --device cpu",
         ));
     }
-    let backend = CudaBackend::with_precision(local_rank % count, run.gemm_precision)?;
+    Ok(CudaBackend::with_precision(
+        local_rank % count,
+        cfg.config().run.gemm_precision,
+    )?)
+}
+
+/// A pipeline stage on its GPU, updated there.
+#[cfg(feature = "cuda")]
+fn stage_on_gpu(
+    cfg: &ValidatedConfig,
+    shape: ModelShape,
+    local_rank: usize,
+    comm: Communicator,
+) -> Result<Box<dyn TrainableModel>> {
+    use crate::pipeline::GpuPipelineStage;
+
+    let run = &cfg.config().run;
+    let backend = gpu_backend(cfg, local_rank)?;
+    let on = |description: String| {
+        format!(
+            "{description}, GPU {} ({} matrix products)",
+            backend.device(),
+            run.gemm_precision
+        )
+    };
+    Ok(match shape {
+        ModelShape::Nmt(nmt, description) => {
+            let description = on(description);
+            Box::new(GpuPipelineStage::new(
+                NmtModel::new(backend, nmt, run.seed)?,
+                comm,
+                cfg,
+                description,
+            )?)
+        }
+        ModelShape::Lm(lm, description) => {
+            let description = on(description);
+            Box::new(GpuPipelineStage::new(
+                RnnLm::new(backend, lm, run.seed)?,
+                comm,
+                cfg,
+                description,
+            )?)
+        }
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn stage_on_gpu(
+    _cfg: &ValidatedConfig,
+    _shape: ModelShape,
+    local_rank: usize,
+    _comm: Communicator,
+) -> Result<Box<dyn TrainableModel>> {
+    // As for `on_gpu`: validation refuses `--device cuda` in this build.
+    Err(ringtrain_model::Error::NotCompiledWithCuda { device: local_rank }.into())
+}
+
+#[cfg(feature = "cuda")]
+fn on_gpu(
+    cfg: &ValidatedConfig,
+    shape: ModelShape,
+    local_rank: usize,
+) -> Result<Box<dyn TrainableModel>> {
+    use super::GpuTrainable;
+
+    let run = &cfg.config().run;
+    let backend = gpu_backend(cfg, local_rank)?;
     // The parameter servers update their shards on the host; every other strategy
     // updates on the device.
     let resident =
