@@ -409,3 +409,30 @@ fn a_stage_keeps_optimizer_state_for_its_own_range_only() {
     }
     assert_eq!(per_stage.iter().map(|s| s.0).sum::<usize>(), total);
 }
+
+/// `--pipeline-balance time`: rank 0 times the units, every stage takes the same split
+/// (stages that disagreed would exchange tensors of the wrong size and fail), and the
+/// run still computes the unpipelined update.
+#[test]
+fn a_split_balanced_by_measured_time_equals_one_rank() {
+    use ringtrain::train::config::PipelineBalance;
+    for model in [ModelKind::Nmt, ModelKind::Rnnlm] {
+        let base = with(&config(model, VariableUpdate::Replicated), |c| {
+            c.data.batch_size = 4;
+        });
+        let single = run(&base, 1);
+        let timed = with(&base, |c| {
+            c.exchange.pipeline_stages = 3;
+            c.exchange.micro_batches = 2;
+            c.exchange.pipeline_balance = PipelineBalance::Time;
+        });
+        let d = max_diff(&run_pipeline(&timed, 3), &single[0]);
+        assert!(d <= 1e-5, "{model} balanced by time differs by {d}");
+        let report = pipeline_reports(&timed, 3).remove(0);
+        assert!(
+            report.strategy.contains("balanced by measured time"),
+            "{}",
+            report.strategy
+        );
+    }
+}

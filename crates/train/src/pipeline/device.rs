@@ -75,7 +75,7 @@ where
     M: StagesOnBatch<Backend = CudaBackend> + Send,
 {
     /// Stage `cfg.pipeline_stage(comm.rank())` of `model` (on its GPU), exchanging
-    /// boundary tensors with its neighbours over `comm` (see
+    /// boundary tensors with its neighbours over `comm`, balanced by `unit_costs` (see
     /// [`super::PipelineTrainable::new`]).
     ///
     /// # Errors
@@ -85,8 +85,9 @@ where
         comm: ringtrain_collective::Communicator,
         cfg: &ValidatedConfig,
         description: String,
+        unit_costs: Option<&[f64]>,
     ) -> Result<Self> {
-        let runner = StageRunner::new(&model, comm, cfg)?;
+        let runner = StageRunner::new(&model, comm, cfg, unit_costs)?;
         let own = runner.info().own_params();
         let gpu = model.backend().gpu().clone();
         let params_host = model.params().to_host().map_err(gpu_err)?;

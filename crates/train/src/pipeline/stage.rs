@@ -8,7 +8,7 @@ use ringtrain_model::{
     view, view_mut, Backend, InPlace, Layout, NmtModel, PipelineModel, RnnLm, StepStats,
 };
 
-use super::{micro_batch_ranges, param_range, plan_stages, schedule, Pass};
+use super::{balance_by_cost, micro_batch_ranges, param_range, plan_stages, schedule, Pass};
 use crate::config::{PipelineSchedule, ValidatedConfig};
 use crate::error::{Error, Result};
 use crate::trainable::staging::{lm_view, nmt_view, wrong_batch};
@@ -128,12 +128,28 @@ impl<M> StageRunner<M>
 where
     M: StagesOnBatch + Send,
 {
-    /// Stage `cfg.pipeline_stage(comm.rank())` of `model` (see [`PipelineTrainable::new`]).
-    pub(crate) fn new(model: &M, comm: Communicator, cfg: &ValidatedConfig) -> Result<Self> {
+    /// Stage `cfg.pipeline_stage(comm.rank())` of `model` (see [`PipelineTrainable::new`]),
+    /// the stages balanced by `unit_costs` when given (every rank passes the same).
+    pub(crate) fn new(
+        model: &M,
+        comm: Communicator,
+        cfg: &ValidatedConfig,
+        unit_costs: Option<&[f64]>,
+    ) -> Result<Self> {
         let exchange = &cfg.config().exchange;
         let units = model.pipeline_units();
         let stages = cfg.pipeline_stages();
-        let plan = plan_stages(&units, stages, &exchange.pipeline_split)?;
+        let mut plan = plan_stages(&units, stages, &exchange.pipeline_split)?;
+        if let Some(costs) = unit_costs.filter(|_| exchange.pipeline_split.is_empty()) {
+            let by_cost = balance_by_cost(costs, stages);
+            if by_cost.len() != stages {
+                return Err(Error::Internal(format!(
+                    "{} unit costs cannot balance {stages} stages",
+                    costs.len()
+                )));
+            }
+            plan = by_cost;
+        }
         let stage = cfg.pipeline_stage(comm.rank());
         let names: Vec<&str> = units[plan[stage].clone()]
             .iter()
@@ -332,7 +348,8 @@ where
 {
     /// Stage `cfg.pipeline_stage(comm.rank())` of `model`, exchanging boundary tensors
     /// with its neighbours over `comm` (a communicator of its own: collective, so every
-    /// rank makes it at the same point).
+    /// rank makes it at the same point); the stages balanced by `unit_costs` (seconds
+    /// per unit, the same on every rank) when given and no split is given by hand.
     ///
     /// # Errors
     /// `InvalidValue` when the stages do not fit the model's units.
@@ -341,8 +358,9 @@ where
         comm: Communicator,
         cfg: &ValidatedConfig,
         description: String,
+        unit_costs: Option<&[f64]>,
     ) -> Result<Self> {
-        let runner = StageRunner::new(&model, comm, cfg)?;
+        let runner = StageRunner::new(&model, comm, cfg, unit_costs)?;
         let own = runner.info().own_params();
         Ok(PipelineTrainable {
             specs: param_specs(model.layout()),

@@ -5,10 +5,14 @@ use ringtrain_model::{CpuBackend, LmConfig, MemoryEstimate, NmtConfig, NmtModel,
 use ringtrain_collective::Communicator;
 
 use super::{CpuTrainable, TrainableModel};
-use crate::config::{DeviceKind, ModelKind, OptimizerKind, ValidatedConfig, VariableUpdate};
+use crate::config::{
+    DeviceKind, ModelKind, OptimizerKind, PipelineBalance, ValidatedConfig, VariableUpdate,
+};
 use crate::device::{check_host_memory, LocalRank};
 use crate::error::Result;
-use crate::pipeline::PipelineTrainable;
+use crate::pipeline::{
+    agree_unit_costs, measure_unit_costs, warm_up_batch, PipelineTrainable, StagesOnBatch,
+};
 
 /// Builds the model `cfg` asks for with the given vocabulary sizes, on the CPU with
 /// `threads` threads, or for `--device cuda` on GPU `local_rank % device count` (so
@@ -56,28 +60,62 @@ pub fn build_pipeline_stage(
     tgt_vocab: usize,
     local_rank: usize,
     threads: usize,
-    comm: Communicator,
+    mut comm: Communicator,
 ) -> Result<Box<dyn TrainableModel>> {
     let seed = cfg.config().run.seed;
     let shape = ModelShape::new(cfg, src_vocab, tgt_vocab);
+    let vocab = (src_vocab, tgt_vocab);
     if cfg.config().run.device == DeviceKind::Cuda {
-        return stage_on_gpu(cfg, shape, local_rank, comm);
+        return stage_on_gpu(cfg, shape, local_rank, comm, vocab);
     }
     let backend = CpuBackend::new(threads.max(1))?;
     Ok(match shape {
-        ModelShape::Nmt(nmt, description) => Box::new(PipelineTrainable::new(
-            NmtModel::new(backend, nmt, seed)?,
-            comm,
-            cfg,
-            description,
-        )?),
-        ModelShape::Lm(lm, description) => Box::new(PipelineTrainable::new(
-            RnnLm::new(backend, lm, seed)?,
-            comm,
-            cfg,
-            description,
-        )?),
+        ModelShape::Nmt(nmt, description) => {
+            let mut model = NmtModel::new(backend, nmt, seed)?;
+            let costs = unit_costs(cfg, &mut model, &mut comm, vocab)?;
+            Box::new(PipelineTrainable::new(
+                model,
+                comm,
+                cfg,
+                description,
+                costs.as_deref(),
+            )?)
+        }
+        ModelShape::Lm(lm, description) => {
+            let mut model = RnnLm::new(backend, lm, seed)?;
+            let costs = unit_costs(cfg, &mut model, &mut comm, vocab)?;
+            Box::new(PipelineTrainable::new(
+                model,
+                comm,
+                cfg,
+                description,
+                costs.as_deref(),
+            )?)
+        }
     })
+}
+
+/// The unit costs `--pipeline-balance time` balances the stages by: rank 0 times
+/// `model`'s units on a warm-up micro-batch and every rank gets its figures (collective
+/// over `comm`); `None` for the balance by parameter count or a split by hand.
+///
+/// # Errors
+/// Rank 0's measurement error (on every rank); transport errors.
+fn unit_costs<M: StagesOnBatch>(
+    cfg: &ValidatedConfig,
+    model: &mut M,
+    comm: &mut Communicator,
+    (src_vocab, tgt_vocab): (usize, usize),
+) -> Result<Option<Vec<f64>>> {
+    let exchange = &cfg.config().exchange;
+    if exchange.pipeline_balance != PipelineBalance::Time || !exchange.pipeline_split.is_empty() {
+        return Ok(None);
+    }
+    let units = model.pipeline_units().len();
+    let measured = (comm.rank() == 0).then(|| {
+        warm_up_batch(cfg, src_vocab, tgt_vocab).and_then(|batch| measure_unit_costs(model, &batch))
+    });
+    agree_unit_costs(comm, measured, units).map(Some)
 }
 
 /// The memory worker `worker`'s model needs on its device: parameters, gradients and
@@ -269,7 +307,8 @@ fn stage_on_gpu(
     cfg: &ValidatedConfig,
     shape: ModelShape,
     local_rank: usize,
-    comm: Communicator,
+    mut comm: Communicator,
+    vocab: (usize, usize),
 ) -> Result<Box<dyn TrainableModel>> {
     use crate::pipeline::GpuPipelineStage;
 
@@ -285,20 +324,26 @@ fn stage_on_gpu(
     Ok(match shape {
         ModelShape::Nmt(nmt, description) => {
             let description = on(description);
+            let mut model = NmtModel::new(backend, nmt, run.seed)?;
+            let costs = unit_costs(cfg, &mut model, &mut comm, vocab)?;
             Box::new(GpuPipelineStage::new(
-                NmtModel::new(backend, nmt, run.seed)?,
+                model,
                 comm,
                 cfg,
                 description,
+                costs.as_deref(),
             )?)
         }
         ModelShape::Lm(lm, description) => {
             let description = on(description);
+            let mut model = RnnLm::new(backend, lm, run.seed)?;
+            let costs = unit_costs(cfg, &mut model, &mut comm, vocab)?;
             Box::new(GpuPipelineStage::new(
-                RnnLm::new(backend, lm, run.seed)?,
+                model,
                 comm,
                 cfg,
                 description,
+                costs.as_deref(),
             )?)
         }
     })
@@ -310,6 +355,7 @@ fn stage_on_gpu(
     _shape: ModelShape,
     local_rank: usize,
     _comm: Communicator,
+    _vocab: (usize, usize),
 ) -> Result<Box<dyn TrainableModel>> {
     // As for `on_gpu`: validation refuses `--device cuda` in this build.
     Err(ringtrain_model::Error::NotCompiledWithCuda { device: local_rank }.into())
