@@ -484,10 +484,14 @@ fn gpu_pipeline(cfg: &TrainConfig, stages: usize) -> Vec<f32> {
 /// A 2-stage pipeline with each stage on the GPU (boundary tensors staged through the
 /// host, gradients summed over the micro-batches, clipped to the global norm and applied
 /// by Adam on the device) ends with the parameters of one CPU rank training on the whole
-/// batch: NMT under GPipe, RNNLM under 1F1B, 3 micro-batches of a batch of 4.
+/// batch: NMT under GPipe, RNNLM under 1F1B, 3 micro-batches of a batch of 4. Its
+/// checkpoint (every stage's parameters and its range of Adam's moments, gathered from
+/// the devices) equals the CPU run's.
 #[test]
 fn a_two_stage_gpu_pipeline_trains_like_one_cpu_rank() {
     use ringtrain::train::config::PipelineSchedule;
+    use ringtrain::train::{Checkpoint, OptimizerState};
+    let dir = tempfile::tempdir().expect("a temporary directory");
     let tiny = |model: ModelKind| {
         with(&config(model, VariableUpdate::Replicated), |c| {
             c.data.batch_size = 4;
@@ -497,19 +501,25 @@ fn a_two_stage_gpu_pipeline_trains_like_one_cpu_rank() {
             c.model.num_decoder_layers = 1;
             c.run.warmup_batches = 1;
             c.run.timed_batches = 1;
-            c.exchange.micro_batches = 3;
         })
     };
     for (model, schedule) in [
         (ModelKind::Nmt, PipelineSchedule::Gpipe),
         (ModelKind::Rnnlm, PipelineSchedule::OneFOneB),
     ] {
-        let cfg = with(&clipped(&tiny(model), OptimizerKind::Adam), |c| {
+        let (gpu_ck, cpu_ck) = (
+            dir.path().join(format!("{model}-gpu.ck")),
+            dir.path().join(format!("{model}-cpu.ck")),
+        );
+        let whole = clipped(&tiny(model), OptimizerKind::Adam);
+        let cfg = with(&whole, |c| {
+            c.exchange.micro_batches = 3;
             c.exchange.pipeline_schedule = schedule;
+            c.output.checkpoint = Some(gpu_ck.clone());
         });
         let gpu = gpu_pipeline(&cfg, 2);
-        let whole = with(&cfg, |c| c.exchange.micro_batches = 1);
         let cpu = {
+            let whole = with(&whole, |c| c.output.checkpoint = Some(cpu_ck.clone()));
             let run = whole.validate(1).expect("a valid config");
             Communicator::run_local(1, |comm| {
                 let mut model = initial_model(&whole, 100);
@@ -530,5 +540,33 @@ fn a_two_stage_gpu_pipeline_trains_like_one_cpu_rank() {
             max_diff(start.params().expect("settled"), &gpu) > 1e-3,
             "{model}: training did not change the parameters"
         );
+        let (g, c) = (
+            Checkpoint::load(&gpu_ck).expect("the pipeline's checkpoint"),
+            Checkpoint::load(&cpu_ck).expect("the CPU run's checkpoint"),
+        );
+        assert_eq!(g.step, c.step);
+        let d = max_diff(&g.params, &c.params);
+        assert!(
+            d <= BACKEND_TOLERANCE,
+            "{model}: checkpoint parameters differ by {d:e}"
+        );
+        match (&g.optimizer, &c.optimizer) {
+            (
+                OptimizerState::Adam { m, v, step },
+                OptimizerState::Adam {
+                    m: cm,
+                    v: cv,
+                    step: cs,
+                },
+            ) => {
+                assert_eq!(step, cs);
+                let (dm, dv) = (max_diff(m, cm), max_diff(v, cv));
+                assert!(
+                    dm <= BACKEND_TOLERANCE && dv <= BACKEND_TOLERANCE,
+                    "{model}: Adam's moments differ by {dm:e} / {dv:e}"
+                );
+            }
+            other => panic!("Adam state expected: {other:?}"),
+        }
     }
 }

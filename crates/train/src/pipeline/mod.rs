@@ -11,25 +11,42 @@
 //! - [`schedule`]: the order of a stage's passes: [`PipelineSchedule::Gpipe`] runs every
 //!   micro-batch's forward, then every backward (fill, drain); [`PipelineSchedule::OneFOneB`]
 //!   starts backward as soon as the last stage can, alternating one forward and one
-//!   backward (the same bubble, at most K micro-batches in flight on a stage).
-//! - [`PipelineTrainable`]: one stage as the trainer's model. Its pass receives the
+//!   backward (the same bubble, at most `min(K - stage, M)` micro-batches in flight on a
+//!   stage).
+//! - [`PipelineTrainable`] (host memory) and `GpuPipelineStage` (feature `cuda`): one
+//!   stage as the trainer's model. Both run the same schedule loop: a pass receives the
 //!   boundary tensor from the stage before (activations; for the NMT decoder's stages
 //!   also the encoder's final `(h, c)` of every decoder layer past the boundary, see
 //!   [`ringtrain_model::stage`]), sends its own on, and on the way back exchanges their
 //!   gradients, all point-to-point through the collective crate's transport (MPI, or
 //!   the local transport's threads). A send and the receive that follows it go as one
 //!   [`ringtrain_collective::Transport::sendrecv_vec`], so neighbours that send to each
-//!   other at once (1F1B) do not deadlock on blocking sends.
+//!   other at once (1F1B) do not deadlock on blocking sends. Boundary tensors are host
+//!   `f32` vectors: a GPU stage downloads what it sends and uploads what it receives,
+//!   as gradients are staged for the ring.
+//! - Activation memory: a micro-batch holds an activation workspace from its forward to
+//!   its backward, then hands it to the next micro-batch's forward
+//!   ([`ringtrain_model::PipelineModel::move_activations`]), so a stage holds as many
+//!   workspaces as it has micro-batches in flight: M under GPipe, `min(K - stage, M)`
+//!   under 1F1B. The report gives each stage's peak count and bytes.
 //! - [`PipelineUpdate`]: the update. Each stage's gradients are summed over the
 //!   micro-batches (the loss is a sum, so this is the whole batch's gradient), divided
 //!   by the batch's examples, clipped with the global norm (the stages' squared norms
 //!   summed on the control plane) and applied by the stage's own optimizer state to its
-//!   own parameters, once per batch: the same update as the unpipelined step.
+//!   own parameters, once per batch: the same update as the unpipelined step. A GPU
+//!   stage sums, clips and updates on its device and sends only its squared norm (and,
+//!   with replicas, its summed gradients once each way) through the host.
 //!
-//! Every stage keeps the model's flat buffers whole, and reads and writes only its own
-//! range of them (checkpoints gather the ranges on rank 0, so a pipelined and an
-//! unpipelined run write the same file format and resume each other). Every stage of a
-//! replica reads the replica's batches; only the last stage counts its words and loss.
+//! Each stage's optimizer state (Adam's moments) covers its own parameter range only,
+//! on the host or on its device. Its parameter and gradient buffers are still the
+//! model's whole flat buffers (the model crate allocates a model's buffers whole and
+//! addresses its tensors by their offsets in them; cutting them to a range would need
+//! models built from a range of their layout): a stage reads and writes only its own
+//! range of them, and its activation workspace is the whole model's too, of which it uses
+//! its units' part. Checkpoints gather every stage's range of the parameters and of the
+//! optimizer state on rank 0, so a pipelined and an unpipelined run write the same file
+//! format and resume each other. Every stage of a replica reads the replica's batches;
+//! only the last stage counts its words and loss.
 //!
 //! Measured per stage: compute (its passes), wait (blocked on a neighbour: transfer and
 //! bubble), and the bubble fraction `wait / (compute + wait)`, reported beside the

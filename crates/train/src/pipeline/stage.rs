@@ -1,4 +1,5 @@
-//! [`PipelineTrainable`]: one pipeline stage as the trainer's model.
+//! [`PipelineTrainable`]: one pipeline stage of a host-memory model as the trainer's model,
+//! and the schedule loop it shares with the GPU stage (`StageRunner`).
 
 use std::ops::Range;
 use std::time::Instant;
