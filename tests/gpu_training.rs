@@ -436,18 +436,19 @@ fn a_resumed_cuda_run_continues_exactly_as_an_uninterrupted_one() {
     );
 }
 
-/// Final parameters of a `stages`-stage pipeline on the GPU (threads over the local
-/// transport, every stage on GPU 0), each stage's own range taken from that stage.
-fn gpu_pipeline(cfg: &TrainConfig, stages: usize) -> Vec<f32> {
+/// Final parameters of a `stages`-stage pipeline on the GPU over `ranks` ranks (threads
+/// over the local transport, every stage on GPU 0), each stage's own range taken from
+/// that stage of replica 0; the other replicas must hold the same.
+fn gpu_pipeline(cfg: &TrainConfig, stages: usize, ranks: usize) -> Vec<f32> {
     let cfg = with(cfg, |c| {
         c.run.device = DeviceKind::Cuda;
         c.exchange.pipeline_stages = stages;
     });
-    let run = cfg.validate(stages).expect("a valid pipeline config");
-    let per_stage = Communicator::run_local(stages, |comm| {
+    let run = cfg.validate(ranks).expect("a valid pipeline config");
+    let per_stage = Communicator::run_local(ranks, |comm| {
         let rank = comm.rank();
         let seeded = with(&cfg, |c| c.run.seed = 100 + rank as u64)
-            .validate(stages)
+            .validate(ranks)
             .expect("valid");
         let stage_comm = comm.duplicate()?;
         let mut model = build_pipeline_stage(
@@ -471,12 +472,23 @@ fn gpu_pipeline(cfg: &TrainConfig, stages: usize) -> Vec<f32> {
     })
     .expect("the local transport runs");
     let mut full = Vec::new();
-    for stage in per_stage {
+    for (rank, stage) in per_stage.into_iter().enumerate() {
         let (range, params) = stage.expect("the stage trains");
         if full.is_empty() {
             full = params.clone();
         }
-        full[range.clone()].copy_from_slice(&params[range]);
+        if rank < stages {
+            full[range.clone()].copy_from_slice(&params[range]);
+        } else {
+            let d = max_diff(&full[range.clone()], &params[range]);
+            assert_eq!(
+                d,
+                0.0,
+                "replica {} of stage {} diverged",
+                rank / stages,
+                rank % stages
+            );
+        }
     }
     full
 }
@@ -517,7 +529,7 @@ fn a_two_stage_gpu_pipeline_trains_like_one_cpu_rank() {
             c.exchange.pipeline_schedule = schedule;
             c.output.checkpoint = Some(gpu_ck.clone());
         });
-        let gpu = gpu_pipeline(&cfg, 2);
+        let gpu = gpu_pipeline(&cfg, 2, 2);
         let cpu = {
             let whole = with(&whole, |c| c.output.checkpoint = Some(cpu_ck.clone()));
             let run = whole.validate(1).expect("a valid config");
@@ -569,4 +581,43 @@ fn a_two_stage_gpu_pipeline_trains_like_one_cpu_rank() {
             other => panic!("Adam state expected: {other:?}"),
         }
     }
+}
+
+/// 2 GPU stages x 2 replicas: each stage's summed gradients cross to the host once, are
+/// all-reduced with the same stage of the other replica and come back for the update on
+/// the device; the result equals one CPU rank on the whole batch (RNNLM, 1F1B, Adam
+/// with clipping).
+#[test]
+fn a_gpu_pipeline_with_two_replicas_trains_like_one_cpu_rank() {
+    use ringtrain::train::config::PipelineSchedule;
+    let whole = clipped(
+        &with(&config(ModelKind::Rnnlm, VariableUpdate::Replicated), |c| {
+            c.data.total_batch_size = Some(4);
+            c.data.src_max_len = 3;
+            c.model.num_units = 4;
+            c.model.num_encoder_layers = 1;
+            c.run.warmup_batches = 1;
+            c.run.timed_batches = 1;
+        }),
+        OptimizerKind::Adam,
+    );
+    let hybrid = with(&whole, |c| {
+        c.exchange.micro_batches = 2;
+        c.exchange.pipeline_schedule = PipelineSchedule::OneFOneB;
+    });
+    let gpu = gpu_pipeline(&hybrid, 2, 4);
+    let run = whole.validate(1).expect("a valid config");
+    let cpu = Communicator::run_local(1, |comm| {
+        let mut model = initial_model(&whole, 100);
+        let mut data = batches(&run, 0).into_iter();
+        train(&run, comm, model.as_mut(), &mut data, &mut |_| {}).unwrap();
+        model.params().expect("settled").to_vec()
+    })
+    .expect("one rank")
+    .remove(0);
+    let d = max_diff(&gpu, &cpu);
+    assert!(
+        d <= BACKEND_TOLERANCE,
+        "2 GPU stages x 2 replicas and one CPU rank differ by {d:e}"
+    );
 }
