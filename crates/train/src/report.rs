@@ -283,7 +283,7 @@ impl RunReport {
             for f in &p.per_stage {
                 s.push_str(&format!(
                     "  stage {} ({}): compute {:.2} ms | send/receive wait {:.2} ms | bubble {:.1}% | \
-                     activations of {} micro-batches at once ({:.1} KiB)\n",
+                     peak activation workspaces {} ({:.1} KiB)\n",
                     f.stage,
                     f.units,
                     f.compute * 1e3,
