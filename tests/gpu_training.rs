@@ -13,8 +13,8 @@ mod training_runs;
 
 use ringtrain::collective::Communicator;
 use ringtrain::train::{
-    train, DeviceKind, LstmImpl, ModelKind, OptimizerKind, OverlapMode, RunReport, TrainConfig,
-    VariableUpdate,
+    build_pipeline_stage, train, DeviceKind, LstmImpl, ModelKind, OptimizerKind, OverlapMode,
+    RunReport, TrainConfig, VariableUpdate,
 };
 use training_runs::{batches, config, initial_model, max_diff, run, with};
 
@@ -507,4 +507,190 @@ fn the_timeline_has_a_gpu_row_per_rank_inside_the_steps() {
             );
         }
     }
+}
+
+/// Final parameters of a `stages`-stage pipeline on the GPU over `ranks` ranks (threads
+/// over the local transport, every stage on GPU 0), each stage's own range taken from
+/// that stage of replica 0; the other replicas must hold the same.
+fn gpu_pipeline(cfg: &TrainConfig, stages: usize, ranks: usize) -> Vec<f32> {
+    let cfg = with(cfg, |c| {
+        c.run.device = DeviceKind::Cuda;
+        c.exchange.pipeline_stages = stages;
+    });
+    let run = cfg.validate(ranks).expect("a valid pipeline config");
+    let per_stage = Communicator::run_local(ranks, |comm| {
+        let rank = comm.rank();
+        let seeded = with(&cfg, |c| c.run.seed = 100 + rank as u64)
+            .validate(ranks)
+            .expect("valid");
+        let stage_comm = comm.duplicate()?;
+        let mut model = build_pipeline_stage(
+            &seeded,
+            training_runs::VOCAB,
+            training_runs::VOCAB,
+            0,
+            1,
+            stage_comm,
+        )?;
+        assert!(
+            model.device_resident().is_some(),
+            "a GPU stage updates there"
+        );
+        let mut data = batches(&run, run.data_worker(rank)).into_iter();
+        let out = train(&run, comm, model.as_mut(), &mut data, &mut |_| {})?;
+        let pipeline = out.report.pipeline.expect("the report holds the pipeline");
+        assert_eq!(pipeline.stages, stages);
+        let (info, _) = model.pipeline_stage().expect("a pipeline stage");
+        Ok::<_, ringtrain::train::Error>((info.own_params(), model.params()?.to_vec()))
+    })
+    .expect("the local transport runs");
+    let mut full = Vec::new();
+    for (rank, stage) in per_stage.into_iter().enumerate() {
+        let (range, params) = stage.expect("the stage trains");
+        if full.is_empty() {
+            full = params.clone();
+        }
+        if rank < stages {
+            full[range.clone()].copy_from_slice(&params[range]);
+        } else {
+            let d = max_diff(&full[range.clone()], &params[range]);
+            assert_eq!(
+                d,
+                0.0,
+                "replica {} of stage {} diverged",
+                rank / stages,
+                rank % stages
+            );
+        }
+    }
+    full
+}
+
+/// A 2-stage pipeline with each stage on the GPU (boundary tensors staged through the
+/// host, gradients summed over the micro-batches, clipped to the global norm and applied
+/// by Adam on the device) ends with the parameters of one CPU rank training on the whole
+/// batch: NMT under GPipe, RNNLM under 1F1B, 3 micro-batches of a batch of 4. Its
+/// checkpoint (every stage's parameters and its range of Adam's moments, gathered from
+/// the devices) equals the CPU run's.
+#[test]
+fn a_two_stage_gpu_pipeline_trains_like_one_cpu_rank() {
+    use ringtrain::train::config::PipelineSchedule;
+    use ringtrain::train::{Checkpoint, OptimizerState};
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let tiny = |model: ModelKind| {
+        with(&config(model, VariableUpdate::Replicated), |c| {
+            c.data.batch_size = 4;
+            c.data.src_max_len = 3;
+            c.model.num_units = 4;
+            c.model.num_encoder_layers = 1;
+            c.model.num_decoder_layers = 1;
+            c.run.warmup_batches = 1;
+            c.run.timed_batches = 1;
+        })
+    };
+    for (model, schedule) in [
+        (ModelKind::Nmt, PipelineSchedule::Gpipe),
+        (ModelKind::Rnnlm, PipelineSchedule::OneFOneB),
+    ] {
+        let (gpu_ck, cpu_ck) = (
+            dir.path().join(format!("{model}-gpu.ck")),
+            dir.path().join(format!("{model}-cpu.ck")),
+        );
+        let whole = clipped(&tiny(model), OptimizerKind::Adam);
+        let cfg = with(&whole, |c| {
+            c.exchange.micro_batches = 3;
+            c.exchange.pipeline_schedule = schedule;
+            c.output.checkpoint = Some(gpu_ck.clone());
+        });
+        let gpu = gpu_pipeline(&cfg, 2, 2);
+        let cpu = {
+            let whole = with(&whole, |c| c.output.checkpoint = Some(cpu_ck.clone()));
+            let run = whole.validate(1).expect("a valid config");
+            Communicator::run_local(1, |comm| {
+                let mut model = initial_model(&whole, 100);
+                let mut data = batches(&run, 0).into_iter();
+                train(&run, comm, model.as_mut(), &mut data, &mut |_| {}).unwrap();
+                model.params().expect("settled").to_vec()
+            })
+            .expect("one rank")
+            .remove(0)
+        };
+        let d = max_diff(&gpu, &cpu);
+        assert!(
+            d <= BACKEND_TOLERANCE,
+            "{model} {schedule}: the GPU pipeline and one CPU rank differ by {d:e}"
+        );
+        let start = initial_model(&whole, 100);
+        assert!(
+            max_diff(start.params().expect("settled"), &gpu) > 1e-3,
+            "{model}: training did not change the parameters"
+        );
+        let (g, c) = (
+            Checkpoint::load(&gpu_ck).expect("the pipeline's checkpoint"),
+            Checkpoint::load(&cpu_ck).expect("the CPU run's checkpoint"),
+        );
+        assert_eq!(g.step, c.step);
+        let d = max_diff(&g.params, &c.params);
+        assert!(
+            d <= BACKEND_TOLERANCE,
+            "{model}: checkpoint parameters differ by {d:e}"
+        );
+        match (&g.optimizer, &c.optimizer) {
+            (
+                OptimizerState::Adam { m, v, step },
+                OptimizerState::Adam {
+                    m: cm,
+                    v: cv,
+                    step: cs,
+                },
+            ) => {
+                assert_eq!(step, cs);
+                let (dm, dv) = (max_diff(m, cm), max_diff(v, cv));
+                assert!(
+                    dm <= BACKEND_TOLERANCE && dv <= BACKEND_TOLERANCE,
+                    "{model}: Adam's moments differ by {dm:e} / {dv:e}"
+                );
+            }
+            other => panic!("Adam state expected: {other:?}"),
+        }
+    }
+}
+
+/// 2 GPU stages x 2 replicas: each stage's summed gradients cross to the host once, are
+/// all-reduced with the same stage of the other replica and come back for the update on
+/// the device; the result equals one CPU rank on the whole batch (RNNLM, 1F1B, Adam
+/// with clipping).
+#[test]
+fn a_gpu_pipeline_with_two_replicas_trains_like_one_cpu_rank() {
+    use ringtrain::train::config::PipelineSchedule;
+    let whole = clipped(
+        &with(&config(ModelKind::Rnnlm, VariableUpdate::Replicated), |c| {
+            c.data.total_batch_size = Some(4);
+            c.data.src_max_len = 3;
+            c.model.num_units = 4;
+            c.model.num_encoder_layers = 1;
+            c.run.warmup_batches = 1;
+            c.run.timed_batches = 1;
+        }),
+        OptimizerKind::Adam,
+    );
+    let hybrid = with(&whole, |c| {
+        c.exchange.micro_batches = 2;
+        c.exchange.pipeline_schedule = PipelineSchedule::OneFOneB;
+    });
+    let gpu = gpu_pipeline(&hybrid, 2, 4);
+    let run = whole.validate(1).expect("a valid config");
+    let cpu = Communicator::run_local(1, |comm| {
+        let mut model = initial_model(&whole, 100);
+        let mut data = batches(&run, 0).into_iter();
+        train(&run, comm, model.as_mut(), &mut data, &mut |_| {}).unwrap();
+        model.params().expect("settled").to_vec()
+    })
+    .expect("one rank")
+    .remove(0);
+    let d = max_diff(&gpu, &cpu);
+    assert!(
+        d <= BACKEND_TOLERANCE,
+        "2 GPU stages x 2 replicas and one CPU rank differ by {d:e}"
+    );
 }

@@ -26,8 +26,8 @@ fn run_pipeline(cfg: &TrainConfig, ranks: usize) -> Vec<f32> {
             .validate(ranks)
             .expect("valid");
         let stage_comm = comm.duplicate().expect("duplicate");
-        let mut model =
-            build_pipeline_stage(&seeded, VOCAB, VOCAB, 1, stage_comm).expect("the stage builds");
+        let mut model = build_pipeline_stage(&seeded, VOCAB, VOCAB, 0, 1, stage_comm)
+            .expect("the stage builds");
         let mut data = batches(&run, run.data_worker(rank)).into_iter();
         let out = train(&run, comm, model.as_mut(), &mut data, &mut |_| {}).unwrap();
         let report = &out.report;
@@ -273,7 +273,7 @@ fn a_failing_stage_ends_every_stage_with_an_error() {
         comm.set_stall_timeout(run.stall_timeout());
         let stage_comm = comm.duplicate().expect("duplicate");
         let mut model =
-            build_pipeline_stage(&run, VOCAB, VOCAB, 1, stage_comm).expect("the stage builds");
+            build_pipeline_stage(&run, VOCAB, VOCAB, 0, 1, stage_comm).expect("the stage builds");
         let mut data: Vec<ringtrain::data::Result<Batch>> = batches(&run, 0);
         if rank == 1 {
             // The last stage's second batch is for the other model: its step fails.
@@ -303,4 +303,136 @@ fn a_failing_stage_ends_every_stage_with_an_error() {
         first.contains("rank 1"),
         "stage 0 must name the stage it lost: {first}"
     );
+}
+
+/// The report of every rank of a pipelined run (ranks are threads).
+fn pipeline_reports(cfg: &TrainConfig, ranks: usize) -> Vec<ringtrain::train::RunReport> {
+    let run = cfg.validate(ranks).expect("a valid pipeline config");
+    Communicator::run_local(ranks, |comm| {
+        let stage_comm = comm.duplicate().expect("duplicate");
+        let mut model =
+            build_pipeline_stage(&run, VOCAB, VOCAB, 0, 1, stage_comm).expect("the stage builds");
+        let mut data = batches(&run, run.data_worker(comm.rank())).into_iter();
+        train(&run, comm, model.as_mut(), &mut data, &mut |_| {})
+            .unwrap()
+            .report
+    })
+    .unwrap()
+}
+
+/// 1F1B holds at most `min(K - stage, M)` micro-batches' activations on a stage, GPipe
+/// all M: K = 2, M = 4 (equal micro-batches of 2 examples), both models.
+#[test]
+fn one_f_one_b_holds_fewer_activations_than_gpipe() {
+    for model in [ModelKind::Nmt, ModelKind::Rnnlm] {
+        let base = with(&config(model, VariableUpdate::Replicated), |c| {
+            c.data.batch_size = 8;
+            c.exchange.pipeline_stages = 2;
+            c.exchange.micro_batches = 4;
+        });
+        let peaks = |schedule: PipelineSchedule| {
+            let report =
+                pipeline_reports(&with(&base, |c| c.exchange.pipeline_schedule = schedule), 2)
+                    .remove(0);
+            let pipeline = report.pipeline.expect("the report holds the pipeline");
+            let mut stages: Vec<(usize, usize, f64)> = pipeline
+                .per_stage
+                .iter()
+                .map(|f| (f.stage, f.peak_activation_slots, f.peak_activation_bytes))
+                .collect();
+            stages.sort_by_key(|s| s.0);
+            assert_eq!(
+                pipeline.peak_activation_slots,
+                stages.iter().map(|s| s.1).max().unwrap_or(0)
+            );
+            stages
+        };
+        let gpipe = peaks(PipelineSchedule::Gpipe);
+        let one_f_one_b = peaks(PipelineSchedule::OneFOneB);
+        let slots = |p: &[(usize, usize, f64)]| p.iter().map(|s| s.1).collect::<Vec<_>>();
+        assert_eq!(slots(&gpipe), [4, 4], "{model} gpipe");
+        assert_eq!(slots(&one_f_one_b), [2, 1], "{model} 1f1b");
+        for (g, o) in gpipe.iter().zip(&one_f_one_b) {
+            assert!(
+                o.2 > 0.0,
+                "{model}: the stage's activation bytes are counted"
+            );
+            let ratio = g.2 / o.2;
+            let expected = g.1 as f64 / o.1 as f64;
+            assert!(
+                (ratio - expected).abs() < 1e-9,
+                "{model} stage {}: bytes ratio {ratio} vs slots ratio {expected}",
+                g.0
+            );
+        }
+    }
+}
+
+/// Each stage's optimizer keeps the state of its own parameters only (Adam's m and v
+/// the length of its range), and the ranges cover the model once.
+#[test]
+fn a_stage_keeps_optimizer_state_for_its_own_range_only() {
+    let cfg = with(&config(ModelKind::Nmt, VariableUpdate::Replicated), |c| {
+        c.data.batch_size = 4;
+        c.run.optimizer = OptimizerKind::Adam;
+        c.run.learning_rate = Some(0.01);
+        c.exchange.pipeline_stages = 3;
+        c.exchange.micro_batches = 2;
+    });
+    let whole = with(&cfg, |c| {
+        c.exchange.pipeline_stages = 1;
+        c.exchange.micro_batches = 1;
+    });
+    let total = initial_model(&whole, 100).params().expect("settled").len();
+    let run = cfg.validate(3).expect("valid");
+    let per_stage = Communicator::run_local(3, |comm| {
+        let stage_comm = comm.duplicate().expect("duplicate");
+        let mut model =
+            build_pipeline_stage(&run, VOCAB, VOCAB, 0, 1, stage_comm).expect("the stage builds");
+        let mut data = batches(&run, 0).into_iter();
+        let report = train(&run, comm, model.as_mut(), &mut data, &mut |_| {})
+            .unwrap()
+            .report;
+        let (info, _) = model.pipeline_stage().expect("a stage");
+        let figures = report.pipeline.expect("pipeline").per_stage;
+        let mine = figures
+            .iter()
+            .find(|f| f.stage == info.stage)
+            .expect("this stage's figures")
+            .optimizer_state_elements;
+        (info.own_params().len(), mine)
+    })
+    .unwrap();
+    for (stage, (range, elements)) in per_stage.iter().enumerate() {
+        assert_eq!(elements, &Some(*range), "stage {stage}");
+        assert!(*range < total, "stage {stage} owns part of the model");
+    }
+    assert_eq!(per_stage.iter().map(|s| s.0).sum::<usize>(), total);
+}
+
+/// `--pipeline-balance time`: rank 0 times the units, every stage takes the same split
+/// (stages that disagreed would exchange tensors of the wrong size and fail), and the
+/// run still computes the unpipelined update.
+#[test]
+fn a_split_balanced_by_measured_time_equals_one_rank() {
+    use ringtrain::train::config::PipelineBalance;
+    for model in [ModelKind::Nmt, ModelKind::Rnnlm] {
+        let base = with(&config(model, VariableUpdate::Replicated), |c| {
+            c.data.batch_size = 4;
+        });
+        let single = run(&base, 1);
+        let timed = with(&base, |c| {
+            c.exchange.pipeline_stages = 3;
+            c.exchange.micro_batches = 2;
+            c.exchange.pipeline_balance = PipelineBalance::Time;
+        });
+        let d = max_diff(&run_pipeline(&timed, 3), &single[0]);
+        assert!(d <= 1e-5, "{model} balanced by time differs by {d}");
+        let report = pipeline_reports(&timed, 3).remove(0);
+        assert!(
+            report.strategy.contains("balanced by measured time"),
+            "{}",
+            report.strategy
+        );
+    }
 }

@@ -864,6 +864,22 @@ impl<B: Backend> NmtModel<B> {
 impl<B: Backend> PipelineModel for NmtModel<B> {
     type Slot = NmtSlot<B>;
 
+    fn move_activations(from: &mut NmtSlot<B>, to: &mut NmtSlot<B>) {
+        to.work = from.work.take();
+    }
+
+    fn holds_activations(slot: &NmtSlot<B>) -> bool {
+        slot.work.is_some()
+    }
+
+    fn activation_bytes(&self, slot: &NmtSlot<B>) -> f64 {
+        slot.work.as_ref().map_or(0.0, |w| {
+            crate::stage::workspace_bytes(
+                self.config.memory_estimate(w.batch, w.src_len, w.tgt_len),
+            )
+        })
+    }
+
     fn pipeline_units(&self) -> Vec<PipelineUnit> {
         let layers = self.config.layers;
         let mut names = vec!["source embedding + encoder".to_string()];

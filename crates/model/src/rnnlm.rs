@@ -528,6 +528,20 @@ impl<B: Backend> RnnLm<B> {
 impl<B: Backend> PipelineModel for RnnLm<B> {
     type Slot = LmSlot<B>;
 
+    fn move_activations(from: &mut LmSlot<B>, to: &mut LmSlot<B>) {
+        to.work = from.work.take();
+    }
+
+    fn holds_activations(slot: &LmSlot<B>) -> bool {
+        slot.work.is_some()
+    }
+
+    fn activation_bytes(&self, slot: &LmSlot<B>) -> f64 {
+        slot.work.as_ref().map_or(0.0, |w| {
+            crate::stage::workspace_bytes(self.config.memory_estimate(w.batch, w.len))
+        })
+    }
+
     fn pipeline_units(&self) -> Vec<PipelineUnit> {
         let layers = self.config.layers;
         let mut names = vec!["embedding".to_string()];

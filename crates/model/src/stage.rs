@@ -15,6 +15,9 @@
 //! Each micro-batch in flight keeps its activations in a [`PipelineModel::Slot`] of its
 //! own (the model swaps it in for the pass), as does an RNNLM's carried LSTM state, so a
 //! stage can hold several micro-batches between their forward and backward passes.
+//! [`PipelineModel::move_activations`] hands a workspace from a micro-batch whose
+//! backward is done to the next one, so a schedule that keeps few micro-batches in
+//! flight (1F1B) keeps few workspaces.
 //! The model keeps its flat buffers whole on every stage; a stage reads and writes only
 //! its units' part of them.
 //!
@@ -52,6 +55,21 @@ pub trait PipelineModel: Model {
 
     /// The units in forward order.
     fn pipeline_units(&self) -> Vec<PipelineUnit>;
+
+    /// Moves the activation workspace of `from` into `to` (replacing any `to` held),
+    /// leaving `from` without one; state a micro-batch carries to the next batch (an
+    /// RNNLM's rows) stays in its slot. A stage reuses the workspace of a micro-batch
+    /// whose backward is done for the next forward this way, so it holds only as many
+    /// workspaces as it has micro-batches in flight.
+    fn move_activations(from: &mut Self::Slot, to: &mut Self::Slot);
+
+    /// Whether `slot` holds an activation workspace.
+    fn holds_activations(slot: &Self::Slot) -> bool;
+
+    /// Bytes of the activation workspace `slot` holds (0 without one), as the model's
+    /// memory estimate counts them for the workspace's shape (the whole model's
+    /// workspace: a stage allocates it whole and uses its units' part).
+    fn activation_bytes(&self, slot: &Self::Slot) -> f64;
 
     /// Forward over `units` of micro-batch `batch` in `slot`: reads `input` (the boundary
     /// tensor of the stage before; empty for a stage that starts at unit 0) and appends
@@ -115,6 +133,23 @@ pub(crate) fn units_from_layout(
             params: params.unwrap_or(0..0),
         })
         .collect()
+}
+
+/// The bytes of an estimate's workspace terms (all but the parameters, their gradients
+/// and carried state); 0 for a shape too big to estimate.
+pub(crate) fn workspace_bytes(estimate: Result<crate::memory::MemoryEstimate>) -> f64 {
+    estimate.map_or(0.0, |e| {
+        e.terms
+            .iter()
+            .filter(|t| {
+                !matches!(
+                    t.what.as_str(),
+                    "parameters" | "gradients" | "carried LSTM state"
+                )
+            })
+            .map(|t| t.bytes)
+            .sum()
+    })
 }
 
 /// Checks that `units` is a non-empty range of `0..count`.

@@ -64,6 +64,19 @@ pub struct StageFigures {
     pub wait: f64,
     /// `wait / (compute + wait)`.
     pub bubble_fraction: f64,
+    /// The most micro-batches whose activations the stage held at once: M under GPipe,
+    /// at most `min(K - stage, M)` under 1F1B.
+    #[serde(default)]
+    pub peak_activation_slots: usize,
+    /// The bytes of those micro-batches' activation workspaces (the model's estimate
+    /// for each workspace's shape).
+    #[serde(default)]
+    pub peak_activation_bytes: f64,
+    /// Elements of each per-parameter state vector of the stage's optimizer (Adam's m
+    /// and v; 0 for SGD): the length of the stage's parameter range. Absent for a stage
+    /// that keeps its optimizer on its device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_state_elements: Option<usize>,
 }
 
 /// The pipeline of a pipelined run, as the report holds it.
@@ -79,6 +92,12 @@ pub struct PipelineReport {
     pub bubble_fraction: f64,
     /// `(K - 1) / (M + K - 1)`: the bubble of K equal stages.
     pub bubble_formula: f64,
+    /// The most micro-batches whose activations any stage held at once.
+    #[serde(default)]
+    pub peak_activation_slots: usize,
+    /// The most activation bytes any stage held at once.
+    #[serde(default)]
+    pub peak_activation_bytes: f64,
     /// Each stage's figures (replica 0's stages first).
     pub per_stage: Vec<StageFigures>,
 }
@@ -263,12 +282,15 @@ impl RunReport {
             ));
             for f in &p.per_stage {
                 s.push_str(&format!(
-                    "  stage {} ({}): compute {:.2} ms | send/receive wait {:.2} ms | bubble {:.1}%\n",
+                    "  stage {} ({}): compute {:.2} ms | send/receive wait {:.2} ms | bubble {:.1}% | \
+                     peak activation workspaces {} ({:.1} KiB)\n",
                     f.stage,
                     f.units,
                     f.compute * 1e3,
                     f.wait * 1e3,
-                    f.bubble_fraction * 100.0
+                    f.bubble_fraction * 100.0,
+                    f.peak_activation_slots,
+                    f.peak_activation_bytes / 1024.0
                 ));
             }
         }

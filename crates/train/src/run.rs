@@ -84,7 +84,14 @@ pub fn run_rank(
     let mut model = if cfg.is_pipelined() {
         // The stages' activations travel on a communicator of their own.
         let stage_comm = comm.duplicate()?;
-        build_pipeline_stage(cfg, src_vocab_size, tgt_vocab_size, threads, stage_comm)?
+        build_pipeline_stage(
+            cfg,
+            src_vocab_size,
+            tgt_vocab_size,
+            local.rank,
+            threads,
+            stage_comm,
+        )?
     } else {
         build_model(cfg, src_vocab_size, tgt_vocab_size, local.rank, threads)?
     };

@@ -134,6 +134,17 @@ choice! {
 }
 
 choice! {
+    /// How the default pipeline split balances the stages (`--pipeline-balance`).
+    PipelineBalance, flag = "--pipeline-balance" {
+        /// The split whose largest stage holds the fewest parameters.
+        Params => "params",
+        /// The split whose slowest stage takes the least time, from a forward and
+        /// backward of each unit timed on a warm-up micro-batch on rank 0.
+        Time => "time",
+    }
+}
+
+choice! {
     /// `--encoder-type`: the LSTM implementation alone (`fused`, `stepwise`; the model's
     /// semantics come from `--source-lengths` and `--bi-layer-input`), or a seed's name,
     /// which selects the seed's whole model.

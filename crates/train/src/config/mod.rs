@@ -44,8 +44,8 @@ mod validated;
 
 pub use choices::{
     parse_bi_layer_input, parse_encoder_kind, parse_gemm_precision, parse_source_lengths,
-    DeviceKind, EncoderType, ModelKind, OptimizerKind, OverlapMode, PipelineSchedule,
-    VariableUpdate,
+    DeviceKind, EncoderType, ModelKind, OptimizerKind, OverlapMode, PipelineBalance,
+    PipelineSchedule, VariableUpdate,
 };
 pub use validated::{DataSource, HeldOutSource, Reduction, ValidatedConfig};
 
@@ -305,6 +305,13 @@ options! {
         /// to the model's units). Default: balanced by parameter count.
         #[arg(long, value_delimiter = ',')]
         pipeline_split: Vec<usize>,
+        /// How the default split balances the stages: `params` (the split whose largest
+        /// stage holds the fewest parameters) or `time` (rank 0 times a forward and
+        /// backward of each unit on a warm-up micro-batch of synthetic data and every
+        /// rank takes the split whose slowest stage takes the least time). Not with
+        /// `--pipeline-split`.
+        #[arg(long, value_parser = parse::<PipelineBalance>)]
+        pipeline_balance: PipelineBalance = PipelineBalance::Params,
     }
 }
 

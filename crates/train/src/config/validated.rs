@@ -8,7 +8,10 @@ use ringtrain_data::BatchSizing;
 use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, LstmImpl, SourceLengths};
 
 use super::{DeviceKind, ModelKind, ModelOptions, OptimizerKind, OverlapMode, TrainConfig};
-use super::{EncoderType, VariableUpdate, DEFAULT_ADAM_LEARNING_RATE, DEFAULT_SGD_LEARNING_RATE};
+use super::{
+    EncoderType, PipelineBalance, VariableUpdate, DEFAULT_ADAM_LEARNING_RATE,
+    DEFAULT_SGD_LEARNING_RATE,
+};
 use crate::error::{Error, Result};
 
 /// Where a run's batches come from, as `--use-synthetic-data` / `--data` resolve.
@@ -430,6 +433,14 @@ fn pipeline_stages(cfg: &TrainConfig, world: usize) -> Result<usize> {
                  --micro-batches out",
             ));
         }
+        if exchange.pipeline_balance != PipelineBalance::Params {
+            return Err(Error::invalid(
+                "--pipeline-balance",
+                exchange.pipeline_balance,
+                "a balance is a pipeline's: give --pipeline-stages 2 or more, or leave \
+                 --pipeline-balance out",
+            ));
+        }
         if !exchange.pipeline_split.is_empty() {
             return Err(Error::invalid(
                 "--pipeline-split",
@@ -476,6 +487,14 @@ fn pipeline_stages(cfg: &TrainConfig, world: usize) -> Result<usize> {
              independent) with --pipeline-stages",
         ));
     }
+    if !exchange.pipeline_split.is_empty() && exchange.pipeline_balance != PipelineBalance::Params {
+        return Err(Error::invalid(
+            "--pipeline-balance",
+            exchange.pipeline_balance,
+            "--pipeline-split sets the stages by hand, leaving nothing to balance: give one \
+             of --pipeline-split and --pipeline-balance",
+        ));
+    }
     if !exchange.pipeline_split.is_empty() {
         let split = &exchange.pipeline_split;
         let sum: usize = split.iter().sum();
@@ -504,13 +523,6 @@ fn pipeline_stages(cfg: &TrainConfig, world: usize) -> Result<usize> {
             "true",
             "a single pipeline exchanges no gradients between replicas: leave it out with \
              --pipeline-stages",
-        ));
-    }
-    if cfg.run.device != DeviceKind::Cpu {
-        return Err(Error::invalid(
-            "--device",
-            cfg.run.device,
-            "pipeline stages run on the CPU backend: use --device cpu with --pipeline-stages",
         ));
     }
     Ok(stages)
@@ -833,10 +845,13 @@ impl ValidatedConfig {
     pub fn pipeline_label(&self) -> Option<String> {
         let exchange = &self.config.exchange;
         self.is_pipelined().then(|| {
-            let balance = if exchange.pipeline_split.is_empty() {
-                "balanced by parameter count"
-            } else {
-                "split by hand"
+            let balance = match (
+                exchange.pipeline_split.is_empty(),
+                exchange.pipeline_balance,
+            ) {
+                (false, _) => "split by hand",
+                (true, PipelineBalance::Params) => "balanced by parameter count",
+                (true, PipelineBalance::Time) => "balanced by measured time",
             };
             format!(
                 "pipeline {} stages x {} micro-batches ({}, {balance})",
@@ -922,6 +937,47 @@ mod tests {
         assert_eq!(hybrid.as_ref().map(|r| r.workers()).ok(), Some(2));
         assert_eq!(hybrid.as_ref().map(|r| r.data_worker(3)).ok(), Some(1));
         assert_eq!(hybrid.as_ref().map(|r| r.pipeline_stage(3)).ok(), Some(1));
+    }
+
+    #[test]
+    fn the_pipeline_balance_flag_says_what_is_wrong() {
+        let e = "speed"
+            .parse::<PipelineBalance>()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("`speed`") && e.contains("--pipeline-balance") && e.contains("time"),
+            "{e}"
+        );
+        assert_eq!(
+            "time".parse::<PipelineBalance>().ok(),
+            Some(PipelineBalance::Time)
+        );
+        let mut timed = pipelined(2, 2);
+        timed.exchange.pipeline_balance = PipelineBalance::Time;
+        let label = timed.validate(2).ok().and_then(|r| r.pipeline_label());
+        assert!(
+            label
+                .as_deref()
+                .is_some_and(|l| l.contains("balanced by measured time")),
+            "{label:?}"
+        );
+        // Nothing to balance: a split by hand, or no pipeline.
+        let mut both = timed.clone();
+        both.exchange.pipeline_split = vec![2, 2];
+        let e = error(&both, 2);
+        assert!(
+            e.contains("--pipeline-balance") && e.contains("--pipeline-split"),
+            "{e}"
+        );
+        let mut single = TrainConfig::default();
+        single.exchange.pipeline_balance = PipelineBalance::Time;
+        let e = error(&single, 1);
+        assert!(
+            e.contains("--pipeline-balance") && e.contains("--pipeline-stages"),
+            "{e}"
+        );
     }
 
     #[test]

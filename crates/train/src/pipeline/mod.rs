@@ -2,30 +2,51 @@
 //! batch split into M micro-batches that flow through the stages (GPipe).
 //!
 //! - [`plan_stages`]: which of the model's units ([`ringtrain_model::PipelineUnit`]) each
-//!   stage runs: `--pipeline-split` by hand, else balanced by parameter count (the split
-//!   whose largest stage holds the fewest parameters).
+//!   stage runs: `--pipeline-split` by hand, else balanced ([`balance_by_cost`]) by
+//!   parameter count (the split whose largest stage holds the fewest parameters), or with
+//!   `--pipeline-balance time` by measured time ([`measure_unit_costs`]: rank 0 times a
+//!   forward and backward of each unit on a warm-up micro-batch; [`agree_unit_costs`]
+//!   hands its figures to every rank, which all take the split whose slowest stage is
+//!   the fastest).
 //! - [`schedule`]: the order of a stage's passes: [`PipelineSchedule::Gpipe`] runs every
 //!   micro-batch's forward, then every backward (fill, drain); [`PipelineSchedule::OneFOneB`]
 //!   starts backward as soon as the last stage can, alternating one forward and one
-//!   backward (the same bubble, at most K micro-batches in flight on a stage).
-//! - [`PipelineTrainable`]: one stage as the trainer's model. Its pass receives the
+//!   backward (the same bubble, at most `min(K - stage, M)` micro-batches in flight on a
+//!   stage).
+//! - [`PipelineTrainable`] (host memory) and `GpuPipelineStage` (feature `cuda`): one
+//!   stage as the trainer's model. Both run the same schedule loop: a pass receives the
 //!   boundary tensor from the stage before (activations; for the NMT decoder's stages
 //!   also the encoder's final `(h, c)` of every decoder layer past the boundary, see
 //!   [`ringtrain_model::stage`]), sends its own on, and on the way back exchanges their
 //!   gradients, all point-to-point through the collective crate's transport (MPI, or
 //!   the local transport's threads). A send and the receive that follows it go as one
 //!   [`ringtrain_collective::Transport::sendrecv_vec`], so neighbours that send to each
-//!   other at once (1F1B) do not deadlock on blocking sends.
+//!   other at once (1F1B) do not deadlock on blocking sends. Boundary tensors are host
+//!   `f32` vectors: a GPU stage downloads what it sends and uploads what it receives,
+//!   as gradients are staged for the ring.
+//! - Activation memory: a micro-batch holds an activation workspace from its forward to
+//!   its backward, then hands it to the next micro-batch's forward
+//!   ([`ringtrain_model::PipelineModel::move_activations`]), so a stage holds as many
+//!   workspaces as it has micro-batches in flight: M under GPipe, `min(K - stage, M)`
+//!   under 1F1B. The report gives each stage's peak count and bytes.
 //! - [`PipelineUpdate`]: the update. Each stage's gradients are summed over the
 //!   micro-batches (the loss is a sum, so this is the whole batch's gradient), divided
 //!   by the batch's examples, clipped with the global norm (the stages' squared norms
 //!   summed on the control plane) and applied by the stage's own optimizer state to its
-//!   own parameters, once per batch: the same update as the unpipelined step.
+//!   own parameters, once per batch: the same update as the unpipelined step. A GPU
+//!   stage sums, clips and updates on its device and sends only its squared norm (and,
+//!   with replicas, its summed gradients once each way) through the host.
 //!
-//! Every stage keeps the model's flat buffers whole, and reads and writes only its own
-//! range of them (checkpoints gather the ranges on rank 0, so a pipelined and an
-//! unpipelined run write the same file format and resume each other). Every stage of a
-//! replica reads the replica's batches; only the last stage counts its words and loss.
+//! Each stage's optimizer state (Adam's moments) covers its own parameter range only,
+//! on the host or on its device. Its parameter and gradient buffers are still the
+//! model's whole flat buffers (the model crate allocates a model's buffers whole and
+//! addresses its tensors by their offsets in them; cutting them to a range would need
+//! models built from a range of their layout): a stage reads and writes only its own
+//! range of them, and its activation workspace is the whole model's too, of which it uses
+//! its units' part. Checkpoints gather every stage's range of the parameters and of the
+//! optimizer state on rank 0, so a pipelined and an unpipelined run write the same file
+//! format and resume each other. Every stage of a replica reads the replica's batches;
+//! only the last stage counts its words and loss.
 //!
 //! Measured per stage: compute (its passes), wait (blocked on a neighbour: transfer and
 //! bubble), and the bubble fraction `wait / (compute + wait)`, reported beside the
@@ -38,9 +59,15 @@ use ringtrain_model::PipelineUnit;
 use crate::config::PipelineSchedule;
 use crate::error::{Error, Result};
 
+mod balance;
+#[cfg(feature = "cuda")]
+mod device;
 mod stage;
 mod update;
 
+pub use balance::{agree_unit_costs, measure_unit_costs, warm_up_batch};
+#[cfg(feature = "cuda")]
+pub use device::GpuPipelineStage;
 pub use stage::{PipelineTrainable, StageInfo, StageTimes, StagesOnBatch};
 pub use update::PipelineUpdate;
 
@@ -136,23 +163,35 @@ pub fn plan_stages(
             })
             .collect());
     }
-    let sizes: Vec<usize> = units.iter().map(|u| u.params.len()).collect();
-    let prefix: Vec<usize> = std::iter::once(0)
-        .chain(sizes.iter().scan(0, |acc, &s| {
-            *acc += s;
+    let sizes: Vec<f64> = units.iter().map(|u| u.params.len() as f64).collect();
+    Ok(balance_by_cost(&sizes, stages))
+}
+
+/// The consecutive split of units with costs `costs` into `stages` non-empty stages
+/// whose largest stage cost (the sum of its units') is the least; of equal splits, the
+/// one found first (each stage's start as early as it can be, from the last stage back),
+/// so the same costs always give the same split. `stages` must be 1 to `costs.len()`.
+pub fn balance_by_cost(costs: &[f64], stages: usize) -> Vec<Range<usize>> {
+    let n = costs.len();
+    if stages == 0 || stages > n {
+        return Vec::new();
+    }
+    let prefix: Vec<f64> = std::iter::once(0.0)
+        .chain(costs.iter().scan(0.0, |acc, &c| {
+            *acc += c;
             Some(*acc)
         }))
         .collect();
     let cost = |a: usize, b: usize| prefix[b] - prefix[a];
     // best[k][j]: the least largest stage cutting units 0..j into k stages; cut[k][j]
     // where the last of them starts.
-    let mut best = vec![vec![usize::MAX; n + 1]; stages + 1];
+    let mut best = vec![vec![f64::INFINITY; n + 1]; stages + 1];
     let mut cut = vec![vec![0; n + 1]; stages + 1];
-    best[0][0] = 0;
+    best[0][0] = 0.0;
     for k in 1..=stages {
         for j in k..=n {
             for i in (k - 1)..j {
-                if best[k - 1][i] == usize::MAX {
+                if best[k - 1][i] == f64::INFINITY {
                     continue;
                 }
                 let c = best[k - 1][i].max(cost(i, j));
@@ -171,7 +210,7 @@ pub fn plan_stages(
         end = start;
     }
     ranges.reverse();
-    Ok(ranges)
+    ranges
 }
 
 /// The range of the flat parameter buffer units `range` of `units` occupy.
@@ -261,5 +300,30 @@ mod tests {
         let err = plan_stages(&u, 5, &[]).err().map(|e| e.to_string());
         assert!(err.is_some_and(|e| e.contains("--pipeline-stages")));
         assert!((bubble_formula(2, 4) - 0.2).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_split_by_cost_minimises_the_slowest_stage_and_is_deterministic() {
+        // A slow projection last gets a stage of its own, whatever the parameters say.
+        let costs = [3.0, 1.0, 1.0, 6.0];
+        assert_eq!(balance_by_cost(&costs, 2), [0..3, 3..4]);
+        assert_eq!(balance_by_cost(&costs, 3), [0..1, 1..3, 3..4]);
+        // A slow first unit instead.
+        assert_eq!(balance_by_cost(&[9.0, 1.0, 1.0, 1.0], 2), [0..1, 1..4]);
+        // Ties: the same costs give the same split, every time.
+        let even = [2.0, 2.0, 2.0, 2.0];
+        let first = balance_by_cost(&even, 2);
+        assert_eq!(first, [0..2, 2..4]);
+        for _ in 0..10 {
+            assert_eq!(balance_by_cost(&even, 2), first);
+        }
+        assert_eq!(balance_by_cost(&[1.0, 1.0, 1.0], 3), [0..1, 1..2, 2..3]);
+        assert!(balance_by_cost(&[1.0], 2).is_empty());
+        // The parameter balance is the same search over parameter counts.
+        let u = units(&[3, 1, 1, 4]);
+        assert_eq!(
+            plan_stages(&u, 2, &[]).ok(),
+            Some(balance_by_cost(&[3.0, 1.0, 1.0, 4.0], 2))
+        );
     }
 }

@@ -9,9 +9,11 @@ use ringtrain_collective::Communicator;
 use super::StageInfo;
 use crate::config::ValidatedConfig;
 use crate::error::Result;
-use crate::optimizer::{Optimizer, OptimizerState};
-use crate::strategy::{correction_factor, Replicated, StepContext, StepInputs, StepOutcome};
-use crate::trainable::ParamSpec;
+use crate::optimizer::OptimizerState;
+use crate::strategy::{
+    correction_factor, DeviceStepInputs, Replicated, StepContext, StepInputs, StepOutcome,
+};
+use crate::trainable::{HostGradsMut, ParamSpec};
 
 /// Each stage updates its own parameters with its own optimizer state; the clipping
 /// norm is global (the stages' squared norms summed on the control plane). With D > 1
@@ -159,53 +161,146 @@ impl PipelineUpdate {
             }
         }
         optimizer.begin_step();
-        optimizer.apply_range(own.clone(), &mut params[own], g)?;
+        // The stage's optimizer state covers its own range only.
+        optimizer.apply_range(0..own.len(), &mut params[own], g)?;
         outcome.grad_norm = norm;
         outcome.optimizer_seconds = update.elapsed().as_secs_f64();
         Ok(outcome)
     }
 
-    /// `values` with every stage's range filled in from that stage, on rank 0 (the other
-    /// ranks send theirs and get their own values back). Collective.
-    fn gather_ranges(&mut self, values: &[f32]) -> Result<Vec<f32>> {
-        let mut out = values.to_vec();
+    /// [`Self::finish_step`] for a stage that updates on its device: the replicas reduce
+    /// the gradients in the stage's host exchange buffer, the stage reports its squared
+    /// norm, and the stages agree on the global norm before each applies its update with
+    /// the correction and the clip folded into one factor.
+    ///
+    /// # Errors
+    /// Control-plane, transport and device errors.
+    pub fn finish_device_step(&mut self, inputs: DeviceStepInputs<'_>) -> Result<StepOutcome> {
+        let DeviceStepInputs {
+            model,
+            mut local,
+            control,
+        } = inputs;
+        let start = Instant::now();
+        if let Some(r) = self.replicas.as_mut() {
+            match model.exchanged_grads()? {
+                HostGradsMut::F32(g) => r.reduce(g, &mut local)?,
+                HostGradsMut::F16(_) => {
+                    return Err(crate::error::Error::Internal(
+                        "a pipeline stage exchanges f32 gradients".into(),
+                    ))
+                }
+            }
+        }
+        let raw = model.gradient_sum_of_squares()?;
+        if !raw.is_finite() {
+            local.overflow = 1.0;
+        }
+        let stats = local.summed(control)?;
+        let communication = start.elapsed().as_secs_f64();
+        let mut outcome = StepOutcome {
+            stats,
+            skipped: stats.overflow > 0.0,
+            communication_seconds: communication,
+            ..StepOutcome::default()
+        };
+        let update = Instant::now();
+        if outcome.skipped {
+            model.update(1.0, 0.0, true)?;
+            return Ok(outcome);
+        }
+        let correction = correction_factor(self.ctx.wire, stats.examples);
+        let c = f64::from(correction);
+        // Every replica of a stage holds the same gradients: count them once.
+        let mut squares = [raw * c * c / self.replica_count as f64];
+        control.sum(&mut squares)?;
+        let norm = squares[0].sqrt();
+        let factor = if self.max_gradient_norm > 0.0 {
+            ringtrain_kernels::clip_factor(norm, self.max_gradient_norm)
+        } else {
+            1.0
+        };
+        model.update(correction * factor, 0.0, false)?;
+        outcome.grad_norm = norm;
+        outcome.optimizer_seconds = update.elapsed().as_secs_f64();
+        Ok(outcome)
+    }
+
+    /// The whole buffer on rank 0 from every stage's `own` values (the values of its
+    /// range, in stage order; the other ranks send theirs and get them back unchanged).
+    /// Collective over the stages of this rank's replica.
+    fn gather_ranges(&mut self, own: &[f32]) -> Result<Vec<f32>> {
         let rank = self.comm.rank();
         let first = rank - self.info.stage;
         let transport = self.comm.transport();
         if self.info.stage == 0 {
+            let total = self.info.params.iter().map(|r| r.end).max().unwrap_or(0);
+            let mut out = vec![0.0; total];
+            out[self.info.own_params()].copy_from_slice(own);
             for s in 1..self.info.stages {
                 let range: Range<usize> = self.info.params[s].clone();
                 let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out[range]);
                 transport.recv(first + s, bytes)?;
             }
+            Ok(out)
         } else {
-            let own = self.info.own_params();
-            transport.send(first, bytemuck::cast_slice(&values[own]))?;
+            transport.send(first, bytemuck::cast_slice(own))?;
+            Ok(own.to_vec())
         }
-        Ok(out)
     }
 
-    /// Every stage's parameters on rank 0 (see [`Self::gather_ranges`]).
+    /// Every stage's parameters on rank 0 (see [`Self::gather_ranges`]); `params` is the
+    /// whole buffer, of which this stage's range is current.
     ///
     /// # Errors
     /// Transport errors.
     pub fn gather_params(&mut self, params: &[f32]) -> Result<Vec<f32>> {
-        self.gather_ranges(params)
+        let own = self.info.own_params();
+        self.gather_ranges(&params[own])
     }
 
-    /// Every stage's optimizer state on rank 0.
+    /// Every stage's optimizer state on rank 0, from each stage's own (the length of
+    /// its range).
     ///
     /// # Errors
     /// Transport errors.
-    pub fn gather_optimizer_state(&mut self, optimizer: &Optimizer) -> Result<OptimizerState> {
-        match optimizer.state() {
+    pub fn gather_optimizer_state(&mut self, state: &OptimizerState) -> Result<OptimizerState> {
+        match state {
             OptimizerState::Sgd => Ok(OptimizerState::Sgd),
             OptimizerState::Adam { m, v, step } => {
-                let (m, v, step) = (m.clone(), v.clone(), *step);
-                let m = self.gather_ranges(&m)?;
-                let v = self.gather_ranges(&v)?;
+                let step = *step;
+                let m = self.gather_ranges(m)?;
+                let v = self.gather_ranges(v)?;
                 Ok(OptimizerState::Adam { m, v, step })
             }
+        }
+    }
+
+    /// This stage's part of a whole model's optimizer state (a checkpoint's).
+    ///
+    /// # Errors
+    /// `InvalidValue` naming `--checkpoint` when the state does not cover this stage's
+    /// range.
+    pub fn own_optimizer_state(&self, state: OptimizerState) -> Result<OptimizerState> {
+        let own = self.info.own_params();
+        match state {
+            OptimizerState::Sgd => Ok(OptimizerState::Sgd),
+            OptimizerState::Adam { m, v, step } => match (m.get(own.clone()), v.get(own.clone())) {
+                (Some(m), Some(v)) => Ok(OptimizerState::Adam {
+                    m: m.to_vec(),
+                    v: v.to_vec(),
+                    step,
+                }),
+                _ => Err(crate::error::Error::invalid(
+                    "--checkpoint",
+                    format!("Adam state of {} elements", m.len()),
+                    format!(
+                        "pipeline stage {} updates elements {own:?}: resume from a checkpoint \
+                         of the same model",
+                        self.info.stage
+                    ),
+                )),
+            },
         }
     }
 }

@@ -261,6 +261,12 @@ impl Strategy {
     pub fn on_exchanged(&mut self, range: Range<usize>, grads: HostGrads<'_>) -> Result<()> {
         match self {
             Strategy::Replicated(s) => s.on_exchanged(range, grads),
+            Strategy::Pipeline(s) => match grads {
+                HostGrads::F32(g) => s.on_ready(range, g),
+                HostGrads::F16(_) => Err(crate::error::Error::Internal(
+                    "a pipeline stage hands on f32 gradients".into(),
+                )),
+            },
             _ => Ok(()),
         }
     }
@@ -278,9 +284,7 @@ impl Strategy {
             Strategy::ParameterServer(_) => Err(crate::error::Error::Internal(
                 "parameter_server updates on the host: build the model with host mirrors".into(),
             )),
-            Strategy::Pipeline(_) => Err(crate::error::Error::Internal(
-                "pipeline stages update on the host: build the model with host mirrors".into(),
-            )),
+            Strategy::Pipeline(s) => s.finish_device_step(inputs),
         }
     }
 
@@ -304,7 +308,7 @@ impl Strategy {
     pub fn gather_optimizer_state(&mut self, optimizer: &Optimizer) -> Result<OptimizerState> {
         match self {
             Strategy::ParameterServer(s) => s.gather_optimizer_state(optimizer),
-            Strategy::Pipeline(s) => s.gather_optimizer_state(optimizer),
+            Strategy::Pipeline(s) => s.gather_optimizer_state(optimizer.state()),
             _ => Ok(optimizer.state().clone()),
         }
     }
@@ -318,6 +322,33 @@ impl Strategy {
         match self {
             Strategy::Pipeline(s) => s.gather_params(params),
             _ => Ok(params.to_vec()),
+        }
+    }
+
+    /// The part of a whole model's optimizer state (a checkpoint's) this rank's
+    /// optimizer holds: a pipeline stage's range; the whole state otherwise.
+    ///
+    /// # Errors
+    /// `InvalidValue` when the state does not cover the stage's range.
+    pub fn own_optimizer_state(&self, state: OptimizerState) -> Result<OptimizerState> {
+        match self {
+            Strategy::Pipeline(s) => s.own_optimizer_state(state),
+            _ => Ok(state),
+        }
+    }
+
+    /// The whole optimizer state on rank 0 from a pipeline stage's own `state` (a device
+    /// stage's, downloaded; collective over the stages); `state` itself otherwise.
+    ///
+    /// # Errors
+    /// Transport errors.
+    pub fn gather_stage_optimizer_state(
+        &mut self,
+        state: OptimizerState,
+    ) -> Result<OptimizerState> {
+        match self {
+            Strategy::Pipeline(s) => s.gather_optimizer_state(&state),
+            _ => Ok(state),
         }
     }
 

@@ -5,10 +5,14 @@ use ringtrain_model::{CpuBackend, LmConfig, MemoryEstimate, NmtConfig, NmtModel,
 use ringtrain_collective::Communicator;
 
 use super::{CpuTrainable, TrainableModel};
-use crate::config::{DeviceKind, ModelKind, OptimizerKind, ValidatedConfig, VariableUpdate};
+use crate::config::{
+    DeviceKind, ModelKind, OptimizerKind, PipelineBalance, ValidatedConfig, VariableUpdate,
+};
 use crate::device::{check_host_memory, LocalRank};
 use crate::error::Result;
-use crate::pipeline::PipelineTrainable;
+use crate::pipeline::{
+    agree_unit_costs, measure_unit_costs, warm_up_batch, PipelineTrainable, StagesOnBatch,
+};
 
 /// Builds the model `cfg` asks for with the given vocabulary sizes, on the CPU with
 /// `threads` threads, or for `--device cuda` on GPU `local_rank % device count` (so
@@ -46,7 +50,8 @@ pub fn build_model(
 }
 
 /// Builds the pipeline stage `cfg.pipeline_stage(comm.rank())` of the model `cfg` asks
-/// for, on the CPU with `threads` threads; its activations travel over `comm`.
+/// for, on the CPU with `threads` threads, or for `--device cuda` on GPU
+/// `local_rank % device count` (updated there); its activations travel over `comm`.
 ///
 /// # Errors
 /// As [`build_model`]; `InvalidValue` when the stages do not fit the model.
@@ -54,25 +59,64 @@ pub fn build_pipeline_stage(
     cfg: &ValidatedConfig,
     src_vocab: usize,
     tgt_vocab: usize,
+    local_rank: usize,
     threads: usize,
-    comm: Communicator,
+    mut comm: Communicator,
 ) -> Result<Box<dyn TrainableModel>> {
     let seed = cfg.config().run.seed;
+    let shape = ModelShape::new(cfg, src_vocab, tgt_vocab);
+    let vocab = (src_vocab, tgt_vocab);
+    if cfg.config().run.device == DeviceKind::Cuda {
+        return stage_on_gpu(cfg, shape, local_rank, comm, vocab);
+    }
     let backend = CpuBackend::with_precision(threads.max(1), cfg.config().run.gemm_precision)?;
-    Ok(match ModelShape::new(cfg, src_vocab, tgt_vocab) {
-        ModelShape::Nmt(nmt, description) => Box::new(PipelineTrainable::new(
-            NmtModel::new(backend, nmt, seed)?,
-            comm,
-            cfg,
-            description,
-        )?),
-        ModelShape::Lm(lm, description) => Box::new(PipelineTrainable::new(
-            RnnLm::new(backend, lm, seed)?,
-            comm,
-            cfg,
-            description,
-        )?),
+    Ok(match shape {
+        ModelShape::Nmt(nmt, description) => {
+            let mut model = NmtModel::new(backend, nmt, seed)?;
+            let costs = unit_costs(cfg, &mut model, &mut comm, vocab)?;
+            Box::new(PipelineTrainable::new(
+                model,
+                comm,
+                cfg,
+                description,
+                costs.as_deref(),
+            )?)
+        }
+        ModelShape::Lm(lm, description) => {
+            let mut model = RnnLm::new(backend, lm, seed)?;
+            let costs = unit_costs(cfg, &mut model, &mut comm, vocab)?;
+            Box::new(PipelineTrainable::new(
+                model,
+                comm,
+                cfg,
+                description,
+                costs.as_deref(),
+            )?)
+        }
     })
+}
+
+/// The unit costs `--pipeline-balance time` balances the stages by: rank 0 times
+/// `model`'s units on a warm-up micro-batch and every rank gets its figures (collective
+/// over `comm`); `None` for the balance by parameter count or a split by hand.
+///
+/// # Errors
+/// Rank 0's measurement error (on every rank); transport errors.
+fn unit_costs<M: StagesOnBatch>(
+    cfg: &ValidatedConfig,
+    model: &mut M,
+    comm: &mut Communicator,
+    (src_vocab, tgt_vocab): (usize, usize),
+) -> Result<Option<Vec<f64>>> {
+    let exchange = &cfg.config().exchange;
+    if exchange.pipeline_balance != PipelineBalance::Time || !exchange.pipeline_split.is_empty() {
+        return Ok(None);
+    }
+    let units = model.pipeline_units().len();
+    let measured = (comm.rank() == 0).then(|| {
+        warm_up_batch(cfg, src_vocab, tgt_vocab).and_then(|batch| measure_unit_costs(model, &batch))
+    });
+    agree_unit_costs(comm, measured, units).map(Some)
 }
 
 /// The memory worker `worker`'s model needs on its device: parameters, gradients and
@@ -238,17 +282,12 @@ impl ModelShape {
     }
 }
 
+/// The CUDA backend on GPU `local_rank % device count`.
 #[cfg(feature = "cuda")]
-fn on_gpu(
-    cfg: &ValidatedConfig,
-    shape: ModelShape,
-    local_rank: usize,
-) -> Result<Box<dyn TrainableModel>> {
-    use super::GpuTrainable;
+fn gpu_backend(cfg: &ValidatedConfig, local_rank: usize) -> Result<ringtrain_model::CudaBackend> {
     use crate::error::Error;
     use ringtrain_model::CudaBackend;
 
-    let run = &cfg.config().run;
     let count = CudaBackend::device_count()?;
     if count == 0 {
         return Err(Error::invalid(
@@ -257,7 +296,82 @@ fn on_gpu(
             "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES), or use --device cpu",
         ));
     }
-    let backend = CudaBackend::with_precision(local_rank % count, run.gemm_precision)?;
+    Ok(CudaBackend::with_precision(
+        local_rank % count,
+        cfg.config().run.gemm_precision,
+    )?)
+}
+
+/// A pipeline stage on its GPU, updated there.
+#[cfg(feature = "cuda")]
+fn stage_on_gpu(
+    cfg: &ValidatedConfig,
+    shape: ModelShape,
+    local_rank: usize,
+    mut comm: Communicator,
+    vocab: (usize, usize),
+) -> Result<Box<dyn TrainableModel>> {
+    use crate::pipeline::GpuPipelineStage;
+
+    let run = &cfg.config().run;
+    let backend = gpu_backend(cfg, local_rank)?;
+    let on = |description: String| {
+        format!(
+            "{description}, GPU {} ({} matrix products)",
+            backend.device(),
+            run.gemm_precision
+        )
+    };
+    Ok(match shape {
+        ModelShape::Nmt(nmt, description) => {
+            let description = on(description);
+            let mut model = NmtModel::new(backend, nmt, run.seed)?;
+            let costs = unit_costs(cfg, &mut model, &mut comm, vocab)?;
+            Box::new(GpuPipelineStage::new(
+                model,
+                comm,
+                cfg,
+                description,
+                costs.as_deref(),
+            )?)
+        }
+        ModelShape::Lm(lm, description) => {
+            let description = on(description);
+            let mut model = RnnLm::new(backend, lm, run.seed)?;
+            let costs = unit_costs(cfg, &mut model, &mut comm, vocab)?;
+            Box::new(GpuPipelineStage::new(
+                model,
+                comm,
+                cfg,
+                description,
+                costs.as_deref(),
+            )?)
+        }
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn stage_on_gpu(
+    _cfg: &ValidatedConfig,
+    _shape: ModelShape,
+    local_rank: usize,
+    _comm: Communicator,
+    _vocab: (usize, usize),
+) -> Result<Box<dyn TrainableModel>> {
+    // As for `on_gpu`: validation refuses `--device cuda` in this build.
+    Err(ringtrain_model::Error::NotCompiledWithCuda { device: local_rank }.into())
+}
+
+#[cfg(feature = "cuda")]
+fn on_gpu(
+    cfg: &ValidatedConfig,
+    shape: ModelShape,
+    local_rank: usize,
+) -> Result<Box<dyn TrainableModel>> {
+    use super::GpuTrainable;
+
+    let run = &cfg.config().run;
+    let backend = gpu_backend(cfg, local_rank)?;
     // The parameter servers update their shards on the host; every other strategy
     // updates on the device.
     let resident =

@@ -208,6 +208,17 @@ pub trait DeviceResident {
         max_gradient_norm: f32,
         skip: bool,
     ) -> Result<DeviceUpdate>;
+    /// The squared L2 norm of the gradients the next [`DeviceResident::update`] applies
+    /// (the exchanged ones brought back to the device first), for a norm over several
+    /// models: a pipeline's stages sum theirs. Not finite when a gradient is not.
+    ///
+    /// # Errors
+    /// Device errors; [`crate::Error::Internal`] for a model that is no pipeline stage.
+    fn gradient_sum_of_squares(&mut self) -> Result<f64> {
+        Err(crate::Error::Internal(
+            "only a pipeline stage reports its gradients' norm before the update".into(),
+        ))
+    }
     /// The optimizer's state, downloaded (for a checkpoint).
     ///
     /// # Errors

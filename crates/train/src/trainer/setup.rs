@@ -122,7 +122,14 @@ impl<'a> Session<'a> {
                 device.start_optimizer(run.optimizer, cfg.learning_rate())?;
                 None
             }
-            None => Some(Optimizer::new(run.optimizer, cfg.learning_rate(), n_params)),
+            // A pipeline stage keeps the state of its own parameters only.
+            None => Some(Optimizer::new(
+                run.optimizer,
+                cfg.learning_rate(),
+                model
+                    .pipeline_stage()
+                    .map_or(n_params, |(info, _)| info.own_params().len()),
+            )),
         };
         let fp16 = cfg.config().exchange.fp16_gradients;
         let mut scaler = fp16.then(LossScaler::default);
@@ -143,12 +150,13 @@ impl<'a> Session<'a> {
             });
             step = ck.step;
             last_checkpoint = output.checkpoint.clone().map(|p| (p, ck.step));
+            let state = strategy.own_optimizer_state(ck.optimizer)?;
             match (optimizer.as_mut(), model.device_resident()) {
                 (Some(optimizer), _) => {
-                    optimizer.load_state(ck.optimizer)?;
+                    optimizer.load_state(state)?;
                     strategy.localize_optimizer_state(optimizer);
                 }
-                (None, Some(device)) => device.load_optimizer_state(ck.optimizer)?,
+                (None, Some(device)) => device.load_optimizer_state(state)?,
                 (None, None) => return Err(no_optimizer()),
             }
             if fp16 {
@@ -186,11 +194,19 @@ impl<'a> Session<'a> {
         path: &Path,
         model: &mut dyn TrainableModel,
     ) -> Result<()> {
-        // The parameter servers gather their shards' state on every rank; a model that
-        // updates on its device hands its own over on rank 0, the rank that writes.
-        let gathered = match &self.optimizer {
-            Some(optimizer) => Some(self.strategy.gather_optimizer_state(optimizer)?),
-            None => None,
+        // The parameter servers gather their shards' state on every rank, pipeline
+        // stages on rank 0 (a stage on its device downloads its own first); any other
+        // model that updates on its device hands its own over on rank 0, the rank that
+        // writes.
+        let pipelined = model.pipeline_stage().is_some();
+        let gathered = match (&self.optimizer, model.device_resident()) {
+            (Some(optimizer), _) => Some(self.strategy.gather_optimizer_state(optimizer)?),
+            (None, Some(device)) if pipelined => {
+                device.download_params()?;
+                let own = device.optimizer_state()?;
+                Some(self.strategy.gather_stage_optimizer_state(own)?)
+            }
+            (None, _) => None,
         };
         // One position per data worker: the stages of a pipeline read alike.
         let input = self
@@ -200,10 +216,10 @@ impl<'a> Session<'a> {
             .step_by(self.cfg.pipeline_stages())
             .collect();
         // A pipeline's stages gather their parameters on rank 0 (every rank takes part); a
-        // device-resident model (never a pipeline stage) downloads its own there, below.
+        // device-resident model that is no pipeline stage downloads its own there, below.
         let gathered_params = match model.device_resident() {
-            Some(_) => None,
-            None => Some(self.strategy.gather_params(model.params()?)?),
+            Some(_) if !pipelined => None,
+            _ => Some(self.strategy.gather_params(model.params()?)?),
         };
         let local = if self.rank == 0 {
             let state = match (gathered, model.device_resident()) {

@@ -4,6 +4,7 @@
 use super::setup::Session;
 use crate::config::DeviceKind;
 use crate::error::Result;
+use crate::optimizer::OptimizerState;
 use crate::pipeline::bubble_formula;
 use crate::report::{HostDeviceBytes, PipelineReport, RankFigures, RunReport, StageFigures};
 use crate::strategy::StepStats;
@@ -23,6 +24,9 @@ pub(super) struct TimedTotals {
     /// This rank's pipeline stage and its compute and wait seconds over the timed
     /// batches (`None` without a pipeline).
     pub(super) stage: Option<(usize, String, f64, f64)>,
+    /// The most micro-batches (and their activation bytes) this rank's pipeline stage
+    /// held at once in a timed batch.
+    pub(super) activations: (usize, f64),
 }
 
 /// Bytes this rank's thread has copied between host and device so far, as (to device,
@@ -60,6 +64,10 @@ impl TimedTotals {
                 compute + times.compute,
                 wait + times.wait,
             ));
+            self.activations = (
+                self.activations.0.max(times.peak_activation_slots),
+                self.activations.1.max(times.peak_activation_bytes),
+            );
         }
     }
 
@@ -79,6 +87,13 @@ impl Session<'_> {
     /// This rank's figures over the timed batches.
     fn rank_figures(&self, meter: &ThroughputSummary, timed: TimedTotals) -> RankFigures {
         let seconds = meter.timed_seconds;
+        let (peak_slots, peak_bytes) = timed.activations;
+        // Elements of each per-parameter state vector (Adam's m and v; none for SGD)
+        // of the host optimizer; a device-resident model's is on its device.
+        let optimizer_state_elements = self.optimizer.as_ref().map(|o| match o.state() {
+            OptimizerState::Sgd => 0,
+            OptimizerState::Adam { m, .. } => m.len(),
+        });
         RankFigures {
             rank: self.rank,
             batch_size: self.batch_size,
@@ -107,6 +122,9 @@ impl Session<'_> {
                     } else {
                         0.0
                     },
+                    peak_activation_slots: peak_slots,
+                    peak_activation_bytes: peak_bytes,
+                    optimizer_state_elements,
                 }
             }),
         }
@@ -166,6 +184,15 @@ impl Session<'_> {
                 bubble_fraction: per_stage.iter().map(|f| f.bubble_fraction).sum::<f64>()
                     / per_stage.len() as f64,
                 bubble_formula: bubble_formula(stages, exchange.micro_batches),
+                peak_activation_slots: per_stage
+                    .iter()
+                    .map(|f| f.peak_activation_slots)
+                    .max()
+                    .unwrap_or(0),
+                peak_activation_bytes: per_stage
+                    .iter()
+                    .map(|f| f.peak_activation_bytes)
+                    .fold(0.0, f64::max),
                 per_stage,
             }
         });

@@ -1,0 +1,388 @@
+//! [`GpuPipelineStage`]: one pipeline stage on the CUDA backend, updated on its device.
+//!
+//! The stage's model lives on its GPU (one per rank; ranks on a one-GPU machine share
+//! device 0, as data-parallel runs do). Its micro-batches run there; the boundary
+//! tensors between stages are staged device → host → device (downloaded after a pass,
+//! sent point-to-point, uploaded by the neighbour's pass), as gradients are for the ring.
+//! The stage's gradients are summed over the micro-batches on the device (an
+//! accumulator the length of its parameter range); the optimizer's state (Adam's
+//! moments) covers that range only and lives on the device too, and the clipping and the
+//! update run there ([`DeviceResident`]). Only with D > 1 replicas does the summed
+//! gradient leave the device, once each way, for the replicas' all-reduce; the squared
+//! norm of the stage's gradients comes to the host as one scalar for the global norm
+//! the stages sum on the control plane.
+//!
+//! The host parameter buffer (whole, as the model's flat buffer on the device is) is
+//! filled only for the initial broadcast, a resume, checkpoints and the end of the run.
+
+use std::ops::Range;
+
+use ringtrain_cuda::optim as device_optim;
+use ringtrain_cuda::{Gpu, GpuBuffer};
+use ringtrain_model::CudaBackend;
+
+use super::stage::{held_out_not_pipelined, StageRunner};
+use super::{StageInfo, StageTimes, StagesOnBatch};
+use crate::config::{OptimizerKind, ValidatedConfig};
+use crate::error::{Error, Result};
+use crate::optimizer::{OptimizerState, ADAM_BETA1, ADAM_BETA2, ADAM_EPS};
+use crate::strategy::Wire;
+use crate::trainable::{
+    param_specs, Batch, DeviceResident, DeviceUpdate, ExchangeCallback, HostGrads, HostGradsMut,
+    ParamSpec, PassOutput, ReadyCallback, TrainableModel,
+};
+
+/// A GPU runtime error as the trainer's error.
+fn gpu_err(e: ringtrain_cuda::Error) -> Error {
+    ringtrain_model::Error::from(e).into()
+}
+
+/// The stage's optimizer state on the device, for its own parameter range.
+struct StageOptimizer {
+    kind: OptimizerKind,
+    lr: f32,
+    /// Adam's first and second moments.
+    moments: Option<(GpuBuffer<f32>, GpuBuffer<f32>)>,
+    /// Adam's updates applied so far.
+    step: u32,
+}
+
+/// One pipeline stage on the GPU (see the [module docs](self)).
+pub struct GpuPipelineStage<M: StagesOnBatch> {
+    model: M,
+    runner: StageRunner<M>,
+    gpu: Gpu,
+    specs: Vec<ParamSpec>,
+    description: String,
+    /// The stage's gradients summed over the micro-batches (its range's length).
+    acc: GpuBuffer<f32>,
+    /// The host copy of `acc` the replicas reduce (allocated on first use).
+    exchange: Vec<f32>,
+    /// The last pass copied `acc` to `exchange`; the reduced values go back before the
+    /// update.
+    exchanged: bool,
+    norm_sq: GpuBuffer<f64>,
+    optimizer: Option<StageOptimizer>,
+    params_host: Vec<f32>,
+    /// The host parameters changed since they were last copied to the device.
+    params_dirty: bool,
+    /// The device parameters changed since they were last copied to the host.
+    host_stale: bool,
+}
+
+impl<M> GpuPipelineStage<M>
+where
+    M: StagesOnBatch<Backend = CudaBackend> + Send,
+{
+    /// Stage `cfg.pipeline_stage(comm.rank())` of `model` (on its GPU), exchanging
+    /// boundary tensors with its neighbours over `comm`, balanced by `unit_costs` (see
+    /// [`super::PipelineTrainable::new`]).
+    ///
+    /// # Errors
+    /// `InvalidValue` when the stages do not fit the model's units; GPU errors.
+    pub fn new(
+        model: M,
+        comm: ringtrain_collective::Communicator,
+        cfg: &ValidatedConfig,
+        description: String,
+        unit_costs: Option<&[f64]>,
+    ) -> Result<Self> {
+        let runner = StageRunner::new(&model, comm, cfg, unit_costs)?;
+        let own = runner.info().own_params();
+        let gpu = model.backend().gpu().clone();
+        let params_host = model.params().to_host().map_err(gpu_err)?;
+        Ok(GpuPipelineStage {
+            specs: param_specs(model.layout()),
+            acc: gpu.zeros::<f32>(own.len()).map_err(gpu_err)?,
+            norm_sq: gpu.zeros::<f64>(1).map_err(gpu_err)?,
+            exchange: Vec::new(),
+            exchanged: false,
+            optimizer: None,
+            params_host,
+            params_dirty: false,
+            host_stale: false,
+            model,
+            runner,
+            gpu,
+            description,
+        })
+    }
+
+    fn own(&self) -> Range<usize> {
+        self.runner.info().own_params()
+    }
+
+    /// Copies the host parameters to the device when they changed.
+    fn upload_params(&mut self) -> Result<()> {
+        if self.params_dirty {
+            self.model
+                .params_mut()
+                .copy_from_host(&self.params_host)
+                .map_err(gpu_err)?;
+            self.params_dirty = false;
+        }
+        Ok(())
+    }
+
+    /// Brings the replicas' reduced gradients back to the device, once.
+    fn upload_exchanged(&mut self) -> Result<()> {
+        if self.exchanged {
+            self.acc.copy_from_host(&self.exchange).map_err(gpu_err)?;
+            self.exchanged = false;
+        }
+        Ok(())
+    }
+
+    fn stage_optimizer(&mut self) -> Result<&mut StageOptimizer> {
+        self.optimizer.as_mut().ok_or_else(|| {
+            Error::Internal("the stage's device optimizer was used before it started".into())
+        })
+    }
+
+    /// The length of the state the stage's optimizer holds (its own range): for tests
+    /// and checks.
+    pub fn optimizer_len(&self) -> Option<usize> {
+        self.optimizer
+            .as_ref()
+            .map(|o| o.moments.as_ref().map_or(0, |(m, _)| m.len()))
+    }
+}
+
+impl<M> DeviceResident for GpuPipelineStage<M>
+where
+    M: StagesOnBatch<Backend = CudaBackend> + Send,
+{
+    fn start_optimizer(&mut self, kind: OptimizerKind, learning_rate: f32) -> Result<()> {
+        let n = self.own().len();
+        let moments = match kind {
+            OptimizerKind::Sgd => None,
+            OptimizerKind::Adam => Some((
+                self.gpu.zeros::<f32>(n).map_err(gpu_err)?,
+                self.gpu.zeros::<f32>(n).map_err(gpu_err)?,
+            )),
+        };
+        self.optimizer = Some(StageOptimizer {
+            kind,
+            lr: learning_rate,
+            moments,
+            step: 0,
+        });
+        Ok(())
+    }
+
+    /// The stage's passes; the summed gradients stay on the device unless `to_host`
+    /// (replicas), when they are handed on as f32 (the replicas' reduction casts them
+    /// for the wire on the host, as for a host-memory stage).
+    fn forward_backward_exchanging(
+        &mut self,
+        batch: &Batch,
+        _wire: Wire,
+        to_host: bool,
+        on_ready: &mut ExchangeCallback<'_>,
+    ) -> Result<PassOutput> {
+        self.upload_params()?;
+        self.exchanged = false;
+        let out = self.runner.run(&mut self.model, batch, &mut self.acc)?;
+        if to_host {
+            self.exchange = self.acc.to_host().map_err(gpu_err)?;
+            self.exchanged = true;
+            on_ready(self.own(), HostGrads::F32(&self.exchange))?;
+        }
+        Ok(out)
+    }
+
+    fn cast_overflowed(&mut self) -> Result<bool> {
+        Ok(false)
+    }
+
+    fn exchanged_grads(&mut self) -> Result<HostGradsMut<'_>> {
+        if !self.exchanged {
+            return Err(Error::Internal(
+                "the last pass did not copy its gradients to the host".into(),
+            ));
+        }
+        Ok(HostGradsMut::F32(&mut self.exchange))
+    }
+
+    fn gradient_sum_of_squares(&mut self) -> Result<f64> {
+        self.upload_exchanged()?;
+        self.norm_sq.fill_bytes(0).map_err(gpu_err)?;
+        device_optim::sum_of_squares(&self.gpu, &self.acc, &mut self.norm_sq).map_err(gpu_err)?;
+        let sq = self.norm_sq.to_host().map_err(gpu_err)?;
+        Ok(sq.first().copied().unwrap_or(0.0))
+    }
+
+    fn update(
+        &mut self,
+        correction: f32,
+        max_gradient_norm: f32,
+        skip: bool,
+    ) -> Result<DeviceUpdate> {
+        self.upload_exchanged()?;
+        if skip {
+            return Ok(DeviceUpdate {
+                skipped: true,
+                grad_norm: 0.0,
+            });
+        }
+        let gpu = self.gpu.clone();
+        if correction != 1.0 {
+            device_optim::scale_f32(&gpu, &mut self.acc, correction).map_err(gpu_err)?;
+        }
+        let mut grad_norm = 0.0;
+        if max_gradient_norm > 0.0 {
+            self.norm_sq.fill_bytes(0).map_err(gpu_err)?;
+            device_optim::sum_of_squares(&gpu, &self.acc, &mut self.norm_sq).map_err(gpu_err)?;
+            device_optim::scale_by_clip_factor(
+                &gpu,
+                &mut self.acc,
+                &self.norm_sq,
+                max_gradient_norm,
+            )
+            .map_err(gpu_err)?;
+            let sq = self.norm_sq.to_host().map_err(gpu_err)?;
+            grad_norm = sq.first().copied().unwrap_or(0.0).sqrt();
+        }
+        let own = self.own();
+        let optimizer = self.optimizer.as_mut().ok_or_else(|| {
+            Error::Internal("a device-resident update before start_optimizer".into())
+        })?;
+        let mut params = self.model.params_mut().slice_mut(own).map_err(gpu_err)?;
+        match (&mut optimizer.moments, optimizer.kind) {
+            (None, OptimizerKind::Sgd) => {
+                device_optim::sgd_step(&gpu, &mut params, &self.acc, optimizer.lr, 0.0)
+                    .map_err(gpu_err)?
+            }
+            (Some((m, v)), OptimizerKind::Adam) => {
+                optimizer.step += 1;
+                device_optim::adam_step(
+                    &gpu,
+                    &mut params,
+                    &self.acc,
+                    m,
+                    v,
+                    optimizer.lr,
+                    ADAM_BETA1,
+                    ADAM_BETA2,
+                    ADAM_EPS,
+                    0.0,
+                    optimizer.step,
+                )
+                .map_err(gpu_err)?
+            }
+            (_, kind) => {
+                return Err(Error::Internal(format!(
+                    "the device optimizer {kind} has the other optimizer's state"
+                )))
+            }
+        }
+        self.host_stale = true;
+        Ok(DeviceUpdate {
+            skipped: false,
+            grad_norm,
+        })
+    }
+
+    /// This stage's own state (the length of its range).
+    fn optimizer_state(&mut self) -> Result<OptimizerState> {
+        let optimizer = self.stage_optimizer()?;
+        Ok(match &optimizer.moments {
+            None => OptimizerState::Sgd,
+            Some((m, v)) => OptimizerState::Adam {
+                m: m.to_host().map_err(gpu_err)?,
+                v: v.to_host().map_err(gpu_err)?,
+                step: optimizer.step,
+            },
+        })
+    }
+
+    /// Loads this stage's own state (the length of its range).
+    fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
+        let n = self.own().len();
+        let optimizer = self.stage_optimizer()?;
+        match (state, &mut optimizer.moments) {
+            (OptimizerState::Sgd, None) => {}
+            (OptimizerState::Adam { m, v, step }, Some((dm, dv))) => {
+                if m.len() != n || v.len() != n {
+                    return Err(Error::Internal(format!(
+                        "Adam state has {} / {} elements but the stage has {n} parameters",
+                        m.len(),
+                        v.len()
+                    )));
+                }
+                dm.copy_from_host(&m).map_err(gpu_err)?;
+                dv.copy_from_host(&v).map_err(gpu_err)?;
+                optimizer.step = step;
+            }
+            (_, _) => {
+                return Err(Error::invalid(
+                    "--optimizer",
+                    optimizer.kind,
+                    "the checkpoint was written with the other optimizer; resume with the same --optimizer",
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    fn download_params(&mut self) -> Result<()> {
+        if self.host_stale {
+            self.params_host = self.model.params().to_host().map_err(gpu_err)?;
+            self.host_stale = false;
+        }
+        Ok(())
+    }
+}
+
+impl<M> TrainableModel for GpuPipelineStage<M>
+where
+    M: StagesOnBatch<Backend = CudaBackend> + Send,
+{
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        self.specs.clone()
+    }
+    fn params(&self) -> Result<&[f32]> {
+        if self.host_stale {
+            return Err(Error::Internal(
+                "the device holds newer parameters: download them first (DeviceResident::download_params)".into(),
+            ));
+        }
+        Ok(&self.params_host)
+    }
+    fn params_mut(&mut self) -> Result<&mut [f32]> {
+        self.download_params()?;
+        self.params_dirty = true;
+        Ok(&mut self.params_host)
+    }
+    fn params_and_grads_mut(&mut self) -> Result<(&mut [f32], &mut [f32])> {
+        Err(Error::Internal(
+            "the stage keeps its gradients on the device: it is updated there (DeviceResident::update)".into(),
+        ))
+    }
+    /// The stage's passes, its summed gradients handed on (as its own range) once
+    /// copied to the host.
+    fn forward_backward(
+        &mut self,
+        batch: &Batch,
+        on_ready: &mut ReadyCallback<'_>,
+    ) -> Result<PassOutput> {
+        self.forward_backward_exchanging(batch, Wire::F32, true, &mut |r, g| match g {
+            HostGrads::F32(g) => on_ready(r, g),
+            HostGrads::F16(_) => Err(Error::Internal(
+                "a pipeline stage hands on f32 gradients".into(),
+            )),
+        })
+    }
+    fn evaluate(&mut self, _batches: &[Batch]) -> Result<PassOutput> {
+        Err(held_out_not_pipelined())
+    }
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+    fn pipeline_stage(&self) -> Option<(StageInfo, StageTimes)> {
+        Some((self.runner.info().clone(), self.runner.times()))
+    }
+    fn device_resident(&mut self) -> Option<&mut dyn DeviceResident> {
+        Some(self)
+    }
+}
