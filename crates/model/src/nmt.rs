@@ -338,7 +338,7 @@ impl NmtConfig {
             ("hidden", self.hidden),
             ("layers", self.layers),
         ])?;
-        if self.encoder == EncoderKind::Bi && self.layers % 2 != 0 {
+        if self.encoder == EncoderKind::Bi && !self.layers.is_multiple_of(2) {
             return Err(invalid_value(
                 "layers",
                 self.layers,

@@ -57,7 +57,7 @@ fn the_loss_in_bf16_is_within_2e_2_of_f32_at_the_benchmark_configuration() {
         let stats = model
             .forward_backward(&data.view(), &mut |_, _| {})
             .expect("step");
-        stats.loss_sum / stats.tokens as f64
+        stats.loss_sum / stats.tokens
     };
     let (f32_loss, bf16_loss) = (loss(GemmPrecision::F32), loss(GemmPrecision::Bf16));
     println!("loss per token: f32 {f32_loss:.6}, bf16 {bf16_loss:.6}");

@@ -468,7 +468,7 @@ fn pipeline_stages(cfg: &TrainConfig, world: usize) -> Result<usize> {
             ),
         ));
     }
-    if world % stages != 0 {
+    if !world.is_multiple_of(stages) {
         return Err(Error::invalid(
             "--pipeline-stages",
             stages,
@@ -796,7 +796,7 @@ impl ValidatedConfig {
     /// `--eval-every` steps and at the end, given `--eval-data`.
     pub fn evaluates_after(&self, step: u64, last: bool) -> bool {
         let every = self.config.run.eval_every as u64;
-        self.held_out.is_some() && (last || (every > 0 && step % every == 0))
+        self.held_out.is_some() && (last || (every > 0 && step.is_multiple_of(every)))
     }
 
     /// Steps run: warm-up plus timed.

@@ -186,7 +186,9 @@ pub fn train_evaluating(
             timed.add_copied(copied_before, copied_after);
             timed.add_stage(&*model);
         }
-        if rank == 0 && output.display_every > 0 && (step % output.display_every == 0 || i == total)
+        if rank == 0
+            && output.display_every > 0
+            && (step.is_multiple_of(output.display_every) || i == total)
         {
             let warmup = i <= run.warmup_batches;
             let stats = if warmup {
