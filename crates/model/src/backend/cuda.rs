@@ -639,7 +639,7 @@ mod imp {
             d: Dims,
             beta: f32,
         ) -> Result<bool> {
-            if d.lda % 8 != 0 || d.ldb % 8 != 0 || d.k == 0 {
+            if !d.lda.is_multiple_of(8) || !d.ldb.is_multiple_of(8) || d.k == 0 {
                 return Ok(false);
             }
             let mut scratch = self.scratch.borrow_mut();
