@@ -47,6 +47,16 @@ pub enum LauncherError {
     /// A signal handler could not be installed.
     #[error("installing the signal handlers failed: {0}")]
     Signals(#[source] std::io::Error),
+    /// A value the user gave (a flag, or a file a flag names) is wrong.
+    #[error("invalid value `{value}` for {name}: {reason}")]
+    InvalidValue {
+        /// The flag, e.g. `--report`.
+        name: &'static str,
+        /// The offending value as given.
+        value: String,
+        /// What is wrong and what to do instead.
+        reason: String,
+    },
     /// A benchmark failed.
     #[error("benchmark failed: {0}")]
     Bench(String),
@@ -64,6 +74,17 @@ impl LauncherError {
                 128 + signal
             }
             _ => 1,
+        }
+    }
+}
+
+impl LauncherError {
+    /// Shorthand for [`LauncherError::InvalidValue`].
+    pub fn invalid(name: &'static str, value: impl ToString, reason: impl Into<String>) -> Self {
+        LauncherError::InvalidValue {
+            name,
+            value: value.to_string(),
+            reason: reason.into(),
         }
     }
 }

@@ -22,6 +22,9 @@ pub(super) struct StepResult {
     pub(super) launches: u64,
     /// Wall time of the step.
     pub(super) elapsed: Duration,
+    /// Each gradient range backward reported finished, in the order it did: (first
+    /// element, elements, seconds after backward began).
+    pub(super) ready: Vec<(usize, usize, f64)>,
 }
 
 impl Session<'_> {
@@ -57,6 +60,7 @@ impl Session<'_> {
         self.strategy.begin_step(ctx);
         let mut local = StepStats::default();
         let mut launches = 0;
+        let mut ready = Vec::new();
         if self.batch_size > 0 {
             let wait = Instant::now();
             let batch = batches.next_batch().ok_or(Error::InputEnded {
@@ -68,17 +72,31 @@ impl Session<'_> {
             breakdown.data_wait = wait.elapsed().as_secs_f64();
             let strategy = &mut self.strategy;
             let exchange = strategy.exchanges_gradients();
+            // When each range became final, from the start of the pass (forward's time
+            // is taken off below, once the pass has measured it).
+            let pass_start = Instant::now();
+            let seen = &mut ready;
+            let mut note = |range: &std::ops::Range<usize>| {
+                seen.push((range.start, range.len(), pass_start.elapsed().as_secs_f64()))
+            };
             let pass = match model.device_resident() {
                 Some(device) => device.forward_backward_exchanging(
                     &batch,
                     ctx.wire,
                     exchange,
-                    &mut |range, grads| strategy.on_exchanged(range, grads),
+                    &mut |range, grads| {
+                        note(&range);
+                        strategy.on_exchanged(range, grads)
+                    },
                 )?,
                 None => model.forward_backward(&batch, &mut |range, grads| {
+                    note(&range);
                     strategy.on_ready(range, grads)
                 })?,
             };
+            for r in &mut ready {
+                r.2 = (r.2 - pass.forward_seconds).max(0.0);
+            }
             breakdown.forward = pass.forward_seconds;
             breakdown.backward = pass.backward_seconds;
             launches = pass.launches;
@@ -128,6 +146,7 @@ impl Session<'_> {
             breakdown,
             launches,
             elapsed: start.elapsed(),
+            ready,
         })
     }
 }
