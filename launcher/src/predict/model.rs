@@ -244,10 +244,12 @@ pub fn fuse(ready: &[(f64, f64)], threshold: f64) -> Vec<(f64, f64)> {
 ///
 /// - repacking R: R packs of G/R after backward, `R * ring(G/R)`;
 /// - after backward: the ranges fused by the threshold, one ring each, all exposed;
-/// - overlapped: the engine wakes every cycle time; at each wake-up the ranges ready by
-///   then are fused and reduced one buffer after another on one channel; at the end of
-///   backward whatever is left goes at once. What runs past the end of backward is
-///   exposed, split between bandwidth and latency in proportion to their shares.
+/// - overlapped: the engine wakes every cycle time (at c, 2c, ...); at each wake-up the
+///   ranges ready by then are fused and queued on one channel, which reduces the buffers
+///   one after another; at the end of backward whatever is left is queued at once. The
+///   groups depend on the ready times and the cycle only, so a faster link never
+///   finishes later. What runs past the end of backward is exposed, split between
+///   bandwidth and latency in proportion to their shares.
 pub fn replicated_exchange(
     link: Link,
     n: usize,
@@ -271,31 +273,30 @@ pub fn replicated_exchange(
             .map(|&(b, _)| ring_all_reduce(link, n, b * wire))
             .fold((0.0, 0.0), |a, c| (a.0 + c.0, a.1 + c.1));
     }
-    let cycle = e.cycle_time.max(1e-6);
+    let cycle = e.cycle_time.max(1e-9);
     let (mut sum_bw, mut sum_lat) = (0.0, 0.0);
     let mut channel_free = 0.0_f64;
     let mut next = 0usize;
-    let mut tick = cycle;
     while next < ready.len() {
-        // Past the end of backward the rest goes at once.
-        let wake = if tick >= backward { backward } else { tick };
+        // The first wake-up at or after the next range's ready time; the end of
+        // backward sends the rest.
+        let tick = (ready[next].1 / cycle - 1e-9).ceil().max(1.0) * cycle;
+        let wake = tick.min(backward);
         let upto = if wake >= backward {
             ready.len()
         } else {
             next + ready[next..].iter().take_while(|r| r.1 <= wake).count()
-        };
-        if upto > next {
-            let mut at = channel_free.max(wake);
-            for (bytes, _) in fuse(&ready[next..upto], e.fusion_threshold) {
-                let (bw, lat) = ring_all_reduce(link, n, bytes * wire);
-                sum_bw += bw;
-                sum_lat += lat;
-                at += bw + lat;
-            }
-            channel_free = at;
-            next = upto;
         }
-        tick = channel_free.max(wake) + cycle;
+        .max(next + 1);
+        let mut at = channel_free.max(wake);
+        for (bytes, _) in fuse(&ready[next..upto], e.fusion_threshold) {
+            let (bw, lat) = ring_all_reduce(link, n, bytes * wire);
+            sum_bw += bw;
+            sum_lat += lat;
+            at += bw + lat;
+        }
+        channel_free = at;
+        next = upto;
     }
     let exposed = (channel_free - backward).max(0.0);
     let busy = sum_bw + sum_lat;
@@ -528,16 +529,25 @@ mod tests {
 
     #[test]
     fn overlap_hides_what_finishes_before_backward_ends() {
-        // Cycle 0.5 s, no fusion; each range takes 1.02 s at 2 ranks.
-        // Wake 0.5: range 1 runs 0.5..1.52. Wake 2.0 (= end of backward, first wake after
-        // 1.52 + 0.5): ranges 2, 3, 4 run 2.0..5.06. Exposed: 3.06 s.
+        // Cycle 0.5 s, no fusion; each range takes 1.02 s at 2 ranks. Wakes at 0.5, 1,
+        // 1.5 and 2 (the end of backward) queue one range each: they run 0.5..1.52,
+        // 1.52..2.54, 2.54..3.56, 3.56..4.58. Exposed: 2.58 s.
         let e = Exchange {
             overlap: true,
             cycle_time: 0.5,
             ..after_backward()
         };
         let (bw, lat) = replicated_exchange(LINK, 2, &e, 2.0, &profile().ready);
-        assert!(close(bw + lat, 3.06), "{bw} {lat}");
+        assert!(close(bw + lat, 2.58), "{bw} {lat}");
+        // Fused up to 2000 bytes a wake-up at 1 s finds ranges 1 and 2 together.
+        let slow = Exchange {
+            cycle_time: 1.0,
+            fusion_threshold: 2000.0,
+            ..e
+        };
+        // Wake 1: ranges 1+2 (2 s + 0.02) run 1..3.02; wake 2: ranges 3+4 3.02..5.04.
+        let (bw2, lat2) = replicated_exchange(LINK, 2, &slow, 2.0, &profile().ready);
+        assert!(close(bw2 + lat2, 3.04), "{bw2} {lat2}");
         // Split in proportion of 4 s bandwidth to 0.08 s latency.
         assert!(close(bw / lat, 4.0 / 0.08), "{bw} {lat}");
         // A fast link hides all of it.
