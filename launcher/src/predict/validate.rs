@@ -30,9 +30,9 @@ pub const DEFAULT_COMMAND: &[&str] = &[
     "--batch-size",
     "8",
     "--warmup-batches",
-    "2",
+    "5",
     "--timed-batches",
-    "8",
+    "40",
 ];
 
 /// The rank counts `--validate` runs without `--np`.
@@ -223,6 +223,12 @@ pub fn run(args: &PredictArgs) -> Result<()> {
             core_slowdown(n, threads, cores),
         );
         eprintln!("ringtrain predict: measuring {n} ranks");
+        if n * threads > cores {
+            println!(
+                "note: {n} ranks x {threads} thread(s) on {cores} cores: the model counts the \
+                 shared cores as slower compute only; waits for descheduled ranks are not in it"
+            );
+        }
         let measured = train_report(args, &exe, &command, n, &file(&format!("np{n}")))?;
         rows.push(ValidatedRow {
             ranks: n,
