@@ -155,6 +155,15 @@ fn more_bandwidth_never_predicts_fewer_words_and_more_ranks_never_fewer_for_inde
                 .collect(),
         );
     }
+    // Independent replicas: more ranks, more words/s.
+    let mut by_ranks: Vec<(u64, f64)> = by_beta[0]
+        .iter()
+        .filter(|((s, _), _)| s == "independent")
+        .map(|((_, n), w)| (*n, *w))
+        .collect();
+    by_ranks.sort_by_key(|r| r.0);
+    assert_eq!(by_ranks.len(), 5);
+    assert!(by_ranks.windows(2).all(|w| w[1].1 > w[0].1), "{by_ranks:?}");
     for pair in by_beta.windows(2) {
         for (key, slower) in &pair[0] {
             let faster = pair[1][key];
@@ -362,7 +371,8 @@ fn sweep_appends_predicted_rows_marked_as_such() {
 
 #[test]
 fn validate_runs_calibrates_measures_and_ends_with_the_largest_error() {
-    let mut args = vec!["predict", "--validate", "--np", "2", "--", "train"];
+    // The default counts: 2 and 3 ranks.
+    let mut args = vec!["predict", "--validate", "--", "train"];
     args.extend_from_slice(TINY);
     let (ok, stdout, stderr) = run(&args);
     assert!(ok, "{stdout}\n{stderr}");
@@ -372,9 +382,14 @@ fn validate_runs_calibrates_measures_and_ends_with_the_largest_error() {
         .skip_while(|l| !l.starts_with("| ranks | strategy | predicted"))
         .take_while(|l| l.starts_with('|'))
         .collect();
-    assert_eq!(table.len(), 3, "{stdout}");
+    assert_eq!(table.len(), 4, "{stdout}");
     assert!(table[2].starts_with("| 2 | replicated"), "{stdout}");
-    assert!(table[2].contains(" % |"), "{stdout}");
+    assert!(table[3].starts_with("| 3 | replicated"), "{stdout}");
+    let columns = table[0].matches('|').count();
+    for row in &table[2..] {
+        assert_eq!(row.matches('|').count(), columns, "{stdout}");
+        assert!(row.contains(" % |"), "{stdout}");
+    }
     let last = stdout.lines().last().unwrap();
     let value = last
         .strip_prefix("prediction error: max ")

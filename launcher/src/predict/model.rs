@@ -664,4 +664,52 @@ mod tests {
             }
         }
     }
+
+    mod properties {
+        use super::super::{fuse, replicated_exchange, Exchange, Link};
+        use proptest::prelude::{any, prop, proptest, Strategy as _};
+        use proptest::prop_assert;
+
+        fn ranges() -> impl proptest::strategy::Strategy<Value = Vec<(f64, f64)>> {
+            prop::collection::vec((1.0f64..1e6, 0.0f64..1.0), 1..12).prop_map(|mut v| {
+                // Ready times in backward's order.
+                let mut t = 0.0;
+                for r in &mut v {
+                    t += r.1 * 0.01;
+                    r.1 = t;
+                }
+                v
+            })
+        }
+
+        proptest! {
+            #[test]
+            fn fusion_keeps_every_byte_and_the_order(r in ranges(), threshold in 0.0f64..4e6) {
+                let fused = fuse(&r, threshold);
+                let total: f64 = r.iter().map(|x| x.0).sum();
+                let kept: f64 = fused.iter().map(|x| x.0).sum();
+                prop_assert!((total - kept).abs() <= 1e-9 * total);
+                prop_assert!(fused.windows(2).all(|w| w[0].1 <= w[1].1));
+                prop_assert!(fused.len() <= r.len());
+            }
+
+            #[test]
+            fn a_faster_link_never_exposes_more(
+                r in ranges(),
+                n in 2usize..2048,
+                alpha in 0.0f64..1e-4,
+                beta in 1e-12f64..1e-8,
+                faster in 1.0f64..100.0,
+                overlap in any::<bool>(),
+                cycle in 1e-4f64..0.02,
+                threshold in 0.0f64..4e6,
+            ) {
+                let e = Exchange { overlap, fusion_threshold: threshold, cycle_time: cycle, repacking: 0, f16: false };
+                let backward = r.last().map_or(0.0, |x| x.1);
+                let slow = replicated_exchange(Link { alpha, beta }, n, &e, backward, &r);
+                let fast = replicated_exchange(Link { alpha: alpha / faster, beta: beta / faster }, n, &e, backward, &r);
+                prop_assert!(fast.0 + fast.1 <= (slow.0 + slow.1) * (1.0 + 1e-9) + 1e-15);
+            }
+        }
+    }
 }
