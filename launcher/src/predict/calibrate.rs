@@ -216,6 +216,40 @@ pub fn bench_samples(text: &str) -> std::result::Result<Vec<(String, Sample)>, S
     Ok(out)
 }
 
+/// Every algorithm's fit in `path` (a `bench allreduce --json` file), in the order the
+/// algorithms first appear; algorithms with too few multi-rank sizes are left out.
+///
+/// # Errors
+/// [`LauncherError::InvalidValue`] for `--bench`: missing, unreadable or malformed file.
+pub fn read_all_links(path: &Path) -> Result<Vec<Fit>> {
+    let bad = |reason: String| LauncherError::invalid("--bench", path.display(), reason);
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| bad(format!("it cannot be read ({e}); {MAKE_BENCH}")))?;
+    let samples = bench_samples(&text).map_err(|e| bad(format!("{e}; {MAKE_BENCH}")))?;
+    let mut names: Vec<&str> = Vec::new();
+    for (a, _) in &samples {
+        if !names.contains(&a.as_str()) {
+            names.push(a);
+        }
+    }
+    Ok(names
+        .iter()
+        .filter_map(|name| {
+            let rows: Vec<Sample> = samples
+                .iter()
+                .filter(|(a, s)| a == name && s.ranks >= 2)
+                .map(|(_, s)| *s)
+                .collect();
+            fit_link(&rows).map(|(link, worst)| Fit {
+                algorithm: name.to_string(),
+                link,
+                rows: rows.len(),
+                max_relative_error: worst,
+            })
+        })
+        .collect())
+}
+
 /// Reads `path` (a `bench allreduce --json` file) and fits `algorithm`'s rows (`None`:
 /// `auto` if measured, else `ring`).
 ///

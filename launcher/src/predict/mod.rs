@@ -462,7 +462,7 @@ pub fn run(args: &PredictArgs) -> Result<()> {
         profile.gradient_bytes()
     );
     println!(
-        "link: {how}: alpha {:.2} us, bandwidth {:.3} GB/s\n",
+        "link: {how}: alpha {:.2} us, bandwidth {:.3} GB/s",
         link.alpha * 1e6,
         if link.beta > 0.0 {
             1e-9 / link.beta
@@ -470,6 +470,24 @@ pub fn run(args: &PredictArgs) -> Result<()> {
             f64::INFINITY
         }
     );
+    if let Some(bench) = &args.link.bench {
+        // Each algorithm's fit, for comparison; the rows use the one named above.
+        for fit in calibrate::read_all_links(bench)? {
+            println!(
+                "  fit of `{}`: alpha {:.2} us, bandwidth {:.3} GB/s ({} rows, worst {:.0} % off)",
+                fit.algorithm,
+                fit.link.alpha * 1e6,
+                if fit.link.beta > 0.0 {
+                    1e-9 / fit.link.beta
+                } else {
+                    f64::INFINITY
+                },
+                fit.rows,
+                fit.max_relative_error * 100.0
+            );
+        }
+    }
+    println!();
     print!("{}", markdown(&table));
     if let Some(path) = &args.json {
         write_json(path, &table)?;
