@@ -411,6 +411,17 @@ pub fn run(args: &PredictArgs) -> Result<()> {
             "both must be at least 1",
         ));
     }
+    if (args.seeds || args.validate) && args.link.given() {
+        return Err(LauncherError::invalid(
+            "--bench/--link/--alpha-us",
+            "(given)",
+            if args.seeds {
+                "--seeds uses the seeds' own machine (the p100-pcie link); drop the link flags"
+            } else {
+                "--validate measures the link here itself; drop the link flags"
+            },
+        ));
+    }
     if args.seeds {
         let rows = seeds::seed_rows();
         println!(
