@@ -64,7 +64,8 @@ pub struct RankFigures {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline_stage: Option<StageFigures>,
     /// The gradient ranges its backward handed over, in the order it did, with when
-    /// (empty for a rank that trains nothing).
+    /// (empty for a rank that trains nothing, and for a device-resident model whose
+    /// gradients stay on the device: one rank on cuda).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gradient_ready: Vec<GradientReady>,
 }

@@ -17,7 +17,9 @@ pub const MAKE_BENCH: &str = "make one with `ringtrain launch --np 2 -- bench al
 FILE` (at least 2 ranks, at least 2 sizes)";
 
 /// The profile of `report` (read from `path`, named in errors), which must be a 1-rank
-/// run without a pipeline that lists its gradient ranges.
+/// run without a pipeline. Without `gradient_ready` (a device-resident run on one rank,
+/// whose gradients never reach the host, or an older report) the whole gradient counts
+/// as ready at the end of backward and [`Profile::ready_measured`] is false.
 ///
 /// # Errors
 /// [`LauncherError::InvalidValue`] for `--report` naming the file, what is wrong and how
@@ -45,10 +47,9 @@ pub fn profile_of(report: &RunReport, path: &Path) -> Result<Profile> {
         .per_rank
         .first()
         .ok_or_else(|| bad(format!("it lists no rank's figures; {MAKE_REPORT}")))?;
-    if rank.gradient_ready.is_empty() {
+    if rank.gradient_ready.is_empty() && report.parameters == 0 {
         return Err(bad(format!(
-            "it does not list when each gradient range was ready (`gradient_ready`; reports \
-             of older versions lack it); {MAKE_REPORT}"
+            "it lists neither gradient ranges (`gradient_ready`) nor parameters; {MAKE_REPORT}"
         )));
     }
     let b = &report.breakdown;
@@ -60,11 +61,18 @@ pub fn profile_of(report: &RunReport, path: &Path) -> Result<Profile> {
         forward: b.forward,
         backward: b.backward,
         optimizer: b.optimizer,
-        ready: rank
-            .gradient_ready
-            .iter()
-            .map(|r| (r.elements as f64 * 4.0, r.seconds))
-            .collect(),
+        // A run whose gradients never left the device (one rank on cuda) or a report of an
+        // older version has no ready-times: the whole gradient is taken as ready at the end
+        // of backward, which hides nothing behind it.
+        ready: if rank.gradient_ready.is_empty() {
+            vec![(report.parameters as f64 * 4.0, b.backward)]
+        } else {
+            rank.gradient_ready
+                .iter()
+                .map(|r| (r.elements as f64 * 4.0, r.seconds))
+                .collect()
+        },
+        ready_measured: !rank.gradient_ready.is_empty(),
         boundary_bytes: batch
             * data.src_max_len as f64
             * report.config.model.num_units as f64
@@ -415,5 +423,21 @@ mod tests {
             e.contains("`rd`") && e.contains("algorithms in it: ring"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_report_without_ready_times_counts_the_gradient_ready_at_the_end_of_backward() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/predict-one-rank.json");
+        let (measured, mut report) = read_profile(&path).expect("the fixture");
+        assert!(measured.ready_measured && measured.ready.len() > 1);
+        let bytes = report.parameters as f64 * 4.0;
+        assert!((measured.gradient_bytes() - bytes).abs() < 1e-9);
+        report.per_rank[0].gradient_ready.clear();
+        let fallback = profile_of(&report, &path).expect("a profile");
+        assert!(!fallback.ready_measured);
+        assert_eq!(fallback.ready, vec![(bytes, report.breakdown.backward)]);
+        report.parameters = 0;
+        let e = profile_of(&report, &path).unwrap_err().to_string();
+        assert!(e.contains("neither gradient ranges"), "{e}");
     }
 }

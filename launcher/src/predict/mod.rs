@@ -481,6 +481,13 @@ pub fn run(args: &PredictArgs) -> Result<()> {
             f64::INFINITY
         }
     );
+    if !profile.ready_measured {
+        println!(
+            "note: the report has no gradient ready-times (one rank on cuda keeps its \
+             gradients on the device); the whole gradient counts as ready at the end of \
+             backward, so nothing overlaps"
+        );
+    }
     if let Some(bench) = &args.link.bench {
         // Each algorithm's fit, for comparison; the rows use the one named above.
         for fit in calibrate::read_all_links(bench)? {

@@ -23,6 +23,8 @@ pub struct Profile {
     /// Bytes crossing one pipeline stage boundary per batch, forward (the same again
     /// backward).
     pub boundary_bytes: f64,
+    /// Whether `ready` was measured (else: one range at the end of backward).
+    pub ready_measured: bool,
 }
 
 impl Profile {
@@ -464,6 +466,7 @@ mod tests {
             optimizer: 1.0,
             ready: vec![(1000.0, 0.5), (1000.0, 1.0), (1000.0, 1.5), (1000.0, 2.0)],
             boundary_bytes: 100.0,
+            ready_measured: true,
         }
     }
 

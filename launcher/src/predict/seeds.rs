@@ -188,6 +188,7 @@ pub fn seed_profile(table: &SeedTable) -> Profile {
             .map(|(i, &e)| (e * 4.0, backward * (i + 1) as f64 / k))
             .collect(),
         boundary_bytes: 0.0,
+        ready_measured: false,
     }
 }
 
