@@ -257,6 +257,17 @@ fn unusable_inputs_name_the_file_and_what_to_run() {
         "--report",
         report.to_str().unwrap(),
         "--link",
+        "pcie4",
+        "--",
+        "train",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("only run by --validate"), "{stderr}");
+    let (ok, _, stderr) = run(&[
+        "predict",
+        "--report",
+        report.to_str().unwrap(),
+        "--link",
         "ethernet",
     ]);
     assert!(!ok);

@@ -411,6 +411,13 @@ pub fn run(args: &PredictArgs) -> Result<()> {
             "both must be at least 1",
         ));
     }
+    if !args.validate && !args.command.is_empty() {
+        return Err(LauncherError::invalid(
+            "COMMAND",
+            args.command.join(" "),
+            "a training command is only run by --validate; add --validate or drop it",
+        ));
+    }
     if (args.seeds || args.validate) && args.link.given() {
         return Err(LauncherError::invalid(
             "--bench/--link/--alpha-us",
