@@ -383,7 +383,7 @@ fn sweep_appends_predicted_rows_marked_as_such() {
 #[test]
 fn validate_runs_calibrates_measures_and_ends_with_the_largest_error() {
     // The default counts: 2 and 3 ranks.
-    let mut args = vec!["predict", "--validate", "--", "train"];
+    let mut args = vec!["predict", "--validate", "--rounds", "1", "--", "train"];
     args.extend_from_slice(TINY);
     let (ok, stdout, stderr) = run(&args);
     assert!(ok, "{stdout}\n{stderr}");

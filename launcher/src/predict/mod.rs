@@ -262,6 +262,10 @@ pub struct PredictArgs {
     /// `bench allreduce` under mpirun itself.
     #[arg(long, conflicts_with_all = ["report", "seeds"])]
     pub validate: bool,
+    /// Runs of each count --validate makes, keeping the fastest of each (the machine's
+    /// other load only slows a run down).
+    #[arg(long, default_value_t = 3, value_parser = crate::positive_count)]
+    pub rounds: usize,
     /// Predict the seeds' 8 x P100 tables from their 1-GPU rows and the p100-pcie link,
     /// and print the error per row.
     #[arg(long, conflicts_with = "report")]
