@@ -250,7 +250,12 @@ fn the_report_counts_host_device_bytes_and_peak_memory_on_cuda_only() {
 /// every parameter once, in the order the ranges came.
 #[test]
 fn the_report_lists_the_exchanged_gradient_ranges_on_cuda() {
-    let report = gpu_report(&small_nmt(), 2);
+    // One timed step: the emulated driver is slow.
+    let cfg = with(&small_nmt(), |c| {
+        c.run.warmup_batches = 0;
+        c.run.timed_batches = 1;
+    });
+    let report = gpu_report(&cfg, 2);
     let ready = &report.per_rank[0].gradient_ready;
     let covered: usize = ready.iter().map(|r| r.elements).sum();
     assert_eq!(covered, report.parameters, "{ready:?}");
