@@ -245,6 +245,26 @@ fn the_report_counts_host_device_bytes_and_peak_memory_on_cuda_only() {
     assert_eq!(json["peak_device_bytes"].as_u64(), Some(peak));
 }
 
+/// Once gradients are exchanged, a cuda run's report lists when each gradient range was
+/// ready in backward (the scaling model's input; the launcher's tests check the cpu's):
+/// every parameter once, in the order the ranges came.
+#[test]
+fn the_report_lists_the_exchanged_gradient_ranges_on_cuda() {
+    // One timed step: the emulated driver is slow.
+    let cfg = with(&small_nmt(), |c| {
+        c.run.warmup_batches = 0;
+        c.run.timed_batches = 1;
+    });
+    let report = gpu_report(&cfg, 2);
+    let ready = &report.per_rank[0].gradient_ready;
+    let covered: usize = ready.iter().map(|r| r.elements).sum();
+    assert_eq!(covered, report.parameters, "{ready:?}");
+    assert!(
+        ready.windows(2).all(|w| w[0].seconds <= w[1].seconds),
+        "{ready:?}"
+    );
+}
+
 /// Adam's step size in these tests: Adam divides by the root of the second moment, so
 /// the backends' last-bit differences in small gradients move a parameter by up to about
 /// the step size; 1e-3 keeps four steps within [`BACKEND_TOLERANCE`].
@@ -377,6 +397,13 @@ fn the_step_breakdown_reports_the_optimizer_time_on_both_devices() {
         let json = serde_json::to_value(&report).unwrap();
         let optimizer = json["per_rank"][0]["breakdown"]["optimizer"].as_f64();
         assert!(optimizer.is_some_and(|t| t > 0.0), "{device}: {json}");
+        // One rank on cuda keeps its gradients on the device: no range reaches the host.
+        let ready = &report.per_rank[0].gradient_ready;
+        assert_eq!(
+            ready.is_empty(),
+            device == DeviceKind::Cuda,
+            "{device}: {ready:?}"
+        );
     }
 }
 

@@ -57,6 +57,16 @@ pub enum LauncherError {
         /// Why.
         reason: String,
     },
+    /// A value the user gave (a flag, or a file a flag names) is wrong.
+    #[error("invalid value `{value}` for {name}: {reason}")]
+    InvalidValue {
+        /// The flag, e.g. `--report`.
+        name: &'static str,
+        /// The offending value as given.
+        value: String,
+        /// What is wrong and what to do instead.
+        reason: String,
+    },
     /// A benchmark failed.
     #[error("benchmark failed: {0}")]
     Bench(String),
@@ -74,6 +84,17 @@ impl LauncherError {
                 128 + signal
             }
             _ => 1,
+        }
+    }
+}
+
+impl LauncherError {
+    /// Shorthand for [`LauncherError::InvalidValue`].
+    pub fn invalid(name: &'static str, value: impl ToString, reason: impl Into<String>) -> Self {
+        LauncherError::InvalidValue {
+            name,
+            value: value.to_string(),
+            reason: reason.into(),
         }
     }
 }

@@ -4,6 +4,7 @@
 //! ```text
 //! ringtrain launch --np 2 -- train --use-synthetic-data
 //! ringtrain sweep --np 1,2 -- train --use-synthetic-data --variable-update replicated
+//! ringtrain predict --report one-rank.json --link ib-ndr --np 8,64,1024
 //! mpirun -np 4 ringtrain train --model rnnlm --batch-size 32
 //! ```
 
@@ -13,6 +14,7 @@ mod bench_allreduce;
 mod error;
 mod launch;
 mod plot;
+mod predict;
 mod sweep;
 mod train_cmd;
 
@@ -34,6 +36,9 @@ enum Command {
     Launch(launch::LaunchArgs),
     /// Run the same training at several rank counts and print the speedup table.
     Sweep(sweep::SweepArgs),
+    /// Predict words/s, speedup and efficiency at N ranks per strategy from a 1-rank
+    /// report and a link (measured or described); `--validate` checks it here.
+    Predict(predict::PredictArgs),
     /// Benchmarks (run under mpirun): `ringtrain bench allreduce`.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -59,6 +64,7 @@ fn run(cli: Cli) -> Result<(), LauncherError> {
         Command::Train(args) => train_cmd::run(&args),
         Command::Launch(args) => launch::run(&args),
         Command::Sweep(args) => sweep::run(&args),
+        Command::Predict(args) => predict::run(&args),
         Command::Bench(BenchCommand::Allreduce(args)) => {
             bench_allreduce::run(&args).map_err(|e| LauncherError::Bench(e.to_string()))
         }

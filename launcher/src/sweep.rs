@@ -14,6 +14,11 @@
 //! experiments train on the same batch: the data-parallel run splits it over the ranks,
 //! the pipeline cuts it into micro-batches.
 //!
+//! With `--predict 8,64,1024` (and a link: `--bench`, `--link` or `--alpha-us` with
+//! `--beta-ns-per-byte`) the scaling model of `ringtrain predict`, calibrated on the
+//! sweep's 1-rank run, appends its rows for those counts, marked predicted (the ranks
+//! cell says `(predicted: BOTTLENECK)`, the JSON row has `"predicted": true`).
+//!
 //! `--json` and `--report-dir` are checked before the first count runs. When a count
 //! fails (or the sweep is stopped), the table of the counts that finished is printed
 //! (and written to `--json`) before the error.
@@ -67,6 +72,17 @@ pub struct SweepArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_experiment)]
     pub compare: Vec<Experiment>,
 
+    /// Rank counts to predict after the measured ones, comma-separated, e.g. 8,64,1024:
+    /// the scaling model of `ringtrain predict`, calibrated on the sweep's 1-rank run
+    /// (`--np` must include 1) and the link of --bench, --link or --alpha-us with
+    /// --beta-ns-per-byte. The rows are marked predicted.
+    #[arg(long, value_delimiter = ',', value_parser = crate::positive_count)]
+    pub predict: Vec<usize>,
+
+    /// The link for --predict.
+    #[command(flatten)]
+    pub link: crate::predict::LinkArgs,
+
     /// The training command, after `--`, e.g. `-- train --use-synthetic-data`.
     #[arg(
         trailing_var_arg = true,
@@ -97,6 +113,12 @@ pub struct SweepRow {
     /// When the run reached `--target-perplexity` (absent without a target).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub time_to_quality: Option<TimeToQuality>,
+    /// `true` for a row of the scaling model (`--predict`), not a run.
+    #[serde(default)]
+    pub predicted: bool,
+    /// The model's bottleneck term (predicted rows only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bottleneck: Option<String>,
 }
 
 /// One way to use the ranks, for `--compare`.
@@ -264,6 +286,8 @@ pub fn rows(reports: &[RunReport]) -> Vec<SweepRow> {
                 speedup,
                 efficiency: speedup * base_ranks / r.ranks as f64,
                 time_to_quality: r.time_to_quality,
+                predicted: false,
+                bottleneck: None,
             }
         })
         .collect()
@@ -290,11 +314,22 @@ pub fn markdown(rows: &[SweepRow]) -> String {
     s.push_str(&rule);
     s.push('\n');
     for r in rows {
+        let ranks = if r.predicted {
+            format!(
+                "{} (predicted: {})",
+                r.ranks,
+                r.bottleneck.as_deref().unwrap_or("-")
+            )
+        } else {
+            r.ranks.to_string()
+        };
         s.push_str(&format!(
-            "| {} | {} | {:.3} | {:.1} | {:.2} |",
-            r.ranks, r.batch_size, r.timed_seconds, r.words_per_sec, r.speedup
+            "| {ranks} | {} | {:.3} | {:.1} | {:.2} |",
+            r.batch_size, r.timed_seconds, r.words_per_sec, r.speedup
         ));
-        if target.is_some() {
+        if target.is_some() && r.predicted {
+            s.push_str(" - | - | - | - |");
+        } else if target.is_some() {
             s.push_str(&quality_cells(r.time_to_quality.as_ref()));
         }
         s.push('\n');
@@ -361,6 +396,7 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     if let Some(path) = &args.plot {
         check_output_file("--plot", path, "sweep.svg")?;
     }
+    let link = predict_link(args)?;
     let dir = args.report_dir.clone().unwrap_or_else(std::env::temp_dir);
     let base_cmd = without_json_report(&args.command);
     if !args.compare.is_empty() {
@@ -385,12 +421,28 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         }
     }
     if !reports.is_empty() {
-        print_rows(args, &rows(&reports))?;
+        let mut table = rows(&reports);
+        if let Some(link) = link {
+            table.extend(predicted_rows(&reports, &table, link, &args.predict)?);
+        }
+        print_rows(args, &table)?;
         let runs: Vec<(String, &RunReport)> = reports
             .iter()
             .map(|r| (r.config.model.model.to_string(), r))
             .collect();
-        write_plot(args, &runs)?;
+        // The predicted rows continue the measured line from its last point.
+        let predicted: Vec<(f64, f64)> = table
+            .iter()
+            .filter(|r| r.predicted)
+            .map(|r| (r.ranks as f64, r.speedup))
+            .collect();
+        let extension = match (table.iter().rfind(|r| !r.predicted), predicted.is_empty()) {
+            (Some(last), false) => std::iter::once((last.ranks as f64, last.speedup))
+                .chain(predicted)
+                .collect(),
+            _ => Vec::new(),
+        };
+        write_plot(args, &runs, extension)?;
     }
     match failure {
         None => Ok(()),
@@ -410,6 +462,88 @@ pub fn run(args: &SweepArgs) -> Result<()> {
             Err(e)
         }
     }
+}
+
+/// The link of `--predict`, checked before any run: `None` without `--predict`.
+///
+/// # Errors
+/// [`LauncherError::InvalidValue`]: `--predict` without 1 in `--np`, with `--compare`, or
+/// without exactly one link; a link without `--predict`; an unusable bench table.
+fn predict_link(args: &SweepArgs) -> Result<Option<crate::predict::model::Link>> {
+    let counts = args
+        .predict
+        .iter()
+        .map(|n| n.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    if args.predict.is_empty() {
+        if args.link.given() {
+            return Err(LauncherError::invalid(
+                "--bench/--link/--alpha-us",
+                "(given)",
+                "a link is only used by --predict: add --predict 8,64,1024 or drop it",
+            ));
+        }
+        return Ok(None);
+    }
+    if !args.compare.is_empty() {
+        return Err(LauncherError::invalid(
+            "--predict",
+            counts,
+            "cannot be combined with --compare; run `ringtrain predict` on a 1-rank report",
+        ));
+    }
+    if !args.np.contains(&1) {
+        return Err(LauncherError::invalid(
+            "--predict",
+            counts,
+            "the model is calibrated on the sweep's 1-rank run: add 1 to --np",
+        ));
+    }
+    Ok(Some(args.link.resolve()?.0))
+}
+
+/// The `--predict` rows: the model calibrated on the 1-rank report, for the strategy the
+/// runs used; speedups against the table's first row, like the measured ones.
+fn predicted_rows(
+    reports: &[RunReport],
+    measured: &[SweepRow],
+    link: crate::predict::model::Link,
+    counts: &[usize],
+) -> Result<Vec<SweepRow>> {
+    use crate::predict::{calibrate, model, strategy_of, ExchangeOverrides};
+    let Some(one) = reports.iter().find(|r| r.ranks == 1) else {
+        return Ok(Vec::new());
+    };
+    let profile = calibrate::profile_of(one, std::path::Path::new("(the sweep's 1-rank run)"))?;
+    let strategy = strategy_of(one, &ExchangeOverrides::default());
+    let base = measured.first().map_or(0.0, |r| r.words_per_sec);
+    let base_ranks = measured.first().map_or(1, |r| r.ranks) as f64;
+    let batches = one.timed_batches;
+    Ok(counts
+        .iter()
+        .filter(|&&n| strategy.fits(n))
+        .map(|&n| {
+            let p = model::predict(&profile, link, &strategy, n, 1.0);
+            let speedup = if base > 0.0 {
+                p.words_per_sec / base
+            } else {
+                0.0
+            };
+            SweepRow {
+                ranks: n,
+                batch_size: one.batch_size_label(),
+                timed_seconds: p.step_seconds * batches as f64,
+                timed_batches: batches,
+                words_per_sec: p.words_per_sec,
+                speedup,
+                efficiency: speedup * base_ranks / n as f64,
+                time_to_quality: None,
+                predicted: true,
+                bottleneck: Some(p.bottleneck.to_string()),
+            }
+        })
+        .collect())
 }
 
 /// `ringtrain sweep --compare`: every count, every experiment, then seed 004's tables
@@ -459,7 +593,7 @@ fn run_compare(
             .iter()
             .map(|(e, r)| (experiment_name(*e).to_string(), r))
             .collect();
-        write_plot(args, &plotted)?;
+        write_plot(args, &plotted, Vec::new())?;
     }
     match failure {
         None => Ok(()),
@@ -475,8 +609,12 @@ fn run_compare(
 
 /// The sweep's charts: speedup against ranks, a line per series (`runs` are
 /// `(series, report)` in run order; speedups are against the first run), with the
-/// ideal line, and the step breakdown as a stacked bar per run.
-pub fn charts(runs: &[(String, &RunReport)]) -> Vec<crate::plot::Chart> {
+/// ideal line and the `predicted` points (`(ranks, speedup)`, dashed; none without
+/// `--predict`), and the step breakdown as a stacked bar per run.
+pub fn charts(
+    runs: &[(String, &RunReport)],
+    predicted: Vec<(f64, f64)>,
+) -> Vec<crate::plot::Chart> {
     use crate::plot::{breakdown_phases, Bar, Chart, Line};
 
     let base = runs.first().map_or(0.0, |(_, r)| r.words_per_sec);
@@ -511,6 +649,13 @@ pub fn charts(runs: &[(String, &RunReport)]) -> Vec<crate::plot::Chart> {
         };
         bars.push(Bar { label, parts });
     }
+    if !predicted.is_empty() {
+        lines.push(Line {
+            name: "scaling model".to_string(),
+            points: predicted,
+            predicted: true,
+        });
+    }
     vec![
         Chart::Speedup {
             title: "speedup against ranks".to_string(),
@@ -524,9 +669,13 @@ pub fn charts(runs: &[(String, &RunReport)]) -> Vec<crate::plot::Chart> {
     ]
 }
 
-fn write_plot(args: &SweepArgs, runs: &[(String, &RunReport)]) -> Result<()> {
+fn write_plot(
+    args: &SweepArgs,
+    runs: &[(String, &RunReport)],
+    predicted: Vec<(f64, f64)>,
+) -> Result<()> {
     if let Some(path) = &args.plot {
-        crate::plot::write_svg("--plot", path, &charts(runs))?;
+        crate::plot::write_svg("--plot", path, &charts(runs, predicted))?;
         println!("plot written to {}", path.display());
     }
     Ok(())
@@ -597,6 +746,8 @@ mod tests {
             speedup: 1.0,
             efficiency: 1.0,
             time_to_quality: q,
+            predicted: false,
+            bottleneck: None,
         }
     }
 
@@ -631,6 +782,25 @@ mod tests {
             json.contains("\"time_to_quality\":{\"target\":50.0,\"reached\":true,\"step\":120"),
             "{json}"
         );
+    }
+
+    #[test]
+    fn predicted_rows_are_marked_in_markdown_and_json() {
+        let mut p = row(8, None);
+        p.predicted = true;
+        p.bottleneck = Some("bandwidth".into());
+        let table = markdown(&[row(1, None), p.clone()]);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[2].starts_with("| 1 | 8 |"), "{table}");
+        assert!(
+            lines[3].starts_with("| 8 (predicted: bandwidth) |"),
+            "{table}"
+        );
+        let json = serde_json::to_string(&p).unwrap_or_default();
+        assert!(json.contains("\"predicted\":true"), "{json}");
+        assert!(json.contains("\"bottleneck\":\"bandwidth\""), "{json}");
+        let json = serde_json::to_string(&row(1, None)).unwrap_or_default();
+        assert!(json.contains("\"predicted\":false") && !json.contains("bottleneck"));
     }
 
     #[test]

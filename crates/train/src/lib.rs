@@ -71,7 +71,9 @@ pub use input::{
     BatchSource, InputBatches, InputKind, InputPipeline, InputPosition, StreamPosition,
 };
 pub use optimizer::{LossScaler, Optimizer, OptimizerState};
-pub use report::{HostDeviceBytes, PipelineReport, RankFigures, RunReport, StageFigures};
+pub use report::{
+    GradientReady, HostDeviceBytes, PipelineReport, RankFigures, RunReport, StageFigures,
+};
 pub use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, LstmImpl, SourceLengths};
 pub use run::run_rank;
 pub use strategy::{

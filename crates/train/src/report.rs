@@ -22,6 +22,20 @@ pub struct HostDeviceBytes {
     pub to_host: f64,
 }
 
+/// One gradient range as backward finished it: which elements, and when (the mean over
+/// the timed steps). The scaling model (`ringtrain predict`) reads these to tell how much
+/// of an all-reduce can hide behind backward.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct GradientReady {
+    /// First element of the range in the flat gradient buffer.
+    pub start: usize,
+    /// Elements in the range (f32: 4 bytes each).
+    pub elements: usize,
+    /// Seconds after backward began that the range was final and handed to the
+    /// exchange (mean over the timed steps).
+    pub seconds: f64,
+}
+
 /// One rank's own figures over the timed batches.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankFigures {
@@ -49,6 +63,11 @@ pub struct RankFigures {
     /// Its pipeline stage's time split (absent without a pipeline).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline_stage: Option<StageFigures>,
+    /// The gradient ranges its backward handed over, in the order it did, with when
+    /// (empty for a rank that trains nothing, and for a device-resident model whose
+    /// gradients stay on the device: one rank on cuda).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gradient_ready: Vec<GradientReady>,
 }
 
 /// One pipeline stage's mean time per timed batch.

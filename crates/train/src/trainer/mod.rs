@@ -185,6 +185,7 @@ pub fn train_evaluating(
             timed.launches += done.launches as f64;
             timed.add_copied(copied_before, copied_after);
             timed.add_stage(&*model);
+            timed.add_ready(&done.ready);
         }
         if rank == 0
             && output.display_every > 0

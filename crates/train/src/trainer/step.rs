@@ -23,6 +23,9 @@ pub(super) struct StepResult {
     pub(super) launches: u64,
     /// Wall time of the step.
     pub(super) elapsed: Duration,
+    /// Each gradient range backward reported finished, in the order it did: (first
+    /// element, elements, seconds after backward began).
+    pub(super) ready: Vec<(usize, usize, f64)>,
 }
 
 impl Session<'_> {
@@ -65,6 +68,7 @@ impl Session<'_> {
         self.strategy.begin_step(ctx);
         let mut local = StepStats::default();
         let mut launches = 0;
+        let mut ready = Vec::new();
         if self.batch_size > 0 {
             let wait = Instant::now();
             let batch = batches.next_batch().ok_or(Error::InputEnded {
@@ -77,12 +81,13 @@ impl Session<'_> {
             breakdown.data_wait = got.duration_since(wait).as_secs_f64();
             let strategy = &mut self.strategy;
             let exchange = strategy.exchanges_gradients();
-            // When each gradient range was handed over (timeline only).
-            let mut ready: Option<Vec<(Range<usize>, Instant)>> = timeline.map(|_| Vec::new());
+            // When each gradient range was handed over: the timeline draws them, and the
+            // report keeps them from the start of backward (forward's time is taken off
+            // below, once the pass has measured it).
+            let pass_start = Instant::now();
+            let mut handed: Vec<(Range<usize>, Instant)> = Vec::new();
             let mut note = |range: &Range<usize>| {
-                if let Some(r) = ready.as_mut() {
-                    r.push((range.clone(), Instant::now()));
-                }
+                handed.push((range.clone(), Instant::now()));
             };
             let pass = match model.device_resident() {
                 Some(device) => device.forward_backward_exchanging(
@@ -107,8 +112,19 @@ impl Session<'_> {
                 let fwd_args = serde_json::json!({ "launches": pass.launches });
                 t.span("forward", "phase", got, split, fwd_args);
                 t.span("backward", "phase", split, end, args);
-                t.backward_ranges(split, ready.as_deref().unwrap_or_default());
+                t.backward_ranges(split, &handed);
             }
+            ready = handed
+                .iter()
+                .map(|(range, at)| {
+                    let since = at.duration_since(pass_start).as_secs_f64();
+                    (
+                        range.start,
+                        range.len(),
+                        (since - pass.forward_seconds).max(0.0),
+                    )
+                })
+                .collect();
             breakdown.forward = pass.forward_seconds;
             breakdown.backward = pass.backward_seconds;
             launches = pass.launches;
@@ -175,6 +191,7 @@ impl Session<'_> {
             breakdown,
             launches,
             elapsed: start.elapsed(),
+            ready,
         })
     }
 }

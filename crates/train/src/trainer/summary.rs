@@ -6,7 +6,9 @@ use crate::config::DeviceKind;
 use crate::error::Result;
 use crate::optimizer::OptimizerState;
 use crate::pipeline::bubble_formula;
-use crate::report::{HostDeviceBytes, PipelineReport, RankFigures, RunReport, StageFigures};
+use crate::report::{
+    GradientReady, HostDeviceBytes, PipelineReport, RankFigures, RunReport, StageFigures,
+};
 use crate::strategy::StepStats;
 use crate::throughput::{words_per_sec, StepBreakdown, ThroughputSummary};
 use crate::trainable::TrainableModel;
@@ -27,6 +29,11 @@ pub(super) struct TimedTotals {
     /// The most micro-batches (and their activation bytes) this rank's pipeline stage
     /// held at once in a timed batch.
     pub(super) activations: (usize, f64),
+    /// The gradient ranges of the timed steps in backward's order, with their
+    /// ready-times summed over the timed steps.
+    pub(super) ready: Vec<GradientReady>,
+    /// Timed steps whose ready-times `ready` sums.
+    pub(super) ready_steps: usize,
 }
 
 /// Bytes this rank's thread has copied between host and device so far, as (to device,
@@ -71,6 +78,36 @@ impl TimedTotals {
         }
     }
 
+    /// Adds one timed step's gradient ranges (first element, elements, seconds after
+    /// backward began). A step whose ranges differ from the earlier steps' (it should
+    /// not happen: backward reports the same ranges every step) starts the sums anew.
+    pub(super) fn add_ready(&mut self, ready: &[(usize, usize, f64)]) {
+        let same = self.ready.len() == ready.len()
+            && self
+                .ready
+                .iter()
+                .zip(ready)
+                .all(|(a, b)| a.start == b.0 && a.elements == b.1);
+        if !same {
+            self.ready.clear();
+            self.ready_steps = 0;
+        }
+        if self.ready.is_empty() {
+            self.ready = ready
+                .iter()
+                .map(|&(start, elements, _)| GradientReady {
+                    start,
+                    elements,
+                    seconds: 0.0,
+                })
+                .collect();
+        }
+        for (sum, r) in self.ready.iter_mut().zip(ready) {
+            sum.seconds += r.2;
+        }
+        self.ready_steps += 1;
+    }
+
     /// Adds the bytes copied between the counts `before` and `after` of one timed step.
     pub(super) fn add_copied(&mut self, before: Option<(u64, u64)>, after: Option<(u64, u64)>) {
         if let (Some(b), Some(a)) = (before, after) {
@@ -110,6 +147,14 @@ impl Session<'_> {
                 }
             }),
             peak_device_bytes: peak_device_bytes(self.cfg.config().run.device),
+            gradient_ready: timed
+                .ready
+                .iter()
+                .map(|r| GradientReady {
+                    seconds: r.seconds / timed.ready_steps.max(1) as f64,
+                    ..*r
+                })
+                .collect(),
             pipeline_stage: timed.stage.clone().map(|(stage, units, compute, wait)| {
                 let steps = meter.timed_batches.max(1) as f64;
                 StageFigures {

@@ -1,0 +1,601 @@
+//! `ringtrain predict`: a scaling model that says what N ranks would do, calibrated from
+//! what was measured here or from a described machine.
+//!
+//! ```text
+//! ringtrain train --json-report one.json ...             # one rank: the compute profile
+//! ringtrain launch --np 2 -- bench allreduce --json ar.json   # the link's alpha and beta
+//! ringtrain predict --report one.json --bench ar.json --np 8,64,1024
+//! ringtrain predict --report one.json --link ib-ndr --np 8,64,1024
+//! ringtrain predict --validate                           # predict 2 and 3 ranks, measure them
+//! ringtrain predict --seeds                              # the seeds' 8 x P100 tables
+//! ```
+//!
+//! # Calibration
+//!
+//! - **Compute**, from a 1-rank `train --json-report`: the mean step's data wait,
+//!   forward, backward and optimizer seconds, the words per step, and `gradient_ready`:
+//!   each gradient range backward handed to the exchange, its size and when (seconds
+//!   after backward began).
+//! - **Link**, either fitted to a `bench allreduce --json` table (the rows of one
+//!   algorithm, `auto` when measured, else `ring`, on 2 ranks or more; least squares of
+//!   the ring formula below on the relative error, so that small sizes fix alpha and
+//!   large ones beta), or described: `--link` presets with their published bandwidths
+//!   and latencies ([`links`]), or `--alpha-us A --beta-ns-per-byte B`.
+//!
+//! # The model
+//!
+//! For N ranks, alpha the latency per message, beta the seconds per byte, G the f32
+//! gradient bytes (halved by `--fp16-gradients`), C = data + forward + backward +
+//! optimizer of one rank:
+//!
+//! - ring all-reduce of B bytes: `ring(N, B) = 2(N-1)/N * B * beta + 2(N-1) * alpha`;
+//! - **replicated**, repacking R: `C + R * ring(N, G/R)`; after backward: `C + sum of
+//!   ring(N, b)` over the fusion buffers b (consecutive ranges joined up to the fusion
+//!   threshold); overlapped: the fusion engine wakes every cycle time, fuses the ranges
+//!   ready by then and reduces them one buffer after another while backward runs; at the
+//!   end of backward the rest goes at once; the step is `C + max(0, end of the last
+//!   reduction - end of backward)`;
+//! - **parameter_server** with K servers (K = 0: a shard on every rank): tensors placed
+//!   greedily on the least loaded server as the strategy does; a server of load L and W
+//!   workers besides itself takes W*L in and sends W*L out: `2 W L beta + 2 W T alpha`
+//!   for its T tensors; the busiest server is the term ("server link"), and each server
+//!   updates only its own tensors; N - K ranks train;
+//! - **independent**: `C`;
+//! - **pipeline** K stages x D replicas (N = K D), M micro-batches: a stage computes
+//!   (forward + backward)/K, plus the bubble `(forward + backward)/K * (K-1)/M` (a
+//!   fraction `(K-1)/(M+K-1)` of the stage's time), plus its boundary traffic
+//!   `2M (alpha + A/M * beta)` with A = batch x sequence length x units x 4 bytes, plus
+//!   the all-reduce of its G/K over the D replicas after backward; D replicas train.
+//!
+//! words/s = training ranks x words per step / step; speedup = words/s / the 1-rank
+//! words/s of the profile; efficiency = speedup / N. The bottleneck is the largest term:
+//! compute, bandwidth, latency, bubble, server link, stage link.
+//!
+//! Ranks that share a node's cores (`--cores-per-node C`, CPU runs) compute slower:
+//! compute is multiplied by `max(1, N x threads / C)`, threads being the calibration
+//! run's `--threads` (calibrate with `--threads` set).
+//!
+//! # Limits
+//!
+//! The model knows what the report measured and the link; it does not know contention
+//! beyond the cores (memory bandwidth, a busy machine), a pipeline's uneven stages (it
+//! assumes equal ones), or another framework's overheads (see [`seeds`]).
+
+use std::path::PathBuf;
+
+use clap::Args;
+use serde::Serialize;
+
+use crate::error::{LauncherError, Result};
+
+pub mod calibrate;
+pub mod links;
+pub mod model;
+pub mod seeds;
+mod validate;
+
+use model::{Exchange, Link, Prediction, Profile, Strategy};
+
+/// Where the link's alpha and beta come from (shared by `predict` and `sweep --predict`).
+#[derive(Debug, Clone, Default, Args)]
+pub struct LinkArgs {
+    /// A `bench allreduce --json` table to fit alpha and beta to.
+    #[arg(long)]
+    pub bench: Option<PathBuf>,
+    /// The algorithm of the bench table to fit (default: auto when measured, else ring).
+    #[arg(long)]
+    pub algorithm: Option<String>,
+    /// A described link: nvlink-h100, pcie4, pcie5, ib-hdr, ib-ndr, p100-pcie.
+    #[arg(long, value_parser = links::preset)]
+    pub link: Option<links::Preset>,
+    /// Latency per message in microseconds (with --beta-ns-per-byte).
+    #[arg(long)]
+    pub alpha_us: Option<f64>,
+    /// Nanoseconds per byte, 1 / bandwidth (with --alpha-us): 0.1 is 10 GB/s.
+    #[arg(long)]
+    pub beta_ns_per_byte: Option<f64>,
+}
+
+impl LinkArgs {
+    /// Whether any link source was given.
+    pub fn given(&self) -> bool {
+        self.bench.is_some()
+            || self.link.is_some()
+            || self.alpha_us.is_some()
+            || self.beta_ns_per_byte.is_some()
+    }
+
+    /// The link, and how it was found.
+    ///
+    /// # Errors
+    /// [`LauncherError::InvalidValue`] when none or more than one source is given, a
+    /// custom value is not a finite number at least 0, or the bench table is unusable.
+    pub fn resolve(&self) -> Result<(Link, String)> {
+        let sources = [
+            self.bench.is_some(),
+            self.link.is_some(),
+            self.alpha_us.is_some() || self.beta_ns_per_byte.is_some(),
+        ];
+        let count = sources.iter().filter(|&&s| s).count();
+        if count != 1 {
+            return Err(LauncherError::invalid(
+                "--bench/--link/--alpha-us",
+                format!("{count} link sources"),
+                "give exactly one: --bench FILE (a `bench allreduce --json` table), --link \
+                 NAME (a described machine), or --alpha-us A --beta-ns-per-byte B",
+            ));
+        }
+        if let Some(path) = &self.bench {
+            let fit = calibrate::read_link(path, self.algorithm.as_deref())?;
+            let how = format!(
+                "fitted to {} ({} rows of `{}`, worst row {:.0} % off the fit)",
+                path.display(),
+                fit.rows,
+                fit.algorithm,
+                fit.max_relative_error * 100.0
+            );
+            return Ok((fit.link, how));
+        }
+        if let Some(p) = &self.link {
+            return Ok((p.link(), p.description.to_string()));
+        }
+        let check = |name: &'static str, v: Option<f64>, other: &str| match v {
+            Some(v) if v.is_finite() && v >= 0.0 => Ok(v),
+            Some(v) => Err(LauncherError::invalid(
+                name,
+                v,
+                "must be a finite number of at least 0",
+            )),
+            None => Err(LauncherError::invalid(
+                name,
+                "(missing)",
+                format!("a custom link needs both --alpha-us and --beta-ns-per-byte; {other}"),
+            )),
+        };
+        let a = check("--alpha-us", self.alpha_us, "add --alpha-us, e.g. 5")?;
+        let b = check(
+            "--beta-ns-per-byte",
+            self.beta_ns_per_byte,
+            "add --beta-ns-per-byte, e.g. 0.1 for 10 GB/s",
+        )?;
+        Ok((
+            Link {
+                alpha: a * 1e-6,
+                beta: b * 1e-9,
+            },
+            format!("custom: alpha {a} us, beta {b} ns/byte"),
+        ))
+    }
+}
+
+/// A strategy family for `--strategies`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StrategyKind {
+    /// All-reduce.
+    Replicated,
+    /// Parameter servers.
+    ParameterServer,
+    /// No exchange.
+    Independent,
+    /// Pipeline K x D.
+    Pipeline,
+}
+
+fn parse_strategy(s: &str) -> std::result::Result<StrategyKind, String> {
+    match s.trim() {
+        "replicated" => Ok(StrategyKind::Replicated),
+        "parameter_server" => Ok(StrategyKind::ParameterServer),
+        "independent" => Ok(StrategyKind::Independent),
+        "pipeline" => Ok(StrategyKind::Pipeline),
+        other => Err(format!(
+            "`{other}` is not a strategy: use replicated, parameter_server, independent or pipeline"
+        )),
+    }
+}
+
+fn on_off(s: &str) -> std::result::Result<bool, String> {
+    match s.trim() {
+        "on" | "true" => Ok(true),
+        "off" | "false" => Ok(false),
+        _ => Err("use on or off".into()),
+    }
+}
+
+/// How the replicated exchange runs, overriding the calibration run's flags.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ExchangeOverrides {
+    /// Overlap the all-reduce with backward: on or off (default: as the report ran).
+    #[arg(long, value_parser = on_off)]
+    pub overlap: Option<bool>,
+    /// Fusion threshold in bytes (default: the report's).
+    #[arg(long)]
+    pub fusion_threshold_bytes: Option<usize>,
+    /// Fusion cycle time in milliseconds (default: the report's).
+    #[arg(long)]
+    pub cycle_time_ms: Option<f64>,
+    /// Gradient repacking into R packs, 0 = off (default: the report's).
+    #[arg(long)]
+    pub gradient_repacking: Option<usize>,
+    /// f16 on the wire: on or off (default: the report's --fp16-gradients).
+    #[arg(long, value_parser = on_off)]
+    pub fp16_gradients: Option<bool>,
+}
+
+/// `ringtrain predict ...`
+#[derive(Debug, Clone, Args)]
+pub struct PredictArgs {
+    /// A 1-rank `train --json-report` file: the compute profile.
+    #[arg(long, required_unless_present_any = ["validate", "seeds"])]
+    pub report: Option<PathBuf>,
+    /// Where alpha and beta come from.
+    #[command(flatten)]
+    pub link: LinkArgs,
+    /// Rank counts to predict, comma-separated (default 2,4,8,64,1024; with --validate
+    /// 2,3).
+    #[arg(long = "np", value_delimiter = ',', value_parser = crate::positive_count)]
+    pub np: Vec<usize>,
+    /// Strategies, comma-separated: replicated, parameter_server, independent, pipeline
+    /// (default: all four).
+    #[arg(long, value_delimiter = ',', value_parser = parse_strategy)]
+    pub strategies: Vec<StrategyKind>,
+    /// Dedicated parameter-server ranks K (0 = a shard on every rank; default: the
+    /// report's --ps-ranks).
+    #[arg(long)]
+    pub ps_servers: Option<usize>,
+    /// Pipeline stages K.
+    #[arg(long, default_value_t = 2)]
+    pub pipeline_stages: usize,
+    /// Micro-batches M per batch of a pipeline.
+    #[arg(long, default_value_t = 4)]
+    pub micro_batches: usize,
+    /// The replicated exchange.
+    #[command(flatten)]
+    pub exchange: ExchangeOverrides,
+    /// Cores of a node that its ranks share (CPU runs; 0 = every rank has its own).
+    #[arg(long, default_value_t = 0)]
+    pub cores_per_node: usize,
+    /// Also write the rows as JSON to this file (an existing one is replaced).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Calibrate on one rank here, predict --np (default 2,3), run them and print the
+    /// error per row: runs `train` (the command after `--`, or a small default) and
+    /// `bench allreduce` under mpirun itself.
+    #[arg(long, conflicts_with_all = ["report", "seeds"])]
+    pub validate: bool,
+    /// Runs of each count --validate makes, keeping the fastest of each (the machine's
+    /// other load only slows a run down).
+    #[arg(long, default_value_t = 3, value_parser = crate::positive_count)]
+    pub rounds: usize,
+    /// Predict the seeds' 8 x P100 tables from their 1-GPU rows and the p100-pcie link,
+    /// and print the error per row.
+    #[arg(long, conflicts_with = "report")]
+    pub seeds: bool,
+    /// The mpirun program (--validate).
+    #[arg(long, default_value = "mpirun", env = "RINGTRAIN_MPIRUN")]
+    pub mpirun: String,
+    /// Extra arguments passed to mpirun (--validate).
+    #[arg(long = "mpi-arg", allow_hyphen_values = true)]
+    pub mpi_args: Vec<String>,
+    /// The training command for --validate, after `--`, e.g. `-- train --num-units 32`.
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "COMMAND"
+    )]
+    pub command: Vec<String>,
+}
+
+/// The rank counts `predict` shows without `--np`.
+pub const DEFAULT_COUNTS: &[usize] = &[2, 4, 8, 64, 1024];
+
+/// One row of the table.
+#[derive(Debug, Clone, Serialize)]
+pub struct PredictedRow {
+    /// Always true: these rows are predicted, not measured.
+    pub predicted: bool,
+    /// The prediction.
+    #[serde(flatten)]
+    pub prediction: Prediction,
+}
+
+/// The replicated exchange of the report's config with `o`'s overrides.
+pub fn exchange_of(report: &ringtrain_train::RunReport, o: &ExchangeOverrides) -> Exchange {
+    let e = &report.config.exchange;
+    let overlap = match e.overlap_backward {
+        ringtrain_train::OverlapMode::On => true,
+        ringtrain_train::OverlapMode::Off => false,
+        ringtrain_train::OverlapMode::Auto => {
+            report.config.run.device == ringtrain_train::DeviceKind::Cuda
+        }
+    };
+    Exchange {
+        overlap: o.overlap.unwrap_or(overlap),
+        fusion_threshold: o.fusion_threshold_bytes.unwrap_or(e.fusion_threshold_bytes) as f64,
+        cycle_time: o.cycle_time_ms.unwrap_or(e.cycle_time_ms).max(0.0) * 1e-3,
+        repacking: o.gradient_repacking.unwrap_or(e.gradient_repacking),
+        f16: o.fp16_gradients.unwrap_or(e.fp16_gradients),
+    }
+}
+
+/// The strategy the report's run used, with `o`'s overrides.
+pub fn strategy_of(report: &ringtrain_train::RunReport, o: &ExchangeOverrides) -> Strategy {
+    let e = &report.config.exchange;
+    match e.variable_update {
+        ringtrain_train::VariableUpdate::Replicated => Strategy::Replicated(exchange_of(report, o)),
+        ringtrain_train::VariableUpdate::ParameterServer => Strategy::ParameterServer {
+            servers: e.ps_ranks,
+            f16: o.fp16_gradients.unwrap_or(e.fp16_gradients),
+        },
+        ringtrain_train::VariableUpdate::Independent => Strategy::Independent,
+    }
+}
+
+/// How much slower a rank computes when `n` ranks of `threads` threads share `cores`
+/// (0 = not shared), against the calibration's one rank.
+pub fn core_slowdown(n: usize, threads: usize, cores: usize) -> f64 {
+    if cores == 0 {
+        return 1.0;
+    }
+    let t = threads.max(1) as f64;
+    let one = (t / cores as f64).max(1.0);
+    (n as f64 * t / cores as f64).max(1.0) / one
+}
+
+/// The rows for `counts` x `strategies`, in that order (rank counts a strategy cannot
+/// use are left out).
+pub fn rows(
+    profile: &Profile,
+    link: Link,
+    strategies: &[Strategy],
+    counts: &[usize],
+    threads: usize,
+    cores: usize,
+) -> Vec<PredictedRow> {
+    let mut out = Vec::new();
+    for s in strategies {
+        for &n in counts {
+            if s.fits(n) {
+                out.push(PredictedRow {
+                    predicted: true,
+                    prediction: model::predict(
+                        profile,
+                        link,
+                        s,
+                        n,
+                        core_slowdown(n, threads, cores),
+                    ),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// The rows as markdown.
+pub fn markdown(rows: &[PredictedRow]) -> String {
+    let mut s = String::from(
+        "| strategy | ranks | step (ms) | words/s | speedup | efficiency | bottleneck |\n|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let p = &r.prediction;
+        s.push_str(&format!(
+            "| {} | {} | {:.3} | {:.1} | {:.2} | {:.1} % | {} |\n",
+            p.strategy,
+            p.ranks,
+            p.step_seconds * 1e3,
+            p.words_per_sec,
+            p.speedup,
+            p.efficiency * 100.0,
+            p.bottleneck
+        ));
+    }
+    s
+}
+
+fn write_json<T: Serialize>(path: &std::path::Path, value: &T) -> Result<()> {
+    let json =
+        serde_json::to_string_pretty(value).map_err(|e| LauncherError::Bench(e.to_string()))?;
+    ringtrain_train::outputs::write_atomically(
+        path,
+        (json + "\n").as_bytes(),
+        "writing the predicted table",
+    )?;
+    Ok(())
+}
+
+/// `ringtrain predict`.
+pub fn run(args: &PredictArgs) -> Result<()> {
+    if let Some(path) = &args.json {
+        ringtrain_train::outputs::check_output_file("--json", path, "predict.json")?;
+    }
+    if args.pipeline_stages == 0 || args.micro_batches == 0 {
+        return Err(LauncherError::invalid(
+            "--pipeline-stages/--micro-batches",
+            format!("{}/{}", args.pipeline_stages, args.micro_batches),
+            "both must be at least 1",
+        ));
+    }
+    if !args.validate && !args.command.is_empty() {
+        return Err(LauncherError::invalid(
+            "COMMAND",
+            args.command.join(" "),
+            "a training command is only run by --validate; add --validate or drop it",
+        ));
+    }
+    if (args.seeds || args.validate) && args.link.given() {
+        return Err(LauncherError::invalid(
+            "--bench/--link/--alpha-us",
+            "(given)",
+            if args.seeds {
+                "--seeds uses the seeds' own machine (the p100-pcie link); drop the link flags"
+            } else {
+                "--validate measures the link here itself; drop the link flags"
+            },
+        ));
+    }
+    if args.seeds {
+        let rows = seeds::seed_rows();
+        println!(
+            "The seeds' 8 x P100 tables, predicted from their 1-GPU rows and {}:\n",
+            links::P100_PCIE.description
+        );
+        print!("{}", seeds::seed_markdown(&rows));
+        if let Some(path) = &args.json {
+            write_json(path, &rows)?;
+        }
+        return Ok(());
+    }
+    if args.validate {
+        return validate::run(args);
+    }
+    let Some(report_path) = &args.report else {
+        return Err(LauncherError::invalid(
+            "--report",
+            "(missing)",
+            calibrate::MAKE_REPORT,
+        ));
+    };
+    let (link, how) = args.link.resolve()?;
+    let (profile, report) = calibrate::read_profile(report_path)?;
+    let strategies = strategies(args, &report);
+    let counts = if args.np.is_empty() {
+        DEFAULT_COUNTS.to_vec()
+    } else {
+        args.np.clone()
+    };
+    let table = rows(
+        &profile,
+        link,
+        &strategies,
+        &counts,
+        report.config.run.threads,
+        args.cores_per_node,
+    );
+    println!(
+        "calibration: {} ({:.0} words/step, compute {:.3} ms: forward {:.3}, backward {:.3}, \
+         optimizer {:.3}; {} gradient ranges, {:.0} bytes)",
+        report_path.display(),
+        profile.words_per_step,
+        profile.compute() * 1e3,
+        profile.forward * 1e3,
+        profile.backward * 1e3,
+        profile.optimizer * 1e3,
+        profile.ready.len(),
+        profile.gradient_bytes()
+    );
+    println!(
+        "link: {how}: alpha {:.2} us, bandwidth {:.3} GB/s",
+        link.alpha * 1e6,
+        if link.beta > 0.0 {
+            1e-9 / link.beta
+        } else {
+            f64::INFINITY
+        }
+    );
+    if !profile.ready_measured {
+        println!(
+            "note: the report has no gradient ready-times (one rank on cuda keeps its \
+             gradients on the device); the whole gradient counts as ready at the end of \
+             backward, so nothing overlaps"
+        );
+    }
+    if let Some(bench) = &args.link.bench {
+        // Each algorithm's fit, for comparison; the rows use the one named above.
+        for fit in calibrate::read_all_links(bench)? {
+            println!(
+                "  fit of `{}`: alpha {:.2} us, bandwidth {:.3} GB/s ({} rows, worst {:.0} % off)",
+                fit.algorithm,
+                fit.link.alpha * 1e6,
+                if fit.link.beta > 0.0 {
+                    1e-9 / fit.link.beta
+                } else {
+                    f64::INFINITY
+                },
+                fit.rows,
+                fit.max_relative_error * 100.0
+            );
+        }
+    }
+    println!();
+    print!("{}", markdown(&table));
+    if let Some(path) = &args.json {
+        write_json(path, &table)?;
+    }
+    Ok(())
+}
+
+/// The strategies `args` asks for, shaped by the report's flags.
+fn strategies(args: &PredictArgs, report: &ringtrain_train::RunReport) -> Vec<Strategy> {
+    let kinds = if args.strategies.is_empty() {
+        vec![
+            StrategyKind::Replicated,
+            StrategyKind::ParameterServer,
+            StrategyKind::Independent,
+            StrategyKind::Pipeline,
+        ]
+    } else {
+        args.strategies.clone()
+    };
+    let exchange = exchange_of(report, &args.exchange);
+    kinds
+        .iter()
+        .map(|k| match k {
+            StrategyKind::Replicated => Strategy::Replicated(exchange),
+            StrategyKind::ParameterServer => Strategy::ParameterServer {
+                servers: args.ps_servers.unwrap_or(report.config.exchange.ps_ranks),
+                f16: exchange.f16,
+            },
+            StrategyKind::Independent => Strategy::Independent,
+            StrategyKind::Pipeline => Strategy::Pipeline {
+                stages: args.pipeline_stages,
+                micro_batches: args.micro_batches,
+                exchange,
+            },
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_cores_slow_compute_only_past_the_core_count() {
+        assert_eq!(core_slowdown(8, 1, 0), 1.0);
+        assert_eq!(core_slowdown(2, 1, 2), 1.0);
+        assert_eq!(core_slowdown(3, 1, 2), 1.5);
+        assert_eq!(core_slowdown(4, 2, 2), 4.0);
+    }
+
+    #[test]
+    fn link_sources_are_exactly_one() {
+        let none = LinkArgs::default();
+        let e = none.resolve().unwrap_err().to_string();
+        assert!(e.contains("give exactly one"), "{e}");
+        let half = LinkArgs {
+            alpha_us: Some(5.0),
+            ..LinkArgs::default()
+        };
+        let e = half.resolve().unwrap_err().to_string();
+        assert!(e.contains("--beta-ns-per-byte"), "{e}");
+        let negative = LinkArgs {
+            alpha_us: Some(-1.0),
+            beta_ns_per_byte: Some(0.1),
+            ..LinkArgs::default()
+        };
+        let e = negative.resolve().unwrap_err().to_string();
+        assert!(e.starts_with("invalid value `-1` for --alpha-us"), "{e}");
+        let custom = LinkArgs {
+            alpha_us: Some(5.0),
+            beta_ns_per_byte: Some(0.1),
+            ..LinkArgs::default()
+        };
+        let (link, _) = custom.resolve().expect("link");
+        assert!((link.alpha - 5e-6).abs() < 1e-15 && (link.beta - 1e-10).abs() < 1e-20);
+        let both = LinkArgs {
+            link: Some(links::IB_HDR),
+            ..custom
+        };
+        assert!(both.resolve().is_err());
+    }
+}

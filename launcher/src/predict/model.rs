@@ -1,0 +1,718 @@
+//! The scaling model's formulas: one step's time at N ranks from a 1-rank compute
+//! profile and a link (alpha, beta). The formulas are stated in the parent module's docs;
+//! each function here names the one it computes.
+
+use serde::Serialize;
+
+/// One rank's step as measured on one rank (seconds, bytes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Profile {
+    /// Words (source + target) one worker processes per step.
+    pub words_per_step: f64,
+    /// Waiting for the batch.
+    pub data_wait: f64,
+    /// Forward pass.
+    pub forward: f64,
+    /// Backward pass.
+    pub backward: f64,
+    /// Optimizer update (all parameters).
+    pub optimizer: f64,
+    /// The gradient ranges in the order backward finished them: (f32 bytes, seconds after
+    /// backward began). Their bytes add up to the whole gradient.
+    pub ready: Vec<(f64, f64)>,
+    /// Bytes crossing one pipeline stage boundary per batch, forward (the same again
+    /// backward).
+    pub boundary_bytes: f64,
+    /// Whether `ready` was measured (else: one range at the end of backward).
+    pub ready_measured: bool,
+}
+
+impl Profile {
+    /// f32 gradient bytes of the whole model.
+    pub fn gradient_bytes(&self) -> f64 {
+        self.ready.iter().map(|r| r.0).sum()
+    }
+
+    /// Compute of one step on one rank: data, forward, backward, optimizer.
+    pub fn compute(&self) -> f64 {
+        self.data_wait + self.forward + self.backward + self.optimizer
+    }
+}
+
+/// A link between ranks: `alpha` seconds per message, `beta` seconds per byte.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Link {
+    /// Latency per message, seconds.
+    pub alpha: f64,
+    /// Seconds per byte (1 / bandwidth).
+    pub beta: f64,
+}
+
+/// Ring all-reduce of `bytes` over `n` ranks: `2(N-1)/N * bytes * beta + 2(N-1) * alpha`,
+/// returned as (bandwidth term, latency term).
+pub fn ring_all_reduce(link: Link, n: usize, bytes: f64) -> (f64, f64) {
+    if n <= 1 || bytes <= 0.0 {
+        return (0.0, 0.0);
+    }
+    let n1 = (n - 1) as f64;
+    (
+        2.0 * n1 / n as f64 * bytes * link.beta,
+        2.0 * n1 * link.alpha,
+    )
+}
+
+/// How the replicated strategy reduces.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Exchange {
+    /// Ranges are reduced while backward runs (fusion engine).
+    pub overlap: bool,
+    /// Fusion buffer threshold, bytes (0 = every range on its own).
+    pub fusion_threshold: f64,
+    /// Fusion cycle time, seconds.
+    pub cycle_time: f64,
+    /// `--gradient-repacking R` (0 = off): R equal packs after backward.
+    pub repacking: usize,
+    /// f16 on the wire: half the bytes.
+    pub f16: bool,
+}
+
+/// A way to use the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Strategy {
+    /// All-reduce of the gradients; every rank trains.
+    Replicated(Exchange),
+    /// Parameter servers: `servers` = 0 puts a shard on every rank; K > 0 dedicates the
+    /// last K ranks (they do not train).
+    ParameterServer {
+        /// Dedicated server ranks (0 = a shard on every rank).
+        servers: usize,
+        /// f16 on the wire.
+        f16: bool,
+    },
+    /// No communication: the ideal.
+    Independent,
+    /// K stages x D replicas (D = ranks / K), M micro-batches; each stage all-reduces
+    /// its 1/K of the gradients with the same stage of the other replicas.
+    Pipeline {
+        /// Stages K.
+        stages: usize,
+        /// Micro-batches M.
+        micro_batches: usize,
+        /// How the replicas of a stage reduce.
+        exchange: Exchange,
+    },
+}
+
+impl Strategy {
+    /// The strategy as the table names it.
+    pub fn label(&self) -> String {
+        match self {
+            Strategy::Replicated(e) => {
+                let mut s = "replicated".to_string();
+                if e.repacking > 0 {
+                    s.push_str(&format!(" (repacking {})", e.repacking));
+                } else if e.overlap {
+                    s.push_str(" (overlapped)");
+                } else {
+                    s.push_str(" (after backward)");
+                }
+                if e.f16 {
+                    s.push_str(" f16");
+                }
+                s
+            }
+            Strategy::ParameterServer { servers: 0, f16 } => {
+                format!("parameter_server (shard per rank){}", f16_tag(*f16))
+            }
+            Strategy::ParameterServer { servers, f16 } => {
+                format!("parameter_server ({servers} servers){}", f16_tag(*f16))
+            }
+            Strategy::Independent => "independent".to_string(),
+            Strategy::Pipeline {
+                stages,
+                micro_batches,
+                ..
+            } => format!("pipeline {stages} stages x {micro_batches} micro-batches"),
+        }
+    }
+
+    /// Whether the strategy can run on `n` ranks (at least one worker; whole replicas).
+    pub fn fits(&self, n: usize) -> bool {
+        match self {
+            Strategy::ParameterServer { servers, .. } => n > *servers,
+            Strategy::Pipeline { stages, .. } => *stages >= 1 && n.is_multiple_of(*stages),
+            _ => n >= 1,
+        }
+    }
+}
+
+fn f16_tag(f16: bool) -> &'static str {
+    if f16 {
+        " f16"
+    } else {
+        ""
+    }
+}
+
+/// What one row predicts.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Prediction {
+    /// Ranks.
+    pub ranks: usize,
+    /// The strategy, as [`Strategy::label`] names it.
+    pub strategy: String,
+    /// Predicted seconds per step.
+    pub step_seconds: f64,
+    /// Words/s over all ranks.
+    pub words_per_sec: f64,
+    /// words/s against the 1-rank step of the same profile.
+    pub speedup: f64,
+    /// speedup / ranks.
+    pub efficiency: f64,
+    /// The largest term of the step: `compute`, `bandwidth`, `latency`, `bubble`,
+    /// `server link`, `stage link`.
+    pub bottleneck: &'static str,
+    /// Every term of the step, seconds (they add up to `step_seconds`).
+    pub terms: Terms,
+}
+
+/// A step's time, term by term (seconds).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Terms {
+    /// Data, forward, backward and optimizer of one rank (of one stage in a pipeline).
+    pub compute: f64,
+    /// Bytes over the link not hidden behind backward.
+    pub bandwidth: f64,
+    /// Message latencies not hidden behind backward.
+    pub latency: f64,
+    /// Pipeline fill and drain: stage compute x (K - 1) / M.
+    pub bubble: f64,
+    /// A parameter server's link: the pushes into it and the pulls out of it.
+    pub server_link: f64,
+    /// A pipeline stage's activations and their gradients to its neighbours.
+    pub stage_link: f64,
+}
+
+impl Terms {
+    fn total(&self) -> f64 {
+        self.compute
+            + self.bandwidth
+            + self.latency
+            + self.bubble
+            + self.server_link
+            + self.stage_link
+    }
+
+    fn largest(&self) -> &'static str {
+        let named = [
+            ("compute", self.compute),
+            ("bandwidth", self.bandwidth),
+            ("latency", self.latency),
+            ("bubble", self.bubble),
+            ("server link", self.server_link),
+            ("stage link", self.stage_link),
+        ];
+        named
+            .iter()
+            .fold(named[0], |best, t| if t.1 > best.1 { *t } else { best })
+            .0
+    }
+}
+
+/// The buffers the fusion engine reduces, in order: consecutive ranges joined while the
+/// buffer stays within `threshold` bytes (a range larger than the threshold goes alone);
+/// `ready` holds (bytes, ready time). Returns (bytes, ready time of its last range).
+pub fn fuse(ready: &[(f64, f64)], threshold: f64) -> Vec<(f64, f64)> {
+    let mut out: Vec<(f64, f64)> = Vec::new();
+    let mut open: Option<(f64, f64)> = None;
+    for &(bytes, at) in ready {
+        open = match open {
+            Some((b, _)) if threshold > 0.0 && b + bytes <= threshold => Some((b + bytes, at)),
+            Some(done) => {
+                out.push(done);
+                Some((bytes, at))
+            }
+            None => Some((bytes, at)),
+        };
+    }
+    out.extend(open);
+    out
+}
+
+/// Exposed communication of the replicated reduction over `n` ranks, as (bandwidth,
+/// latency) seconds after backward ends; `backward` is the backward pass's length and
+/// `ready` the ranges' (f32 bytes, ready time).
+///
+/// - repacking R: R packs of G/R after backward, `R * ring(G/R)`;
+/// - after backward: the ranges fused by the threshold, one ring each, all exposed;
+/// - overlapped: the engine wakes every cycle time (at c, 2c, ...); at each wake-up the
+///   ranges ready by then are fused and queued on one channel, which reduces the buffers
+///   one after another; at the end of backward whatever is left is queued at once. The
+///   groups depend on the ready times and the cycle only, so a faster link never
+///   finishes later. What runs past the end of backward is exposed, split between
+///   bandwidth and latency in proportion to their shares.
+pub fn replicated_exchange(
+    link: Link,
+    n: usize,
+    e: &Exchange,
+    backward: f64,
+    ready: &[(f64, f64)],
+) -> (f64, f64) {
+    if n <= 1 {
+        return (0.0, 0.0);
+    }
+    let wire = if e.f16 { 0.5 } else { 1.0 };
+    let total: f64 = ready.iter().map(|r| r.0).sum();
+    if e.repacking > 0 {
+        let r = e.repacking as f64;
+        let (bw, lat) = ring_all_reduce(link, n, total * wire / r);
+        return (bw * r, lat * r);
+    }
+    if !e.overlap {
+        return fuse(ready, e.fusion_threshold)
+            .iter()
+            .map(|&(b, _)| ring_all_reduce(link, n, b * wire))
+            .fold((0.0, 0.0), |a, c| (a.0 + c.0, a.1 + c.1));
+    }
+    let cycle = e.cycle_time.max(1e-9);
+    let (mut sum_bw, mut sum_lat) = (0.0, 0.0);
+    let mut channel_free = 0.0_f64;
+    let mut next = 0usize;
+    while next < ready.len() {
+        // The first wake-up at or after the next range's ready time; the end of
+        // backward sends the rest.
+        let tick = (ready[next].1 / cycle - 1e-9).ceil().max(1.0) * cycle;
+        let wake = tick.min(backward);
+        let upto = if wake >= backward {
+            ready.len()
+        } else {
+            next + ready[next..].iter().take_while(|r| r.1 <= wake).count()
+        }
+        .max(next + 1);
+        let mut at = channel_free.max(wake);
+        for (bytes, _) in fuse(&ready[next..upto], e.fusion_threshold) {
+            let (bw, lat) = ring_all_reduce(link, n, bytes * wire);
+            sum_bw += bw;
+            sum_lat += lat;
+            at += bw + lat;
+        }
+        channel_free = at;
+        next = upto;
+    }
+    let exposed = (channel_free - backward).max(0.0);
+    let busy = sum_bw + sum_lat;
+    if busy <= 0.0 {
+        return (0.0, 0.0);
+    }
+    (exposed * sum_bw / busy, exposed * sum_lat / busy)
+}
+
+/// Parameter servers over `n` ranks with `servers` dedicated ones (0 = a shard on every
+/// rank): tensors (the ranges) are placed greedily on the least loaded server, as the
+/// strategy does; a server of load L with W workers other than itself takes W * L bytes
+/// in (the pushes) and sends W * L out (the pulls), each tensor a message each way per
+/// worker: `2 * W * L * beta + 2 * W * tensors * alpha`. Servers work side by side: the
+/// busiest one is the term. Returns (server link seconds, largest load in bytes).
+pub fn parameter_server_link(
+    link: Link,
+    n: usize,
+    servers: usize,
+    f16: bool,
+    tensors: &[f64],
+) -> (f64, f64) {
+    let holders = if servers == 0 { n } else { servers };
+    let workers = n - servers.min(n);
+    let wire = if f16 { 0.5 } else { 1.0 };
+    let mut load = vec![(0.0_f64, 0usize); holders.max(1)];
+    for &t in tensors {
+        let (best, _) =
+            load.iter().enumerate().fold(
+                (0, f64::INFINITY),
+                |b, (i, l)| if l.0 < b.1 { (i, l.0) } else { b },
+            );
+        load[best].0 += t;
+        load[best].1 += 1;
+    }
+    // A shard-holding worker does not send its own gradient over the link.
+    let others = if servers == 0 {
+        workers.saturating_sub(1)
+    } else {
+        workers
+    } as f64;
+    let worst = load
+        .iter()
+        .map(|&(bytes, count)| {
+            2.0 * others * bytes * wire * link.beta + 2.0 * others * count as f64 * link.alpha
+        })
+        .fold(0.0, f64::max);
+    let largest = load.iter().map(|l| l.0).fold(0.0, f64::max);
+    (worst, largest)
+}
+
+/// The 1-rank step of `profile`: its compute.
+pub fn one_rank_step(profile: &Profile) -> f64 {
+    profile.compute()
+}
+
+/// Predicts `strategy` at `n` ranks with `profile` and `link`. `slowdown` multiplies the
+/// compute (ranks sharing a node's cores, see the module docs; 1 = none).
+pub fn predict(
+    profile: &Profile,
+    link: Link,
+    strategy: &Strategy,
+    n: usize,
+    slowdown: f64,
+) -> Prediction {
+    let s = slowdown.max(1.0);
+    let p = profile;
+    let mut t = Terms::default();
+    let workers;
+    match strategy {
+        Strategy::Independent => {
+            t.compute = p.compute() * s;
+            workers = n;
+        }
+        Strategy::Replicated(e) => {
+            t.compute = p.compute() * s;
+            let ready: Vec<(f64, f64)> = p.ready.iter().map(|r| (r.0, r.1 * s)).collect();
+            let (bw, lat) = replicated_exchange(link, n, e, p.backward * s, &ready);
+            t.bandwidth = bw;
+            t.latency = lat;
+            workers = n;
+        }
+        Strategy::ParameterServer { servers, f16 } => {
+            let tensors: Vec<f64> = p.ready.iter().map(|r| r.0).collect();
+            let (server, largest) = parameter_server_link(link, n, *servers, *f16, &tensors);
+            let g = p.gradient_bytes().max(1.0);
+            // Each server updates its own tensors only.
+            let optimizer = p.optimizer * (largest / g).min(1.0);
+            t.compute = (p.data_wait + p.forward + p.backward + optimizer) * s;
+            t.server_link = if n > 1 { server } else { 0.0 };
+            workers = n - servers.min(&n);
+        }
+        Strategy::Pipeline {
+            stages,
+            micro_batches,
+            exchange,
+        } => {
+            let k = (*stages).max(1);
+            let m = (*micro_batches).max(1) as f64;
+            let d = (n / k).max(1);
+            let kf = k as f64;
+            let stage = (p.forward + p.backward) * s / kf;
+            t.compute = p.data_wait * s + stage + p.optimizer * s / kf;
+            t.bubble = stage * (kf - 1.0) / m;
+            if k > 1 {
+                // Each micro-batch crosses a boundary forward and its gradient back.
+                let per = p.boundary_bytes / m;
+                t.stage_link = 2.0 * m * (link.alpha + per * link.beta);
+            }
+            let share: Vec<(f64, f64)> = p.ready.iter().map(|r| (r.0 / kf, r.1)).collect();
+            let after = Exchange {
+                overlap: false,
+                ..*exchange
+            };
+            let (bw, lat) = replicated_exchange(link, d, &after, 0.0, &share);
+            t.bandwidth = bw;
+            t.latency = lat;
+            workers = d;
+        }
+    }
+    let step = t.total();
+    let words_per_sec = if step > 0.0 {
+        workers as f64 * p.words_per_step / step
+    } else {
+        0.0
+    };
+    let one = one_rank_step(p);
+    let base = if one > 0.0 {
+        p.words_per_step / one
+    } else {
+        0.0
+    };
+    let speedup = if base > 0.0 {
+        words_per_sec / base
+    } else {
+        0.0
+    };
+    Prediction {
+        ranks: n,
+        strategy: strategy.label(),
+        step_seconds: step,
+        words_per_sec,
+        speedup,
+        efficiency: speedup / n.max(1) as f64,
+        bottleneck: t.largest(),
+        terms: t,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-9 * (1.0 + a.abs().max(b.abs()))
+    }
+
+    fn profile() -> Profile {
+        // 1 s forward, 2 s backward, four 1000-byte ranges finished at 0.5, 1, 1.5, 2 s.
+        Profile {
+            words_per_step: 1000.0,
+            data_wait: 0.0,
+            forward: 1.0,
+            backward: 2.0,
+            optimizer: 1.0,
+            ready: vec![(1000.0, 0.5), (1000.0, 1.0), (1000.0, 1.5), (1000.0, 2.0)],
+            boundary_bytes: 100.0,
+            ready_measured: true,
+        }
+    }
+
+    const LINK: Link = Link {
+        alpha: 0.01,
+        beta: 0.001,
+    };
+
+    fn after_backward() -> Exchange {
+        Exchange {
+            overlap: false,
+            fusion_threshold: 0.0,
+            cycle_time: 0.001,
+            repacking: 0,
+            f16: false,
+        }
+    }
+
+    #[test]
+    fn ring_cost_by_hand() {
+        // N = 4, 1000 bytes: 2*3/4*1000*0.001 = 1.5 s and 2*3*0.01 = 0.06 s.
+        let (bw, lat) = ring_all_reduce(LINK, 4, 1000.0);
+        assert!(close(bw, 1.5) && close(lat, 0.06), "{bw} {lat}");
+        assert_eq!(ring_all_reduce(LINK, 1, 1000.0), (0.0, 0.0));
+    }
+
+    #[test]
+    fn fusion_joins_ranges_up_to_the_threshold() {
+        let r = [(10.0, 1.0), (10.0, 2.0), (25.0, 3.0), (5.0, 4.0)];
+        assert_eq!(fuse(&r, 20.0), vec![(20.0, 2.0), (25.0, 3.0), (5.0, 4.0)]);
+        assert_eq!(fuse(&r, 0.0).len(), 4);
+        assert_eq!(fuse(&r, 1e9), vec![(50.0, 4.0)]);
+    }
+
+    #[test]
+    fn after_backward_every_range_is_exposed() {
+        // 2 ranks: per range 2*1/2*1000*0.001 = 1 s, 2*1*0.01 = 0.02 s; four ranges.
+        let (bw, lat) = replicated_exchange(LINK, 2, &after_backward(), 2.0, &profile().ready);
+        assert!(close(bw, 4.0) && close(lat, 0.08), "{bw} {lat}");
+        // Fused into one buffer: 4 s and one latency.
+        let fused = Exchange {
+            fusion_threshold: 1e9,
+            ..after_backward()
+        };
+        let (bw, lat) = replicated_exchange(LINK, 2, &fused, 2.0, &profile().ready);
+        assert!(close(bw, 4.0) && close(lat, 0.02), "{bw} {lat}");
+        // f16 halves the bytes, not the latency.
+        let half = Exchange { f16: true, ..fused };
+        let (bw, lat) = replicated_exchange(LINK, 2, &half, 2.0, &profile().ready);
+        assert!(close(bw, 2.0) && close(lat, 0.02), "{bw} {lat}");
+    }
+
+    #[test]
+    fn repacking_cuts_the_gradient_into_equal_packs() {
+        let e = Exchange {
+            repacking: 2,
+            ..after_backward()
+        };
+        // Two packs of 2000 bytes at 2 ranks: 2 * (2 s + 0.02 s).
+        let (bw, lat) = replicated_exchange(LINK, 2, &e, 2.0, &profile().ready);
+        assert!(close(bw, 4.0) && close(lat, 0.04), "{bw} {lat}");
+    }
+
+    #[test]
+    fn overlap_hides_what_finishes_before_backward_ends() {
+        // Cycle 0.5 s, no fusion; each range takes 1.02 s at 2 ranks. Wakes at 0.5, 1,
+        // 1.5 and 2 (the end of backward) queue one range each: they run 0.5..1.52,
+        // 1.52..2.54, 2.54..3.56, 3.56..4.58. Exposed: 2.58 s.
+        let e = Exchange {
+            overlap: true,
+            cycle_time: 0.5,
+            ..after_backward()
+        };
+        let (bw, lat) = replicated_exchange(LINK, 2, &e, 2.0, &profile().ready);
+        assert!(close(bw + lat, 2.58), "{bw} {lat}");
+        // Fused up to 2000 bytes a wake-up at 1 s finds ranges 1 and 2 together.
+        let slow = Exchange {
+            cycle_time: 1.0,
+            fusion_threshold: 2000.0,
+            ..e
+        };
+        // Wake 1: ranges 1+2 (2 s + 0.02) run 1..3.02; wake 2: ranges 3+4 3.02..5.04.
+        let (bw2, lat2) = replicated_exchange(LINK, 2, &slow, 2.0, &profile().ready);
+        assert!(close(bw2 + lat2, 3.04), "{bw2} {lat2}");
+        // Split in proportion of 4 s bandwidth to 0.08 s latency.
+        assert!(close(bw / lat, 4.0 / 0.08), "{bw} {lat}");
+        // A fast link hides all of it.
+        let fast = Link {
+            alpha: 0.0,
+            beta: 1e-6,
+        };
+        let (bw, lat) = replicated_exchange(fast, 2, &e, 2.0, &profile().ready);
+        assert!(bw + lat < 0.01, "{bw} {lat}");
+    }
+
+    #[test]
+    fn replicated_prediction_by_hand() {
+        let p = profile();
+        let s = Strategy::Replicated(after_backward());
+        let one = predict(&p, LINK, &s, 1, 1.0);
+        assert!(close(one.step_seconds, 4.0) && close(one.speedup, 1.0));
+        // 2 ranks: 4 s compute + 4.08 s exchange; 2000 words / 8.08 s.
+        let two = predict(&p, LINK, &s, 2, 1.0);
+        assert!(close(two.step_seconds, 8.08), "{two:?}");
+        assert!(close(two.words_per_sec, 2000.0 / 8.08));
+        assert!(close(two.speedup, 2.0 * 4.0 / 8.08));
+        assert!(close(two.efficiency, two.speedup / 2.0));
+        // 3 ranks: 4 * 2*2/3*1000*0.001 = 5.33 s of bandwidth outweighs 4 s of compute.
+        let three = predict(&p, LINK, &s, 3, 1.0);
+        assert!(close(three.terms.bandwidth, 16.0 / 3.0), "{three:?}");
+        assert_eq!(three.bottleneck, "bandwidth");
+        // Shared cores double the compute.
+        let slow = predict(&p, LINK, &Strategy::Independent, 2, 2.0);
+        assert!(close(slow.step_seconds, 8.0) && close(slow.speedup, 1.0));
+        assert_eq!(slow.bottleneck, "compute");
+    }
+
+    #[test]
+    fn parameter_server_by_hand() {
+        let p = profile();
+        // 2 dedicated servers at 4 ranks: 2 workers; each server holds two 1000-byte
+        // tensors: 2*2*2000*0.001 + 2*2*2*0.01 = 8.08 s; optimizer on half the bytes.
+        let s = Strategy::ParameterServer {
+            servers: 2,
+            f16: false,
+        };
+        let r = predict(&p, LINK, &s, 4, 1.0);
+        assert!(close(r.terms.server_link, 8.08), "{r:?}");
+        assert!(close(r.terms.compute, 3.5), "{r:?}");
+        assert!(close(r.words_per_sec, 2000.0 / 11.58));
+        assert_eq!(r.bottleneck, "server link");
+        assert!(!s.fits(2));
+        // A shard on each of 4 ranks: one tensor each, 3 other workers:
+        // 2*3*1000*0.001 + 2*3*1*0.01 = 6.06 s.
+        let shard = Strategy::ParameterServer {
+            servers: 0,
+            f16: false,
+        };
+        let r = predict(&p, LINK, &shard, 4, 1.0);
+        assert!(close(r.terms.server_link, 6.06), "{r:?}");
+    }
+
+    #[test]
+    fn pipeline_by_hand() {
+        let p = profile();
+        let s = Strategy::Pipeline {
+            stages: 2,
+            micro_batches: 4,
+            exchange: after_backward(),
+        };
+        // K = 2, M = 4, one replica: stage 1.5 s, optimizer 0.5 s, bubble 1.5 * 1/4,
+        // boundary 2 * 4 * (0.01 + 25 * 0.001) = 0.28 s.
+        let r = predict(&p, LINK, &s, 2, 1.0);
+        assert!(close(r.terms.compute, 2.0), "{r:?}");
+        assert!(close(r.terms.bubble, 0.375), "{r:?}");
+        assert!(close(r.terms.stage_link, 0.28), "{r:?}");
+        assert_eq!(r.terms.bandwidth, 0.0);
+        assert!(close(r.words_per_sec, 1000.0 / 2.655));
+        // 2 x 2: each stage all-reduces its half (four 500-byte ranges) over 2 replicas.
+        let r = predict(&p, LINK, &s, 4, 1.0);
+        assert!(close(r.terms.bandwidth, 2.0) && close(r.terms.latency, 0.08));
+        assert!(!s.fits(3));
+    }
+
+    #[test]
+    fn more_bandwidth_never_predicts_fewer_words() {
+        let p = profile();
+        let strategies = [
+            Strategy::Replicated(after_backward()),
+            Strategy::Replicated(Exchange {
+                overlap: true,
+                cycle_time: 0.3,
+                fusion_threshold: 1500.0,
+                ..after_backward()
+            }),
+            Strategy::ParameterServer {
+                servers: 1,
+                f16: false,
+            },
+            Strategy::Pipeline {
+                stages: 2,
+                micro_batches: 2,
+                exchange: after_backward(),
+            },
+        ];
+        for s in &strategies {
+            for n in [2, 4, 8, 64, 1024] {
+                if !s.fits(n) {
+                    continue;
+                }
+                let mut last = 0.0;
+                for beta in [1e-2, 1e-3, 1e-4, 1e-6, 0.0] {
+                    let link = Link { alpha: 0.01, beta };
+                    let w = predict(&p, link, s, n, 1.0).words_per_sec;
+                    assert!(w >= last - 1e-9, "{s:?} n={n} beta={beta}: {w} < {last}");
+                    last = w;
+                }
+            }
+        }
+    }
+
+    mod properties {
+        use super::super::{fuse, replicated_exchange, Exchange, Link};
+        use proptest::prelude::{any, prop, proptest, Strategy as _};
+        use proptest::prop_assert;
+
+        fn ranges() -> impl proptest::strategy::Strategy<Value = Vec<(f64, f64)>> {
+            prop::collection::vec((1.0f64..1e6, 0.0f64..1.0), 1..12).prop_map(|mut v| {
+                // Ready times in backward's order.
+                let mut t = 0.0;
+                for r in &mut v {
+                    t += r.1 * 0.01;
+                    r.1 = t;
+                }
+                v
+            })
+        }
+
+        proptest! {
+            #[test]
+            fn fusion_keeps_every_byte_and_the_order(r in ranges(), threshold in 0.0f64..4e6) {
+                let fused = fuse(&r, threshold);
+                let total: f64 = r.iter().map(|x| x.0).sum();
+                let kept: f64 = fused.iter().map(|x| x.0).sum();
+                prop_assert!((total - kept).abs() <= 1e-9 * total);
+                prop_assert!(fused.windows(2).all(|w| w[0].1 <= w[1].1));
+                prop_assert!(fused.len() <= r.len());
+            }
+
+            #[test]
+            fn a_faster_link_never_exposes_more(
+                r in ranges(),
+                n in 2usize..2048,
+                alpha in 0.0f64..1e-4,
+                beta in 1e-12f64..1e-8,
+                faster in 1.0f64..100.0,
+                overlap in any::<bool>(),
+                cycle in 1e-4f64..0.02,
+                threshold in 0.0f64..4e6,
+            ) {
+                let e = Exchange { overlap, fusion_threshold: threshold, cycle_time: cycle, repacking: 0, f16: false };
+                let backward = r.last().map_or(0.0, |x| x.1);
+                let slow = replicated_exchange(Link { alpha, beta }, n, &e, backward, &r);
+                let fast = replicated_exchange(Link { alpha: alpha / faster, beta: beta / faster }, n, &e, backward, &r);
+                prop_assert!(fast.0 + fast.1 <= (slow.0 + slow.1) * (1.0 + 1e-9) + 1e-15);
+            }
+        }
+    }
+}
