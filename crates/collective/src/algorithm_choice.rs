@@ -1,5 +1,5 @@
 //! Which algorithm [`crate::Algorithm::Auto`] runs: the switch points between recursive
-//! doubling and the ring measured with `ringtrain bench allreduce` (against
+//! doubling, halving-doubling and the ring measured with `ringtrain bench allreduce` (against
 //! `MPI_Allreduce` in the same runs), kept beside the measurements that chose them
 //! (`algorithm_choice.md`, shown below; `scripts/measure-algorithm-choice` measures them
 //! again).
@@ -26,14 +26,15 @@ pub const SWITCH_POINTS: &[(usize, &[(usize, Algorithm)])] = &[
     (
         2,
         &[
-            (4 << 10, Algorithm::RecursiveDoubling),
+            (64 << 10, Algorithm::RecursiveDoubling),
             (usize::MAX, Algorithm::Ring),
         ],
     ),
     (
         3,
         &[
-            (64 << 10, Algorithm::RecursiveDoubling),
+            (128 << 10, Algorithm::RecursiveDoubling),
+            (2 << 20, Algorithm::HalvingDoubling),
             (usize::MAX, Algorithm::Ring),
         ],
     ),
@@ -41,14 +42,26 @@ pub const SWITCH_POINTS: &[(usize, &[(usize, Algorithm)])] = &[
         4,
         &[
             (128 << 10, Algorithm::RecursiveDoubling),
-            (usize::MAX, Algorithm::Ring),
+            (usize::MAX, Algorithm::HalvingDoubling),
         ],
     ),
 ];
 
 /// The measured choice for `bytes` bytes on `ranks` ranks (before the transport's
-/// abilities are considered).
+/// abilities are considered). Above the largest measured rank count, a count that is
+/// not a power of two takes the ring where the row says halving-doubling.
 pub fn measured_choice(ranks: usize, bytes: usize) -> Algorithm {
+    let largest = SWITCH_POINTS.last().map_or(0, |(r, _)| *r);
+    let chosen = row_choice(ranks, bytes);
+    if chosen == Algorithm::HalvingDoubling && ranks > largest && !ranks.is_power_of_two() {
+        Algorithm::Ring
+    } else {
+        chosen
+    }
+}
+
+/// The algorithm the table's row for `ranks` names for `bytes`.
+fn row_choice(ranks: usize, bytes: usize) -> Algorithm {
     let row = SWITCH_POINTS
         .iter()
         .rev()
@@ -127,32 +140,39 @@ mod tests {
     }
 
     #[test]
-    fn rows_increase_end_open_and_name_rd_or_ring_only() {
+    fn rows_increase_end_open_and_name_our_algorithms_only() {
         for (ranks, row) in SWITCH_POINTS {
             assert!(row.windows(2).all(|w| w[0].0 < w[1].0), "ranks {ranks}");
             assert_eq!(row.last().map(|e| e.0), Some(usize::MAX), "ranks {ranks}");
             // Only algorithms whose stall errors name the rank waited for.
-            assert!(row
-                .iter()
-                .all(|(_, a)| matches!(a, Algorithm::RecursiveDoubling | Algorithm::Ring)));
+            assert!(row.iter().all(|(_, a)| matches!(
+                a,
+                Algorithm::RecursiveDoubling | Algorithm::HalvingDoubling | Algorithm::Ring
+            )));
         }
     }
 
     #[test]
     fn choice_follows_the_row_of_the_rank_count() {
-        // 4 bytes on 2 ranks: one exchange; 256 MiB: the ring on every rank count.
-        assert_eq!(measured_choice(2, 4), Algorithm::RecursiveDoubling);
+        // 4 bytes: one exchange of the whole message at every rank count.
         for ranks in [2, 3, 4, 64] {
-            assert_eq!(measured_choice(ranks, 256 << 20), Algorithm::Ring);
+            assert_eq!(measured_choice(ranks, 4), Algorithm::RecursiveDoubling);
         }
-        // The switch moves up with the rank count: the ring's 2(N - 1) steps cost more.
-        assert_eq!(measured_choice(2, 8 << 10), Algorithm::Ring);
-        assert_eq!(measured_choice(3, 8 << 10), Algorithm::RecursiveDoubling);
-        assert_eq!(measured_choice(4, 64 << 10), Algorithm::RecursiveDoubling);
-        assert_eq!(measured_choice(3, 64 << 10), Algorithm::Ring);
-        // Unmeasured rank counts take the largest measured row below them.
-        for bytes in [4, 4096, 64 << 10, 1 << 20] {
+        // The last switch of each measured row.
+        assert_eq!(measured_choice(2, 64 << 10), Algorithm::Ring);
+        assert_eq!(measured_choice(2, 32 << 10), Algorithm::RecursiveDoubling);
+        assert_eq!(measured_choice(3, 256 << 10), Algorithm::HalvingDoubling);
+        assert_eq!(measured_choice(3, 2 << 20), Algorithm::Ring);
+        assert_eq!(measured_choice(4, 128 << 10), Algorithm::HalvingDoubling);
+        assert_eq!(measured_choice(4, 256 << 20), Algorithm::HalvingDoubling);
+        // Unmeasured rank counts: the 4-rank row, with the ring instead of
+        // halving-doubling unless the count is a power of two.
+        for bytes in [4, 4096, 64 << 10] {
             assert_eq!(measured_choice(1024, bytes), measured_choice(4, bytes));
+            assert_eq!(measured_choice(6, bytes), measured_choice(4, bytes));
         }
+        assert_eq!(measured_choice(1024, 1 << 20), Algorithm::HalvingDoubling);
+        assert_eq!(measured_choice(6, 1 << 20), Algorithm::Ring);
+        assert_eq!(measured_choice(8, 1 << 20), Algorithm::HalvingDoubling);
     }
 }
