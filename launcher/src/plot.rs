@@ -208,24 +208,29 @@ where
         .and_then(|l| l.points.first())
         .map_or(x_lo, |p| p.0 / p.1.max(f64::MIN_POSITIVE));
     let ideal = |x: f64| x / base;
-    let (_, y_hi) = range_of(
+    let (y_lo, y_hi) = range_of(
         lines
             .iter()
             .flat_map(|l| l.points.iter().map(|p| p.1))
-            .chain([ideal(x_hi)]),
-        0.1,
+            .chain([ideal(x_lo), ideal(x_hi)]),
+        1e-3,
     );
+    // Both axes logarithmic: the ideal line is straight, and 2 to 1024 ranks fit.
     let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 18))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(50)
-        .build_cartesian_2d((x_lo..x_hi).log_scale().base(2.0), 0.0..y_hi * 1.05)?;
+        .build_cartesian_2d(
+            (x_lo..x_hi).log_scale().base(2.0),
+            (y_lo * 0.8..y_hi * 1.25).log_scale().base(2.0),
+        )?;
     chart
         .configure_mesh()
         .x_desc("ranks")
         .y_desc("speedup")
         .x_label_formatter(&|x| whole_ranks(*x))
+        .y_label_formatter(&|y| format!("{y:.2}"))
         .draw()?;
     let grey = RGBColor(150, 150, 150).stroke_width(1);
     let ideal_points: Vec<(f64, f64)> = log_points(x_lo, x_hi)

@@ -331,6 +331,7 @@ fn the_report_lists_every_gradient_range_once_in_backward_order() {
 fn sweep_appends_predicted_rows_marked_as_such() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("sweep.json");
+    let plot = dir.path().join("sweep.svg");
     let mut args = vec![
         "sweep",
         "--np",
@@ -341,6 +342,8 @@ fn sweep_appends_predicted_rows_marked_as_such() {
         "ib-hdr",
         "--json",
         json.to_str().unwrap(),
+        "--plot",
+        plot.to_str().unwrap(),
         "--",
         "train",
     ];
@@ -362,6 +365,10 @@ fn sweep_appends_predicted_rows_marked_as_such() {
         .collect();
     assert_eq!(marks, vec![(1, false), (4, true), (64, true)]);
     assert!(rows[1]["bottleneck"].is_string());
+    // The plot extends the measured point with the predicted ones, dashed.
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.contains("scaling model (predicted)"), "{svg}");
+    assert_eq!(svg.matches("<circle").count(), 1, "one measured point");
 
     // Checked before any run: --predict needs the 1-rank run to calibrate on.
     let (ok, stdout, stderr) = run(&[
@@ -407,4 +414,55 @@ fn validate_runs_calibrates_measures_and_ends_with_the_largest_error() {
         .and_then(|v| v.strip_suffix(" %"))
         .unwrap_or_else(|| panic!("last line: {last}"));
     assert!(value.parse::<f64>().is_ok(), "{last}");
+}
+
+#[test]
+fn predict_draws_the_speedup_per_strategy_and_the_terms_of_the_largest_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let plot = dir.path().join("predict.svg");
+    let report = data("predict-one-rank.json");
+    let (ok, stdout, stderr) = run(&[
+        "predict",
+        "--report",
+        report.to_str().unwrap(),
+        "--link",
+        "pcie4",
+        "--np",
+        "2,8",
+        "--strategies",
+        "replicated,independent",
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stdout}\n{stderr}");
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    for text in [
+        "predicted speedup",
+        "independent (predicted)",
+        "ideal (linear)",
+        "predicted step, by term",
+        "replicated, 8 ranks",
+        "independent, 8 ranks",
+        "bandwidth",
+    ] {
+        assert!(svg.contains(text), "the plot lacks `{text}`");
+    }
+    assert!(
+        !svg.contains(", 2 ranks"),
+        "bars only for the largest count"
+    );
+    // The plot is checked before any work, and --validate draws none.
+    let (ok, _, stderr) = run(&[
+        "predict",
+        "--report",
+        report.to_str().unwrap(),
+        "--link",
+        "pcie4",
+        "--plot",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(
+        !ok && stderr.contains("--plot") && stderr.contains("is a directory"),
+        "{stderr}"
+    );
 }

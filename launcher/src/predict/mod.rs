@@ -257,6 +257,11 @@ pub struct PredictArgs {
     /// Also write the rows as JSON to this file (an existing one is replaced).
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Draw the predicted table into this SVG file (an existing one is replaced): speedup
+    /// against ranks per strategy, dashed, with the ideal line, beside each row's step
+    /// split into the model's terms as a stacked bar.
+    #[arg(long, conflicts_with_all = ["validate", "seeds"])]
+    pub plot: Option<PathBuf>,
     /// Calibrate on one rank here, predict --np (default 2,3), run them and print the
     /// error per row: runs `train` (the command after `--`, or a small default) and
     /// `bench allreduce` under mpirun itself.
@@ -408,6 +413,9 @@ pub fn run(args: &PredictArgs) -> Result<()> {
     if let Some(path) = &args.json {
         ringtrain_train::outputs::check_output_file("--json", path, "predict.json")?;
     }
+    if let Some(path) = &args.plot {
+        ringtrain_train::outputs::check_output_file("--plot", path, "predict.svg")?;
+    }
     if args.pipeline_stages == 0 || args.micro_batches == 0 {
         return Err(LauncherError::invalid(
             "--pipeline-stages/--micro-batches",
@@ -521,7 +529,69 @@ pub fn run(args: &PredictArgs) -> Result<()> {
     if let Some(path) = &args.json {
         write_json(path, &table)?;
     }
+    if let Some(path) = &args.plot {
+        crate::plot::write_svg("--plot", path, &charts(&table))?;
+        println!("plot written to {}", path.display());
+    }
     Ok(())
+}
+
+/// The predicted table's charts: speedup against ranks, a dashed line per strategy
+/// (from its 1-rank point), and the step of each strategy at the largest rank count
+/// split into the model's terms.
+pub fn charts(rows: &[PredictedRow]) -> Vec<crate::plot::Chart> {
+    use crate::plot::{Bar, Chart, Line};
+
+    let largest = rows.iter().map(|r| r.prediction.ranks).max().unwrap_or(1);
+    let mut lines: Vec<Line> = Vec::new();
+    let mut bars = Vec::new();
+    for r in rows {
+        let p = &r.prediction;
+        let point = (p.ranks as f64, p.speedup);
+        match lines.iter_mut().find(|l| l.name == p.strategy) {
+            Some(line) => line.points.push(point),
+            None => lines.push(Line {
+                name: p.strategy.clone(),
+                points: vec![(1.0, 1.0), point],
+                predicted: true,
+            }),
+        }
+        if p.ranks != largest {
+            continue;
+        }
+        let t = &p.terms;
+        let short = p.strategy.split_whitespace().next().unwrap_or_default();
+        bars.push(Bar {
+            label: format!("{short}, {} ranks", p.ranks),
+            parts: vec![
+                t.compute,
+                t.bandwidth,
+                t.latency,
+                t.bubble,
+                t.server_link,
+                t.stage_link,
+            ],
+        });
+    }
+    let phases = [
+        "compute",
+        "bandwidth",
+        "latency",
+        "bubble",
+        "server link",
+        "stage link",
+    ];
+    vec![
+        Chart::Speedup {
+            title: "predicted speedup".to_string(),
+            lines,
+        },
+        Chart::Breakdown {
+            title: "predicted step, by term".to_string(),
+            phases: phases.iter().map(|s| s.to_string()).collect(),
+            bars,
+        },
+    ]
 }
 
 /// The strategies `args` asks for, shaped by the report's flags.
