@@ -33,8 +33,7 @@ pub const SWITCH_POINTS: &[(usize, &[(usize, Algorithm)])] = &[
     (
         3,
         &[
-            (128 << 10, Algorithm::RecursiveDoubling),
-            (2 << 20, Algorithm::HalvingDoubling),
+            (256 << 10, Algorithm::RecursiveDoubling),
             (usize::MAX, Algorithm::Ring),
         ],
     ),
@@ -161,8 +160,8 @@ mod tests {
         // The last switch of each measured row.
         assert_eq!(measured_choice(2, 64 << 10), Algorithm::Ring);
         assert_eq!(measured_choice(2, 32 << 10), Algorithm::RecursiveDoubling);
-        assert_eq!(measured_choice(3, 256 << 10), Algorithm::HalvingDoubling);
-        assert_eq!(measured_choice(3, 2 << 20), Algorithm::Ring);
+        assert_eq!(measured_choice(3, 128 << 10), Algorithm::RecursiveDoubling);
+        assert_eq!(measured_choice(3, 256 << 10), Algorithm::Ring);
         assert_eq!(measured_choice(4, 128 << 10), Algorithm::HalvingDoubling);
         assert_eq!(measured_choice(4, 256 << 20), Algorithm::HalvingDoubling);
         // Unmeasured rank counts: the 4-rank row, with the ring instead of
