@@ -192,6 +192,39 @@ where
     Ok(())
 }
 
+/// A chart's frame: title, margins and label areas, the same on every chart.
+fn frame<'a, 'b, DB: DrawingBackend>(
+    area: &'a DrawingArea<DB, Shift>,
+    title: &str,
+) -> ChartBuilder<'a, 'b, DB> {
+    let mut builder = ChartBuilder::on(area);
+    builder
+        .caption(title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60);
+    builder
+}
+
+/// The legend of the series drawn so far, at `position`.
+fn legend<'a, DB, CT>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    position: SeriesLabelPosition,
+) -> DrawResult
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+    CT: CoordTranslate,
+{
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
+    Ok(())
+}
+
 fn speedup<DB: DrawingBackend>(
     area: &DrawingArea<DB, Shift>,
     title: &str,
@@ -216,15 +249,10 @@ where
         1e-3,
     );
     // Both axes logarithmic: the ideal line is straight, and 2 to 1024 ranks fit.
-    let mut chart = ChartBuilder::on(area)
-        .caption(title, ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(50)
-        .build_cartesian_2d(
-            (x_lo..x_hi).log_scale().base(2.0),
-            (y_lo * 0.8..y_hi * 1.25).log_scale().base(2.0),
-        )?;
+    let mut chart = frame(area, title).build_cartesian_2d(
+        (x_lo..x_hi).log_scale().base(2.0),
+        (y_lo * 0.8..y_hi * 1.25).log_scale().base(2.0),
+    )?;
     chart
         .configure_mesh()
         .x_desc("ranks")
@@ -242,13 +270,7 @@ where
         .label("ideal (linear)")
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], grey));
     draw_lines(&mut chart, lines, 0)?;
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)
 }
 
 /// A tick label of the ranks axis: whole rank counts only (a log axis also ticks
@@ -292,11 +314,7 @@ where
         lines.iter().flat_map(|l| l.points.iter().map(|p| p.1)),
         1e-3,
     );
-    let mut chart = ChartBuilder::on(area)
-        .caption(title, ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(50)
+    let mut chart = frame(area, title)
         .build_cartesian_2d((x_lo..x_hi).log_scale().base(2.0), 0.0..y_hi * 1.05)?;
     chart
         .configure_mesh()
@@ -305,13 +323,7 @@ where
         .x_label_formatter(&|x| human_bytes(*x))
         .draw()?;
     draw_lines(&mut chart, lines, 0)?;
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)
 }
 
 fn breakdown<DB: DrawingBackend>(
@@ -376,13 +388,7 @@ where
             .label(phase.clone())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::UpperRight)
 }
 
 #[cfg(test)]

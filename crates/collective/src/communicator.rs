@@ -469,14 +469,15 @@ impl Communicator {
         Ok(())
     }
 
-    /// Recursive doubling. Ranks at or beyond the largest power of two `p` first fold
-    /// their data into rank `r - p` and get the result back at the end. In every exchange
-    /// the lower rank's data is the accumulator, so both partners compute the same
-    /// expression and every rank ends with identical bits.
-    fn recursive_doubling_all_reduce<T: Element>(
+    /// Runs `within` over the largest power of two `p` of ranks after ranks `p..n` have
+    /// folded their data into rank `r - p` (whose data is the accumulator); they get the
+    /// result back at the end. `within` gets the transport, this rank's data, a scratch
+    /// buffer as long, and `p`.
+    fn with_fold_in<T: Element>(
         &mut self,
         buf: &mut [T],
         op: ReduceOp,
+        within: impl FnOnce(&mut dyn Transport, &mut [T], &mut [T], usize) -> Result<()>,
     ) -> Result<()> {
         let (n, r) = (self.size, self.rank);
         let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
@@ -494,83 +495,82 @@ impl Communicator {
             transport.recv(r + p, bytes_of_mut(tmp))?;
             reduce_into(op, buf, tmp)?;
         }
-        let mut mask = 1;
-        while mask < p {
-            let partner = r ^ mask;
-            transport.sendrecv(partner, bytes_of(buf), partner, bytes_of_mut(tmp))?;
-            if r < partner {
-                reduce_into(op, buf, tmp)?;
-            } else {
-                reduce_into(op, tmp, buf)?;
-                buf.copy_from_slice(tmp);
-            }
-            mask <<= 1;
-        }
+        within(transport.as_mut(), buf, tmp, p)?;
         if r < extra {
             transport.send(r + p, bytes_of(buf))?;
         }
         Ok(())
     }
 
-    /// Rabenseifner's halving-doubling. Ranks at or beyond the largest power of two `p`
-    /// fold into rank `r - p` first and get the result back at the end, as in recursive
-    /// doubling. Then, for `mask = p/2, p/4, .., 1`, a rank and `r ^ mask` split the window
-    /// they share in halves: the lower rank keeps (and reduces into) the lower half, the
-    /// other the upper, each sending the other half. Each rank ends owning one window of
-    /// about `len / p` elements fully reduced; the all-gather retraces the steps in
-    /// reverse, exchanging whole windows. Every element is reduced at one rank and copied
-    /// to the others, so every rank ends with identical bits.
+    /// Recursive doubling over the folded-in ranks ([`Communicator::with_fold_in`]). In
+    /// every exchange the lower rank's data is the accumulator, so both partners compute
+    /// the same expression and every rank ends with identical bits.
+    fn recursive_doubling_all_reduce<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let r = self.rank;
+        self.with_fold_in(buf, op, |transport, buf, tmp, p| {
+            let mut mask = 1;
+            while mask < p {
+                let partner = r ^ mask;
+                transport.sendrecv(partner, bytes_of(buf), partner, bytes_of_mut(tmp))?;
+                if r < partner {
+                    reduce_into(op, buf, tmp)?;
+                } else {
+                    reduce_into(op, tmp, buf)?;
+                    buf.copy_from_slice(tmp);
+                }
+                mask <<= 1;
+            }
+            Ok(())
+        })
+    }
+
+    /// Rabenseifner's halving-doubling over the folded-in ranks
+    /// ([`Communicator::with_fold_in`]). For `mask = p/2, p/4, .., 1`, a rank and
+    /// `r ^ mask` split the window they share in halves: the lower rank keeps (and reduces
+    /// into) the lower half, the other the upper, each sending the other half. Each rank
+    /// ends owning one window of about `len / p` elements fully reduced; the all-gather
+    /// retraces the steps in reverse, exchanging whole windows. Every element is reduced
+    /// at one rank and copied to the others, so every rank ends with identical bits.
     fn halving_doubling_all_reduce<T: Element>(
         &mut self,
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let (n, r) = (self.size, self.rank);
-        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-        let extra = n - p;
-        let bytes = std::mem::size_of_val(buf);
-        let Communicator {
-            transport, scratch, ..
-        } = self;
-        if r >= p {
-            transport.send(r - p, bytes_of(buf))?;
-            return transport.recv(r - p, bytes_of_mut(buf));
-        }
-        let tmp = elements_mut::<T>(scratch_bytes(scratch, bytes), r)?;
-        if r < extra {
-            transport.recv(r + p, bytes_of_mut(tmp))?;
-            reduce_into(op, buf, tmp)?;
-        }
-        // Reduce-scatter by recursive halving; `steps` records (partner, kept, given).
-        let mut window = 0..buf.len();
-        let mut steps: Vec<(usize, Range<usize>, Range<usize>)> = Vec::new();
-        let mut mask = p / 2;
-        while mask > 0 {
-            let partner = r ^ mask;
-            let mid = window.start + window.len() / 2;
-            let (lower, upper) = (window.start..mid, mid..window.end);
-            let (keep, give) = if r < partner {
-                (lower, upper)
-            } else {
-                (upper, lower)
-            };
-            let (send, acc) = split_read_write(buf, give.clone(), keep.clone());
-            let recv = &mut tmp[..keep.len()];
-            transport.sendrecv(partner, bytes_of(send), partner, bytes_of_mut(recv))?;
-            reduce_into(op, acc, recv)?;
-            steps.push((partner, keep.clone(), give));
-            window = keep;
-            mask /= 2;
-        }
-        // All-gather by recursive doubling: send the window owned, receive the partner's.
-        for (partner, keep, give) in steps.into_iter().rev() {
-            let (send, recv) = split_read_write(buf, keep, give);
-            transport.sendrecv(partner, bytes_of(send), partner, bytes_of_mut(recv))?;
-        }
-        if r < extra {
-            transport.send(r + p, bytes_of(buf))?;
-        }
-        Ok(())
+        let r = self.rank;
+        self.with_fold_in(buf, op, |transport, buf, tmp, p| {
+            // Reduce-scatter by recursive halving; `steps` records (partner, kept, given).
+            let mut window = 0..buf.len();
+            let mut steps: Vec<(usize, Range<usize>, Range<usize>)> = Vec::new();
+            let mut mask = p / 2;
+            while mask > 0 {
+                let partner = r ^ mask;
+                let mid = window.start + window.len() / 2;
+                let (lower, upper) = (window.start..mid, mid..window.end);
+                let (keep, give) = if r < partner {
+                    (lower, upper)
+                } else {
+                    (upper, lower)
+                };
+                let (send, acc) = split_read_write(buf, give.clone(), keep.clone());
+                let recv = &mut tmp[..keep.len()];
+                transport.sendrecv(partner, bytes_of(send), partner, bytes_of_mut(recv))?;
+                reduce_into(op, acc, recv)?;
+                steps.push((partner, keep.clone(), give));
+                window = keep;
+                mask /= 2;
+            }
+            // All-gather by recursive doubling: send the window owned, receive the
+            // partner's.
+            for (partner, keep, give) in steps.into_iter().rev() {
+                let (send, recv) = split_read_write(buf, keep, give);
+                transport.sendrecv(partner, bytes_of(send), partner, bytes_of_mut(recv))?;
+            }
+            Ok(())
+        })
     }
 
     fn mpi_all_reduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
