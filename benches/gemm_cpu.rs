@@ -123,6 +123,17 @@ fn matrixmultiply_crate(s: &Shape, a: &[f32], b: &[f32], c: &mut [f32], threads:
     );
 }
 
+/// A and B of `s`'s product: small values with a pattern, the same for every table.
+fn operands(s: &Shape) -> (Vec<f32>, Vec<f32>) {
+    let a = (0..s.m * s.k)
+        .map(|i| ((i % 97) as f32 - 48.0) * 0.01)
+        .collect();
+    let b = (0..s.k * s.n)
+        .map(|i| ((i % 89) as f32 - 44.0) * 0.01)
+        .collect();
+    (a, b)
+}
+
 /// Median seconds per call over repeated runs filling about `budget`.
 fn time_it(budget: Duration, mut f: impl FnMut()) -> f64 {
     f();
@@ -214,12 +225,7 @@ fn main() {
     );
     let mut sum_log_ratio = [0.0f64; 2];
     for s in &shapes {
-        let a: Vec<f32> = (0..s.m * s.k)
-            .map(|i| ((i % 97) as f32 - 48.0) * 0.01)
-            .collect();
-        let bm: Vec<f32> = (0..s.k * s.n)
-            .map(|i| ((i % 89) as f32 - 44.0) * 0.01)
-            .collect();
+        let (a, bm) = operands(s);
         let mut c1 = vec![0.0f32; s.m * s.n];
         let mut c2 = vec![0.0f32; s.m * s.n];
         // Both crates must agree before their speed means anything.
@@ -297,12 +303,7 @@ fn bf16_table(shapes: &[Shape], budget: Duration, pool2: &rayon::ThreadPool) {
     );
     let mut sum_log_ratio = [0.0f64; 2];
     for s in shapes {
-        let a: Vec<f32> = (0..s.m * s.k)
-            .map(|i| ((i % 97) as f32 - 48.0) * 0.01)
-            .collect();
-        let bm: Vec<f32> = (0..s.k * s.n)
-            .map(|i| ((i % 89) as f32 - 44.0) * 0.01)
-            .collect();
+        let (a, bm) = operands(s);
         let a16: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
         let b16: Vec<bf16> = bm.iter().map(|&x| bf16::from_f32(x)).collect();
         let views = || {
