@@ -19,6 +19,9 @@
 //! sweep's 1-rank run, appends its rows for those counts, marked predicted (the ranks
 //! cell says `(predicted: BOTTLENECK)`, the JSON row has `"predicted": true`).
 //!
+//! A `--timeline FILE` in the training command gives every run a file of its own:
+//! `FILE` with `.np2` (or `.pipeline-np2` with `--compare`) before its extension.
+//!
 //! `--json` and `--report-dir` are checked before the first count runs. When a count
 //! fails (or the sweep is stopped), the table of the counts that finished is printed
 //! (and written to `--json`) before the error.
@@ -363,6 +366,40 @@ fn quality_cells(q: Option<&TimeToQuality>) -> String {
     }
 }
 
+/// `command` with its `--timeline FILE` (if any) made the run's own: `FILE` with
+/// `.LABEL` before its extension (`trace.json` → `trace.np2.json`), so that every run of
+/// a sweep writes a timeline of its own instead of the second being refused.
+pub fn with_run_timeline(command: &[String], label: &str) -> Vec<String> {
+    let own = |path: &str| {
+        let p = std::path::Path::new(path);
+        let stem = p
+            .file_stem()
+            .map_or_else(|| "timeline".into(), |s| s.to_string_lossy().into_owned());
+        let ext = p
+            .extension()
+            .map_or_else(|| "json".into(), |e| e.to_string_lossy().into_owned());
+        p.with_file_name(format!("{stem}.{label}.{ext}"))
+            .display()
+            .to_string()
+    };
+    let mut out = Vec::with_capacity(command.len());
+    let mut next_is_path = false;
+    for a in command {
+        if next_is_path {
+            out.push(own(a));
+            next_is_path = false;
+        } else if a == "--timeline" {
+            out.push(a.clone());
+            next_is_path = true;
+        } else if let Some(path) = a.strip_prefix("--timeline=") {
+            out.push(format!("--timeline={}", own(path)));
+        } else {
+            out.push(a.clone());
+        }
+    }
+    out
+}
+
 /// Removes `--json-report X` / `--json-report=X` from a command (the sweep sets its own).
 fn without_json_report(command: &[String]) -> Vec<String> {
     let mut out = Vec::new();
@@ -412,7 +449,7 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         if reports.is_empty() {
             check_output_file("--report-dir", &report_path, "report.json")?;
         }
-        match run_count(args, &exe, &base_cmd, np, &report_path) {
+        match run_count(args, &exe, &base_cmd, np, &report_path, &format!("np{np}")) {
             Ok(report) => reports.push(report),
             Err(e) => {
                 failure = Some((np, e));
@@ -567,7 +604,7 @@ fn run_compare(
                 check_output_file("--report-dir", &report_path, "report.json")?;
             }
             let cmd = experiment_command(base_cmd, experiment, np);
-            match run_count(args, exe, &cmd, np, &report_path) {
+            match run_count(args, exe, &cmd, np, &report_path, &format!("{name}-np{np}")) {
                 Ok(report) => runs.push((experiment, report)),
                 Err(e) => {
                     failure = Some((np, name, e));
@@ -695,8 +732,9 @@ fn run_count(
     base_cmd: &[String],
     np: usize,
     report_path: &std::path::Path,
+    label: &str,
 ) -> Result<RunReport> {
-    let mut command = base_cmd.to_vec();
+    let mut command = with_run_timeline(base_cmd, label);
     command.push("--json-report".to_string());
     command.push(report_path.display().to_string());
     let launch_args = LaunchArgs {
@@ -782,6 +820,41 @@ mod tests {
             json.contains("\"time_to_quality\":{\"target\":50.0,\"reached\":true,\"step\":120"),
             "{json}"
         );
+    }
+
+    #[test]
+    fn every_run_of_a_sweep_gets_its_own_timeline_file() {
+        let cmd: Vec<String> = [
+            "train",
+            "--timeline",
+            "out/trace.json",
+            "--timeline-steps",
+            "2..3",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        assert_eq!(
+            with_run_timeline(&cmd, "np2"),
+            [
+                "train",
+                "--timeline",
+                "out/trace.np2.json",
+                "--timeline-steps",
+                "2..3"
+            ]
+        );
+        let cmd = vec!["train".to_string(), "--timeline=trace".to_string()];
+        assert_eq!(
+            with_run_timeline(&cmd, "data-np4"),
+            ["train", "--timeline=trace.data-np4.json"]
+        );
+        let plain = vec![
+            "train".to_string(),
+            "--threads".to_string(),
+            "1".to_string(),
+        ];
+        assert_eq!(with_run_timeline(&plain, "np1"), plain);
     }
 
     #[test]

@@ -156,7 +156,9 @@ fn sweep_prints_the_seeds_table_and_json() {
         "2",
         "--variable-update",
         "independent",
+        "--timeline",
     ]));
+    args.push(dir.path().join("trace.json").display().to_string());
     let out = ringtrain(&args);
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
@@ -196,6 +198,13 @@ fn sweep_prints_the_seeds_table_and_json() {
         assert!(svg.contains(text), "the plot lacks `{text}`");
     }
     assert_eq!(svg.matches("<circle").count(), 2, "a point per rank count");
+    // Every run wrote a timeline of its own.
+    for np in [1, 2] {
+        let trace = dir.path().join(format!("trace.np{np}.json"));
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+        assert!(v["traceEvents"].as_array().is_some_and(|e| !e.is_empty()), "{trace:?}");
+    }
 }
 
 #[test]
