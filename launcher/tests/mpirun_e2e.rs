@@ -203,7 +203,10 @@ fn sweep_prints_the_seeds_table_and_json() {
         let trace = dir.path().join(format!("trace.np{np}.json"));
         let v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
-        assert!(v["traceEvents"].as_array().is_some_and(|e| !e.is_empty()), "{trace:?}");
+        assert!(
+            v["traceEvents"].as_array().is_some_and(|e| !e.is_empty()),
+            "{trace:?}"
+        );
     }
 }
 
