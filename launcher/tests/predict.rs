@@ -196,82 +196,63 @@ fn more_bandwidth_never_predicts_fewer_words_and_more_ranks_never_fewer_for_inde
     }
 }
 
+/// Runs `ringtrain predict args...`, which must fail with every one of `needles` in its
+/// stderr.
+fn refused(args: &[&str], needles: &[&str]) {
+    let mut all = vec!["predict"];
+    all.extend_from_slice(args);
+    let (ok, stdout, stderr) = run(&all);
+    assert!(!ok, "`ringtrain {}` succeeded:\n{stdout}", all.join(" "));
+    for needle in needles {
+        assert!(stderr.contains(needle), "no `{needle}` in:\n{stderr}");
+    }
+}
+
 #[test]
 fn unusable_inputs_name_the_file_and_what_to_run() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("nothing.json");
-    let (ok, _, stderr) = run(&[
-        "predict",
-        "--report",
-        missing.to_str().unwrap(),
-        "--link",
-        "pcie4",
-    ]);
-    assert!(!ok);
-    assert!(
-        stderr.contains("for --report") && stderr.contains("nothing.json"),
-        "{stderr}"
+    let missing = missing.to_str().unwrap();
+    refused(
+        &["--report", missing, "--link", "pcie4"],
+        &[
+            "for --report",
+            "nothing.json",
+            "ringtrain train --json-report",
+        ],
     );
-    assert!(stderr.contains("ringtrain train --json-report"), "{stderr}");
 
     let report = data("predict-one-rank.json");
+    let report = report.to_str().unwrap();
     let bad = dir.path().join("bad.json");
     std::fs::write(&bad, "[1, 2").unwrap();
-    let (ok, _, stderr) = run(&[
-        "predict",
-        "--report",
-        report.to_str().unwrap(),
-        "--bench",
-        bad.to_str().unwrap(),
-    ]);
-    assert!(!ok);
-    assert!(
-        stderr.contains("for --bench")
-            && stderr.contains("bad.json")
-            && stderr.contains("not JSON"),
-        "{stderr}"
+    refused(
+        &["--report", report, "--bench", bad.to_str().unwrap()],
+        &[
+            "for --bench",
+            "bad.json",
+            "not JSON",
+            "bench allreduce --json",
+        ],
     );
-    assert!(stderr.contains("bench allreduce --json"), "{stderr}");
 
     // A report of 2 ranks is refused: the model is calibrated on one.
-    let text = std::fs::read_to_string(&report).unwrap();
+    let text = std::fs::read_to_string(report).unwrap();
     let mut two: Value = serde_json::from_str(&text).unwrap();
     two["ranks"] = Value::from(2);
     let two_path = dir.path().join("two.json");
     std::fs::write(&two_path, two.to_string()).unwrap();
-    let (ok, _, stderr) = run(&[
-        "predict",
-        "--report",
-        two_path.to_str().unwrap(),
-        "--link",
-        "pcie4",
-    ]);
-    assert!(!ok);
-    assert!(stderr.contains("report of 2 ranks"), "{stderr}");
+    refused(
+        &["--report", two_path.to_str().unwrap(), "--link", "pcie4"],
+        &["report of 2 ranks"],
+    );
 
-    let (ok, _, stderr) = run(&["predict", "--report", report.to_str().unwrap()]);
-    assert!(!ok);
-    assert!(stderr.contains("give exactly one"), "{stderr}");
-    let (ok, _, stderr) = run(&[
-        "predict",
-        "--report",
-        report.to_str().unwrap(),
-        "--link",
-        "pcie4",
-        "--",
-        "train",
-    ]);
-    assert!(!ok);
-    assert!(stderr.contains("only run by --validate"), "{stderr}");
-    let (ok, _, stderr) = run(&[
-        "predict",
-        "--report",
-        report.to_str().unwrap(),
-        "--link",
-        "ethernet",
-    ]);
-    assert!(!ok);
-    assert!(stderr.contains("ib-ndr"), "{stderr}");
+    refused(&["--report", report], &["give exactly one"]);
+    refused(
+        &["--report", report, "--link", "pcie4", "--", "train"],
+        &["only run by --validate"],
+    );
+    refused(&["--report", report, "--link", "ethernet"], &["ib-ndr"]);
 }
 
 #[test]
@@ -452,17 +433,15 @@ fn predict_draws_the_speedup_per_strategy_and_the_terms_of_the_largest_count() {
         "bars only for the largest count"
     );
     // The plot is checked before any work, and --validate draws none.
-    let (ok, _, stderr) = run(&[
-        "predict",
-        "--report",
-        report.to_str().unwrap(),
-        "--link",
-        "pcie4",
-        "--plot",
-        dir.path().to_str().unwrap(),
-    ]);
-    assert!(
-        !ok && stderr.contains("--plot") && stderr.contains("is a directory"),
-        "{stderr}"
+    refused(
+        &[
+            "--report",
+            report.to_str().unwrap(),
+            "--link",
+            "pcie4",
+            "--plot",
+            dir.path().to_str().unwrap(),
+        ],
+        &["--plot", "is a directory"],
     );
 }
