@@ -152,6 +152,12 @@ fn every_path_this_cpu_lacks_is_reported_with_the_reason() {
             Some(why) => println!("bf16 GEMM path {}: SKIPPED: {why}", path.name()),
         }
     }
+    for path in [Bf16Path::Avx512Bf16, Bf16Path::Amx] {
+        println!(
+            "bf16 GEMM path {} (software model of its instructions): tested",
+            path.name()
+        );
+    }
     assert!(
         Bf16Path::Portable.available(),
         "the portable path runs everywhere"
