@@ -246,6 +246,10 @@ impl Bf16Path {
 /// `rows × NR` tile.
 type MicroKernel = unsafe fn(pairs: usize, a: *const u32, b: *const u32, tile: *mut f32);
 
+/// What runs on the driver's thread before the first micro-kernel call of a product, and
+/// after the last.
+type Session = (unsafe fn(), unsafe fn());
+
 /// A micro-kernel and the shape of the packs it reads.
 #[derive(Clone, Copy)]
 struct Kernel {
@@ -255,12 +259,16 @@ struct Kernel {
     /// k-pairs per step: the packs are zero-padded to a multiple of it, and an A panel
     /// holds, step after step, its rows one after the other, each `step` pairs long.
     step: usize,
+    /// Called on the driver's thread before its first micro-kernel call and after its
+    /// last (the AMX tile configuration, loaded once per product rather than per call).
+    session: Option<Session>,
 }
 
 const PORTABLE: Kernel = Kernel {
     run: portable_kernel,
     rows: MR,
     step: 1,
+    session: None,
 };
 
 impl Kernel {
@@ -269,14 +277,16 @@ impl Kernel {
             run,
             rows: MR,
             step: 1,
+            session: None,
         }
     }
 
-    const fn amx(run: MicroKernel) -> Self {
+    const fn amx(run: MicroKernel, session: Option<Session>) -> Self {
         Kernel {
             run,
             rows: AMX_MR,
             step: AMX_PAIRS,
+            session,
         }
     }
 }
@@ -297,7 +307,7 @@ pub fn gemm_bf16(
     let kernel = match path {
         Bf16Path::Portable => Some(PORTABLE),
         Bf16Path::Avx512Bf16 => avx512::kernel().map(Kernel::vector),
-        Bf16Path::Amx => amx::kernel().map(Kernel::amx),
+        Bf16Path::Amx => amx::kernel(),
     };
     let Some(kernel) = kernel else {
         return Err(Error::InvalidValue {
@@ -331,7 +341,9 @@ pub fn gemm_bf16_modelled(
     let kernel = match path {
         Bf16Path::Portable => PORTABLE,
         Bf16Path::Avx512Bf16 => Kernel::vector(modelled_vector_kernel),
-        Bf16Path::Amx => Kernel::amx(modelled_amx_kernel),
+        // The model's tiles are configured by each call (as LDTILECFG leaves them: every
+        // tile the kernel reads is loaded first), so it needs no session.
+        Bf16Path::Amx => Kernel::amx(modelled_amx_kernel, None),
     };
     drive(kernel, a, b, c, ldc, accumulate)
 }
@@ -394,6 +406,12 @@ fn drive(
     let rows = kernel.rows;
     let mut tile = [0.0f32; AMX_MR * NR];
     let tile = &mut tile[..rows * NR];
+    if let Some((begin, _)) = kernel.session {
+        // SAFETY: a kernel with a session is one whose CPU features were checked when it
+        // was chosen; the session ends below, on this thread, and nothing between returns
+        // early.
+        unsafe { begin() };
+    }
     for jc in (0..n).step_by(NC) {
         let nc = NC.min(n - jc);
         for pc in (0..k).step_by(KC) {
@@ -436,6 +454,10 @@ fn drive(
                 }
             }
         }
+    }
+    if let Some((_, end)) = kernel.session {
+        // SAFETY: the session began above, on this thread.
+        unsafe { end() };
     }
     Ok(())
 }
@@ -657,7 +679,8 @@ static TILE_CONFIG: TileConfig = {
 
 /// The AMX micro-kernel's body, written once for the hardware (`$ops::Tiles` = the tile
 /// instructions through `asm!`) and for the software model of the same instructions, as
-/// `vector_kernel!` is. C's `AMX_MR × NR` block is tiles 0 (rows 0–15, columns 0–15), 1
+/// `vector_kernel!` is. The tiles are configured with [`TILE_CONFIG`] (on the hardware once
+/// per product, by the kernel's session; the model takes it on each call). C's `AMX_MR × NR` block is tiles 0 (rows 0–15, columns 0–15), 1
 /// (rows 0–15, columns 16–31), 2 and 3 (rows 16–31); each step of 16 k-pairs loads the
 /// step's two A tiles (4: rows 0–15, 5: rows 16–31) and two B tiles (6: columns 0–15, 7:
 /// columns 16–31), then `C[r][c] += A[r] · B[c]`.
@@ -677,7 +700,7 @@ macro_rules! amx_kernel {
             // `AMX_MR * NR` floats; every tile below reads or writes 16 rows of 64 bytes
             // inside them.
             unsafe {
-                let mut t = ops::Tiles::configure(&$crate::gemm_bf16::TILE_CONFIG);
+                let mut t = ops::Tiles::configured(&$crate::gemm_bf16::TILE_CONFIG);
                 let c = tile.cast::<u8>();
                 t.load::<0>(c, C_ROW);
                 t.load::<1>(c.add(64), C_ROW);
@@ -699,7 +722,6 @@ macro_rules! amx_kernel {
                 t.store::<1>(c.add(64), C_ROW);
                 t.store::<2>(c.add(16 * C_ROW), C_ROW);
                 t.store::<3>(c.add(16 * C_ROW + 64), C_ROW);
-                t.release();
             }
         }
     };
@@ -745,7 +767,7 @@ mod model_tiles {
     }
 
     impl Tiles {
-        pub fn configure(cfg: &TileConfig) -> Tiles {
+        pub fn configured(cfg: &TileConfig) -> Tiles {
             let cfg = &cfg.0;
             assert_eq!(cfg[0], 1, "palette 1");
             let mut t = Tiles {
@@ -805,8 +827,6 @@ mod model_tiles {
                 }
             }
         }
-
-        pub fn release(self) {}
     }
 }
 
@@ -825,7 +845,7 @@ amx_kernel!(
 mod amx {
     //! The AMX-BF16 path: detection (once per process) and the tile instructions.
 
-    use super::MicroKernel;
+    use super::Kernel;
     use std::sync::OnceLock;
 
     /// `Ok` when this process may use the AMX tiles, else why not.
@@ -842,8 +862,11 @@ mod amx {
         state().err().unwrap_or("")
     }
 
-    pub fn kernel() -> Option<MicroKernel> {
-        available().then_some(amx_kernel as MicroKernel)
+    pub fn kernel() -> Option<Kernel> {
+        available().then_some(Kernel::amx(
+            amx_kernel,
+            Some((hw_tiles::begin, hw_tiles::end)),
+        ))
     }
 
     fn probe() -> Result<(), &'static str> {
@@ -910,20 +933,18 @@ mod amx {
     /// registers, so they keep their contents from one block to the next; no block uses
     /// any vector register, so nothing here needs AVX-512.
     mod hw_tiles {
-        use crate::gemm_bf16::TileConfig;
+        use crate::gemm_bf16::{TileConfig, TILE_CONFIG};
         use core::arch::asm;
 
         pub struct Tiles(());
 
         impl Tiles {
+            /// The handle of the tiles the session configured.
+            ///
             /// # Safety
-            /// The CPU has AMX-TILE and the process may use the tile state.
+            /// [`begin`] ran on this thread, and [`end`] not since.
             #[inline(always)]
-            pub unsafe fn configure(cfg: &TileConfig) -> Tiles {
-                // SAFETY: `cfg` is 64 readable bytes of a valid palette-1 configuration.
-                unsafe {
-                    asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, preserves_flags))
-                };
+            pub unsafe fn configured(_cfg: &TileConfig) -> Tiles {
                 Tiles(())
             }
 
@@ -976,13 +997,31 @@ mod amx {
                     )
                 };
             }
+        }
 
-            /// Gives the tile state back (the registers return to their initial state).
-            #[inline(always)]
-            pub unsafe fn release(self) {
-                // SAFETY: TILERELEASE has no operands.
-                unsafe { asm!("tilerelease", options(nostack, preserves_flags)) };
-            }
+        /// Loads [`TILE_CONFIG`] (the session of the AMX kernel begins).
+        ///
+        /// # Safety
+        /// The CPU has AMX-TILE and the process may use the tile state.
+        pub unsafe fn begin() {
+            // SAFETY: `TILE_CONFIG` is 64 readable bytes of a valid palette-1
+            // configuration.
+            unsafe {
+                asm!(
+                    "ldtilecfg [{}]",
+                    in(reg) TILE_CONFIG.0.as_ptr(),
+                    options(nostack, preserves_flags)
+                )
+            };
+        }
+
+        /// Gives the tile state back (the registers return to their initial state).
+        ///
+        /// # Safety
+        /// The CPU has AMX-TILE.
+        pub unsafe fn end() {
+            // SAFETY: TILERELEASE has no operands.
+            unsafe { asm!("tilerelease", options(nostack, preserves_flags)) };
         }
     }
 
@@ -999,7 +1038,7 @@ mod amx {
 
 #[cfg(not(all(feature = "std", target_arch = "x86_64")))]
 mod amx {
-    use super::MicroKernel;
+    use super::Kernel;
 
     pub fn available() -> bool {
         false
@@ -1009,7 +1048,7 @@ mod amx {
         "AMX-BF16 needs an x86-64 CPU and the `std` feature to detect it"
     }
 
-    pub fn kernel() -> Option<MicroKernel> {
+    pub fn kernel() -> Option<Kernel> {
         None
     }
 }
