@@ -5,8 +5,9 @@
 //!
 //! Run: `cargo bench -p ringtrain --bench gemm_cpu`. Prints GFLOP/s of each crate with one
 //! and two threads and the ratio gemm / matrixmultiply; then, at the same shapes, our bf16
-//! kernels (`ringtrain_kernels::gemm_bf16`, f32 accumulation; the path this CPU took is
-//! printed) against the `gemm` crate's f32 product, and the ratio bf16 / f32.
+//! kernels (`ringtrain_kernels::gemm_bf16`, f32 accumulation; a table per path this CPU
+//! can run, the path the backend takes named) against the `gemm` crate's f32 product, and
+//! the ratio bf16 / f32.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -281,22 +282,41 @@ fn main() {
 }
 
 /// Our bf16 products (operands already bf16, f32 accumulation) against the `gemm`
-/// crate's f32 product at the same shapes.
+/// crate's f32 product at the same shapes: one table per path this CPU can run, the one
+/// the backend takes (`Bf16Path::detect`) named.
 fn bf16_table(shapes: &[Shape], budget: Duration, pool2: &rayon::ThreadPool) {
-    use ringtrain_kernels::bf16;
-    use ringtrain_kernels::gemm_bf16::{Bf16Path, MatRef};
+    use ringtrain_kernels::gemm_bf16::Bf16Path;
 
-    let path = Bf16Path::detect();
     println!();
     println!(
-        "gemm_cpu bf16: GFLOP/s (baseline = gemm 0.19 f32, ours = ringtrain bf16 path `{}`), ratio = bf16 / f32",
-        path.name()
+        "gemm_cpu bf16: the backend takes path `{}` on this CPU",
+        Bf16Path::detect().name()
     );
     for p in Bf16Path::ALL {
         if let Some(why) = p.unavailable_reason() {
             println!("  path {} not on this CPU: {why}", p.name());
         }
     }
+    for path in Bf16Path::runnable() {
+        bf16_path_table(path, shapes, budget, pool2);
+    }
+}
+
+/// [`bf16_table`] for one path.
+fn bf16_path_table(
+    path: ringtrain_kernels::gemm_bf16::Bf16Path,
+    shapes: &[Shape],
+    budget: Duration,
+    pool2: &rayon::ThreadPool,
+) {
+    use ringtrain_kernels::bf16;
+    use ringtrain_kernels::gemm_bf16::MatRef;
+
+    println!();
+    println!(
+        "gemm_cpu bf16: GFLOP/s (baseline = gemm 0.19 f32, ours = ringtrain bf16 path `{}`), ratio = bf16 / f32",
+        path.name()
+    );
     println!(
         "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8} {:>8} {:>6} | {:>8} {:>8} {:>6}",
         "product", "op", "M", "N", "K", "f32 1t", "bf16 1t", "ratio", "f32 2t", "bf16 2t", "ratio"

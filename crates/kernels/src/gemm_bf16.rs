@@ -18,16 +18,25 @@
 //!
 //! # Paths
 //!
-//! [`Bf16Path::detect`] picks the fastest path the CPU has, at run time:
+//! [`Bf16Path::detect`] picks the fastest path the CPU has, at run time (once per
+//! process), in this order:
+//! - [`Bf16Path::Amx`]: AMX-BF16 tile registers, `TDPBF16PS` (a 16 × 16 block of f32 from
+//!   16 rows of A times 16 columns of B, 32 bf16 deep, in one instruction). CPUs with
+//!   AMX-BF16 and AMX-TILE: Intel Sapphire Rapids (4th generation Xeon Scalable) and later
+//!   Xeons (Emerald Rapids, Granite Rapids). It is used on Linux only, where the process
+//!   must ask the kernel for the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, Linux 5.16
+//!   and later); when the kernel refuses, the next path is taken.
 //! - [`Bf16Path::Avx512Bf16`]: `VDPBF16PS`, which multiplies pairs of bf16 and adds both
 //!   products to an f32 lane. CPUs with AVX-512 BF16: Intel Cooper Lake, Sapphire Rapids
-//!   and later Xeons, AMD Zen 4 and Zen 5.
+//!   and later Xeons (where AMX cannot be used), AMD Zen 4 and Zen 5.
 //! - [`Bf16Path::Portable`]: every other CPU (and `no_std` builds, which cannot ask the
 //!   CPU). It gives the same bits as the f32 product of the operands widened to f32, each
 //!   element accumulated in order of `k` with one rounding per multiply and per add.
 //!
-//! An AMX-BF16 path (tile registers, `TDPBF16PS`; Sapphire Rapids and later) is not
-//! written yet: those CPUs take the AVX-512 BF16 path.
+//! Every path can also be named (tests and benchmarks run each one the CPU has:
+//! [`Bf16Path::runnable`]), and [`gemm_bf16_modelled`] runs a path with its instructions
+//! modelled in software, on any CPU, through the same driver, packing and tile walking,
+//! which is how the packing of the AVX-512 and AMX paths is tested on CPUs without them.
 //!
 //! # Accuracy
 //!
@@ -40,11 +49,19 @@
 //!
 //! # Blocking
 //!
-//! Both paths share one driver (the classic Goto layout): B is packed into panels of
+//! Every path shares one driver (the classic Goto layout): B is packed into panels of
 //! [`NR`] columns times [`KC`] rows, as pairs of consecutive `k` in one 32-bit word, A into
 //! panels of [`MR`] rows, and a micro-kernel keeps an `MR × NR` block of C in registers
 //! while it walks `k`. Edges are zero-padded in the packs, so any shape works, including
 //! 1 and sizes that are not multiples of the block.
+//!
+//! The AMX micro-kernel computes an [`AMX_MR`] × [`NR`] block of C (2 × 2 tiles of 16 × 16
+//! f32) and walks `k` in steps of [`AMX_PAIRS`] pairs (32 bf16, one tile row). Its B
+//! panels are the same pack, zero-padded to a multiple of [`AMX_PAIRS`] pairs; a B tile
+//! (16 pairs × 16 columns, the layout `TDPBF16PS` calls VNNI) is 16 rows of that panel
+//! read with its row stride. Its A panels hold, for each step, the 32 rows one after the
+//! other, each 16 pairs long: an A tile is 16 rows of that, read with a stride of one
+//! row. (The vector kernels' A panels are the same formula with steps of one pair.)
 
 use alloc::vec;
 use alloc::vec::Vec;
@@ -53,8 +70,12 @@ use half::bf16;
 
 use crate::error::{Error, Result, Value};
 
-/// Rows of C a micro-kernel computes at once.
+/// Rows of C the portable and AVX-512 micro-kernels compute at once.
 pub const MR: usize = 8;
+/// Rows of C the AMX micro-kernel computes at once (two tiles of 16 rows).
+pub const AMX_MR: usize = 32;
+/// k-pairs per step of the AMX micro-kernel (one tile row of 64 bytes).
+pub const AMX_PAIRS: usize = 16;
 /// Columns of C a micro-kernel computes at once (two 16-lane f32 vectors).
 pub const NR: usize = 32;
 /// `k` per packed block (a multiple of 2: k is packed in pairs).
@@ -63,6 +84,12 @@ pub const KC: usize = 256;
 pub const MC: usize = 128;
 /// Columns of B per packed block (a multiple of [`NR`]).
 pub const NC: usize = 1024;
+
+// The packs are sized for MC × KC / 2 and NC × KC / 2 words: the padding to AMX steps
+// must not grow them, and A panels must tile MC exactly.
+const _: () = assert!(
+    (KC / 2).is_multiple_of(AMX_PAIRS) && MC.is_multiple_of(AMX_MR) && MC.is_multiple_of(MR)
+);
 
 /// A read-only strided view of a bf16 matrix: element `(r, c)` is
 /// `data[r * row_stride + c * col_stride]`.
@@ -159,16 +186,28 @@ pub enum Bf16Path {
     Portable,
     /// `VDPBF16PS` on 512-bit vectors (AVX-512 F and BF16).
     Avx512Bf16,
+    /// `TDPBF16PS` on AMX tile registers (AMX-TILE and AMX-BF16, on Linux).
+    Amx,
 }
 
 impl Bf16Path {
     /// The fastest path this CPU has (the portable one without `std`, which cannot ask).
     pub fn detect() -> Self {
-        if Bf16Path::Avx512Bf16.available() {
+        if Bf16Path::Amx.available() {
+            Bf16Path::Amx
+        } else if Bf16Path::Avx512Bf16.available() {
             Bf16Path::Avx512Bf16
         } else {
             Bf16Path::Portable
         }
+    }
+
+    /// Every path this CPU can run, the portable one first.
+    pub fn runnable() -> Vec<Bf16Path> {
+        Bf16Path::ALL
+            .into_iter()
+            .filter(|p| p.available())
+            .collect()
     }
 
     /// Whether this CPU can run the path.
@@ -176,6 +215,7 @@ impl Bf16Path {
         match self {
             Bf16Path::Portable => true,
             Bf16Path::Avx512Bf16 => avx512::available(),
+            Bf16Path::Amx => amx::available(),
         }
     }
 
@@ -184,24 +224,72 @@ impl Bf16Path {
         (!self.available()).then_some(match self {
             Bf16Path::Portable => "",
             Bf16Path::Avx512Bf16 => avx512::MISSING,
+            Bf16Path::Amx => amx::missing(),
         })
     }
 
-    /// The name (`portable`, `avx512-bf16`).
+    /// The name (`portable`, `avx512-bf16`, `amx-bf16`).
     pub fn name(self) -> &'static str {
         match self {
             Bf16Path::Portable => "portable",
             Bf16Path::Avx512Bf16 => "avx512-bf16",
+            Bf16Path::Amx => "amx-bf16",
         }
     }
 
     /// Every path, the portable one first.
-    pub const ALL: [Bf16Path; 2] = [Bf16Path::Portable, Bf16Path::Avx512Bf16];
+    pub const ALL: [Bf16Path; 3] = [Bf16Path::Portable, Bf16Path::Avx512Bf16, Bf16Path::Amx];
 }
 
-/// A micro-kernel: `pairs` k-pairs of a packed A panel (`pairs * MR` words) and B panel
-/// (`pairs * NR` words), accumulated into the row-major `MR × NR` tile.
+/// A micro-kernel: `pairs` k-pairs (a multiple of its [`Kernel::step`]) of a packed A panel
+/// (`pairs * rows` words) and B panel (`pairs * NR` words), accumulated into the row-major
+/// `rows × NR` tile.
 type MicroKernel = unsafe fn(pairs: usize, a: *const u32, b: *const u32, tile: *mut f32);
+
+/// What runs on the driver's thread before the first micro-kernel call of a product, and
+/// after the last.
+type Session = (unsafe fn(), unsafe fn());
+
+/// A micro-kernel and the shape of the packs it reads.
+#[derive(Clone, Copy)]
+struct Kernel {
+    run: MicroKernel,
+    /// Rows of C per call (rows of an A panel).
+    rows: usize,
+    /// k-pairs per step: the packs are zero-padded to a multiple of it, and an A panel
+    /// holds, step after step, its rows one after the other, each `step` pairs long.
+    step: usize,
+    /// Called on the driver's thread before its first micro-kernel call and after its
+    /// last (the AMX tile configuration, loaded once per product rather than per call).
+    session: Option<Session>,
+}
+
+const PORTABLE: Kernel = Kernel {
+    run: portable_kernel,
+    rows: MR,
+    step: 1,
+    session: None,
+};
+
+impl Kernel {
+    const fn vector(run: MicroKernel) -> Self {
+        Kernel {
+            run,
+            rows: MR,
+            step: 1,
+            session: None,
+        }
+    }
+
+    const fn amx(run: MicroKernel, session: Option<Session>) -> Self {
+        Kernel {
+            run,
+            rows: AMX_MR,
+            step: AMX_PAIRS,
+            session,
+        }
+    }
+}
 
 /// `C = A·B` (`accumulate == false`) or `C += A·B`, A `[m, k]`, B `[k, n]`, C row-major
 /// with row stride `ldc` (its first `(m - 1) * ldc + n` elements are used), on `path`.
@@ -216,18 +304,46 @@ pub fn gemm_bf16(
     ldc: usize,
     accumulate: bool,
 ) -> Result<()> {
-    let kernel: MicroKernel = match path {
-        Bf16Path::Portable => portable_kernel,
-        Bf16Path::Avx512Bf16 => match avx512::kernel() {
-            Some(k) => k,
-            None => {
-                return Err(Error::InvalidValue {
-                    name: "path",
-                    value: Value::Count(1),
-                    reason: "this CPU lacks AVX-512 BF16: use Bf16Path::detect()",
-                })
-            }
-        },
+    let kernel = match path {
+        Bf16Path::Portable => Some(PORTABLE),
+        Bf16Path::Avx512Bf16 => avx512::kernel().map(Kernel::vector),
+        Bf16Path::Amx => amx::kernel(),
+    };
+    let Some(kernel) = kernel else {
+        return Err(Error::InvalidValue {
+            name: "path",
+            value: Value::Count(path as usize),
+            reason: match path {
+                Bf16Path::Amx => "this CPU (or OS) cannot run AMX-BF16: use Bf16Path::detect()",
+                _ => "this CPU lacks AVX-512 BF16: use Bf16Path::detect()",
+            },
+        });
+    };
+    drive(kernel, a, b, c, ldc, accumulate)
+}
+
+/// [`gemm_bf16`] as `path` computes it, with the path's instructions (`VDPBF16PS`,
+/// `TDPBF16PS` and the tile loads and stores) modelled in software, on any CPU. It runs
+/// the same driver, packing and tile walking as the hardware path, so it tests them on
+/// CPUs without the instructions; it is slow, and meant for tests.
+///
+/// The models follow the instruction set reference: subnormal bf16 inputs read as zero,
+/// subnormal results flushed to zero, round to nearest even. The portable path is its own
+/// model.
+pub fn gemm_bf16_modelled(
+    path: Bf16Path,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let kernel = match path {
+        Bf16Path::Portable => PORTABLE,
+        Bf16Path::Avx512Bf16 => Kernel::vector(modelled_vector_kernel),
+        // The model's tiles are configured by each call (as LDTILECFG leaves them: every
+        // tile the kernel reads is loaded first), so it needs no session.
+        Bf16Path::Amx => Kernel::amx(modelled_amx_kernel, None),
     };
     drive(kernel, a, b, c, ldc, accumulate)
 }
@@ -265,7 +381,7 @@ pub(crate) fn check(a: &MatRef<'_>, b: &MatRef<'_>, c: &[f32], ldc: usize) -> Re
 
 /// The blocked driver shared by every path.
 fn drive(
-    kernel: MicroKernel,
+    kernel: Kernel,
     a: MatRef<'_>,
     b: MatRef<'_>,
     c: &mut [f32],
@@ -287,34 +403,48 @@ fn drive(
     }
     let mut b_pack: Vec<u32> = vec![0; NC * KC / 2];
     let mut a_pack: Vec<u32> = vec![0; MC * KC / 2];
-    let mut tile = [0.0f32; MR * NR];
+    let rows = kernel.rows;
+    let mut tile = [0.0f32; AMX_MR * NR];
+    let tile = &mut tile[..rows * NR];
+    if let Some((begin, _)) = kernel.session {
+        // SAFETY: a kernel with a session is one whose CPU features were checked when it
+        // was chosen; the session ends below, on this thread, and nothing between returns
+        // early.
+        unsafe { begin() };
+    }
     for jc in (0..n).step_by(NC) {
         let nc = NC.min(n - jc);
         for pc in (0..k).step_by(KC) {
             let kc = KC.min(k - pc);
-            let pairs = kc.div_ceil(2);
-            pack_b(&b, pc, kc, jc, nc, &mut b_pack);
+            let pairs = kc.div_ceil(2).next_multiple_of(kernel.step);
+            pack_b(&b, pc, kc, jc, nc, pairs, &mut b_pack);
             for ic in (0..m).step_by(MC) {
                 let mc = MC.min(m - ic);
-                pack_a(&a, ic, mc, pc, kc, &mut a_pack);
+                pack_a(&a, ic, mc, pc, kc, kernel, &mut a_pack);
                 for jr in (0..nc).step_by(NR) {
                     let nr = NR.min(nc - jr);
                     let b_panel = &b_pack[(jr / NR) * pairs * NR..][..pairs * NR];
-                    for ir in (0..mc).step_by(MR) {
-                        let mr = MR.min(mc - ir);
-                        let a_panel = &a_pack[(ir / MR) * pairs * MR..][..pairs * MR];
+                    for ir in (0..mc).step_by(rows) {
+                        let mr = rows.min(mc - ir);
+                        let a_panel = &a_pack[(ir / rows) * pairs * rows..][..pairs * rows];
                         let c0 = (ic + ir) * ldc + jc + jr;
                         tile.fill(0.0);
                         for i in 0..mr {
                             tile[i * NR..i * NR + nr]
                                 .copy_from_slice(&c[c0 + i * ldc..c0 + i * ldc + nr]);
                         }
-                        // SAFETY: the panels hold `pairs * MR` and `pairs * NR` words (the
-                        // slices above are that long) and `tile` is `MR * NR` floats, which
-                        // is all a micro-kernel reads and writes; `kernel` is the portable
-                        // one or one whose CPU features were checked when it was chosen.
+                        // SAFETY: the panels hold `pairs * rows` and `pairs * NR` words (the
+                        // slices above are that long), `pairs` is a multiple of the kernel's
+                        // step, and `tile` is `rows * NR` floats, which is all a micro-kernel
+                        // reads and writes; `kernel` is the portable one, a software model,
+                        // or one whose CPU features were checked when it was chosen.
                         unsafe {
-                            kernel(pairs, a_panel.as_ptr(), b_panel.as_ptr(), tile.as_mut_ptr())
+                            (kernel.run)(
+                                pairs,
+                                a_panel.as_ptr(),
+                                b_panel.as_ptr(),
+                                tile.as_mut_ptr(),
+                            )
                         };
                         for i in 0..mr {
                             c[c0 + i * ldc..c0 + i * ldc + nr]
@@ -324,6 +454,10 @@ fn drive(
                 }
             }
         }
+    }
+    if let Some((_, end)) = kernel.session {
+        // SAFETY: the session began above, on this thread.
+        unsafe { end() };
     }
     Ok(())
 }
@@ -335,17 +469,25 @@ fn pair(lo: u32, hi: u32) -> u32 {
     lo | (hi << 16)
 }
 
-/// Packs B's rows `pc..pc + kc`, columns `jc..jc + nc` into panels of [`NR`] columns:
-/// panel `q`, pair `p`, column `j` at `(q * pairs + p) * NR + j`.
-fn pack_b(b: &MatRef<'_>, pc: usize, kc: usize, jc: usize, nc: usize, out: &mut [u32]) {
-    let pairs = kc.div_ceil(2);
+/// Packs B's rows `pc..pc + kc`, columns `jc..jc + nc` into panels of [`NR`] columns,
+/// `pairs` k-pairs each (zero past `kc`): panel `q`, pair `p`, column `j` at
+/// `(q * pairs + p) * NR + j`.
+fn pack_b(
+    b: &MatRef<'_>,
+    pc: usize,
+    kc: usize,
+    jc: usize,
+    nc: usize,
+    pairs: usize,
+    out: &mut [u32],
+) {
     for (q, j0) in (0..nc).step_by(NR).enumerate() {
         let panel = &mut out[q * pairs * NR..(q + 1) * pairs * NR];
         for p in 0..pairs {
             let (k0, k1) = (pc + 2 * p, pc + 2 * p + 1);
             for j in 0..NR {
                 let col = jc + j0 + j;
-                panel[p * NR + j] = if j0 + j >= nc {
+                panel[p * NR + j] = if j0 + j >= nc || k0 >= pc + kc {
                     0
                 } else if k1 < pc + kc {
                     pair(b.bits(k0, col), b.bits(k1, col))
@@ -357,17 +499,29 @@ fn pack_b(b: &MatRef<'_>, pc: usize, kc: usize, jc: usize, nc: usize, out: &mut 
     }
 }
 
-/// Packs A's rows `ic..ic + mc`, columns `pc..pc + kc` into panels of [`MR`] rows:
-/// panel `q`, pair `p`, row `i` at `(q * pairs + p) * MR + i`.
-fn pack_a(a: &MatRef<'_>, ic: usize, mc: usize, pc: usize, kc: usize, out: &mut [u32]) {
-    let pairs = kc.div_ceil(2);
-    for (q, i0) in (0..mc).step_by(MR).enumerate() {
-        let panel = &mut out[q * pairs * MR..(q + 1) * pairs * MR];
+/// Packs A's rows `ic..ic + mc`, columns `pc..pc + kc` into panels of `kernel.rows`
+/// rows, zero-padded to a multiple of `kernel.step` pairs: panel `q`, pair `p`, row `i`
+/// at `(q * pairs + p - p % step) * rows + i * step + p % step` (with a step of one pair,
+/// `(q * pairs + p) * rows + i`).
+fn pack_a(
+    a: &MatRef<'_>,
+    ic: usize,
+    mc: usize,
+    pc: usize,
+    kc: usize,
+    kernel: Kernel,
+    out: &mut [u32],
+) {
+    let (rows, step) = (kernel.rows, kernel.step);
+    let pairs = kc.div_ceil(2).next_multiple_of(step);
+    for (q, i0) in (0..mc).step_by(rows).enumerate() {
+        let panel = &mut out[q * pairs * rows..(q + 1) * pairs * rows];
         for p in 0..pairs {
             let (k0, k1) = (pc + 2 * p, pc + 2 * p + 1);
-            for i in 0..MR {
+            let at = (p - p % step) * rows + p % step;
+            for i in 0..rows {
                 let row = ic + i0 + i;
-                panel[p * MR + i] = if i0 + i >= mc {
+                panel[at + i * step] = if i0 + i >= mc || k0 >= pc + kc {
                     0
                 } else if k1 < pc + kc {
                     pair(a.bits(row, k0), a.bits(row, k1))
@@ -499,11 +653,405 @@ mod model_ops {
 }
 
 vector_kernel!(
-    /// The vector kernel on the software model (tests only).
-    #[cfg_attr(not(test), allow(dead_code))]
+    /// The vector kernel on the software model.
     fn modelled_vector_kernel,
     model_ops
 );
+
+/// The tile configuration the AMX kernel loads (`LDTILECFG`'s 64-byte block): palette 1,
+/// tiles 0 to 7 of 16 rows × 64 bytes (tiles 0–3: C as 16 × 16 f32; 4, 5: A as 16 rows
+/// × 16 pairs; 6, 7: B as 16 pairs × 16 columns), every other byte zero as the format
+/// requires.
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+static TILE_CONFIG: TileConfig = {
+    let mut cfg = [0u8; 64];
+    cfg[0] = 1; // palette 1; byte 1 (start row) 0; bytes 2..16 reserved.
+    let mut t = 0;
+    while t < 8 {
+        cfg[16 + 2 * t] = 64; // colsb, little-endian u16 at 16 + 2 t
+        cfg[48 + t] = 16; // rows at 48 + t
+        t += 1;
+    }
+    TileConfig(cfg)
+};
+
+/// The AMX micro-kernel's body, written once for the hardware (`$ops::Tiles` = the tile
+/// instructions through `asm!`) and for the software model of the same instructions, as
+/// `vector_kernel!` is. The tiles are configured with [`TILE_CONFIG`] (on the hardware once
+/// per product, by the kernel's session; the model takes it on each call). C's `AMX_MR × NR` block is tiles 0 (rows 0–15, columns 0–15), 1
+/// (rows 0–15, columns 16–31), 2 and 3 (rows 16–31); each step of 16 k-pairs loads the
+/// step's two A tiles (4: rows 0–15, 5: rows 16–31) and two B tiles (6: columns 0–15, 7:
+/// columns 16–31), then `C[r][c] += A[r] · B[c]`.
+macro_rules! amx_kernel {
+    ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
+        $(#[$attr])*
+        unsafe fn $name(pairs: usize, a: *const u32, b: *const u32, tile: *mut f32) {
+            use $ops as ops;
+            use $crate::gemm_bf16::{AMX_MR, AMX_PAIRS, NR};
+            // Bytes between rows: of C's block and of a B panel (NR floats or words), and of
+            // an A step (AMX_PAIRS words).
+            const C_ROW: usize = NR * 4;
+            const B_ROW: usize = NR * 4;
+            const A_ROW: usize = AMX_PAIRS * 4;
+            // SAFETY (whole body): the caller guarantees `pairs` is a multiple of AMX_PAIRS,
+            // `a` holds `pairs * AMX_MR` words, `b` `pairs * NR` words and `tile`
+            // `AMX_MR * NR` floats; every tile below reads or writes 16 rows of 64 bytes
+            // inside them.
+            unsafe {
+                let mut t = ops::Tiles::configured(&$crate::gemm_bf16::TILE_CONFIG);
+                let c = tile.cast::<u8>();
+                t.load::<0>(c, C_ROW);
+                t.load::<1>(c.add(64), C_ROW);
+                t.load::<2>(c.add(16 * C_ROW), C_ROW);
+                t.load::<3>(c.add(16 * C_ROW + 64), C_ROW);
+                for s in 0..pairs / AMX_PAIRS {
+                    let a_step = a.add(s * AMX_PAIRS * AMX_MR).cast::<u8>();
+                    let b_step = b.add(s * AMX_PAIRS * NR).cast::<u8>();
+                    t.load::<4>(a_step, A_ROW);
+                    t.load::<5>(a_step.add(16 * A_ROW), A_ROW);
+                    t.load::<6>(b_step, B_ROW);
+                    t.load::<7>(b_step.add(64), B_ROW);
+                    t.dot::<0, 4, 6>();
+                    t.dot::<1, 4, 7>();
+                    t.dot::<2, 5, 6>();
+                    t.dot::<3, 5, 7>();
+                }
+                t.store::<0>(c, C_ROW);
+                t.store::<1>(c.add(64), C_ROW);
+                t.store::<2>(c.add(16 * C_ROW), C_ROW);
+                t.store::<3>(c.add(16 * C_ROW + 64), C_ROW);
+            }
+        }
+    };
+}
+
+/// A software model of the AMX tile instructions the AMX kernel uses, after the
+/// instruction set reference (Intel SDM, vol. 2, "LDTILECFG", "TILELOADD", "TILESTORED",
+/// "TDPBF16PS"):
+/// - `LDTILECFG` takes each tile's rows and bytes per row from the block and zeroes every
+///   tile; `TILELOADD` reads `rows` rows of `colsb` bytes at `base + r * stride` and
+///   zeroes the rest of the tile; `TILESTORED` writes the same rows back.
+/// - `TDPBF16PS tC, tA, tB`: for each row `m` of C and column `n`, two f32 sums, of the
+///   even and of the odd bf16 of each pair, start at zero and take `A[m].bf16[2k] ·
+///   B[k].bf16[2n]` and `A[m].bf16[2k+1] · B[k].bf16[2n+1]` for `k` in order, each an
+///   FMA with round to nearest even; then `C[m][n] += even + odd`. Subnormal inputs read
+///   as zero and subnormal results are flushed to zero; MXCSR plays no part. (The older
+///   reference and the intrinsics guide write the loop as `C[m][n] += even product` then
+///   `+= odd product` per `k`; both orders are within the same accumulation bound, which
+///   is what the tests check on hardware.)
+mod model_tiles {
+    use super::{widen, TileConfig};
+
+    const TILES: usize = 8;
+    /// 16 rows of 16 dwords.
+    const WORDS: usize = 256;
+
+    pub struct Tiles {
+        rows: [usize; TILES],
+        colsb: [usize; TILES],
+        data: [[u32; WORDS]; TILES],
+    }
+
+    fn daz(x: f32) -> f32 {
+        if x.is_subnormal() {
+            0.0f32.copysign(x)
+        } else {
+            x
+        }
+    }
+
+    fn half(w: u32, high: bool) -> f32 {
+        daz(widen(if high { w >> 16 } else { w & 0xffff }))
+    }
+
+    impl Tiles {
+        pub fn configured(cfg: &TileConfig) -> Tiles {
+            let cfg = &cfg.0;
+            assert_eq!(cfg[0], 1, "palette 1");
+            let mut t = Tiles {
+                rows: [0; TILES],
+                colsb: [0; TILES],
+                data: [[0; WORDS]; TILES],
+            };
+            for i in 0..TILES {
+                t.rows[i] = usize::from(cfg[48 + i]);
+                t.colsb[i] = usize::from(u16::from_le_bytes([cfg[16 + 2 * i], cfg[17 + 2 * i]]));
+                assert!(t.rows[i] <= 16 && t.colsb[i] <= 64 && t.colsb[i].is_multiple_of(4));
+            }
+            t
+        }
+
+        /// # Safety
+        /// `rows[T]` rows of `colsb[T]` bytes at `p + r * stride` are readable.
+        pub unsafe fn load<const T: usize>(&mut self, p: *const u8, stride: usize) {
+            self.data[T] = [0; WORDS];
+            for r in 0..self.rows[T] {
+                for w in 0..self.colsb[T] / 4 {
+                    // SAFETY: the caller guarantees the rows are readable.
+                    self.data[T][r * 16 + w] =
+                        unsafe { core::ptr::read_unaligned(p.add(r * stride + 4 * w).cast()) };
+                }
+            }
+        }
+
+        /// # Safety
+        /// `rows[T]` rows of `colsb[T]` bytes at `p + r * stride` are writable.
+        pub unsafe fn store<const T: usize>(&self, p: *mut u8, stride: usize) {
+            for r in 0..self.rows[T] {
+                for w in 0..self.colsb[T] / 4 {
+                    // SAFETY: the caller guarantees the rows are writable.
+                    unsafe {
+                        core::ptr::write_unaligned(
+                            p.add(r * stride + 4 * w).cast(),
+                            self.data[T][r * 16 + w],
+                        )
+                    };
+                }
+            }
+        }
+
+        pub fn dot<const C: usize, const A: usize, const B: usize>(&mut self) {
+            assert!(self.rows[A] == self.rows[C] && self.rows[B] == self.colsb[A] / 4);
+            for m in 0..self.rows[C] {
+                for n in 0..self.colsb[C] / 4 {
+                    let (mut even, mut odd) = (0.0f32, 0.0f32);
+                    for k in 0..self.colsb[A] / 4 {
+                        let (a, b) = (self.data[A][m * 16 + k], self.data[B][k * 16 + n]);
+                        even = daz(libm::fmaf(half(a, false), half(b, false), even));
+                        odd = daz(libm::fmaf(half(a, true), half(b, true), odd));
+                    }
+                    let c = &mut self.data[C][m * 16 + n];
+                    *c = daz(f32::from_bits(*c) + daz(even + odd)).to_bits();
+                }
+            }
+        }
+    }
+}
+
+/// The model's `Tiles` under the name the AMX kernel body uses.
+mod model_amx_ops {
+    pub use super::model_tiles::Tiles;
+}
+
+amx_kernel!(
+    /// The AMX kernel on the software model.
+    fn modelled_amx_kernel,
+    model_amx_ops
+);
+
+#[cfg(all(feature = "std", target_arch = "x86_64"))]
+mod amx {
+    //! The AMX-BF16 path: detection (once per process) and the tile instructions.
+
+    use super::Kernel;
+    use std::sync::OnceLock;
+
+    /// `Ok` when this process may use the AMX tiles, else why not.
+    fn state() -> Result<(), &'static str> {
+        static STATE: OnceLock<Result<(), &'static str>> = OnceLock::new();
+        *STATE.get_or_init(probe)
+    }
+
+    pub fn available() -> bool {
+        state().is_ok()
+    }
+
+    pub fn missing() -> &'static str {
+        state().err().unwrap_or("")
+    }
+
+    pub fn kernel() -> Option<Kernel> {
+        available().then_some(Kernel::amx(
+            amx_kernel,
+            Some((hw_tiles::begin, hw_tiles::end)),
+        ))
+    }
+
+    fn probe() -> Result<(), &'static str> {
+        use core::arch::x86_64::{__cpuid, __cpuid_count};
+
+        const NO_AMX: &str =
+            "the CPU has no AMX-BF16 and AMX-TILE (Intel Sapphire Rapids or later Xeons)";
+        if __cpuid(0).eax < 7 {
+            return Err(NO_AMX);
+        }
+        let edx = __cpuid_count(7, 0).edx;
+        if edx & (1 << 22) == 0 || edx & (1 << 24) == 0 {
+            return Err(NO_AMX);
+        }
+        // OSXSAVE: the OS manages extended state, and XGETBV may be used.
+        if __cpuid(1).ecx & (1 << 27) == 0 {
+            return Err(
+                "the operating system has not enabled XSAVE (CPUID OSXSAVE), which AMX needs",
+            );
+        }
+        // SAFETY: OSXSAVE is set, so XGETBV (the `xsave` feature) is available.
+        let xcr0 = unsafe { xcr0() };
+        if xcr0 & (1 << 17) == 0 || xcr0 & (1 << 18) == 0 {
+            return Err(
+                "the operating system has not enabled the AMX tile state (XCR0 bits 17 and 18)",
+            );
+        }
+        request_tile_state()
+    }
+
+    #[target_feature(enable = "xsave")]
+    unsafe fn xcr0() -> u64 {
+        core::arch::x86_64::_xgetbv(0)
+    }
+
+    /// Linux gives a process the AMX tile data state only when it asks:
+    /// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`.
+    #[cfg(target_os = "linux")]
+    fn request_tile_state() -> Result<(), &'static str> {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: arch_prctl with ARCH_REQ_XCOMP_PERM takes two integers and touches no
+        // memory of ours; it only changes which extended states the process may use.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            )
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err("Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM needs Linux 5.16 or later)")
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn request_tile_state() -> Result<(), &'static str> {
+        Err("the AMX path is used on Linux only, where the process asks the kernel for the tile state")
+    }
+
+    /// The AMX tile instructions, one `asm!` each. The compiler never allocates the tile
+    /// registers, so they keep their contents from one block to the next; no block uses
+    /// any vector register, so nothing here needs AVX-512.
+    mod hw_tiles {
+        use crate::gemm_bf16::{TileConfig, TILE_CONFIG};
+        use core::arch::asm;
+
+        pub struct Tiles(());
+
+        impl Tiles {
+            /// The handle of the tiles the session configured.
+            ///
+            /// # Safety
+            /// [`begin`] ran on this thread, and [`end`] not since.
+            #[inline(always)]
+            pub unsafe fn configured(_cfg: &TileConfig) -> Tiles {
+                Tiles(())
+            }
+
+            /// # Safety
+            /// 16 rows of 64 bytes at `p + r * stride` are readable.
+            #[inline(always)]
+            pub unsafe fn load<const T: usize>(&mut self, p: *const u8, stride: usize) {
+                // SAFETY: the caller guarantees the rows are readable; tile T is
+                // configured.
+                unsafe {
+                    asm!(
+                        "tileloadd tmm{t}, [{p} + {s} * 1]",
+                        t = const T,
+                        p = in(reg) p,
+                        s = in(reg) stride,
+                        options(nostack, preserves_flags)
+                    )
+                };
+            }
+
+            /// # Safety
+            /// 16 rows of 64 bytes at `p + r * stride` are writable.
+            #[inline(always)]
+            pub unsafe fn store<const T: usize>(&self, p: *mut u8, stride: usize) {
+                // SAFETY: the caller guarantees the rows are writable; tile T is
+                // configured.
+                unsafe {
+                    asm!(
+                        "tilestored [{p} + {s} * 1], tmm{t}",
+                        t = const T,
+                        p = in(reg) p,
+                        s = in(reg) stride,
+                        options(nostack, preserves_flags)
+                    )
+                };
+            }
+
+            /// # Safety
+            /// The CPU has AMX-BF16; the tiles are configured.
+            #[inline(always)]
+            pub unsafe fn dot<const C: usize, const A: usize, const B: usize>(&mut self) {
+                // SAFETY: register operands only; the shapes agree by the configuration.
+                unsafe {
+                    asm!(
+                        "tdpbf16ps tmm{c}, tmm{a}, tmm{b}",
+                        c = const C,
+                        a = const A,
+                        b = const B,
+                        options(nostack, preserves_flags)
+                    )
+                };
+            }
+        }
+
+        /// Loads [`TILE_CONFIG`] (the session of the AMX kernel begins).
+        ///
+        /// # Safety
+        /// The CPU has AMX-TILE and the process may use the tile state.
+        pub unsafe fn begin() {
+            // SAFETY: `TILE_CONFIG` is 64 readable bytes of a valid palette-1
+            // configuration.
+            unsafe {
+                asm!(
+                    "ldtilecfg [{}]",
+                    in(reg) TILE_CONFIG.0.as_ptr(),
+                    options(nostack, preserves_flags)
+                )
+            };
+        }
+
+        /// Gives the tile state back (the registers return to their initial state).
+        ///
+        /// # Safety
+        /// The CPU has AMX-TILE.
+        pub unsafe fn end() {
+            // SAFETY: TILERELEASE has no operands.
+            unsafe { asm!("tilerelease", options(nostack, preserves_flags)) };
+        }
+    }
+
+    mod hw_amx_ops {
+        pub use super::hw_tiles::Tiles;
+    }
+
+    amx_kernel!(
+        /// The AMX-BF16 micro-kernel (no vector registers: it needs AMX only).
+        fn amx_kernel,
+        hw_amx_ops
+    );
+}
+
+#[cfg(not(all(feature = "std", target_arch = "x86_64")))]
+mod amx {
+    use super::Kernel;
+
+    pub fn available() -> bool {
+        false
+    }
+
+    pub fn missing() -> &'static str {
+        "AMX-BF16 needs an x86-64 CPU and the `std` feature to detect it"
+    }
+
+    pub fn kernel() -> Option<Kernel> {
+        None
+    }
+}
 
 #[cfg(all(feature = "std", target_arch = "x86_64"))]
 mod avx512 {
@@ -623,7 +1171,15 @@ mod tests {
             let mut want = vec![0.5f32; m * n];
             naive(&a, &b, &mut want, n);
             let mut got = vec![0.5f32; m * n];
-            drive(modelled_vector_kernel, a, b, &mut got, n, true).unwrap();
+            drive(
+                Kernel::vector(modelled_vector_kernel),
+                a,
+                b,
+                &mut got,
+                n,
+                true,
+            )
+            .unwrap();
             for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
                 let bound = 4.0 * (k as f32 + 1.0) * f32::EPSILON * (k as f32 + 0.5);
                 assert!(

@@ -4,17 +4,55 @@
 //!
 //! A path the CPU lacks is reported as skipped, with the reason, by
 //! `every_path_this_cpu_lacks_is_reported_with_the_reason` (run it with `--show-output` to
-//! see the report; `scripts/test` does); the portable path is always tested.
+//! see the report; `scripts/test` does); the portable path is always tested, and so are
+//! the software models of the AVX-512 BF16 and AMX instructions, which run those paths'
+//! packing and tile walking on any CPU.
 
 use proptest::prelude::*;
 use ringtrain_kernels::bf16;
-use ringtrain_kernels::gemm_bf16::{gemm_bf16, Bf16Path, MatRef, KC, MC, MR, NC, NR};
+use ringtrain_kernels::gemm_bf16::{
+    gemm_bf16, gemm_bf16_modelled, Bf16Path, MatRef, AMX_MR, AMX_PAIRS, KC, MC, MR, NC, NR,
+};
 
-/// The paths this CPU can run; the others are named with the reason.
-fn runnable() -> Vec<Bf16Path> {
-    Bf16Path::ALL
+/// A way to compute the product: a path on this CPU, or a path's software model.
+#[derive(Debug, Clone, Copy)]
+enum Runner {
+    Hardware(Bf16Path),
+    Model(Bf16Path),
+}
+
+impl Runner {
+    fn run(
+        self,
+        a: MatRef<'_>,
+        b: MatRef<'_>,
+        c: &mut [f32],
+        ldc: usize,
+        accumulate: bool,
+    ) -> ringtrain_kernels::Result<()> {
+        match self {
+            Runner::Hardware(p) => gemm_bf16(p, a, b, c, ldc, accumulate),
+            Runner::Model(p) => gemm_bf16_modelled(p, a, b, c, ldc, accumulate),
+        }
+    }
+
+    fn name(self) -> String {
+        match self {
+            Runner::Hardware(p) => p.name().to_string(),
+            Runner::Model(p) => format!("{} (software model)", p.name()),
+        }
+    }
+}
+
+/// The paths this CPU can run, and the models of the vector and AMX paths.
+fn runnable() -> Vec<Runner> {
+    Bf16Path::runnable()
         .into_iter()
-        .filter(|p| p.available())
+        .map(Runner::Hardware)
+        .chain([
+            Runner::Model(Bf16Path::Avx512Bf16),
+            Runner::Model(Bf16Path::Amx),
+        ])
         .collect()
 }
 
@@ -42,7 +80,7 @@ fn values(n: usize, seed: u64) -> Vec<bf16> {
 
 /// Checks `path` on `C (m × n, row stride ldc) (+)= A·B` against the f64 product of the
 /// same operands: within the f32 accumulation bound `(k + 2) · 2⁻²⁴ · (Σ|a·b| + |c|)`.
-fn check(path: Bf16Path, layout: Layout, m: usize, n: usize, k: usize, accumulate: bool) {
+fn check(path: Runner, layout: Layout, m: usize, n: usize, k: usize, accumulate: bool) {
     let ldc = n + 3;
     let a_data = values(m * k, (m * 31 + k) as u64);
     let b_data = values(k * n, (n * 17 + k) as u64 + 7);
@@ -74,7 +112,7 @@ fn check(path: Bf16Path, layout: Layout, m: usize, n: usize, k: usize, accumulat
     };
     let c0: Vec<f32> = (0..m * ldc).map(|i| (i % 7) as f32 * 0.25 - 0.5).collect();
     let mut c = c0.clone();
-    gemm_bf16(path, a, b, &mut c, ldc, accumulate).unwrap();
+    path.run(a, b, &mut c, ldc, accumulate).unwrap();
     let unit = 2f64.powi(-24);
     for i in 0..m {
         for j in 0..n {
@@ -114,12 +152,66 @@ fn every_path_this_cpu_lacks_is_reported_with_the_reason() {
             Some(why) => println!("bf16 GEMM path {}: SKIPPED: {why}", path.name()),
         }
     }
+    for path in [Bf16Path::Avx512Bf16, Bf16Path::Amx] {
+        println!(
+            "bf16 GEMM path {} (software model of its instructions): tested",
+            path.name()
+        );
+    }
     assert!(
         Bf16Path::Portable.available(),
         "the portable path runs everywhere"
     );
     assert!(Bf16Path::detect().available());
+    // The fastest path the CPU has is the one chosen.
+    let fastest = [Bf16Path::Amx, Bf16Path::Avx512Bf16, Bf16Path::Portable]
+        .into_iter()
+        .find(|p| p.available());
+    assert_eq!(Some(Bf16Path::detect()), fastest);
+    assert_eq!(
+        Bf16Path::runnable(),
+        Bf16Path::ALL
+            .into_iter()
+            .filter(|p| p.available())
+            .collect::<Vec<_>>()
+    );
     println!("bf16 GEMM path chosen here: {}", Bf16Path::detect().name());
+}
+
+#[test]
+fn each_model_adds_in_the_order_its_instruction_does() {
+    // Row 0 of A holds pairs (big, 1), row 1 pairs (1, big), one AMX step deep; B is ones
+    // and C starts at -16 big. A 1 added next to a multiple of big is lost, so the result
+    // shows the order of the additions:
+    // - portable, in order of k: row 0 ends on big - big + 1 = 1, row 1 on 0;
+    // - VDPBF16PS adds the odd product of each pair first: row 0 ends on 0, row 1 on 1;
+    // - TDPBF16PS sums the even and the odd products apart and adds their sum to C:
+    //   16 big + 16 rounds to 16 big, so both rows end on 0.
+    let big = bf16::from_f32(1.0e8);
+    let k = 2 * AMX_PAIRS;
+    let a_data: Vec<bf16> = (0..2 * k)
+        .map(|i| {
+            let (row, kk) = (i / k, i % k);
+            if (kk % 2 == 0) == (row == 0) {
+                big
+            } else {
+                bf16::ONE
+            }
+        })
+        .collect();
+    let b_data = vec![bf16::ONE; k];
+    let a = MatRef::row_major(&a_data, 2, k).unwrap();
+    let b = MatRef::row_major(&b_data, k, 1).unwrap();
+    let start = -(AMX_PAIRS as f32) * big.to_f32();
+    for (path, want) in [
+        (Bf16Path::Portable, [1.0, 0.0]),
+        (Bf16Path::Avx512Bf16, [0.0, 1.0]),
+        (Bf16Path::Amx, [0.0, 0.0]),
+    ] {
+        let mut c = [start; 2];
+        gemm_bf16_modelled(path, a, b, &mut c, 1, true).unwrap();
+        assert_eq!(c, want, "{}", path.name());
+    }
 }
 
 #[test]
@@ -129,6 +221,10 @@ fn every_path_is_within_the_accumulation_bound_across_every_block_edge() {
             (MR + 1, NR + 1, KC + 1),
             (MC + 3, 2 * NR - 1, 2 * KC + 3),
             (2, NC + 5, 7),
+            // AMX: rows across its 16-row tiles and 32-row panels, k across its 32-deep
+            // steps and the KC blocks (the last one shorter than a step).
+            (AMX_MR + 17, NR + 16, 2 * AMX_PAIRS + 1),
+            (2 * AMX_MR - 1, 17, KC + 2 * AMX_PAIRS + 5),
         ] {
             for layout in [Layout::Nn, Layout::Nt, Layout::Tn] {
                 check(path, layout, m, n, k, true);
@@ -184,15 +280,15 @@ fn zero_sized_products_write_only_what_they_must() {
         let empty: [bf16; 0] = [];
         let a0 = MatRef::row_major(&empty, 2, 0).unwrap();
         let b0 = MatRef::row_major(&empty, 0, 2).unwrap();
-        gemm_bf16(path, a0, b0, &mut c, 2, true).unwrap();
+        path.run(a0, b0, &mut c, 2, true).unwrap();
         assert_eq!(c, [5.0; 4]);
-        gemm_bf16(path, a0, b0, &mut c, 2, false).unwrap();
+        path.run(a0, b0, &mut c, 2, false).unwrap();
         assert_eq!(c, [0.0; 4]);
         // m = 0: nothing at all.
         let mut c = vec![5.0f32; 4];
         let am = MatRef::row_major(&a, 0, 3).unwrap();
         let b = MatRef::row_major(&a, 3, 2).unwrap();
-        gemm_bf16(path, am, b, &mut c, 2, false).unwrap();
+        path.run(am, b, &mut c, 2, false).unwrap();
         assert_eq!(c, [5.0; 4]);
     }
 }

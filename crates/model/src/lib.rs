@@ -94,9 +94,9 @@ pub mod rnnlm;
 pub mod stage;
 
 pub use backend::{
-    view, view_mut, Backend, Binary, CheckedIds, CheckedTargets, CpuBackend, CudaBackend,
-    GemmPrecision, InPlace, Layout, LstmBackwardStep, LstmForwardStep, Staged, Unary, View,
-    ViewMut,
+    view, view_mut, Backend, Bf16Casts, Binary, CheckedIds, CheckedTargets, CpuBackend,
+    CudaBackend, GemmPrecision, InPlace, Layout, LstmBackwardStep, LstmForwardStep, Staged, Unary,
+    View, ViewMut,
 };
 pub use error::{Error, Result};
 pub use lstm::LstmImpl;

@@ -7,12 +7,15 @@
 //! - The gradients stay close to f32's (relative norm of the difference below 5e-2) for
 //!   both models, serial and on two threads; the two thread counts give the same bits.
 //! - f16 is refused on the CPU.
+//! - Activations are cast to bf16 where they are produced: a pass gives the same bits as
+//!   casting every operand on each product, with fewer elements cast; a produced copy
+//!   that a later write made stale is never used.
 
 mod toy;
 
 use ringtrain_model::{
-    BiLayerInput, CpuBackend, EncoderKind, GemmPrecision, LstmImpl, Model, NmtConfig, NmtModel,
-    RnnLm, SourceLengths,
+    view, view_mut, Backend, BiLayerInput, CheckedIds, CpuBackend, EncoderKind, GemmPrecision,
+    Layout, LstmImpl, Model, NmtConfig, NmtModel, RnnLm, SourceLengths,
 };
 
 fn backend(threads: usize, precision: GemmPrecision) -> CpuBackend {
@@ -143,4 +146,142 @@ fn f16_is_refused_on_the_cpu_and_the_path_is_named() {
     let path = b.bf16_path().expect("a bf16 path");
     assert!(path.available(), "{}", path.name());
     assert_eq!(backend(1, GemmPrecision::F32).bf16_path(), None);
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn casting_activations_where_they_are_produced_gives_the_same_bits_with_fewer_casts() {
+    let nmt = NmtConfig {
+        src_vocab: 40,
+        tgt_vocab: 50,
+        emb: 24,
+        hidden: 32,
+        init_scale: 0.3,
+        ..toy::tiny_nmt(EncoderKind::Bi, 2, LstmImpl::Fused)
+    };
+    let nmt_data = toy::NmtData::random(&nmt, 6, 7, 8, 3);
+    let lm = ringtrain_model::LmConfig {
+        vocab: 60,
+        emb: 24,
+        hidden: 32,
+        init_scale: 0.3,
+        ..toy::tiny_lm(2, LstmImpl::Fused)
+    };
+    let lm_data = toy::LmData::random(&lm, 5, 9, 4);
+    for threads in [1, 2] {
+        let run = |produced: bool| {
+            let cpu = backend(threads, GemmPrecision::Bf16).cast_where_produced(produced);
+            let mut model = NmtModel::new(cpu, nmt.clone(), 9).expect("nmt");
+            // Two passes: copies of the first must not leak into the second.
+            for _ in 0..2 {
+                model
+                    .forward_backward(&nmt_data.view(), &mut |_, _| {})
+                    .expect("nmt step");
+            }
+            let nmt_grads = model.grads().clone();
+            let nmt_casts = model.backend().bf16_casts();
+            let cpu = backend(threads, GemmPrecision::Bf16).cast_where_produced(produced);
+            let mut model = RnnLm::new(cpu, lm.clone(), 2).expect("lm");
+            model
+                .forward_backward(&lm_data.view(), &mut |_, _| {})
+                .expect("lm step");
+            (
+                nmt_grads,
+                nmt_casts,
+                model.grads().clone(),
+                model.backend().bf16_casts(),
+            )
+        };
+        let (nmt_on, nmt_casts_on, lm_on, lm_casts_on) = run(true);
+        let (nmt_off, nmt_casts_off, lm_off, lm_casts_off) = run(false);
+        println!(
+            "{threads} thread(s): nmt casts where produced {nmt_casts_on:?}, on products only {nmt_casts_off:?}; \
+             lm {lm_casts_on:?}, {lm_casts_off:?}"
+        );
+        assert_eq!(bits(&nmt_on), bits(&nmt_off), "nmt, {threads} thread(s)");
+        assert_eq!(bits(&lm_on), bits(&lm_off), "rnnlm, {threads} thread(s)");
+        for (on, off) in [(nmt_casts_on, nmt_casts_off), (lm_casts_on, lm_casts_off)] {
+            assert_eq!(on.params, off.params, "parameters are cast once per pass");
+            assert_eq!(off.where_produced, 0);
+            assert!(on.where_produced > 0, "{on:?}");
+            // Every activation is cast once instead of once per product that reads it.
+            assert!(
+                on.where_produced + on.on_products < off.on_products,
+                "{on:?} against {off:?}"
+            );
+            // What products still cast themselves are operands no producer wrote
+            // (gradients out of other products): less than half of before.
+            assert!(
+                2 * on.on_products < off.on_products,
+                "{on:?} against {off:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_produced_copy_made_stale_by_a_later_write_is_not_used() {
+    // Embedding rows gathered in a pass (a producer), then part of them overwritten by
+    // `fill` and by a product's output, then multiplied: the product must see the new
+    // values, as casting on the product does.
+    let (rows, width, n) = (5, 6, 3);
+    let table: Vec<f32> = (0..10 * width).map(|i| (i as f32 * 0.37).sin()).collect();
+    let w: Vec<f32> = (0..width * n).map(|i| (i as f32 * 0.11).cos()).collect();
+    let ids = [3u32, 0, 9, 9, 4];
+    let run = |produced: bool| {
+        let cpu = backend(1, GemmPrecision::Bf16).cast_where_produced(produced);
+        let params = w.clone();
+        cpu.begin_pass(&params);
+        let staged = cpu
+            .stage_ids(CheckedIds::new("ids", &ids, 10).expect("ids"))
+            .expect("stage");
+        let mut x = cpu.zeros(rows * width).expect("x");
+        cpu.gather_rows(
+            view(&table, Layout::matrix(0, 10, width)),
+            &staged,
+            view_mut(&mut x, Layout::matrix(0, rows, width)),
+        )
+        .expect("gather");
+        let mut out = vec![Vec::new(); 3];
+        let product = |x: &Vec<f32>| {
+            let mut c = vec![0.0f32; rows * n];
+            cpu.gemm(
+                view(x, Layout::matrix(0, rows, width)),
+                view(&params, Layout::matrix(0, width, n)),
+                view_mut(&mut c, Layout::matrix(0, rows, n)),
+                false,
+            )
+            .expect("gemm");
+            c
+        };
+        out[0] = product(&x);
+        cpu.fill(view_mut(&mut x, Layout::contiguous(width, 2 * width)), 0.75)
+            .expect("fill");
+        out[1] = product(&x);
+        // A product writing rows 3 and 4 of x (columns 0..3): x[3..5, 0..3] = x[0..2]·W.
+        cpu.gemm(
+            view(&x.clone(), Layout::matrix(0, 2, width)),
+            view(&params, Layout::matrix(0, width, n)),
+            view_mut(
+                &mut x,
+                Layout::matrix(3 * width, 2, n).with_row_stride(width),
+            ),
+            false,
+        )
+        .expect("gemm into x");
+        out[2] = product(&x);
+        cpu.end_pass();
+        (out, cpu.bf16_casts())
+    };
+    let (on, casts_on) = run(true);
+    let (off, _) = run(false);
+    assert!(casts_on.where_produced > 0, "{casts_on:?}");
+    for (i, (a, b)) in on.iter().zip(&off).enumerate() {
+        assert_eq!(bits(a), bits(b), "product {i}");
+    }
+    assert_ne!(bits(&on[0]), bits(&on[1]), "the fill changed the product");
+    assert_ne!(bits(&on[1]), bits(&on[2]), "the product into x changed it");
 }

@@ -4,9 +4,21 @@
 //! With [`GemmPrecision::Bf16`] ([`CpuBackend::with_precision`]) matrix products take bf16
 //! operands and accumulate in f32 (`ringtrain_kernels::gemm_bf16`, on the fastest path the
 //! CPU has); everything else stays f32. As on the GPU, the parameters are cast once per
-//! pass (the whole parameter buffer, on the first product of the pass that reads it) and
-//! other operands (activations, gradients) are cast on every product that reads them.
+//! pass (the whole parameter buffer, on the first product of the pass that reads it).
+//!
+//! Activations are cast where they are produced: inside a pass, the operations whose
+//! outputs feed matrix products (the embedding's `gather_rows`, the LSTM step's hidden
+//! state, the LSTM backward step's gate gradients, the softmax gradient) also write a bf16
+//! copy of what they wrote, kept beside the f32 buffer (which the pointwise and backward
+//! kernels read) until the pass ends; every product that reads those elements then uses
+//! the copy. Any other write to a buffer (every backend operation that writes says what
+//! it wrote) drops the copy of the elements written, and a product whose operand is not
+//! wholly covered by a copy casts it itself, as do products outside a pass. Either way an
+//! operand is the round-to-nearest-even bf16 of the f32 values the product reads, so the
+//! results do not depend on where the cast happened ([`CpuBackend::cast_where_produced`]
+//! turns it off to compare; [`CpuBackend::bf16_casts`] counts the elements cast where).
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -83,7 +95,19 @@ pub struct CpuBackend {
     pool: Option<ThreadPool>,
     launches: AtomicU64,
     precision: GemmPrecision,
+    cast_where_produced: bool,
     bf16: Mutex<Bf16Operands>,
+}
+
+/// Elements cast to bf16 for the matrix products, since the backend was made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bf16Casts {
+    /// Parameters (once per pass).
+    pub params: u64,
+    /// Activations and gradients cast where they were produced.
+    pub where_produced: u64,
+    /// Operands cast by the product that reads them.
+    pub on_products: u64,
 }
 
 /// The bf16 copies of matrix-product operands.
@@ -96,6 +120,59 @@ struct Bf16Operands {
     params_cast: bool,
     /// Other operands (A, B), cast on every product.
     scratch: [Vec<bf16>; 2],
+    /// bf16 copies of what producers wrote in this pass, by buffer (address, length).
+    produced: HashMap<(usize, usize), Produced>,
+    /// Storage of the last pass's copies, kept for reuse.
+    spare: Vec<Vec<bf16>>,
+    casts: Bf16Casts,
+}
+
+/// The bf16 copy of a buffer's produced elements: `data[i]` is the bf16 of the buffer's
+/// element `i` for every `i` in one of the `valid` ranges.
+struct Produced {
+    data: Vec<bf16>,
+    /// Disjoint, in no particular order.
+    valid: Vec<Range<usize>>,
+}
+
+impl Produced {
+    fn covers(&self, range: &Range<usize>) -> bool {
+        // Ranges are merged when added, so one range covers all of a covered operand.
+        self.valid
+            .iter()
+            .any(|v| v.start <= range.start && range.end <= v.end)
+    }
+
+    fn remove(&mut self, cut: &Range<usize>) {
+        let mut kept = Vec::with_capacity(self.valid.len() + 1);
+        for v in self.valid.drain(..) {
+            if v.end <= cut.start || cut.end <= v.start {
+                kept.push(v);
+                continue;
+            }
+            if v.start < cut.start {
+                kept.push(v.start..cut.start);
+            }
+            if cut.end < v.end {
+                kept.push(cut.end..v.end);
+            }
+        }
+        self.valid = kept;
+    }
+
+    fn add(&mut self, range: Range<usize>) {
+        let (mut start, mut end) = (range.start, range.end);
+        self.valid.retain(|v| {
+            if v.end < start || end < v.start {
+                true
+            } else {
+                start = start.min(v.start);
+                end = end.max(v.end);
+                false
+            }
+        });
+        self.valid.push(start..end);
+    }
 }
 
 /// Where an operand's bf16 copy lies.
@@ -105,6 +182,21 @@ enum Bf16Source {
     Params,
     /// In scratch slot `i`, from the operand's first element.
     Scratch(usize),
+    /// In the copy made where the buffer (address, length) was produced, at the same
+    /// offsets as in the f32 buffer.
+    Produced((usize, usize)),
+}
+
+fn key(buf: &[f32]) -> (usize, usize) {
+    (buf.as_ptr() as usize, buf.len())
+}
+
+fn cast_into(src: &[f32], dst: &mut [bf16], parallel: bool) -> kernels::Result<bool> {
+    if parallel {
+        kernels::par::f32_to_bf16_scaled(src, 1.0, dst)
+    } else {
+        kernels::f32_to_bf16_scaled(src, 1.0, dst)
+    }
 }
 
 impl Bf16Operands {
@@ -116,25 +208,73 @@ impl Bf16Operands {
         range: Range<usize>,
         parallel: bool,
     ) -> Result<Bf16Source> {
-        let cast = |src: &[f32], dst: &mut [bf16]| {
-            if parallel {
-                kernels::par::f32_to_bf16_scaled(src, 1.0, dst)
-            } else {
-                kernels::f32_to_bf16_scaled(src, 1.0, dst)
-            }
-        };
-        if self.pass == Some((buf.as_ptr() as usize, buf.len())) {
+        if self.pass == Some(key(buf)) {
             if !self.params_cast {
                 self.params.resize(buf.len(), bf16::ZERO);
-                cast(buf, &mut self.params)?;
+                cast_into(buf, &mut self.params, parallel)?;
                 self.params_cast = true;
+                self.casts.params += buf.len() as u64;
             }
             return Ok(Bf16Source::Params);
         }
+        if self
+            .produced
+            .get(&key(buf))
+            .is_some_and(|p| p.covers(&range))
+        {
+            return Ok(Bf16Source::Produced(key(buf)));
+        }
         let dst = &mut self.scratch[slot];
         dst.resize(range.len(), bf16::ZERO);
-        cast(&buf[range], dst)?;
+        self.casts.on_products += range.len() as u64;
+        cast_into(&buf[range], dst, parallel)?;
         Ok(Bf16Source::Scratch(slot))
+    }
+
+    /// Records that `range` of `buf` was written: its bf16 copy, if any, is stale.
+    fn written(&mut self, buf: &[f32], range: &Range<usize>) {
+        if let Some(p) = self.produced.get_mut(&key(buf)) {
+            p.remove(range);
+        }
+    }
+
+    /// Casts `range` of `buf`, just written by a producer, into the buffer's bf16 copy (in
+    /// a pass; outside one the range is only marked written).
+    fn produce(&mut self, buf: &[f32], range: Range<usize>, parallel: bool) -> Result<()> {
+        if self.pass.is_none() || range.is_empty() {
+            self.written(buf, &range);
+            return Ok(());
+        }
+        let spare = &mut self.spare;
+        let p = self.produced.entry(key(buf)).or_insert_with(|| Produced {
+            // The storage of a copy of the same length in the last pass, if any.
+            data: match spare.iter().position(|d| d.len() == buf.len()) {
+                Some(i) => spare.swap_remove(i),
+                None => Vec::new(),
+            },
+            valid: Vec::new(),
+        });
+        if p.data.len() != buf.len() {
+            p.data.resize(buf.len(), bf16::ZERO);
+        }
+        p.remove(&range);
+        cast_into(&buf[range.clone()], &mut p.data[range.clone()], parallel)?;
+        self.casts.where_produced += range.len() as u64;
+        p.add(range);
+        Ok(())
+    }
+
+    /// Drops every produced copy, keeping its storage for the next pass (and only that:
+    /// storage the last pass did not reuse is freed, so lengths that change from batch to
+    /// batch do not pile up).
+    fn forget_produced(&mut self) {
+        if self.produced.is_empty() {
+            return;
+        }
+        self.spare.clear();
+        for (_, p) in self.produced.drain() {
+            self.spare.push(p.data);
+        }
     }
 
     /// The strided view of an operand (`rows × cols`) prepared at `source`.
@@ -148,6 +288,10 @@ impl Bf16Operands {
         let data: &[bf16] = match source {
             Bf16Source::Params => &self.params[m.range.clone()],
             Bf16Source::Scratch(slot) => &self.scratch[slot],
+            Bf16Source::Produced(key) => match self.produced.get(&key) {
+                Some(p) => &p.data[m.range.clone()],
+                None => unreachable!("a produced copy is kept while its product runs"),
+            },
         };
         let (rs, cs) = if m.trans { (1, m.ld) } else { (m.ld, 1) };
         Ok(MatRef::strided(data, rows, cols, rs, cs)?)
@@ -194,6 +338,7 @@ impl CpuBackend {
             pool,
             launches: AtomicU64::new(0),
             precision: GemmPrecision::F32,
+            cast_where_produced: true,
             bf16: Mutex::new(Bf16Operands::default()),
         })
     }
@@ -220,6 +365,41 @@ impl CpuBackend {
     /// The precision of the matrix products.
     pub fn precision(&self) -> GemmPrecision {
         self.precision
+    }
+
+    /// Whether activations are cast to bf16 where they are produced (the default; see the
+    /// module docs) or by every product that reads them (`false`). The results are the
+    /// same bits either way; only the work differs.
+    pub fn cast_where_produced(mut self, on: bool) -> Self {
+        self.cast_where_produced = on;
+        self
+    }
+
+    /// Elements cast to bf16 so far, by where they were cast.
+    pub fn bf16_casts(&self) -> Bf16Casts {
+        self.bf16.lock().unwrap_or_else(|e| e.into_inner()).casts
+    }
+
+    /// Records that `range` of `buf` was written (bf16 only).
+    fn written(&self, buf: &[f32], range: &Range<usize>) {
+        if self.precision == GemmPrecision::Bf16 {
+            let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
+            ops.written(buf, range);
+        }
+    }
+
+    /// Records that a producer wrote `range` of `buf`, and casts it there (bf16 only).
+    fn produced(&self, buf: &[f32], range: Range<usize>) -> Result<()> {
+        if self.precision != GemmPrecision::Bf16 {
+            return Ok(());
+        }
+        let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.cast_where_produced {
+            ops.written(buf, &range);
+            return Ok(());
+        }
+        let ops = &mut *ops;
+        self.run(|parallel| ops.produce(buf, range, parallel))
     }
 
     /// The bf16 path the matrix products take (`None` in f32).
@@ -283,19 +463,24 @@ impl Backend for CpuBackend {
     }
 
     fn zeros(&self, len: usize) -> Result<Vec<f32>> {
-        Ok(vec![0.0; len])
+        let buf = vec![0.0; len];
+        // A new buffer may lie where a dropped one did.
+        self.written(&buf, &(0..len));
+        Ok(buf)
     }
 
     fn begin_pass(&self, params: &Vec<f32>) {
         let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
         ops.pass = Some((params.as_ptr() as usize, params.len()));
         ops.params_cast = false;
+        ops.forget_produced();
     }
 
     fn end_pass(&self) {
         let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
         ops.pass = None;
         ops.params_cast = false;
+        ops.forget_produced();
     }
 
     fn len(&self, buf: &Vec<f32>) -> usize {
@@ -304,6 +489,7 @@ impl Backend for CpuBackend {
 
     fn upload(&self, src: &[f32], dst: &mut Vec<f32>, offset: usize) -> Result<()> {
         let r = Layout::contiguous(offset, src.len()).check(dst.len(), "upload destination")?;
+        self.written(dst, &r);
         dst[r].copy_from_slice(src);
         Ok(())
     }
@@ -336,6 +522,7 @@ impl Backend for CpuBackend {
     fn fill(&self, dst: ViewMut<'_, Vec<f32>>, value: f32) -> Result<()> {
         let [r] = operands::elementwise([arg(self, "fill destination", &dst)])?;
         self.launched();
+        self.written(dst.buf, &r);
         dst.buf[r].fill(value);
         Ok(())
     }
@@ -346,6 +533,7 @@ impl Backend for CpuBackend {
             arg(self, "copy destination", &dst),
         ])?;
         self.launched();
+        self.written(dst.buf, &rd);
         dst.buf[rd].copy_from_slice(&src.buf[rs]);
         Ok(())
     }
@@ -363,6 +551,7 @@ impl Backend for CpuBackend {
             arg(self, "gemm C", &c),
         )?;
         self.launched();
+        self.written(c.buf, &g.c.range);
         let (m, n, k) = (g.m, g.n, g.k);
         if m == 0 || n == 0 {
             return Ok(());
@@ -451,11 +640,15 @@ impl Backend for CpuBackend {
         )?;
         self.launched();
         let table = &table.buf[t];
-        for (row, &id) in dst.buf[d].chunks_exact_mut(width.max(1)).zip(&ids.ids) {
+        for (row, &id) in dst.buf[d.clone()]
+            .chunks_exact_mut(width.max(1))
+            .zip(&ids.ids)
+        {
             let src = id as usize * width;
             row.copy_from_slice(&table[src..src + width]);
         }
-        Ok(())
+        // Embeddings feed the first layer's input projection.
+        self.produced(dst.buf, d)
     }
 
     fn scatter_add_rows(
@@ -470,6 +663,7 @@ impl Backend for CpuBackend {
             arg(self, "scatter table", &table),
         )?;
         self.launched();
+        self.written(table.buf, &t);
         let table = &mut table.buf[t];
         for (row, &id) in src.buf[s].chunks_exact(width.max(1)).zip(&ids.ids) {
             let dst = id as usize * width;
@@ -491,6 +685,7 @@ impl Backend for CpuBackend {
             arg(self, "column_sums destination", &dst),
         )?;
         self.launched();
+        self.written(dst.buf, &d);
         let cols = src.layout.cols();
         let dst = &mut dst.buf[d];
         if !accumulate {
@@ -510,6 +705,7 @@ impl Backend for CpuBackend {
             arg(self, "bias", &bias),
         )?;
         self.launched();
+        self.written(dst.buf, &d);
         let cols = dst.layout.cols();
         let bias = &bias.buf[b];
         for row in dst.buf[d].chunks_exact_mut(cols.max(1)) {
@@ -526,6 +722,7 @@ impl Backend for CpuBackend {
             arg(self, "unary output", &dst),
         ])?;
         self.launched();
+        self.written(dst.buf, &rd);
         let pairs = dst.buf[rd].iter_mut().zip(&x.buf[rx]);
         match op {
             Unary::Sigmoid => pairs.for_each(|(d, &x)| *d = 1.0 / (1.0 + (-x).exp())),
@@ -547,6 +744,7 @@ impl Backend for CpuBackend {
             arg(self, "binary output", &dst),
         ])?;
         self.launched();
+        self.written(dst.buf, &rd);
         let triples = dst.buf[rd].iter_mut().zip(a.buf[ra].iter().zip(&b.buf[rb]));
         match op {
             Binary::Add => triples.for_each(|(d, (&a, &b))| *d = a + b),
@@ -566,6 +764,7 @@ impl Backend for CpuBackend {
             arg(self, "in-place output", &dst),
         ])?;
         self.launched();
+        self.written(dst.buf, &rd);
         let pairs = dst.buf[rd].iter_mut().zip(&x.buf[rx]);
         match op {
             InPlace::Add => pairs.for_each(|(d, &x)| *d += x),
@@ -578,6 +777,9 @@ impl Backend for CpuBackend {
     fn lstm_forward_step(&self, s: LstmForwardStep<'_, Vec<f32>>) -> Result<()> {
         let r = operands::lstm_forward(self, &s)?;
         self.launched();
+        self.written(s.cells, &r.c);
+        self.written(s.act.buf, &r.act);
+        let h_range = r.h.clone();
         let (c_prev, c) = read_write(s.cells, r.c_prev, r.c);
         let (h, act) = (&mut s.h.buf[r.h], &mut s.act.buf[r.act]);
         let (proj, rec, bias) = (
@@ -599,12 +801,16 @@ impl Backend for CpuBackend {
                 )
             }
         })?;
-        Ok(())
+        // The hidden state feeds the next step's recurrent product, the next layer's input
+        // projection and the output projection.
+        self.produced(s.h.buf, h_range)
     }
 
     fn lstm_backward_step(&self, s: LstmBackwardStep<'_, Vec<f32>>) -> Result<()> {
         let r = operands::lstm_backward(self, &s)?;
         self.launched();
+        self.written(s.dc_prev.buf, &r.dc_prev);
+        let dgates_range = r.dgates.clone();
         let (act, c_prev, c, dh, dc) = (
             &s.act.buf[r.act],
             &s.c_prev.buf[r.c_prev],
@@ -625,7 +831,9 @@ impl Backend for CpuBackend {
                 )
             }
         })?;
-        Ok(())
+        // The gate gradients feed the products for the input, the previous hidden state
+        // and the weights.
+        self.produced(s.dgates.buf, dgates_range)
     }
 
     fn softmax_xent_forward(
@@ -649,6 +857,8 @@ impl Backend for CpuBackend {
             ],
         )?;
         self.launched();
+        self.written(loss.buf, &lo);
+        self.written(lse.buf, &ls);
         let (logits, loss, lse) = (&logits.buf[l], &mut loss.buf[lo], &mut lse.buf[ls]);
         let (labels, mask) = (&targets.labels[..], &targets.mask[..]);
         self.run(move |parallel| {
@@ -679,16 +889,18 @@ impl Backend for CpuBackend {
             [arg(self, "softmax lse", &lse)],
         )?;
         self.launched();
-        let (logits, lse) = (&mut logits.buf[l], &lse.buf[ls]);
+        let l_range = l.clone();
+        let (grad, lse) = (&mut logits.buf[l], &lse.buf[ls]);
         let (labels, mask) = (&targets.labels[..], &targets.mask[..]);
         self.run(move |parallel| {
             if parallel {
-                kernels::par::softmax_xent_backward(logits, lse, labels, mask, scale, rows, vocab)
+                kernels::par::softmax_xent_backward(grad, lse, labels, mask, scale, rows, vocab)
             } else {
-                kernels::softmax_xent_backward(logits, lse, labels, mask, scale, rows, vocab)
+                kernels::softmax_xent_backward(grad, lse, labels, mask, scale, rows, vocab)
             }
         })?;
-        Ok(())
+        // The logits' gradient feeds the output projection's two products.
+        self.produced(logits.buf, l_range)
     }
 
     fn sum(&self, src: View<'_, Vec<f32>>) -> Result<f64> {

@@ -41,7 +41,7 @@ mod operands;
 pub mod cpu;
 pub mod cuda;
 
-pub use cpu::{CpuBackend, CpuIds, CpuTargets};
+pub use cpu::{Bf16Casts, CpuBackend, CpuIds, CpuTargets};
 pub use cuda::CudaBackend;
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaIds, CudaTargets};
