@@ -10,7 +10,9 @@
 //! update run there ([`DeviceResident`]). Only with D > 1 replicas does the summed
 //! gradient leave the device, once each way, for the replicas' all-reduce; the squared
 //! norm of the stage's gradients comes to the host as one scalar for the global norm
-//! the stages sum on the control plane.
+//! the stages sum on the control plane. With f16 gradients the replicas cast the summed
+//! gradients on the host, so the dynamic loss scale stays on the host too (the
+//! default of [`DeviceResident::start_loss_scaler`]).
 //!
 //! The host parameter buffer (whole, as the model's flat buffer on the device is) is
 //! filled only for the initial broadcast, a resume, checkpoints and the end of the run.
