@@ -349,7 +349,7 @@ fn bytes_per_step(report: &RunReport) -> (f64, f64) {
 }
 
 /// One rank moves no gradient or parameter in a timed step: the batch goes up and a few
-/// scalars come back. Two ranks move exactly the gradients each way: 4 bytes per
+/// scalars come back (with f16 gradients too: the loss scale never crosses). Two ranks move exactly the gradients each way: 4 bytes per
 /// parameter, 2 with f16 gradients (the same run without exchange, `independent`, moves
 /// the same batches and scalars).
 #[test]
@@ -366,6 +366,17 @@ fn a_step_moves_only_the_batch_scalars_and_the_exchanged_gradients() {
     assert!(
         up < params && down <= 64.0,
         "one rank moved {up} bytes up and {down} down per step ({params} parameters)"
+    );
+    // With f16 gradients the loss scale stays on the device: one rank sends the same
+    // bytes and reads back only the cast's non-finite flag (4 bytes) more.
+    let half = bytes_per_step(&gpu_report(
+        &with(&base, |c| c.exchange.fp16_gradients = true),
+        1,
+    ));
+    assert_eq!(
+        (half.0, half.1),
+        (up, down + 4.0),
+        "one rank with f16 gradients moved {half:?} bytes, with f32 ({up}, {down})"
     );
     for (fp16_gradients, width) in [(false, 4.0), (true, 2.0)] {
         let cfg = with(&base, |c| c.exchange.fp16_gradients = fp16_gradients);
@@ -719,5 +730,142 @@ fn a_gpu_pipeline_with_two_replicas_trains_like_one_cpu_rank() {
     assert!(
         d <= BACKEND_TOLERANCE,
         "2 GPU stages x 2 replicas and one CPU rank differ by {d:e}"
+    );
+}
+
+/// Rank 0's parameters, report and (cuda) device loss scale after steps `from..to` of
+/// `cfg` on two ranks, writing the checkpoint `path` (resuming from it with `resume`).
+fn fp16_leg(
+    cfg: &TrainConfig,
+    path: &std::path::Path,
+    from: usize,
+    to: usize,
+    resume: bool,
+) -> (Vec<f32>, RunReport, Option<ringtrain::train::LossScaler>) {
+    let cfg = with(cfg, |c| {
+        c.run.warmup_batches = 0;
+        c.run.timed_batches = to - from;
+        c.output.checkpoint = Some(path.to_path_buf());
+        c.output.resume = resume;
+    });
+    let run = cfg.validate(2).expect("a valid test config");
+    let mut out = Communicator::run_local(2, |comm| {
+        let rank = comm.rank();
+        let mut model =
+            ringtrain::train::build_model(&run, training_runs::VOCAB, training_runs::VOCAB, 0, 1)?;
+        let mut data = batches(&run, rank).into_iter().skip(from).take(to - from);
+        let report = train(&run, comm, model.as_mut(), &mut data, &mut |_| {})?.report;
+        let on_device = match model.device_resident() {
+            Some(device) => device.loss_scaler()?,
+            None => None,
+        };
+        Ok::<_, ringtrain::train::Error>((model.params()?.to_vec(), report, on_device))
+    })
+    .unwrap();
+    out.remove(0).expect("trains")
+}
+
+/// f16 gradients with the loss scale on the device: from a checkpoint whose scale grows
+/// after every clean step (and is large enough to overflow f16 soon), the cuda run
+/// resumes, doubles the scale, skips an overflowed step on every rank and halves it,
+/// exactly as the host's scale does on the cpu, and writes the same scale into its
+/// checkpoint; the device, not the host, holds it at the end.
+#[test]
+fn the_device_loss_scale_skips_grows_and_resumes_like_the_host_one() {
+    use ringtrain::train::{Checkpoint, LossScaler};
+    let dir = tempfile::tempdir().unwrap();
+    let base = with(&clipped(&small_nmt(), OptimizerKind::Adam), |c| {
+        c.exchange.fp16_gradients = true;
+    });
+    let start = dir.path().join("start.ckpt");
+    fp16_leg(
+        &with(&base, |c| c.run.device = DeviceKind::Cpu),
+        &start,
+        0,
+        1,
+        false,
+    );
+    let mut ck = Checkpoint::load(&start).unwrap();
+    // 2^20 passes these gradients in f16 and 2^21 overflows them (the cpu run checks it).
+    ck.loss_scaler = Some(LossScaler {
+        scale: 2f32.powi(20),
+        clean_steps: 0,
+        growth_interval: 1,
+        skipped_steps: 0,
+    });
+    let leg = |device: DeviceKind| {
+        let path = dir.path().join(format!("{device}.ckpt"));
+        ck.save(&path).unwrap();
+        let (params, report, on_device) =
+            fp16_leg(&with(&base, |c| c.run.device = device), &path, 1, 4, true);
+        let written = Checkpoint::load(&path).unwrap().loss_scaler;
+        (params, report, on_device, written)
+    };
+    let (cpu, cpu_report, cpu_device, cpu_scaler) = leg(DeviceKind::Cpu);
+    let scaler = cpu_scaler.expect("an f16 run checkpoints its loss scale");
+    assert_eq!(cpu_device, None);
+    // Interval 1: every clean step doubles the scale, so fewer skips than steps means
+    // it grew too.
+    assert!(
+        (1..3).contains(&scaler.skipped_steps),
+        "the cpu run should skip one or two of its 3 steps: {scaler:?}"
+    );
+    let (gpu, gpu_report, gpu_device, gpu_scaler) = leg(DeviceKind::Cuda);
+    assert_eq!(
+        gpu_scaler,
+        Some(scaler),
+        "the checkpoints' loss scales differ"
+    );
+    assert_eq!(
+        gpu_device,
+        Some(scaler),
+        "the device does not hold the loss scale"
+    );
+    assert_eq!(
+        (gpu_report.skipped_steps, gpu_report.loss_scale),
+        (cpu_report.skipped_steps, cpu_report.loss_scale)
+    );
+    let d = max_diff(&gpu, &cpu);
+    assert!(d <= BACKEND_TOLERANCE, "cuda and cpu differ by {d:e}");
+}
+
+/// On cuda the report's launches per batch count every kernel of the step, the
+/// optimizer's too (they are counted where they are launched, not by the model's pass).
+#[test]
+fn launches_per_batch_count_the_optimizer_kernels() {
+    let launches = |report: &RunReport| report.per_rank[0].launches_per_batch;
+    // One rank: the clip is one kernel more (the norm is taken either way).
+    let one = |max_gradient_norm: f32| {
+        launches(&gpu_report(
+            &with(&small_nmt(), |c| {
+                c.run.max_gradient_norm = max_gradient_norm
+            }),
+            1,
+        ))
+    };
+    let (plain, clipping) = (one(0.0), one(0.5));
+    assert_eq!(
+        clipping - plain,
+        1.0,
+        "the clip is one kernel: {plain} / {clipping}"
+    );
+    // Two ranks with f16 gradients: a cast per gradient range backward hands over, the
+    // cast back (which applies the correction: no separate scaling) and the loss scale's
+    // update.
+    let two = |fp16_gradients: bool| {
+        gpu_report(
+            &with(&small_nmt(), |c| c.exchange.fp16_gradients = fp16_gradients),
+            2,
+        )
+    };
+    let (wide, half) = (two(false), two(true));
+    let ranges = half.per_rank[0].gradient_ready.len() as f64;
+    assert!(ranges > 0.0, "{:?}", half.per_rank[0].gradient_ready);
+    assert_eq!(
+        launches(&half) - launches(&wide),
+        ranges + 1.0,
+        "f32: {}, f16: {}, {ranges} gradient ranges",
+        launches(&wide),
+        launches(&half)
     );
 }

@@ -570,6 +570,86 @@ def check_cast_from_half(mod, entry, opts):
     return results, 0.0
 
 
+def check_cast_to_f16_loss_scaled(mod, entry, opts):
+    """The loss scale is read from device memory and multiplies the host factor."""
+    results = []
+    for si, (n, grid, block, off32, off16) in enumerate(CAST_CASES):
+        rng = rng_for(entry, si)
+        src = (_cast_source(rng, n, "f16", si in (2, 4)) / np.float32(4096.0)).astype(np.float32)
+        loss = np.float32(2.0 ** (12 + si % 3))
+        factor = np.float32(1.0 / (3 + si))
+        L = Launch(mod, entry, opts)
+        L.buf("src", src, "r", offset=off32)
+        L.buf("loss_scale", np.array([loss, 7.0], np.float32), "r")
+        L.buf("dst", np.full(n, NAN16["f16"], np.uint16), "w", offset=off16)
+        flag0 = 1 if si == 5 else 0
+        L.buf("flag", np.array([flag0], np.uint32), "rw")
+        L.run(grid, block, factor=float(factor), n=n)
+        ref = ref_f16_bits((src * np.float32(factor * loss)).astype(np.float32))
+        err = bits_mismatch(L.out("dst", np.uint16), ref, "f16")
+        want_flag = max(flag0, int(((ref & 0x7C00) == 0x7C00).any()))
+        flag = int(L.out("flag", np.uint32)[0])
+        if flag != want_flag:
+            raise EmuError(f"{entry}: flag {flag}, expected {want_flag} (n {n})")
+        results.append((f"n{n} grid{grid[0]}x{block[0]} src+{off32} dst+{off16} scale{loss:g} "
+                        f"flag{want_flag}", err))
+    return results, 0.0
+
+
+def check_cast_from_f16_loss_unscaled(mod, entry, opts):
+    """dst = f32(src) * (factor / loss scale), the scale read from device memory."""
+    results = []
+    for si, (n, grid, block, off32, off16) in enumerate(CAST_CASES):
+        rng = rng_for(entry, si)
+        bits = rng.integers(0, 1 << 16, n).astype(np.uint16)
+        loss = np.float32(2.0 ** (10 + si)) if si % 2 else np.float32(3.0)
+        factor = np.float32(0.3) if si % 3 else np.float32(1.0)
+        L = Launch(mod, entry, opts)
+        L.buf("src", bits, "r", offset=off16)
+        L.buf("loss_scale", np.array([loss], np.float32), "r")
+        L.buf("dst", np.full(n, np.nan, np.float32), "w", offset=off32)
+        L.run(grid, block, factor=float(factor), n=n)
+        ref = (f16_bits_to_f32(bits) * np.float32(factor / loss)).astype(np.float32)
+        err = f32_mismatch(L.out("dst", np.float32), ref)
+        results.append((f"n{n} grid{grid[0]}x{block[0]} src+{off16} dst+{off32} scale{loss:g}", err))
+    return results, 0.0
+
+
+def check_loss_scale_update(mod, entry, opts):
+    """A sequence of steps against the host's LossScaler::update, word for word."""
+    F32_MAX_HALF = np.float32(np.finfo(np.float32).max / np.float32(2.0))
+    cases = [  # (scale, clean, interval, skipped, overflows, grid, block)
+        (65536.0, 0, 3, 0, [1, 0, 0, 0, 0, 1, 0], (1, 1, 1), (1, 1, 1)),
+        (2.0, 1, 2, 5, [1, 1, 1, 0, 0, 0], (2, 1, 1), (64, 1, 1)),
+        (float(F32_MAX_HALF), 0, 1, 0, [0, 0, 1], (1, 1, 1), (32, 1, 1)),
+        (8.0, 0, 0, 2 ** 33, [0, 1], (1, 1, 1), (1, 1, 1)),
+    ]
+    results = []
+    for scale, clean, interval, skipped, overflows, grid, block in cases:
+        state = np.zeros(6, np.uint32)
+        state[0] = np.array([scale], np.float32).view(np.uint32)[0]
+        state[1], state[2] = clean, interval
+        state[4:6] = np.array([skipped], np.uint64).view(np.uint32)
+        s, c, k = np.float32(scale), clean, skipped
+        for overflow in overflows:
+            L = Launch(mod, entry, opts)
+            L.buf("state", state, "rw")
+            L.run(grid, block, overflow=overflow)
+            state = L.out("state", np.uint32).copy()
+            if overflow:
+                s, c, k = max(np.float32(s * np.float32(0.5)), np.float32(1.0)), 0, k + 1
+            else:
+                c += 1
+                if c >= interval:
+                    s, c = min(np.float32(s * np.float32(2.0)), F32_MAX_HALF), 0
+            got = (state[:1].view(np.float32)[0], int(state[1]), int(state[2]),
+                   int(state[4:6].view(np.uint64)[0]))
+            if got != (s, c, interval, k):
+                raise EmuError(f"{entry}: state {got}, expected {(s, c, interval, k)}")
+        results.append((f"scale{scale:g} interval{interval} {len(overflows)} steps", 0.0))
+    return results, 0.0
+
+
 def check_sum_into_half(mod, entry, opts):
     ty = entry.rsplit("_", 1)[1]
     conv = ref_f16_bits if ty == "f16" else ref_bf16_bits
@@ -1124,6 +1204,9 @@ CHECKS = {
         "sum_into_f16": check_sum_into_half,
         "sum_into_bf16": check_sum_into_half,
         "has_non_finite_f32": check_has_non_finite,
+        "f32_to_f16_loss_scaled": check_cast_to_f16_loss_scaled,
+        "f16_to_f32_loss_unscaled": check_cast_from_f16_loss_unscaled,
+        "loss_scale_update": check_loss_scale_update,
     },
     "optim.ptx": {
         "sgd_step": check_sgd,

@@ -5,6 +5,11 @@
 //! payloads aside). Where the CPU function returns "some element was Inf/NaN",
 //! the GPU launcher sets a [`NonFiniteFlag`] on the device instead, so
 //! mixed-precision steps need no host round trip per tensor.
+//!
+//! A dynamic loss scale can live on the device too ([`DeviceLossScale`]): the
+//! `*_loss_scaled` / `*_loss_unscaled` casts read it from device memory, and
+//! [`loss_scale_update`] applies the growth/backoff policy there, so a training
+//! step neither uploads nor downloads it.
 //! The kernels use 16-byte vector loads and stores and handle any length and
 //! any element offset (misaligned views fall back to element-wise access).
 
@@ -43,7 +48,61 @@ pub const KERNELS: &[KernelSignature] = &[
         name: "has_non_finite_f32",
         params: &[Ptr, Ptr, U32],
     },
+    KernelSignature {
+        name: "f32_to_f16_loss_scaled",
+        params: &[Ptr, F32, Ptr, Ptr, Ptr, U32],
+    },
+    KernelSignature {
+        name: "f16_to_f32_loss_unscaled",
+        params: &[Ptr, F32, Ptr, Ptr, U32],
+    },
+    KernelSignature {
+        name: "loss_scale_update",
+        params: &[Ptr, U32],
+    },
 ];
+
+/// A dynamic loss scale and its bookkeeping, as [`DeviceLossScale`] holds them on the
+/// device (and as the host reads or writes them, for checkpoints).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossScaleState {
+    /// The current scale.
+    pub scale: f32,
+    /// Clean steps since the last change.
+    pub clean_steps: u32,
+    /// Clean steps needed before the scale doubles.
+    pub growth_interval: u32,
+    /// Steps skipped because of an overflow.
+    pub skipped_steps: u64,
+}
+
+impl LossScaleState {
+    /// The device layout: `{ f32 scale, u32 clean, u32 interval, u32 unused, u64 skipped }`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn to_words(self) -> [u32; 6] {
+        [
+            self.scale.to_bits(),
+            self.clean_steps,
+            self.growth_interval,
+            0,
+            self.skipped_steps as u32,
+            (self.skipped_steps >> 32) as u32,
+        ]
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn from_words(w: &[u32]) -> Option<LossScaleState> {
+        match *w {
+            [scale, clean_steps, growth_interval, _, lo, hi] => Some(LossScaleState {
+                scale: f32::from_bits(scale),
+                clean_steps,
+                growth_interval,
+                skipped_steps: u64::from(lo) | (u64::from(hi) << 32),
+            }),
+            _ => None,
+        }
+    }
+}
 
 /// `ptx/fp16.ptx` with its declarations.
 pub const MODULE: PtxModule = PtxModule {
@@ -60,9 +119,9 @@ pub use launchers::*;
 mod launchers {
     use half::{bf16, f16};
 
-    use super::MODULE;
-    use crate::error::{check_len, kernel_count, Result};
-    use crate::memory::{AsDevSlice, AsDevSliceMut, DevSliceMut, Element, GpuBuffer};
+    use super::{LossScaleState, MODULE};
+    use crate::error::{check_len, kernel_count, Error, Result};
+    use crate::memory::{AsDevSlice, AsDevSliceMut, DevSlice, DevSliceMut, Element, GpuBuffer};
     use crate::runtime::{Gpu, KernelArg, LaunchConfig};
 
     /// A device-side "some value was Inf or NaN" flag (one `u32`).
@@ -92,6 +151,43 @@ mod launchers {
         }
         fn view(&mut self) -> DevSliceMut<'_, u32> {
             self.word.as_mut_slice()
+        }
+    }
+
+    /// A dynamic loss scale in device memory ([`LossScaleState`], six `u32` words).
+    ///
+    /// The casts [`f32_to_f16_loss_scaled`] and [`f16_to_f32_loss_unscaled`] read the
+    /// scale where it lies and [`loss_scale_update`] changes it there; the host copies it
+    /// only when asked ([`DeviceLossScale::read`], [`DeviceLossScale::write`]).
+    #[derive(Debug)]
+    pub struct DeviceLossScale {
+        words: GpuBuffer<u32>,
+    }
+
+    impl DeviceLossScale {
+        /// `state` uploaded to `gpu`.
+        pub fn new(gpu: &Gpu, state: LossScaleState) -> Result<DeviceLossScale> {
+            Ok(DeviceLossScale {
+                words: gpu.upload(&state.to_words())?,
+            })
+        }
+        /// Replaces the state with `state` (an upload).
+        pub fn write(&mut self, state: LossScaleState) -> Result<()> {
+            self.words.copy_from_host(&state.to_words())
+        }
+        /// Waits for queued work and downloads the state.
+        pub fn read(&self) -> Result<LossScaleState> {
+            let words = self.words.to_host()?;
+            check_len("loss scale state", 6, words.len())?;
+            LossScaleState::from_words(&words).ok_or(Error::ShapeMismatch {
+                arg: "loss scale state",
+                expected: 6,
+                actual: words.len(),
+            })
+        }
+        /// The scale's word, for the casts.
+        fn scale(&self) -> Result<DevSlice<'_, u32>> {
+            self.words.slice(0..1)
         }
     }
 
@@ -231,6 +327,102 @@ mod launchers {
         src: &impl AsDevSlice<bf16>,
     ) -> Result<()> {
         sum_into(gpu, "sum_into_bf16", acc, src)
+    }
+
+    /// `dst[i] = f16(src[i] * (factor * scale))` with `scale` read from `loss_scale` on
+    /// the device; sets `flag` when any `dst` element is Inf or NaN.
+    pub fn f32_to_f16_loss_scaled(
+        gpu: &Gpu,
+        src: &impl AsDevSlice<f32>,
+        factor: f32,
+        loss_scale: &DeviceLossScale,
+        dst: &mut impl AsDevSliceMut<f16>,
+        flag: &mut NonFiniteFlag,
+    ) -> Result<()> {
+        let (src, dst) = (src.dev_slice(), dst.dev_slice_mut());
+        check_len("dst", src.len(), dst.len())?;
+        let n = kernel_count("n (elements)", src.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let scale = loss_scale.scale()?;
+        let flag = flag.view();
+        let args = [
+            gpu.arg("src", &src)?,
+            KernelArg::F32(factor),
+            gpu.arg("loss_scale", &scale)?,
+            gpu.arg_mut("dst", &dst)?,
+            gpu.arg_mut("flag", &flag)?,
+            KernelArg::U32(n),
+        ];
+        // SAFETY: src and dst are live views of n elements on this GPU, dst is
+        // borrowed mutably; the scale and the flag are live one-word buffers.
+        unsafe {
+            gpu.launch(
+                &MODULE,
+                "f32_to_f16_loss_scaled",
+                config(gpu, src.len()),
+                &args,
+            )
+        }
+    }
+
+    /// `dst[i] = f32(src[i]) * (factor / scale)` with `scale` read from `loss_scale` on
+    /// the device.
+    pub fn f16_to_f32_loss_unscaled(
+        gpu: &Gpu,
+        src: &impl AsDevSlice<f16>,
+        factor: f32,
+        loss_scale: &DeviceLossScale,
+        dst: &mut impl AsDevSliceMut<f32>,
+    ) -> Result<()> {
+        let (src, dst) = (src.dev_slice(), dst.dev_slice_mut());
+        check_len("dst", src.len(), dst.len())?;
+        let n = kernel_count("n (elements)", src.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let scale = loss_scale.scale()?;
+        let args = [
+            gpu.arg("src", &src)?,
+            KernelArg::F32(factor),
+            gpu.arg("loss_scale", &scale)?,
+            gpu.arg_mut("dst", &dst)?,
+            KernelArg::U32(n),
+        ];
+        // SAFETY: src and dst are live views of n elements on this GPU, dst is
+        // borrowed mutably; the scale is a live one-word buffer.
+        unsafe {
+            gpu.launch(
+                &MODULE,
+                "f16_to_f32_loss_unscaled",
+                config(gpu, src.len()),
+                &args,
+            )
+        }
+    }
+
+    /// One step of dynamic loss scaling on the device: after an `overflow` (the step
+    /// was skipped) the scale halves (not below 1), otherwise it doubles (not above
+    /// `f32::MAX / 2`) once `growth_interval` clean steps have passed.
+    pub fn loss_scale_update(
+        gpu: &Gpu,
+        loss_scale: &mut DeviceLossScale,
+        overflow: bool,
+    ) -> Result<()> {
+        let words = loss_scale.words.as_mut_slice();
+        let args = [
+            gpu.arg_mut("state", &words)?,
+            KernelArg::U32(u32::from(overflow)),
+        ];
+        let one = LaunchConfig {
+            grid: (1, 1, 1),
+            block: (1, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: the state is a live, mutably borrowed buffer of the six words the
+        // kernel reads and writes.
+        unsafe { gpu.launch(&MODULE, "loss_scale_update", one, &args) }
     }
 
     /// Sets `flag` when any element of `x` is Inf or NaN.

@@ -131,6 +131,7 @@ pub mod softmax;
 
 #[cfg(feature = "cuda")]
 mod context;
+mod launches;
 #[cfg(feature = "cuda")]
 mod memory;
 #[cfg(feature = "cuda")]
@@ -147,8 +148,10 @@ pub use signature::{
     compare_entries, parse_ptx_entries, KernelSignature, Param, ParsedEntry, PtxModule,
 };
 
+pub use fp16::LossScaleState;
 #[cfg(feature = "cuda")]
-pub use fp16::NonFiniteFlag;
+pub use fp16::{DeviceLossScale, NonFiniteFlag};
+pub use launches::KernelLaunches;
 #[cfg(feature = "cuda")]
 pub use memory::{
     AsDevSlice, AsDevSliceMut, DevSlice, DevSliceMut, DeviceMemoryUse, Element, GpuBuffer,

@@ -348,7 +348,9 @@ impl Gpu {
                 std::ptr::null_mut(),
             )
         };
-        check(result, "launching a kernel")
+        check(result, "launching a kernel")?;
+        crate::launches::count_launch();
+        Ok(())
     }
 
     /// A kernel argument for a device slice, checking it lives on this GPU.

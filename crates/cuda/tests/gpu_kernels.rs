@@ -14,8 +14,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain_cuda::model_ops::RowIds;
 use ringtrain_cuda::{
-    fp16, gemm, lstm, model_ops, optim, softmax, AsDevSlice, DeviceMemoryUse, Error, Gpu,
-    GpuBuffer, GpuTimer, KernelArg, LaunchConfig, NonFiniteFlag, TransferBytes, Transpose,
+    fp16, gemm, lstm, model_ops, optim, softmax, AsDevSlice, DeviceLossScale, DeviceMemoryUse,
+    Error, Gpu, GpuBuffer, GpuTimer, KernelArg, KernelLaunches, LaunchConfig, LossScaleState,
+    NonFiniteFlag, TransferBytes, Transpose,
 };
 use ringtrain_kernels as cpu;
 
@@ -555,6 +556,90 @@ fn f32_to_f16_and_bf16_scaled_are_bit_exact_and_flag_overflow() {
             assert_eq!(flag_b.is_set().unwrap(), over_b, "{tag}: bf16 flag");
         }
     }
+}
+
+/// The casts read the loss scale where it lies on the device (bit-exact with the CPU
+/// casts at factor x scale and factor / scale), `loss_scale_update` halves it on an
+/// overflow and doubles it after the growth interval, and every launcher call is one
+/// counted launch that copies nothing.
+#[test]
+fn the_loss_scale_in_device_memory_scales_the_casts_and_follows_its_policy() {
+    let gpu = gpu();
+    let mut rng = rng(17);
+    let n = 1003;
+    let src: Vec<f32> = wide_values(&mut rng, n)
+        .iter()
+        .map(|x| x / 1024.0)
+        .collect();
+    let dsrc = gpu.upload(&src).unwrap();
+    let start = LossScaleState {
+        scale: 512.0,
+        clean_steps: 0,
+        growth_interval: 2,
+        skipped_steps: (1 << 32) + 3,
+    };
+    let mut loss = DeviceLossScale::new(&gpu, start).unwrap();
+    assert_eq!(loss.read().unwrap(), start);
+    let cast = |loss: &DeviceLossScale, factor: f32| {
+        let mut half = poisoned::<f16>(&gpu, n);
+        let mut flag = NonFiniteFlag::new(&gpu).unwrap();
+        let (launched, copied) = (KernelLaunches::this_thread(), TransferBytes::this_thread());
+        fp16::f32_to_f16_loss_scaled(&gpu, &dsrc, factor, loss, &mut half, &mut flag).unwrap();
+        let mut back = poisoned::<f32>(&gpu, n);
+        fp16::f16_to_f32_loss_unscaled(&gpu, &half, 3.0, loss, &mut back).unwrap();
+        assert_eq!(KernelLaunches::this_thread() - launched, 2);
+        assert_eq!(
+            TransferBytes::this_thread().since(copied),
+            TransferBytes::default()
+        );
+        (
+            half.to_host().unwrap(),
+            back.to_host().unwrap(),
+            flag.is_set().unwrap(),
+        )
+    };
+    let check = |loss: &DeviceLossScale, scale: f32| {
+        let (half, back, flagged) = cast(loss, 0.25);
+        let mut want = vec![f16::ZERO; n];
+        let over = cpu::f32_to_f16_scaled(&src, 0.25 * scale, &mut want).unwrap();
+        assert_bits_eq(&format!("scale {scale}: cast"), &half, &want, f16_is_nan);
+        assert_eq!(flagged, over, "scale {scale}: flag");
+        let mut wide = vec![0.0f32; n];
+        cpu::f16_to_f32_unscaled(&want, 3.0 / scale, &mut wide).unwrap();
+        assert_bits_eq(&format!("scale {scale}: back"), &back, &wide, f32_is_nan);
+    };
+    check(&loss, 512.0);
+    let mut expect = start;
+    for overflow in [true, false, false, false, true] {
+        let launched = KernelLaunches::this_thread();
+        fp16::loss_scale_update(&gpu, &mut loss, overflow).unwrap();
+        assert_eq!(KernelLaunches::this_thread() - launched, 1);
+        if overflow {
+            expect.scale = (expect.scale * 0.5).max(1.0);
+            expect.clean_steps = 0;
+            expect.skipped_steps += 1;
+        } else {
+            expect.clean_steps += 1;
+            if expect.clean_steps >= expect.growth_interval {
+                expect.scale *= 2.0;
+                expect.clean_steps = 0;
+            }
+        }
+        assert_eq!(loss.read().unwrap(), expect, "after overflow = {overflow}");
+    }
+    assert_eq!(expect.scale, 256.0);
+    check(&loss, 256.0);
+    let floor = LossScaleState {
+        scale: 1.0,
+        ..start
+    };
+    loss.write(floor).unwrap();
+    fp16::loss_scale_update(&gpu, &mut loss, true).unwrap();
+    assert_eq!(
+        loss.read().unwrap().scale,
+        1.0,
+        "the scale stays at least 1"
+    );
 }
 
 #[test]

@@ -51,7 +51,8 @@ pub struct RankFigures {
     pub words_per_sec: f64,
     /// Its mean time per step in each phase.
     pub breakdown: StepBreakdown,
-    /// Kernel launches (CPU: kernel calls) per batch.
+    /// Kernel launches per batch (cuda: every kernel of the step, the optimizer's
+    /// included; cpu: the pass's kernel calls).
     pub launches_per_batch: f64,
     /// Host <-> device bytes per timed step (absent on cpu).
     #[serde(default, skip_serializing_if = "Option::is_none")]

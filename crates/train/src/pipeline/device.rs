@@ -10,7 +10,9 @@
 //! update run there ([`DeviceResident`]). Only with D > 1 replicas does the summed
 //! gradient leave the device, once each way, for the replicas' all-reduce; the squared
 //! norm of the stage's gradients comes to the host as one scalar for the global norm
-//! the stages sum on the control plane.
+//! the stages sum on the control plane. With f16 gradients the replicas cast the summed
+//! gradients on the host, so the dynamic loss scale stays on the host too (the
+//! default of [`DeviceResident::start_loss_scaler`]).
 //!
 //! The host parameter buffer (whole, as the model's flat buffer on the device is) is
 //! filled only for the initial broadcast, a resume, checkpoints and the end of the run.
@@ -25,26 +27,16 @@ use super::stage::{held_out_not_pipelined, StageRunner};
 use super::{StageInfo, StageTimes, StagesOnBatch};
 use crate::config::{OptimizerKind, ValidatedConfig};
 use crate::error::{Error, Result};
-use crate::optimizer::{OptimizerState, ADAM_BETA1, ADAM_BETA2, ADAM_EPS};
+use crate::optimizer::OptimizerState;
 use crate::strategy::Wire;
 use crate::trainable::{
-    param_specs, Batch, DeviceResident, DeviceUpdate, ExchangeCallback, HostGrads, HostGradsMut,
-    ParamSpec, PassOutput, ReadyCallback, TrainableModel,
+    param_specs, Batch, DeviceOptimizer, DeviceResident, DeviceUpdate, ExchangeCallback, HostGrads,
+    HostGradsMut, ParamSpec, PassOutput, ReadyCallback, TrainableModel,
 };
 
 /// A GPU runtime error as the trainer's error.
 fn gpu_err(e: ringtrain_cuda::Error) -> Error {
     ringtrain_model::Error::from(e).into()
-}
-
-/// The stage's optimizer state on the device, for its own parameter range.
-struct StageOptimizer {
-    kind: OptimizerKind,
-    lr: f32,
-    /// Adam's first and second moments.
-    moments: Option<(GpuBuffer<f32>, GpuBuffer<f32>)>,
-    /// Adam's updates applied so far.
-    step: u32,
 }
 
 /// One pipeline stage on the GPU (see the [module docs](self)).
@@ -62,7 +54,8 @@ pub struct GpuPipelineStage<M: StagesOnBatch> {
     /// update.
     exchanged: bool,
     norm_sq: GpuBuffer<f64>,
-    optimizer: Option<StageOptimizer>,
+    /// The optimizer's state on the device, for the stage's own parameter range.
+    optimizer: Option<DeviceOptimizer>,
     params_host: Vec<f32>,
     /// The host parameters changed since they were last copied to the device.
     params_dirty: bool,
@@ -133,7 +126,7 @@ where
         Ok(())
     }
 
-    fn stage_optimizer(&mut self) -> Result<&mut StageOptimizer> {
+    fn stage_optimizer(&mut self) -> Result<&mut DeviceOptimizer> {
         self.optimizer.as_mut().ok_or_else(|| {
             Error::Internal("the stage's device optimizer was used before it started".into())
         })
@@ -142,9 +135,7 @@ where
     /// The length of the state the stage's optimizer holds (its own range): for tests
     /// and checks.
     pub fn optimizer_len(&self) -> Option<usize> {
-        self.optimizer
-            .as_ref()
-            .map(|o| o.moments.as_ref().map_or(0, |(m, _)| m.len()))
+        self.optimizer.as_ref().map(DeviceOptimizer::state_len)
     }
 }
 
@@ -154,19 +145,7 @@ where
 {
     fn start_optimizer(&mut self, kind: OptimizerKind, learning_rate: f32) -> Result<()> {
         let n = self.own().len();
-        let moments = match kind {
-            OptimizerKind::Sgd => None,
-            OptimizerKind::Adam => Some((
-                self.gpu.zeros::<f32>(n).map_err(gpu_err)?,
-                self.gpu.zeros::<f32>(n).map_err(gpu_err)?,
-            )),
-        };
-        self.optimizer = Some(StageOptimizer {
-            kind,
-            lr: learning_rate,
-            moments,
-            step: 0,
-        });
+        self.optimizer = Some(DeviceOptimizer::new(&self.gpu, kind, learning_rate, n)?);
         Ok(())
     }
 
@@ -248,34 +227,7 @@ where
             Error::Internal("a device-resident update before start_optimizer".into())
         })?;
         let mut params = self.model.params_mut().slice_mut(own).map_err(gpu_err)?;
-        match (&mut optimizer.moments, optimizer.kind) {
-            (None, OptimizerKind::Sgd) => {
-                device_optim::sgd_step(&gpu, &mut params, &self.acc, optimizer.lr, 0.0)
-                    .map_err(gpu_err)?
-            }
-            (Some((m, v)), OptimizerKind::Adam) => {
-                optimizer.step += 1;
-                device_optim::adam_step(
-                    &gpu,
-                    &mut params,
-                    &self.acc,
-                    m,
-                    v,
-                    optimizer.lr,
-                    ADAM_BETA1,
-                    ADAM_BETA2,
-                    ADAM_EPS,
-                    0.0,
-                    optimizer.step,
-                )
-                .map_err(gpu_err)?
-            }
-            (_, kind) => {
-                return Err(Error::Internal(format!(
-                    "the device optimizer {kind} has the other optimizer's state"
-                )))
-            }
-        }
+        optimizer.apply(&gpu, &mut params, &self.acc)?;
         self.host_stale = true;
         Ok(DeviceUpdate {
             skipped: false,
@@ -285,44 +237,12 @@ where
 
     /// This stage's own state (the length of its range).
     fn optimizer_state(&mut self) -> Result<OptimizerState> {
-        let optimizer = self.stage_optimizer()?;
-        Ok(match &optimizer.moments {
-            None => OptimizerState::Sgd,
-            Some((m, v)) => OptimizerState::Adam {
-                m: m.to_host().map_err(gpu_err)?,
-                v: v.to_host().map_err(gpu_err)?,
-                step: optimizer.step,
-            },
-        })
+        self.stage_optimizer()?.state()
     }
 
     /// Loads this stage's own state (the length of its range).
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
-        let n = self.own().len();
-        let optimizer = self.stage_optimizer()?;
-        match (state, &mut optimizer.moments) {
-            (OptimizerState::Sgd, None) => {}
-            (OptimizerState::Adam { m, v, step }, Some((dm, dv))) => {
-                if m.len() != n || v.len() != n {
-                    return Err(Error::Internal(format!(
-                        "Adam state has {} / {} elements but the stage has {n} parameters",
-                        m.len(),
-                        v.len()
-                    )));
-                }
-                dm.copy_from_host(&m).map_err(gpu_err)?;
-                dv.copy_from_host(&v).map_err(gpu_err)?;
-                optimizer.step = step;
-            }
-            (_, _) => {
-                return Err(Error::invalid(
-                    "--optimizer",
-                    optimizer.kind,
-                    "the checkpoint was written with the other optimizer; resume with the same --optimizer",
-                ))
-            }
-        }
-        Ok(())
+        self.stage_optimizer()?.load_state(state, "stage")
     }
 
     fn download_params(&mut self) -> Result<()> {

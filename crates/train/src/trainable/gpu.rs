@@ -3,8 +3,10 @@
 //! **Device-resident (every strategy but `parameter_server`).** Parameters, gradients
 //! and the optimizer's state (Adam's moments) live on the GPU; the global-norm clip, the
 //! non-finite check of f16 gradients and the update run there as the kernels of
-//! `ptx/optim.ptx` and `ptx/fp16.ptx` ([`DeviceResident`]). Per step the host sends the
-//! batch and reads back a few scalars (the loss, the non-finite flag, the gradient
+//! `ptx/optim.ptx` and `ptx/fp16.ptx` ([`DeviceResident`]). With f16 gradients the
+//! dynamic loss scale lives on the device too: the casts read it there and a kernel
+//! halves or doubles it after each update ([`DeviceLossScale`]). Per step the host sends
+//! the batch and reads back a few scalars (the loss, the non-finite flag, the gradient
 //! norm). With several ranks each gradient range backward finishes is cast for the wire
 //! on the device (f16 with `--fp16-gradients`), copied once into a page-locked host
 //! exchange buffer ([`PinnedBuffer`]) on the GPU's copy stream while backward goes on,
@@ -29,19 +31,21 @@ use std::time::{Duration, Instant};
 use half::f16;
 use ringtrain_cuda::optim as device_optim;
 use ringtrain_cuda::{
-    fp16 as device_fp16, Element, Gpu, GpuBuffer, NonFiniteFlag, PinnedBuffer, StreamMark,
+    fp16 as device_fp16, DeviceLossScale, Element, Gpu, GpuBuffer, LossScaleState, NonFiniteFlag,
+    PinnedBuffer, StreamMark,
 };
 use ringtrain_model::{Backend, CudaBackend, Model};
 
 use super::pass::{run_forward, run_pass, Delivery};
 use super::staging::TrainsOnBatch;
 use super::{
-    param_specs, Batch, DeviceResident, DeviceSpan, DeviceUpdate, ExchangeCallback, HostGrads,
-    HostGradsMut, ParamSpec, PassOutput, ReadyCallback, TrainableModel,
+    param_specs, Batch, DeviceOptimizer, DeviceResident, DeviceSpan, DeviceUpdate,
+    ExchangeCallback, HostGrads, HostGradsMut, ParamSpec, PassOutput, ReadyCallback,
+    TrainableModel,
 };
 use crate::config::OptimizerKind;
 use crate::error::{Error, Result};
-use crate::optimizer::{OptimizerState, ADAM_BETA1, ADAM_BETA2, ADAM_EPS};
+use crate::optimizer::{LossScaler, OptimizerState};
 use crate::strategy::Wire;
 
 /// A model on the CUDA backend, updated on the device or (for the parameter servers)
@@ -108,6 +112,8 @@ struct ResidentState {
     flag: NonFiniteFlag,
     /// The squared global gradient norm, accumulated on the device.
     norm_sq: GpuBuffer<f64>,
+    /// The dynamic loss scale of f16 gradients (from [`DeviceResident::start_loss_scaler`]).
+    loss_scale: Option<DeviceLossScale>,
     /// The gradients cast to f16 for the wire (allocated on first use).
     half: Option<GpuBuffer<f16>>,
     /// The host exchange buffers (allocated on first use).
@@ -115,16 +121,6 @@ struct ResidentState {
     host_f16: Option<PinnedCopies<f16>>,
     /// How the last pass's gradients left backward: the wire, and whether to the host.
     last: Option<(Wire, bool)>,
-}
-
-/// The optimizer's state in device buffers.
-struct DeviceOptimizer {
-    kind: OptimizerKind,
-    lr: f32,
-    /// Adam's first and second moments.
-    moments: Option<(GpuBuffer<f32>, GpuBuffer<f32>)>,
-    /// Adam's updates applied so far.
-    step: u32,
 }
 
 /// A GPU runtime error as the trainer's error.
@@ -219,6 +215,7 @@ struct Exchanging<'s, 'c, 'cb> {
     wire: Wire,
     to_host: bool,
     flag: &'s mut NonFiniteFlag,
+    loss_scale: Option<&'s DeviceLossScale>,
     half: Option<&'s mut GpuBuffer<f16>>,
     host_f32: Option<&'s mut PinnedCopies<f32>>,
     host_f16: Option<&'s mut PinnedCopies<f16>>,
@@ -256,10 +253,14 @@ impl Delivery<GpuBuffer<f32>> for Exchanging<'_, '_, '_> {
                     .half
                     .as_deref_mut()
                     .ok_or_else(|| missing("f16 buffer"))?;
+                let loss_scale = self.loss_scale.ok_or_else(|| missing("loss scale"))?;
                 let src = grads.slice(range.clone()).map_err(gpu_err)?;
                 let mut dst = half.slice_mut(range.clone()).map_err(gpu_err)?;
-                device_fp16::f32_to_f16_scaled(self.gpu, &src, scale, &mut dst, self.flag)
-                    .map_err(gpu_err)?;
+                // The wire's factor times the loss scale, read on the device.
+                device_fp16::f32_to_f16_loss_scaled(
+                    self.gpu, &src, scale, loss_scale, &mut dst, self.flag,
+                )
+                .map_err(gpu_err)?;
                 if self.to_host {
                     let copies = self
                         .host_f16
@@ -308,6 +309,7 @@ impl<M: Model<Backend = CudaBackend>> GpuTrainable<M> {
                 optimizer: None,
                 flag: NonFiniteFlag::new(&gpu).map_err(gpu_err)?,
                 norm_sq: gpu.zeros::<f64>(1).map_err(gpu_err)?,
+                loss_scale: None,
                 half: None,
                 host_f32: None,
                 host_f16: None,
@@ -435,6 +437,7 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
         }
         let ResidentState {
             flag,
+            loss_scale,
             half: half_buf,
             host_f32,
             host_f16,
@@ -447,6 +450,7 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
             wire,
             to_host,
             flag,
+            loss_scale: loss_scale.as_ref(),
             half: half_buf.as_mut().filter(|_| half),
             host_f32,
             host_f16,
@@ -504,11 +508,18 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
         let (wire, to_host) = state.last.take().ok_or_else(|| {
             Error::Internal("a device-resident update without a pass before it".into())
         })?;
+        let half = matches!(wire, Wire::F16 { .. });
         let (params, grads) = self.model.params_and_grads_mut();
         let n = grads.len();
+        // The correction still to apply after the cast back to f32.
+        let mut correction = correction;
         match wire {
             Wire::F16 { .. } => {
                 let half = state.half.as_mut().ok_or_else(|| missing("f16 buffer"))?;
+                let loss_scale = state
+                    .loss_scale
+                    .as_ref()
+                    .ok_or_else(|| missing("loss scale"))?;
                 if to_host {
                     let copies = state
                         .host_f16
@@ -516,7 +527,10 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
                         .ok_or_else(|| missing("f16 exchange buffer"))?;
                     copies.host.upload_async(0..n, half).map_err(gpu_err)?;
                 }
-                device_fp16::f16_to_f32_unscaled(&gpu, half, 1.0, grads).map_err(gpu_err)?;
+                // Back to f32 with the correction over the loss scale, read on the device.
+                device_fp16::f16_to_f32_loss_unscaled(&gpu, half, correction, loss_scale, grads)
+                    .map_err(gpu_err)?;
+                correction = 1.0;
             }
             Wire::F32 => {
                 if to_host {
@@ -546,6 +560,9 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
         state.flag.reset().map_err(gpu_err)?;
         device_fp16::has_non_finite_f32(&gpu, grads, &mut state.flag).map_err(gpu_err)?;
         if skip || state.flag.is_set().map_err(gpu_err)? {
+            if let Some(loss_scale) = state.loss_scale.as_mut().filter(|_| half) {
+                device_fp16::loss_scale_update(&gpu, loss_scale, true).map_err(gpu_err)?;
+            }
             let end = DeviceTiming::mark(&self.timing, &gpu)?;
             let args = serde_json::json!({ "skipped": true });
             DeviceTiming::span(&mut self.timing, "gpu update", update_from, end, args);
@@ -566,32 +583,9 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
         let optimizer = state.optimizer.as_mut().ok_or_else(|| {
             Error::Internal("a device-resident update before start_optimizer".into())
         })?;
-        match (&mut optimizer.moments, optimizer.kind) {
-            (None, OptimizerKind::Sgd) => {
-                device_optim::sgd_step(&gpu, params, grads, optimizer.lr, 0.0).map_err(gpu_err)?
-            }
-            (Some((m, v)), OptimizerKind::Adam) => {
-                optimizer.step += 1;
-                device_optim::adam_step(
-                    &gpu,
-                    params,
-                    grads,
-                    m,
-                    v,
-                    optimizer.lr,
-                    ADAM_BETA1,
-                    ADAM_BETA2,
-                    ADAM_EPS,
-                    0.0,
-                    optimizer.step,
-                )
-                .map_err(gpu_err)?
-            }
-            (_, kind) => {
-                return Err(Error::Internal(format!(
-                    "the device optimizer {kind} has the other optimizer's state"
-                )))
-            }
+        optimizer.apply(&gpu, params, grads)?;
+        if let Some(loss_scale) = state.loss_scale.as_mut().filter(|_| half) {
+            device_fp16::loss_scale_update(&gpu, loss_scale, false).map_err(gpu_err)?;
         }
         self.host_stale = true;
         let end = DeviceTiming::mark(&self.timing, &gpu)?;
@@ -608,21 +602,40 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
 impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> DeviceResident for GpuTrainable<M> {
     fn start_optimizer(&mut self, kind: OptimizerKind, learning_rate: f32) -> Result<()> {
         let n = self.params_host.len();
-        let gpu = self.gpu.clone();
-        let moments = match kind {
-            OptimizerKind::Sgd => None,
-            OptimizerKind::Adam => Some((
-                gpu.zeros::<f32>(n).map_err(gpu_err)?,
-                gpu.zeros::<f32>(n).map_err(gpu_err)?,
-            )),
-        };
-        self.resident()?.optimizer = Some(DeviceOptimizer {
-            kind,
-            lr: learning_rate,
-            moments,
-            step: 0,
-        });
+        let optimizer = DeviceOptimizer::new(&self.gpu, kind, learning_rate, n)?;
+        self.resident()?.optimizer = Some(optimizer);
         Ok(())
+    }
+
+    fn start_loss_scaler(&mut self, scaler: LossScaler) -> Result<bool> {
+        let gpu = self.gpu.clone();
+        let state = self.resident()?;
+        let on_device = LossScaleState {
+            scale: scaler.scale,
+            clean_steps: scaler.clean_steps,
+            growth_interval: scaler.growth_interval,
+            skipped_steps: scaler.skipped_steps,
+        };
+        match state.loss_scale.as_mut() {
+            Some(loss_scale) => loss_scale.write(on_device).map_err(gpu_err)?,
+            None => {
+                state.loss_scale = Some(DeviceLossScale::new(&gpu, on_device).map_err(gpu_err)?)
+            }
+        }
+        Ok(true)
+    }
+
+    fn loss_scaler(&mut self) -> Result<Option<LossScaler>> {
+        let Some(loss_scale) = self.resident()?.loss_scale.as_ref() else {
+            return Ok(None);
+        };
+        let s = loss_scale.read().map_err(gpu_err)?;
+        Ok(Some(LossScaler {
+            scale: s.scale,
+            clean_steps: s.clean_steps,
+            growth_interval: s.growth_interval,
+            skipped_steps: s.skipped_steps,
+        }))
     }
 
     fn forward_backward_exchanging(
@@ -722,44 +735,14 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> DeviceResident for GpuTrain
         let optimizer = self.resident()?.optimizer.as_ref().ok_or_else(|| {
             Error::Internal("the device optimizer's state was read before it started".into())
         })?;
-        Ok(match &optimizer.moments {
-            None => OptimizerState::Sgd,
-            Some((m, v)) => OptimizerState::Adam {
-                m: m.to_host().map_err(gpu_err)?,
-                v: v.to_host().map_err(gpu_err)?,
-                step: optimizer.step,
-            },
-        })
+        optimizer.state()
     }
 
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
-        let n = self.params_host.len();
         let optimizer = self.resident()?.optimizer.as_mut().ok_or_else(|| {
             Error::Internal("the device optimizer's state was loaded before it started".into())
         })?;
-        match (state, &mut optimizer.moments) {
-            (OptimizerState::Sgd, None) => {}
-            (OptimizerState::Adam { m, v, step }, Some((dm, dv))) => {
-                if m.len() != n || v.len() != n {
-                    return Err(Error::Internal(format!(
-                        "Adam state has {} / {} elements but the model has {n} parameters",
-                        m.len(),
-                        v.len()
-                    )));
-                }
-                dm.copy_from_host(&m).map_err(gpu_err)?;
-                dv.copy_from_host(&v).map_err(gpu_err)?;
-                optimizer.step = step;
-            }
-            (_, _) => {
-                return Err(Error::invalid(
-                    "--optimizer",
-                    optimizer.kind,
-                    "the checkpoint was written with the other optimizer; resume with the same --optimizer",
-                ))
-            }
-        }
-        Ok(())
+        optimizer.load_state(state, "model")
     }
 
     fn download_params(&mut self) -> Result<()> {

@@ -22,11 +22,13 @@ use ringtrain_data::{LmBatch, NmtBatch};
 
 use crate::config::OptimizerKind;
 use crate::error::Result;
-use crate::optimizer::OptimizerState;
+use crate::optimizer::{LossScaler, OptimizerState};
 use crate::strategy::Wire;
 
 mod build;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod device_optimizer;
 #[cfg(feature = "cuda")]
 mod gpu;
 pub mod pass;
@@ -34,6 +36,8 @@ pub mod staging;
 
 pub use build::{build_model, build_pipeline_stage, check_memory};
 pub use cpu::CpuTrainable;
+#[cfg(feature = "cuda")]
+pub(crate) use device_optimizer::DeviceOptimizer;
 #[cfg(feature = "cuda")]
 pub use gpu::GpuTrainable;
 
@@ -169,10 +173,33 @@ pub trait DeviceResident {
     /// # Errors
     /// Device errors.
     fn start_optimizer(&mut self, kind: OptimizerKind, learning_rate: f32) -> Result<()>;
+    /// Keeps the dynamic loss scale of f16 gradients on the device from now on, starting
+    /// from `scaler` (a new one, or a checkpoint's): the casts read it there and
+    /// [`DeviceResident::update`] applies the growth/backoff policy of
+    /// [`LossScaler::update`] there, so no step moves it between host and device. Returns
+    /// false when the model leaves the scale to the host (the default: a pipeline stage,
+    /// whose replicas cast their gradients on the host).
+    ///
+    /// # Errors
+    /// Device errors.
+    fn start_loss_scaler(&mut self, scaler: LossScaler) -> Result<bool> {
+        let _ = scaler;
+        Ok(false)
+    }
+    /// The loss scale kept on the device, downloaded (for a checkpoint or a report);
+    /// `None` when the device keeps none.
+    ///
+    /// # Errors
+    /// Device errors.
+    fn loss_scaler(&mut self) -> Result<Option<LossScaler>> {
+        Ok(None)
+    }
     /// Forward and backward on `batch`. Each gradient range is cast for `wire` on the
-    /// device (f16 with its scale, setting the device's non-finite flag), and, with
-    /// `to_host`, copied into the host exchange buffer and handed to `on_ready` once
-    /// landed, while backward goes on. Without `to_host` no gradient leaves the device.
+    /// device (f16 with its scale, setting the device's non-finite flag; a model that
+    /// keeps the loss scale on the device multiplies it in there, see
+    /// [`DeviceResident::start_loss_scaler`]), and, with `to_host`, copied into the host
+    /// exchange buffer and handed to `on_ready` once landed, while backward goes on.
+    /// Without `to_host` no gradient leaves the device.
     ///
     /// # Errors
     /// The model's, the device's, or the first error `on_ready` returned.
@@ -196,9 +223,10 @@ pub trait DeviceResident {
     /// [`crate::Error::Internal`] when the last pass did not copy to the host.
     fn exchanged_grads(&mut self) -> Result<HostGradsMut<'_>>;
     /// The update: brings the exchanged (reduced) gradients back to the device once,
-    /// undoes the wire's cast, multiplies them by `correction`, clips them to
-    /// `max_gradient_norm` (0: no clipping) and applies the optimizer, unless `skip` or
-    /// a gradient is not finite (the device's flag).
+    /// undoes the wire's cast, multiplies them by `correction` (divided by the device's
+    /// loss scale when it keeps one), clips them to `max_gradient_norm` (0: no clipping)
+    /// and applies the optimizer, unless `skip` or a gradient is not finite (the
+    /// device's flag). A loss scale kept on the device then takes the step's outcome.
     ///
     /// # Errors
     /// Device errors; an update before [`DeviceResident::start_optimizer`].

@@ -204,7 +204,7 @@ pub fn train_evaluating(
             if done.outcome.skipped {
                 line.push_str(&format!(
                     "\t(f16 overflow: step skipped, loss scale now {})",
-                    session.scaler.map_or(0.0, |s| s.scale)
+                    session.loss_scaler(model)?.map_or(0.0, |s| s.scale)
                 ));
             }
             log(&line);
@@ -303,7 +303,8 @@ pub fn train_evaluating(
     if let Some(device) = model.device_resident() {
         device.download_params()?;
     }
-    let mut report = session.report(&*model, &meter.summary(), timed, last)?;
+    let scaler = session.loss_scaler(model)?;
+    let mut report = session.report(&*model, &meter.summary(), timed, last, scaler)?;
     report.eval = evals;
     report.time_to_quality = quality;
     if let Some(timeline) = session.timeline.take() {

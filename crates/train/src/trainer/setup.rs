@@ -30,7 +30,7 @@ pub(super) struct Session<'a> {
     /// The host optimizer (`None`: the model updates on its device with its own).
     pub(super) optimizer: Option<Optimizer>,
     /// The dynamic loss scale of f16 gradients (`None`: f32 gradients).
-    pub(super) scaler: Option<LossScaler>,
+    pub(super) scaler: Option<LossScaling>,
     /// Steps completed, counting those of a resumed checkpoint.
     pub(super) step: u64,
     /// This rank's examples per step (0 for a dedicated parameter server).
@@ -43,6 +43,17 @@ pub(super) struct Session<'a> {
     pub(super) last_checkpoint: Option<(PathBuf, u64)>,
     /// The `--timeline` of this rank (`None`: no timeline, nothing recorded).
     pub(super) timeline: Option<TrainTimeline>,
+}
+
+/// Where the dynamic loss scale of f16 gradients lives.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum LossScaling {
+    /// On the host: the trainer feeds it each step's outcome and puts it on the wire.
+    Host(LossScaler),
+    /// On the model's device ([`crate::trainable::DeviceResident::start_loss_scaler`]):
+    /// the device multiplies it into the casts and updates it; the host reads it only
+    /// for checkpoints, reports and the log line of a skipped step.
+    Device,
 }
 
 impl<'a> Session<'a> {
@@ -132,7 +143,7 @@ impl<'a> Session<'a> {
             )),
         };
         let fp16 = cfg.config().exchange.fp16_gradients;
-        let mut scaler = fp16.then(LossScaler::default);
+        let mut host_scaler = fp16.then(LossScaler::default);
         let mut step = 0;
         let mut resume_note = None;
         let mut last_checkpoint = None;
@@ -160,9 +171,18 @@ impl<'a> Session<'a> {
                 (None, None) => return Err(no_optimizer()),
             }
             if fp16 {
-                scaler = Some(ck.loss_scaler.unwrap_or_default());
+                host_scaler = Some(ck.loss_scaler.unwrap_or_default());
             }
         }
+        // A model that updates on its device keeps the loss scale there when it can.
+        let on_device = match (host_scaler, model.device_resident()) {
+            (Some(s), Some(device)) => device.start_loss_scaler(s)?,
+            _ => false,
+        };
+        let scaler = match host_scaler {
+            Some(_) if on_device => Some(LossScaling::Device),
+            s => s.map(LossScaling::Host),
+        };
         let batch_size = if cfg.is_worker(rank) {
             cfg.local_batch_size(cfg.data_worker(rank))
         } else {
@@ -222,6 +242,7 @@ impl<'a> Session<'a> {
             _ => Some(self.strategy.gather_params(model.params()?)?),
         };
         let local = if self.rank == 0 {
+            let loss_scaler = self.loss_scaler(model);
             let state = match (gathered, model.device_resident()) {
                 (Some(state), _) => Ok(state),
                 (None, Some(device)) => device
@@ -239,7 +260,7 @@ impl<'a> Session<'a> {
                     step: self.step,
                     params,
                     optimizer: state,
-                    loss_scaler: self.scaler,
+                    loss_scaler: loss_scaler?,
                     input,
                 }
                 .save(path)
@@ -250,6 +271,24 @@ impl<'a> Session<'a> {
         self.control.agree("to write the checkpoint", local)?;
         self.last_checkpoint = Some((path.to_path_buf(), self.step));
         Ok(())
+    }
+
+    /// The dynamic loss scale as it stands (downloaded when the device keeps it); `None`
+    /// with f32 gradients.
+    ///
+    /// # Errors
+    /// Device errors; [`Error::Internal`] when the device that keeps it is gone.
+    pub(super) fn loss_scaler(&self, model: &mut dyn TrainableModel) -> Result<Option<LossScaler>> {
+        match self.scaler {
+            None => Ok(None),
+            Some(LossScaling::Host(s)) => Ok(Some(s)),
+            Some(LossScaling::Device) => model
+                .device_resident()
+                .ok_or_else(|| {
+                    Error::Internal("the device that keeps the loss scale is gone".into())
+                })?
+                .loss_scaler(),
+        }
     }
 
     /// The error for a stop by `signal` during `during`, naming the last good checkpoint.

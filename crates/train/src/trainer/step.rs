@@ -4,7 +4,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use super::setup::Session;
+use super::setup::{LossScaling, Session};
 use crate::error::{Error, Result};
 use crate::input::BatchSource;
 use crate::strategy::{DeviceStepInputs, StepContext, StepInputs, StepOutcome, StepStats, Wire};
@@ -19,7 +19,9 @@ pub(super) struct StepResult {
     pub(super) local: StepStats,
     /// Where this rank's time went.
     pub(super) breakdown: StepBreakdown,
-    /// Kernel launches of this rank's pass.
+    /// Kernel launches of this rank's step: on cuda every kernel launched (the model's
+    /// and the optimizer's, counted where they are issued), on cpu the pass's backend
+    /// operations.
     pub(super) launches: u64,
     /// Wall time of the step.
     pub(super) elapsed: Duration,
@@ -29,17 +31,20 @@ pub(super) struct StepResult {
 }
 
 impl Session<'_> {
-    /// How this step's gradients travel: f16 gradients carry loss scale / examples.
+    /// How this step's gradients travel: f16 gradients carry loss scale / examples (a
+    /// device that keeps the loss scale multiplies it in there: the wire says 1 / examples).
     fn step_context(&self) -> StepContext {
         let expected = if self.strategy.averages_globally() {
             self.cfg.global_batch_size()
         } else {
             self.batch_size
         };
+        let per_example = |loss_scale: f32| Wire::F16 {
+            scale: (f64::from(loss_scale) / expected.max(1) as f64) as f32,
+        };
         let wire = match self.scaler {
-            Some(s) => Wire::F16 {
-                scale: (f64::from(s.scale) / expected.max(1) as f64) as f32,
-            },
+            Some(LossScaling::Host(s)) => per_example(s.scale),
+            Some(LossScaling::Device) => per_example(1.0),
             None => Wire::F32,
         };
         StepContext { wire }
@@ -56,6 +61,7 @@ impl Session<'_> {
         batches: &mut dyn BatchSource,
     ) -> Result<StepResult> {
         let start = Instant::now();
+        let launched = super::summary::kernel_launches(self.cfg.config().run.device);
         let mut breakdown = StepBreakdown::default();
         let ctx = self.step_context();
         // The timeline of this step, when one is recorded: `None` costs no clock read.
@@ -181,8 +187,15 @@ impl Session<'_> {
         }
         breakdown.communication = outcome.communication_seconds;
         breakdown.optimizer = outcome.optimizer_seconds;
-        if let Some(s) = self.scaler.as_mut() {
+        // A loss scale on the device took the outcome in the update.
+        if let Some(LossScaling::Host(s)) = self.scaler.as_mut() {
             s.update(outcome.skipped);
+        }
+        if let (Some(before), Some(after)) = (
+            launched,
+            super::summary::kernel_launches(self.cfg.config().run.device),
+        ) {
+            launches = after - before;
         }
         self.step += 1;
         Ok(StepResult {

@@ -4,7 +4,7 @@
 use super::setup::Session;
 use crate::config::DeviceKind;
 use crate::error::Result;
-use crate::optimizer::OptimizerState;
+use crate::optimizer::{LossScaler, OptimizerState};
 use crate::pipeline::bubble_formula;
 use crate::report::{
     GradientReady, HostDeviceBytes, PipelineReport, RankFigures, RunReport, StageFigures,
@@ -44,6 +44,17 @@ pub(super) fn copied_bytes(device: DeviceKind) -> Option<(u64, u64)> {
     if device == DeviceKind::Cuda {
         let t = ringtrain_cuda::TransferBytes::this_thread();
         return Some((t.to_device, t.to_host));
+    }
+    let _ = device;
+    None
+}
+
+/// Kernels this thread has launched so far (ringtrain-cuda's count, taken where every
+/// launch is issued: the model's and the optimizer's). `None` on cpu.
+pub(super) fn kernel_launches(device: DeviceKind) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if device == DeviceKind::Cuda {
+        return Some(ringtrain_cuda::KernelLaunches::this_thread());
     }
     let _ = device;
     None
@@ -187,6 +198,7 @@ impl Session<'_> {
         meter: &ThroughputSummary,
         timed: TimedTotals,
         last: StepStats,
+        scaler: Option<LossScaler>,
     ) -> Result<RunReport> {
         let mine = self.rank_figures(meter, timed);
         let per_rank: Vec<RankFigures> = self.control.gather(&mine)?;
@@ -264,8 +276,8 @@ impl Session<'_> {
             host_device_bytes_per_step,
             peak_device_bytes,
             final_loss: last.mean_loss(),
-            skipped_steps: self.scaler.map_or(0, |s| s.skipped_steps),
-            loss_scale: self.scaler.map(|s| s.scale),
+            skipped_steps: scaler.map_or(0, |s| s.skipped_steps),
+            loss_scale: scaler.map(|s| s.scale),
             eval: Vec::new(),
             time_to_quality: None,
             pipeline,
