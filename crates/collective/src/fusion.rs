@@ -28,6 +28,7 @@
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::path::PathBuf;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -150,7 +151,7 @@ impl Wakeup {
 enum Command {
     Submit {
         name: Arc<str>,
-        tensor: Tensor,
+        tensor: Payload,
         ticket: u64,
         at: Option<Instant>,
     },
@@ -348,6 +349,8 @@ pub struct Handle {
     board: Arc<Board>,
     core: Arc<Core>,
     waited: bool,
+    /// The tensor is the caller's memory ([`FusionEngine::submit_external`]).
+    external: bool,
 }
 
 impl Handle {
@@ -376,6 +379,12 @@ impl Handle {
 impl Drop for Handle {
     fn drop(&mut self) {
         if !self.waited {
+            if self.external {
+                // The caller may reuse or free its memory once this returns: under the
+                // engine's lock (no reduction runs now) a tensor still queued gets a copy
+                // of its own values, so the engine never touches that memory again.
+                self.core.detach(self.ticket);
+            }
             self.board.abandon(self.ticket);
         }
     }
@@ -579,6 +588,28 @@ impl FusionEngine {
     /// Queues `tensor` for all-reduce under `name`; every rank must submit the same name
     /// with the same dtype and length (in any order).
     pub fn submit(&self, name: &str, tensor: impl Into<Tensor>) -> Result<Handle> {
+        self.submit_payload(name, Payload::Owned(tensor.into()))
+    }
+
+    /// Queues the caller's own memory for all-reduce in place under `name`, as
+    /// [`FusionEngine::submit`] does with a tensor it takes: the engine reads the values
+    /// from `tensor`'s memory and writes the sums back there, making no copy of its own
+    /// other than the fusion buffer that every fused tensor passes through. The handle's
+    /// [`Handle::wait`] returns an empty tensor of the same dtype once the sums are in
+    /// place.
+    ///
+    /// # Safety
+    /// The memory behind `tensor` must stay valid, and must be neither read nor written by
+    /// anyone else, until the returned handle has been waited for or dropped (a handle
+    /// dropped unwaited first takes the values out of the caller's memory, so that the
+    /// engine never touches it again), or until [`FusionEngine::shutdown`] has returned.
+    pub unsafe fn submit_external(&self, name: &str, tensor: ExternalTensor) -> Result<Handle> {
+        let mut handle = self.submit_payload(name, Payload::External(tensor))?;
+        handle.external = true;
+        Ok(handle)
+    }
+
+    fn submit_payload(&self, name: &str, tensor: Payload) -> Result<Handle> {
         let ticket = self.board.ticket();
         let stopped = || Error::EngineStopped {
             reason: "the background thread has exited; shutdown() returns the cause".into(),
@@ -588,7 +619,7 @@ impl FusionEngine {
         let name: Arc<str> = Arc::from(name);
         tx.send(Command::Submit {
             name: Arc::clone(&name),
-            tensor: tensor.into(),
+            tensor,
             ticket,
             at: self.timed.then(Instant::now),
         })
@@ -600,6 +631,7 @@ impl FusionEngine {
             board: Arc::clone(&self.board),
             core: Arc::clone(&self.core),
             waited: false,
+            external: false,
         })
     }
 
@@ -741,8 +773,115 @@ impl Drop for FusionEngine {
     }
 }
 
+/// A tensor the caller hands over ([`FusionEngine::submit_external`]): its memory is
+/// reduced in place.
+#[derive(Debug)]
+pub struct ExternalTensor {
+    ptr: NonNull<u8>,
+    len: usize,
+    dtype: DType,
+}
+
+// SAFETY: the memory is handed to the engine exclusively until the handle is waited or
+// dropped (the contract of `FusionEngine::submit_external`), like a `&mut [T]` of a
+// `Send` element type moved to the engine's thread.
+unsafe impl Send for ExternalTensor {}
+
+impl ExternalTensor {
+    /// Points at `data`; nothing is read or written until it is submitted with
+    /// [`FusionEngine::submit_external`], whose contract says how long the memory must
+    /// stay valid.
+    pub fn new<T: Element>(data: &mut [T]) -> ExternalTensor {
+        ExternalTensor {
+            // A slice's pointer is never null (dangling but aligned when empty).
+            ptr: NonNull::from(&mut *data).cast::<u8>(),
+            len: data.len(),
+            dtype: T::DTYPE,
+        }
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The address of its first element.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+/// What a queued tensor holds: its own values, or the caller's memory.
+#[derive(Debug)]
+enum Payload {
+    Owned(Tensor),
+    External(ExternalTensor),
+}
+
+impl Payload {
+    fn dtype(&self) -> DType {
+        match self {
+            Payload::Owned(t) => t.dtype(),
+            Payload::External(e) => e.dtype,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Payload::Owned(t) => t.len(),
+            Payload::External(e) => e.len,
+        }
+    }
+
+    fn size_bytes(&self) -> usize {
+        self.len() * self.dtype().size_bytes()
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Payload::Owned(t) => t.as_bytes_mut(),
+            Payload::External(e) => {
+                let bytes = e.len * e.dtype.size_bytes();
+                // SAFETY: `ExternalTensor::new` took these bytes from a live `&mut [T]`,
+                // and `submit_external`'s contract keeps them valid and ours alone until
+                // the handle is waited or dropped; a dropped handle replaces this payload
+                // with an owned copy (`Core::detach`) under the lock every access holds.
+                unsafe { std::slice::from_raw_parts_mut(e.ptr.as_ptr(), bytes) }
+            }
+        }
+    }
+
+    /// The result a handle gets: the tensor, or for the caller's memory (whose sums are
+    /// in place) an empty tensor of its dtype.
+    fn into_result(self) -> Tensor {
+        match self {
+            Payload::Owned(t) => t,
+            Payload::External(e) => Tensor::zeros(e.dtype, 0),
+        }
+    }
+
+    /// Replaces the caller's memory by a copy of its current values.
+    fn detach(&mut self) {
+        if let Payload::External(e) = self {
+            let mut owned = Tensor::zeros(e.dtype, e.len);
+            owned.as_bytes_mut().copy_from_slice(self.bytes_mut());
+            *self = Payload::Owned(owned);
+        }
+    }
+}
+
 struct Pending {
-    tensor: Tensor,
+    tensor: Payload,
     ticket: Ticket,
     /// When it was submitted (only with a timeline).
     submitted: Option<Instant>,
@@ -845,6 +984,25 @@ impl Core {
         *state = CoreState::Ended(Some(result.map(|()| comm)));
     }
 
+    /// Gives the tensor of `ticket`, if still queued, a copy of the caller's memory it
+    /// points at ([`FusionEngine::submit_external`]'s handle was dropped unwaited).
+    fn detach(&self, ticket: u64) {
+        let mut state = self.lock();
+        let CoreState::Running(r) = &mut *state else {
+            return;
+        };
+        r.engine.drain(&r.rx);
+        let ticket = Ticket::One(ticket);
+        let engine = &mut r.engine;
+        let queued = engine.slots.iter_mut().flatten();
+        for p in queued.chain(engine.unregistered.values_mut()) {
+            if p.ticket == ticket {
+                p.tensor.detach();
+                return;
+            }
+        }
+    }
+
     /// Runs cycles on the calling thread until `done()` or the engine has ended.
     fn help(&self, done: impl Fn() -> bool) {
         while !done() {
@@ -908,13 +1066,13 @@ impl Engine {
                         batch,
                         index: index as u32,
                     };
-                    self.accept_one(Arc::clone(name), tensor, ticket, at);
+                    self.accept_one(Arc::clone(name), Payload::Owned(tensor), ticket, at);
                 }
             }
         }
     }
 
-    fn accept_one(&mut self, name: Arc<str>, tensor: Tensor, ticket: Ticket, at: Option<Instant>) {
+    fn accept_one(&mut self, name: Arc<str>, tensor: Payload, ticket: Ticket, at: Option<Instant>) {
         {
             {
                 let failed = if self.failed.is_empty() {
@@ -1158,8 +1316,11 @@ impl Engine {
             };
             match result {
                 Ok(()) => {
-                    self.board
-                        .post(group.into_iter().map(|(_, p)| (p.ticket, Ok(p.tensor))));
+                    self.board.post(
+                        group
+                            .into_iter()
+                            .map(|(_, p)| (p.ticket, Ok(p.tensor.into_result()))),
+                    );
                 }
                 Err(e) => {
                     let reason = e.to_string();
@@ -1263,7 +1424,7 @@ impl Engine {
 }
 
 /// Typed view of a tensor whose dtype was agreed to be `T`.
-fn typed_mut<T: Element>(t: &mut Tensor) -> Result<&mut [T]> {
+fn typed_mut<T: Element>(t: &mut Payload) -> Result<&mut [T]> {
     let dtype = t.dtype();
     if dtype != T::DTYPE {
         return Err(Error::invalid(
@@ -1272,7 +1433,7 @@ fn typed_mut<T: Element>(t: &mut Tensor) -> Result<&mut [T]> {
             "internal: the agreed dtype differs from the queued tensor",
         ));
     }
-    bytemuck::try_cast_slice_mut(t.as_bytes_mut()).map_err(|_| {
+    bytemuck::try_cast_slice_mut(t.bytes_mut()).map_err(|_| {
         Error::invalid(
             "tensor buffer",
             dtype,
