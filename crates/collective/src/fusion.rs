@@ -90,6 +90,9 @@ impl Default for FusionConfig {
 /// that the others can detect stalls); a submission wakes it at once.
 const IDLE_POLL: Duration = Duration::from_millis(50);
 
+/// How many groups' ids ([`TensorNames`]) the engine remembers at most.
+const MAX_REMEMBERED_GROUPS: usize = 64;
+
 /// Wakes the background thread at most twice per cycle (first submission, flush), not
 /// once per submission: under load every wake-up of a thread can cost a scheduler slice.
 #[derive(Debug, Default)]
@@ -538,6 +541,7 @@ impl FusionEngine {
             fresh: Vec::new(),
             fresh_bits: IdBits::default(),
             failed: HashMap::default(),
+            group_ids: HashMap::default(),
             shutting_down: false,
             table: ReadyTable::new(size),
             foreign: Arc::clone(&foreign),
@@ -900,6 +904,8 @@ struct Engine {
     fresh: Vec<Announcement>,
     fresh_bits: IdBits,
     failed: HashMap<String, Failure>,
+    /// The ids of a group's names, by the address of its [`TensorNames`].
+    group_ids: HashMap<usize, (TensorNames, Vec<u32>)>,
     shutting_down: bool,
     table: ReadyTable,
     foreign: ForeignFailures,
@@ -1060,15 +1066,7 @@ impl Engine {
                 tensors,
                 batch,
                 at,
-            } => {
-                for (index, (name, tensor)) in names.names.iter().zip(tensors).enumerate() {
-                    let ticket = Ticket::Member {
-                        batch,
-                        index: index as u32,
-                    };
-                    self.accept_one(Arc::clone(name), Payload::Owned(tensor), ticket, at);
-                }
-            }
+            } => self.accept_group(names, tensors, batch, at),
         }
     }
 
@@ -1117,6 +1115,54 @@ impl Engine {
                     }
                 }
             }
+        }
+    }
+
+    /// A group's tensors; a group whose names all have ids (the same [`TensorNames`] as
+    /// in an earlier step) skips the look-up of each name while its shapes stay cached.
+    fn accept_group(
+        &mut self,
+        names: TensorNames,
+        tensors: Vec<Tensor>,
+        batch: u64,
+        at: Option<Instant>,
+    ) {
+        let key = Arc::as_ptr(&names.names).cast::<Arc<str>>() as usize;
+        let ids = self.group_ids.remove(&key).map(|(_, ids)| ids);
+        for (index, (name, tensor)) in names.names.iter().zip(tensors).enumerate() {
+            let ticket = Ticket::Member {
+                batch,
+                index: index as u32,
+            };
+            if let Some(&id) = ids.as_ref().and_then(|ids| ids.get(index)) {
+                let (dtype, len) = (tensor.dtype(), tensor.len() as u64);
+                let slot = self.slots.get_mut(id as usize);
+                if let Some(slot @ None) = slot {
+                    if self.failed.is_empty() && self.table.is_cached(id, dtype, len) {
+                        *slot = Some(Pending {
+                            tensor: Payload::Owned(tensor),
+                            ticket,
+                            submitted: at,
+                        });
+                        self.queued += 1;
+                        self.fresh_bits.insert(id);
+                        continue;
+                    }
+                }
+            }
+            self.accept_one(Arc::clone(name), Payload::Owned(tensor), ticket, at);
+        }
+        let ids = ids.or_else(|| {
+            let ids: Option<Vec<u32>> = names.names.iter().map(|n| self.table.id_of(n)).collect();
+            ids
+        });
+        if let Some(ids) = ids {
+            // Groups made anew every step would pile up: only so many are remembered.
+            if self.group_ids.len() >= MAX_REMEMBERED_GROUPS {
+                self.group_ids.clear();
+            }
+            // The names are kept with their ids, so that the key's address stays theirs.
+            self.group_ids.insert(key, (names, ids));
         }
     }
 

@@ -1186,3 +1186,59 @@ fn an_external_handle_dropped_unwaited_leaves_the_callers_memory_alone() {
     );
     assert_eq!(outs[1], vec![3.0; 4]);
 }
+
+/// The same group every step goes by the ids its names had before: each tensor gets its
+/// own sum, also when one rank groups the names another way, when a shape changes on every
+/// rank (looked up again) and when a group is submitted while its twin is still queued.
+#[test]
+fn a_group_submitted_every_step_keeps_each_tensor_in_its_place() {
+    let outs = Communicator::run_local(3, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        let engine =
+            FusionEngine::start(comm, FusionConfig::default()).map_err(|e| e.to_string())?;
+        let names = TensorNames::new(["g0", "g1", "g2", "g3"]);
+        let reversed = TensorNames::new(["g3", "g2", "g1", "g0"]);
+        for step in 0..6usize {
+            // Step 4 changes the shape of g2 on every rank.
+            let len = |i: usize| if step >= 4 && i == 2 { 5 } else { 2 + i };
+            let value = |rank: usize, i: usize| ((rank + 1) * 10 + i + step * 100) as f32;
+            let order: Vec<usize> = if r == 1 && step % 2 == 1 {
+                vec![3, 2, 1, 0]
+            } else {
+                vec![0, 1, 2, 3]
+            };
+            let group = if order[0] == 3 { &reversed } else { &names };
+            let tensors: Vec<Vec<f32>> = order.iter().map(|&i| vec![value(r, i); len(i)]).collect();
+            let out = engine
+                .all_reduce_group(group, tensors)
+                .map_err(|e| e.to_string())?;
+            for (k, &i) in order.iter().enumerate() {
+                let got = out[k]
+                    .clone()
+                    .into_vec::<f32>()
+                    .map_err(|e| e.to_string())?;
+                let want = (0..3).map(|q| value(q, i)).sum::<f32>();
+                assert_eq!(got, vec![want; len(i)], "rank {r} step {step} tensor g{i}");
+            }
+        }
+        // Twice the same group before either is reduced: the second is a duplicate.
+        let first = engine
+            .submit_group(&names, (0..4).map(|i| vec![1.0f32; 2 + i]).collect())
+            .map_err(|e| e.to_string())?;
+        if r == 0 {
+            let second = engine
+                .submit_group(&names, (0..4).map(|i| vec![1.0f32; 2 + i]).collect())
+                .map_err(|e| e.to_string())?;
+            let dup = second.wait().expect_err("a duplicate").to_string();
+            assert!(dup.contains("`g0`"), "{dup}");
+        }
+        let out = first.wait().map_err(|e| e.to_string())?;
+        assert_eq!(out[3].clone().into_vec::<f32>().unwrap(), vec![3.0; 5]);
+        engine.shutdown().map_err(|e| e.to_string())?;
+        Ok(())
+    })
+    .expect("run");
+    for out in outs {
+        out.expect("rank");
+    }
+}
