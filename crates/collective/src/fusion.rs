@@ -558,6 +558,8 @@ impl FusionEngine {
             fresh_bits: IdBits::default(),
             failed: HashMap::default(),
             group_ids: HashMap::default(),
+            #[cfg(test)]
+            by_group_id: 0,
             shutting_down: false,
             table: ReadyTable::new(size),
             foreign: Arc::clone(&foreign),
@@ -922,6 +924,9 @@ struct Engine {
     failed: HashMap<String, Failure>,
     /// The ids of a group's names, by the address of its [`TensorNames`].
     group_ids: HashMap<usize, (TensorNames, Vec<u32>)>,
+    /// Tensors accepted by their group's ids, without a look-up of their name.
+    #[cfg(test)]
+    by_group_id: usize,
     shutting_down: bool,
     table: ReadyTable,
     foreign: ForeignFailures,
@@ -1162,6 +1167,10 @@ impl Engine {
                         });
                         self.queued += 1;
                         self.fresh_bits.insert(id);
+                        #[cfg(test)]
+                        {
+                            self.by_group_id += 1;
+                        }
                         continue;
                     }
                 }
@@ -1502,4 +1511,37 @@ fn typed_mut<T: Element>(t: &mut Payload) -> Result<&mut [T]> {
             "internal: tensor bytes are not aligned for its dtype",
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// From its third step on (the names are registered by the first and their ids noted
+    /// by the second), a group submitted again skips the look-up of every name; a changed
+    /// shape goes the long way for that tensor only.
+    #[test]
+    fn a_group_submitted_again_goes_by_its_ids() {
+        let outs = Communicator::run_local(2, |comm| -> Result<Vec<usize>> {
+            let engine = FusionEngine::start(comm, FusionConfig::default())?;
+            let names = TensorNames::new(["a", "b", "c"]);
+            let mut counts = Vec::new();
+            for step in 0..5 {
+                let b_len = if step == 4 { 3 } else { 2 };
+                let tensors = vec![vec![1.0f32; 2], vec![1.0f32; b_len], vec![1.0f32; 2]];
+                let out = engine.all_reduce_group(&names, tensors)?;
+                assert_eq!(out[1].clone().into_vec::<f32>()?, vec![2.0; b_len]);
+                counts.push(match &*engine.core.lock() {
+                    CoreState::Running(r) => r.engine.by_group_id,
+                    CoreState::Ended(_) => usize::MAX,
+                });
+            }
+            engine.shutdown()?;
+            Ok(counts)
+        })
+        .expect("run");
+        for out in outs {
+            assert_eq!(out.expect("rank"), vec![0, 0, 3, 6, 8]);
+        }
+    }
 }
