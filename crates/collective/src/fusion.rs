@@ -25,9 +25,26 @@
 //! stderr after [`FusionConfig::stall_warning`], naming the missing ranks, and fails on
 //! every rank [`FusionConfig::stall_error`] later (ranks that never submitted it see the
 //! error from [`FusionEngine::synchronize`] or [`FusionEngine::take_foreign_failure`]).
+//!
+//! [`FusionEngine::submit_external`] reduces memory the caller keeps (a GPU model's
+//! page-locked exchange buffer) in place: the values are read from there and the sums
+//! written back there, with no copy other than the fusion buffer's. A handle of such a
+//! tensor dropped unwaited first gives the queued tensor a copy of its values, so the
+//! caller's memory is free again once the drop returns.
+//!
+//! # Overhead
+//!
+//! What a fused step of N small tensors costs beyond one all-reduce of the same bytes:
+//! one negotiation round (a bit vector once every name is cached), the copy of every
+//! element into the fusion buffer and back, and a few operations per tensor (its slot,
+//! its bit, its result). A group submitted again with the same [`TensorNames`] goes by the
+//! ids its names had, without a look-up of each name. `ringtrain bench allreduce` prints
+//! the ratio as its `fusion_overhead` rows; see the measured rows in the docs of
+//! [`crate::algorithm_choice`].
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::path::PathBuf;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -88,6 +105,9 @@ impl Default for FusionConfig {
 /// How long an idle rank sleeps between negotiation rounds at most (it joins rounds so
 /// that the others can detect stalls); a submission wakes it at once.
 const IDLE_POLL: Duration = Duration::from_millis(50);
+
+/// How many groups' ids ([`TensorNames`]) the engine remembers at most.
+const MAX_REMEMBERED_GROUPS: usize = 64;
 
 /// Wakes the background thread at most twice per cycle (first submission, flush), not
 /// once per submission: under load every wake-up of a thread can cost a scheduler slice.
@@ -150,7 +170,7 @@ impl Wakeup {
 enum Command {
     Submit {
         name: Arc<str>,
-        tensor: Tensor,
+        tensor: Payload,
         ticket: u64,
         at: Option<Instant>,
     },
@@ -348,6 +368,8 @@ pub struct Handle {
     board: Arc<Board>,
     core: Arc<Core>,
     waited: bool,
+    /// The tensor is the caller's memory ([`FusionEngine::submit_external`]).
+    external: bool,
 }
 
 impl Handle {
@@ -376,6 +398,12 @@ impl Handle {
 impl Drop for Handle {
     fn drop(&mut self) {
         if !self.waited {
+            if self.external {
+                // The caller may reuse or free its memory once this returns: under the
+                // engine's lock (no reduction runs now) a tensor still queued gets a copy
+                // of its own values, so the engine never touches that memory again.
+                self.core.detach(self.ticket);
+            }
             self.board.abandon(self.ticket);
         }
     }
@@ -529,6 +557,9 @@ impl FusionEngine {
             fresh: Vec::new(),
             fresh_bits: IdBits::default(),
             failed: HashMap::default(),
+            group_ids: HashMap::default(),
+            #[cfg(test)]
+            by_group_id: 0,
             shutting_down: false,
             table: ReadyTable::new(size),
             foreign: Arc::clone(&foreign),
@@ -579,6 +610,28 @@ impl FusionEngine {
     /// Queues `tensor` for all-reduce under `name`; every rank must submit the same name
     /// with the same dtype and length (in any order).
     pub fn submit(&self, name: &str, tensor: impl Into<Tensor>) -> Result<Handle> {
+        self.submit_payload(name, Payload::Owned(tensor.into()))
+    }
+
+    /// Queues the caller's own memory for all-reduce in place under `name`, as
+    /// [`FusionEngine::submit`] does with a tensor it takes: the engine reads the values
+    /// from `tensor`'s memory and writes the sums back there, making no copy of its own
+    /// other than the fusion buffer that every fused tensor passes through. The handle's
+    /// [`Handle::wait`] returns an empty tensor of the same dtype once the sums are in
+    /// place.
+    ///
+    /// # Safety
+    /// The memory behind `tensor` must stay valid, and must be neither read nor written by
+    /// anyone else, until the returned handle has been waited for or dropped (a handle
+    /// dropped unwaited first takes the values out of the caller's memory, so that the
+    /// engine never touches it again), or until [`FusionEngine::shutdown`] has returned.
+    pub unsafe fn submit_external(&self, name: &str, tensor: ExternalTensor) -> Result<Handle> {
+        let mut handle = self.submit_payload(name, Payload::External(tensor))?;
+        handle.external = true;
+        Ok(handle)
+    }
+
+    fn submit_payload(&self, name: &str, tensor: Payload) -> Result<Handle> {
         let ticket = self.board.ticket();
         let stopped = || Error::EngineStopped {
             reason: "the background thread has exited; shutdown() returns the cause".into(),
@@ -588,7 +641,7 @@ impl FusionEngine {
         let name: Arc<str> = Arc::from(name);
         tx.send(Command::Submit {
             name: Arc::clone(&name),
-            tensor: tensor.into(),
+            tensor,
             ticket,
             at: self.timed.then(Instant::now),
         })
@@ -600,6 +653,7 @@ impl FusionEngine {
             board: Arc::clone(&self.board),
             core: Arc::clone(&self.core),
             waited: false,
+            external: false,
         })
     }
 
@@ -741,8 +795,115 @@ impl Drop for FusionEngine {
     }
 }
 
+/// A tensor the caller hands over ([`FusionEngine::submit_external`]): its memory is
+/// reduced in place.
+#[derive(Debug)]
+pub struct ExternalTensor {
+    ptr: NonNull<u8>,
+    len: usize,
+    dtype: DType,
+}
+
+// SAFETY: the memory is handed to the engine exclusively until the handle is waited or
+// dropped (the contract of `FusionEngine::submit_external`), like a `&mut [T]` of a
+// `Send` element type moved to the engine's thread.
+unsafe impl Send for ExternalTensor {}
+
+impl ExternalTensor {
+    /// Points at `data`; nothing is read or written until it is submitted with
+    /// [`FusionEngine::submit_external`], whose contract says how long the memory must
+    /// stay valid.
+    pub fn new<T: Element>(data: &mut [T]) -> ExternalTensor {
+        ExternalTensor {
+            // A slice's pointer is never null (dangling but aligned when empty).
+            ptr: NonNull::from(&mut *data).cast::<u8>(),
+            len: data.len(),
+            dtype: T::DTYPE,
+        }
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The address of its first element.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+/// What a queued tensor holds: its own values, or the caller's memory.
+#[derive(Debug)]
+enum Payload {
+    Owned(Tensor),
+    External(ExternalTensor),
+}
+
+impl Payload {
+    fn dtype(&self) -> DType {
+        match self {
+            Payload::Owned(t) => t.dtype(),
+            Payload::External(e) => e.dtype,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Payload::Owned(t) => t.len(),
+            Payload::External(e) => e.len,
+        }
+    }
+
+    fn size_bytes(&self) -> usize {
+        self.len() * self.dtype().size_bytes()
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Payload::Owned(t) => t.as_bytes_mut(),
+            Payload::External(e) => {
+                let bytes = e.len * e.dtype.size_bytes();
+                // SAFETY: `ExternalTensor::new` took these bytes from a live `&mut [T]`,
+                // and `submit_external`'s contract keeps them valid and ours alone until
+                // the handle is waited or dropped; a dropped handle replaces this payload
+                // with an owned copy (`Core::detach`) under the lock every access holds.
+                unsafe { std::slice::from_raw_parts_mut(e.ptr.as_ptr(), bytes) }
+            }
+        }
+    }
+
+    /// The result a handle gets: the tensor, or for the caller's memory (whose sums are
+    /// in place) an empty tensor of its dtype.
+    fn into_result(self) -> Tensor {
+        match self {
+            Payload::Owned(t) => t,
+            Payload::External(e) => Tensor::zeros(e.dtype, 0),
+        }
+    }
+
+    /// Replaces the caller's memory by a copy of its current values.
+    fn detach(&mut self) {
+        if let Payload::External(e) = self {
+            let mut owned = Tensor::zeros(e.dtype, e.len);
+            owned.as_bytes_mut().copy_from_slice(self.bytes_mut());
+            *self = Payload::Owned(owned);
+        }
+    }
+}
+
 struct Pending {
-    tensor: Tensor,
+    tensor: Payload,
     ticket: Ticket,
     /// When it was submitted (only with a timeline).
     submitted: Option<Instant>,
@@ -761,6 +922,11 @@ struct Engine {
     fresh: Vec<Announcement>,
     fresh_bits: IdBits,
     failed: HashMap<String, Failure>,
+    /// The ids of a group's names, by the address of its [`TensorNames`].
+    group_ids: HashMap<usize, (TensorNames, Vec<u32>)>,
+    /// Tensors accepted by their group's ids, without a look-up of their name.
+    #[cfg(test)]
+    by_group_id: usize,
     shutting_down: bool,
     table: ReadyTable,
     foreign: ForeignFailures,
@@ -845,6 +1011,25 @@ impl Core {
         *state = CoreState::Ended(Some(result.map(|()| comm)));
     }
 
+    /// Gives the tensor of `ticket`, if still queued, a copy of the caller's memory it
+    /// points at ([`FusionEngine::submit_external`]'s handle was dropped unwaited).
+    fn detach(&self, ticket: u64) {
+        let mut state = self.lock();
+        let CoreState::Running(r) = &mut *state else {
+            return;
+        };
+        r.engine.drain(&r.rx);
+        let ticket = Ticket::One(ticket);
+        let engine = &mut r.engine;
+        let queued = engine.slots.iter_mut().flatten();
+        for p in queued.chain(engine.unregistered.values_mut()) {
+            if p.ticket == ticket {
+                p.tensor.detach();
+                return;
+            }
+        }
+    }
+
     /// Runs cycles on the calling thread until `done()` or the engine has ended.
     fn help(&self, done: impl Fn() -> bool) {
         while !done() {
@@ -902,19 +1087,11 @@ impl Engine {
                 tensors,
                 batch,
                 at,
-            } => {
-                for (index, (name, tensor)) in names.names.iter().zip(tensors).enumerate() {
-                    let ticket = Ticket::Member {
-                        batch,
-                        index: index as u32,
-                    };
-                    self.accept_one(Arc::clone(name), tensor, ticket, at);
-                }
-            }
+            } => self.accept_group(names, tensors, batch, at),
         }
     }
 
-    fn accept_one(&mut self, name: Arc<str>, tensor: Tensor, ticket: Ticket, at: Option<Instant>) {
+    fn accept_one(&mut self, name: Arc<str>, tensor: Payload, ticket: Ticket, at: Option<Instant>) {
         {
             {
                 let failed = if self.failed.is_empty() {
@@ -959,6 +1136,58 @@ impl Engine {
                     }
                 }
             }
+        }
+    }
+
+    /// A group's tensors; a group whose names all have ids (the same [`TensorNames`] as
+    /// in an earlier step) skips the look-up of each name while its shapes stay cached.
+    fn accept_group(
+        &mut self,
+        names: TensorNames,
+        tensors: Vec<Tensor>,
+        batch: u64,
+        at: Option<Instant>,
+    ) {
+        let key = Arc::as_ptr(&names.names).cast::<Arc<str>>() as usize;
+        let ids = self.group_ids.remove(&key).map(|(_, ids)| ids);
+        for (index, (name, tensor)) in names.names.iter().zip(tensors).enumerate() {
+            let ticket = Ticket::Member {
+                batch,
+                index: index as u32,
+            };
+            if let Some(&id) = ids.as_ref().and_then(|ids| ids.get(index)) {
+                let (dtype, len) = (tensor.dtype(), tensor.len() as u64);
+                let slot = self.slots.get_mut(id as usize);
+                if let Some(slot @ None) = slot {
+                    if self.failed.is_empty() && self.table.is_cached(id, dtype, len) {
+                        *slot = Some(Pending {
+                            tensor: Payload::Owned(tensor),
+                            ticket,
+                            submitted: at,
+                        });
+                        self.queued += 1;
+                        self.fresh_bits.insert(id);
+                        #[cfg(test)]
+                        {
+                            self.by_group_id += 1;
+                        }
+                        continue;
+                    }
+                }
+            }
+            self.accept_one(Arc::clone(name), Payload::Owned(tensor), ticket, at);
+        }
+        let ids = ids.or_else(|| {
+            let ids: Option<Vec<u32>> = names.names.iter().map(|n| self.table.id_of(n)).collect();
+            ids
+        });
+        if let Some(ids) = ids {
+            // Groups made anew every step would pile up: only so many are remembered.
+            if self.group_ids.len() >= MAX_REMEMBERED_GROUPS {
+                self.group_ids.clear();
+            }
+            // The names are kept with their ids, so that the key's address stays theirs.
+            self.group_ids.insert(key, (names, ids));
         }
     }
 
@@ -1158,8 +1387,11 @@ impl Engine {
             };
             match result {
                 Ok(()) => {
-                    self.board
-                        .post(group.into_iter().map(|(_, p)| (p.ticket, Ok(p.tensor))));
+                    self.board.post(
+                        group
+                            .into_iter()
+                            .map(|(_, p)| (p.ticket, Ok(p.tensor.into_result()))),
+                    );
                 }
                 Err(e) => {
                     let reason = e.to_string();
@@ -1263,7 +1495,7 @@ impl Engine {
 }
 
 /// Typed view of a tensor whose dtype was agreed to be `T`.
-fn typed_mut<T: Element>(t: &mut Tensor) -> Result<&mut [T]> {
+fn typed_mut<T: Element>(t: &mut Payload) -> Result<&mut [T]> {
     let dtype = t.dtype();
     if dtype != T::DTYPE {
         return Err(Error::invalid(
@@ -1272,11 +1504,44 @@ fn typed_mut<T: Element>(t: &mut Tensor) -> Result<&mut [T]> {
             "internal: the agreed dtype differs from the queued tensor",
         ));
     }
-    bytemuck::try_cast_slice_mut(t.as_bytes_mut()).map_err(|_| {
+    bytemuck::try_cast_slice_mut(t.bytes_mut()).map_err(|_| {
         Error::invalid(
             "tensor buffer",
             dtype,
             "internal: tensor bytes are not aligned for its dtype",
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// From its third step on (the names are registered by the first and their ids noted
+    /// by the second), a group submitted again skips the look-up of every name; a changed
+    /// shape goes the long way for that tensor only.
+    #[test]
+    fn a_group_submitted_again_goes_by_its_ids() {
+        let outs = Communicator::run_local(2, |comm| -> Result<Vec<usize>> {
+            let engine = FusionEngine::start(comm, FusionConfig::default())?;
+            let names = TensorNames::new(["a", "b", "c"]);
+            let mut counts = Vec::new();
+            for step in 0..5 {
+                let b_len = if step == 4 { 3 } else { 2 };
+                let tensors = vec![vec![1.0f32; 2], vec![1.0f32; b_len], vec![1.0f32; 2]];
+                let out = engine.all_reduce_group(&names, tensors)?;
+                assert_eq!(out[1].clone().into_vec::<f32>()?, vec![2.0; b_len]);
+                counts.push(match &*engine.core.lock() {
+                    CoreState::Running(r) => r.engine.by_group_id,
+                    CoreState::Ended(_) => usize::MAX,
+                });
+            }
+            engine.shutdown()?;
+            Ok(counts)
+        })
+        .expect("run");
+        for out in outs {
+            assert_eq!(out.expect("rank"), vec![0, 0, 3, 6, 8]);
+        }
+    }
 }

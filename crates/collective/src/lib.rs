@@ -116,7 +116,7 @@ pub use communicator::{
 };
 pub use dtype::{DType, Element, Tensor, TensorMut};
 pub use error::{Error, Result};
-pub use fusion::{FusionConfig, FusionEngine, GroupHandle, Handle, TensorNames};
+pub use fusion::{ExternalTensor, FusionConfig, FusionEngine, GroupHandle, Handle, TensorNames};
 #[cfg(feature = "mpi")]
 pub use mpi_transport::MpiTransport;
 pub use options::{Algorithm, AllReduceOptions, ReduceOp, WireCompression};

@@ -416,6 +416,17 @@ impl ReadyTable {
 
     /// How this rank announces a tensor: by its cache bit when the name is registered
     /// and was last reduced with this shape, by id when registered, else by name.
+    /// The id of a registered name.
+    pub(crate) fn id_of(&self, name: &str) -> Option<u32> {
+        self.ids.get(name).copied()
+    }
+
+    /// Whether `id` is cached with this shape ([`Announce::Cached`] without the look-up
+    /// of its name).
+    pub(crate) fn is_cached(&self, id: u32, dtype: DType, len: u64) -> bool {
+        self.cached.get(id as usize) == Some(&Some((dtype, len)))
+    }
+
     pub(crate) fn announcement(&self, name: &str, dtype: DType, len: u64) -> Announce {
         match self.ids.get(name) {
             Some(&id) if self.cached[id as usize] == Some((dtype, len)) => Announce::Cached(id),

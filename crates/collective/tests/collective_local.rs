@@ -9,8 +9,8 @@ use half::{bf16, f16};
 use proptest::prelude::*;
 use ringtrain_collective::{
     ring_chunk_range, Algorithm, AllReduceOptions, Communicator, DType, Element, Error,
-    FusionConfig, FusionEngine, GradientPacker, GradientSpec, PackingConfig, ReduceOp, Tensor,
-    TensorMut, TensorNames, WireCompression,
+    ExternalTensor, FusionConfig, FusionEngine, GradientPacker, GradientSpec, PackingConfig,
+    ReduceOp, Tensor, TensorMut, TensorNames, WireCompression,
 };
 
 /// Small integer input of rank `rank` at element `i`: in [-3, 3].
@@ -1076,5 +1076,169 @@ fn halving_doubling_is_exact_at_every_rank_count_and_length() {
             check_all_reduce::<f32>(size, len, opts, 64, size + len)
                 .unwrap_or_else(|e| panic!("{size} ranks, length {len}: {e}"));
         }
+    }
+}
+
+/// Tensors submitted as the caller's memory are summed in place there: fused with each
+/// other and with owned tensors, over two steps (the second from the response cache); the
+/// handles give back empty tensors, so no copy of the values comes back.
+#[test]
+fn external_tensors_are_reduced_in_the_callers_memory() {
+    let outs = Communicator::run_local(3, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        let engine =
+            FusionEngine::start(comm, FusionConfig::default()).map_err(|e| e.to_string())?;
+        let mut flat = vec![0.0f32; 10];
+        let mut half_buf = vec![f16::ZERO; 5];
+        for step in 0..2usize {
+            let salt = (step * 10) as f32;
+            for (i, x) in flat.iter_mut().enumerate() {
+                *x = (r + 1) as f32 * (i as f32 + 1.0) + salt;
+            }
+            half_buf.fill(f16::from_f32((r + 1) as f32));
+            let start = flat.as_ptr();
+            let (a, rest) = flat.split_at_mut(3);
+            let (b, c) = rest.split_at_mut(4);
+            let mut handles = Vec::new();
+            for (name, piece) in [("a", a), ("b", b), ("c", c)] {
+                // SAFETY: `flat` outlives the handles, which are all waited for below
+                // before it is read or written again.
+                let h = unsafe { engine.submit_external(name, ExternalTensor::new(piece)) };
+                handles.push(h.map_err(|e| e.to_string())?);
+            }
+            // SAFETY: as above, for `half_buf`.
+            let h = unsafe { engine.submit_external("h", ExternalTensor::new(&mut half_buf[..])) };
+            handles.push(h.map_err(|e| e.to_string())?);
+            handles.push(
+                engine
+                    .submit("owned", vec![(r + 1) as f32; 2])
+                    .map_err(|e| e.to_string())?,
+            );
+            let out = engine.synchronize(handles).map_err(|e| e.to_string())?;
+            let lens: Vec<usize> = out.iter().map(Tensor::len).collect();
+            assert_eq!(lens, [0, 0, 0, 0, 2], "rank {r} step {step}");
+            assert_eq!(out[0].dtype(), DType::F32);
+            assert_eq!(out[3].dtype(), DType::F16);
+            assert_eq!(out[4].clone().into_vec::<f32>().unwrap(), vec![6.0; 2]);
+            assert_eq!(flat.as_ptr(), start);
+            let want: Vec<f32> = (0..10)
+                .map(|i| 6.0 * (i as f32 + 1.0) + 3.0 * salt)
+                .collect();
+            assert_eq!(flat, want, "rank {r} step {step}");
+            assert_eq!(
+                half_buf,
+                vec![f16::from_f32(6.0); 5],
+                "rank {r} step {step}"
+            );
+        }
+        engine.shutdown().map_err(|e| e.to_string())?;
+        Ok(())
+    })
+    .expect("run");
+    for out in outs {
+        out.expect("rank");
+    }
+}
+
+/// A handle of the caller's memory dropped unwaited takes the values along: the caller
+/// may write its memory at once, the other ranks still get the values it had, and the
+/// engine never writes the sums into it.
+#[test]
+fn an_external_handle_dropped_unwaited_leaves_the_callers_memory_alone() {
+    let outs = Communicator::run_local(2, |comm| -> Result<Vec<f32>, String> {
+        let r = comm.rank();
+        let engine =
+            FusionEngine::start(comm, FusionConfig::default()).map_err(|e| e.to_string())?;
+        let result = if r == 0 {
+            let mut mine = vec![1.0f32; 4];
+            // SAFETY: the handle is dropped before `mine` is written again.
+            let h = unsafe { engine.submit_external("x", ExternalTensor::new(&mut mine[..])) };
+            // "x" cannot complete before rank 1 submits it, 200 ms from now.
+            drop(h.map_err(|e| e.to_string())?);
+            mine.fill(99.0);
+            // Rank 1 reduces "x" while this rank waits on a later tensor.
+            let later = engine
+                .submit("y", vec![1.0f32; 1])
+                .map_err(|e| e.to_string())?;
+            later.wait().map_err(|e| e.to_string())?;
+            Ok(mine)
+        } else {
+            std::thread::sleep(Duration::from_millis(200));
+            let h = engine
+                .submit("x", vec![2.0f32; 4])
+                .map_err(|e| e.to_string())?;
+            let sum = h.wait().map_err(|e| e.to_string())?;
+            let y = engine
+                .submit("y", vec![1.0f32; 1])
+                .map_err(|e| e.to_string())?;
+            y.wait().map_err(|e| e.to_string())?;
+            sum.into_vec::<f32>().map_err(|e| e.to_string())
+        };
+        engine.shutdown().map_err(|e| e.to_string())?;
+        result
+    })
+    .expect("run");
+    let outs: Vec<Vec<f32>> = outs.into_iter().map(|o| o.expect("rank")).collect();
+    assert_eq!(
+        outs[0],
+        vec![99.0; 4],
+        "the engine wrote into dropped memory"
+    );
+    assert_eq!(outs[1], vec![3.0; 4]);
+}
+
+/// The same group every step goes by the ids its names had before: each tensor gets its
+/// own sum, also when one rank groups the names another way, when a shape changes on every
+/// rank (looked up again) and when a group is submitted while its twin is still queued.
+#[test]
+fn a_group_submitted_every_step_keeps_each_tensor_in_its_place() {
+    let outs = Communicator::run_local(3, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        let engine =
+            FusionEngine::start(comm, FusionConfig::default()).map_err(|e| e.to_string())?;
+        let names = TensorNames::new(["g0", "g1", "g2", "g3"]);
+        let reversed = TensorNames::new(["g3", "g2", "g1", "g0"]);
+        for step in 0..6usize {
+            // Step 4 changes the shape of g2 on every rank.
+            let len = |i: usize| if step >= 4 && i == 2 { 5 } else { 2 + i };
+            let value = |rank: usize, i: usize| ((rank + 1) * 10 + i + step * 100) as f32;
+            let order: Vec<usize> = if r == 1 && step % 2 == 1 {
+                vec![3, 2, 1, 0]
+            } else {
+                vec![0, 1, 2, 3]
+            };
+            let group = if order[0] == 3 { &reversed } else { &names };
+            let tensors: Vec<Vec<f32>> = order.iter().map(|&i| vec![value(r, i); len(i)]).collect();
+            let out = engine
+                .all_reduce_group(group, tensors)
+                .map_err(|e| e.to_string())?;
+            for (k, &i) in order.iter().enumerate() {
+                let got = out[k]
+                    .clone()
+                    .into_vec::<f32>()
+                    .map_err(|e| e.to_string())?;
+                let want = (0..3).map(|q| value(q, i)).sum::<f32>();
+                assert_eq!(got, vec![want; len(i)], "rank {r} step {step} tensor g{i}");
+            }
+        }
+        // Twice the same group before either is reduced: the second is a duplicate.
+        let first = engine
+            .submit_group(&names, (0..4).map(|i| vec![1.0f32; 2 + i]).collect())
+            .map_err(|e| e.to_string())?;
+        if r == 0 {
+            let second = engine
+                .submit_group(&names, (0..4).map(|i| vec![1.0f32; 2 + i]).collect())
+                .map_err(|e| e.to_string())?;
+            let dup = second.wait().expect_err("a duplicate").to_string();
+            assert!(dup.contains("`g0`"), "{dup}");
+        }
+        let out = first.wait().map_err(|e| e.to_string())?;
+        assert_eq!(out[3].clone().into_vec::<f32>().unwrap(), vec![3.0; 5]);
+        engine.shutdown().map_err(|e| e.to_string())?;
+        Ok(())
+    })
+    .expect("run");
+    for out in outs {
+        out.expect("rank");
     }
 }

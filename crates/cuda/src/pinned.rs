@@ -174,6 +174,21 @@ impl<T: Element> PinnedBuffer<T> {
         Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(range.start), range.len()) })
     }
 
+    /// [`wait`](Self::wait), mutable: the elements of `range` to reduce in place, once every
+    /// copy touching them has finished.
+    ///
+    /// # Errors
+    /// A range outside the buffer, or the driver error of a failed copy.
+    pub fn wait_mut(&mut self, range: Range<usize>) -> Result<&mut [T]> {
+        self.check_range("range", &range)?;
+        self.device.bind()?;
+        self.settle(&range)?;
+        // SAFETY: as in `wait`, with `&mut self` for exclusive access to `range`.
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(range.start), range.len())
+        })
+    }
+
     /// Whether every copy touching `range` has finished (does not block).
     ///
     /// # Errors

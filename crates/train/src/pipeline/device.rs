@@ -165,7 +165,7 @@ where
         if to_host {
             self.exchange = self.acc.to_host().map_err(gpu_err)?;
             self.exchanged = true;
-            on_ready(self.own(), HostGrads::F32(&self.exchange))?;
+            on_ready(self.own(), HostGrads::F32(&mut self.exchange))?;
         }
         Ok(out)
     }

@@ -253,6 +253,14 @@ impl Strategy {
         }
     }
 
+    /// Lets go of the exchange buffer's ranges [`Strategy::on_exchanged`] handed on, after a
+    /// device-resident pass failed: nothing writes into that buffer afterwards.
+    pub fn release_exchanged(&mut self) {
+        if let Strategy::Replicated(s) = self {
+            s.release_exchanged();
+        }
+    }
+
     /// Called during a device-resident backward with each gradient range once its copy
     /// to the host exchange buffer has landed.
     ///

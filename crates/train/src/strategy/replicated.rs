@@ -18,17 +18,18 @@
 //! host exchange buffer, already cast for the wire on the device; after backward the
 //! ring reduces that buffer in place (one flat buffer, or through the packer), and the
 //! model copies it back and updates on the device. The overlapped reduction hands the
-//! fusion engine its own copy of each range and writes the sums back into the exchange
-//! buffer. The overflow flags come from the device's non-finite checks. With one rank
-//! nothing leaves the device.
+//! fusion engine each range of the exchange buffer itself
+//! ([`FusionEngine::submit_external`]): the sums land there in place, with no other host
+//! copy of the gradients. The overflow flags come from the device's non-finite checks.
+//! With one rank nothing leaves the device.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use half::f16;
 use ringtrain_collective::{
-    AllReduceOptions, Communicator, DType, EventSink, FusionConfig, FusionEngine, GradientPacker,
-    GradientSpec, Handle, PackingConfig, Tensor, TensorMut,
+    AllReduceOptions, Communicator, DType, EventSink, ExternalTensor, FusionConfig, FusionEngine,
+    GradientPacker, GradientSpec, Handle, PackingConfig, Tensor, TensorMut,
 };
 
 use super::{
@@ -194,8 +195,13 @@ impl Replicated {
         self.size > 1
     }
 
-    /// A device-resident model's range in its host exchange buffer: submitted to the
-    /// fusion engine when reducing while backward runs.
+    /// A device-resident model's range in its host exchange buffer: handed to the fusion
+    /// engine to be reduced in place there, when reducing while backward runs.
+    ///
+    /// The range must stay where it is, untouched, until [`Self::finish_device_step`] or
+    /// [`Self::release_exchanged`]: the device-resident models keep their exchange buffer
+    /// from the pass to the update, and the trainer releases the ranges when a step fails
+    /// between them.
     pub(super) fn on_exchanged(&mut self, range: Range<usize>, grads: HostGrads<'_>) -> Result<()> {
         let Mode::Overlapped {
             engine, pending, ..
@@ -203,18 +209,50 @@ impl Replicated {
         else {
             return Ok(());
         };
-        let (len, tensor): (usize, Tensor) = match grads {
-            HostGrads::F32(g) => (g.len(), g.to_vec().into()),
-            HostGrads::F16(g) => (g.len(), g.to_vec().into()),
+        let tensor = match grads {
+            HostGrads::F32(g) => ExternalTensor::new(g),
+            HostGrads::F16(g) => ExternalTensor::new(g),
         };
-        if len != range.len() {
+        if tensor.len() != range.len() {
             return Err(Error::Internal(format!(
-                "gradient range {range:?} came with {len} values"
+                "gradient range {range:?} came with {} values",
+                tensor.len()
             )));
         }
-        let handle = engine.submit(&format!("grad.{}", range.start), tensor)?;
+        let name = format!("grad.{}", range.start);
+        // SAFETY: the range lies in the model's exchange buffer, which stays allocated and
+        // is neither read nor written (no copy into it is queued, nothing reads it) until
+        // the update after `finish_device_step`, which waits for this handle first. A step
+        // that fails before then drops the handle (`release_exchanged`, `begin_step`),
+        // which takes the values out of the buffer before anything else touches it.
+        let handle = unsafe { engine.submit_external(&name, tensor)? };
         pending.push((range, handle));
         Ok(())
+    }
+
+    /// Waits until the ranges [`Self::on_exchanged`] handed to the engine are summed in
+    /// place; returns how many elements they cover (`None` when nothing is overlapped).
+    fn wait_exchanged(&mut self) -> Result<Option<usize>> {
+        match &mut self.mode {
+            Mode::Overlapped {
+                engine, pending, ..
+            } if self.size > 1 => {
+                let covered: usize = pending.iter().map(|(r, _)| r.len()).sum();
+                let handles = pending.drain(..).map(|(_, h)| h).collect();
+                engine.synchronize(handles)?;
+                Ok(Some(covered))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Lets go of the exchange buffer's ranges handed to the engine in a step that failed
+    /// before its update: the engine keeps copies of their values and writes no sum into
+    /// the buffer any more.
+    pub(crate) fn release_exchanged(&mut self) {
+        if let Mode::Overlapped { pending, .. } = &mut self.mode {
+            pending.clear();
+        }
     }
 
     /// Reduces the model's host exchange buffer in place (several ranks), sums the
@@ -230,34 +268,23 @@ impl Replicated {
         } = inputs;
         let comm_start = Instant::now();
         let wire = self.ctx.wire;
+        // The ranges handed over during backward are summed in the exchange buffer
+        // itself: wait for them before anything else reads or writes it.
+        let overlapped = self.wait_exchanged()?;
         local.overflow = f64::from(u8::from(model.cast_overflowed()?));
         if self.exchanges_gradients() {
-            let mut host = model.exchanged_grads()?;
+            let host = model.exchanged_grads()?;
             let total = match &host {
                 HostGradsMut::F32(g) => g.len(),
                 HostGradsMut::F16(g) => g.len(),
             };
             match &mut self.mode {
-                Mode::Overlapped {
-                    engine, pending, ..
-                } => {
-                    let covered: usize = pending.iter().map(|(r, _)| r.len()).sum();
+                Mode::Overlapped { .. } => {
+                    let covered = overlapped.unwrap_or_default();
                     if covered != total {
                         return Err(Error::Internal(format!(
                             "backward reported {covered} of {total} gradient elements ready"
                         )));
-                    }
-                    let (ranges, handles): (Vec<_>, Vec<_>) = pending.drain(..).unzip();
-                    let reduced = engine.synchronize(handles)?;
-                    for (range, tensor) in ranges.into_iter().zip(reduced) {
-                        match &mut host {
-                            HostGradsMut::F32(g) => {
-                                g[range].copy_from_slice(&tensor.into_vec::<f32>()?)
-                            }
-                            HostGradsMut::F16(g) => {
-                                g[range].copy_from_slice(&tensor.into_vec::<f16>()?)
-                            }
-                        }
                     }
                 }
                 Mode::Packed { comm, packer } => {
@@ -406,4 +433,74 @@ where
         at = s.range.end;
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{OverlapMode, TrainConfig};
+
+    /// The overlapped device path: each range of the exchange buffer is summed where it
+    /// lies, in f32 and f16, with no copy made for the engine and none written back (the
+    /// sums are there as soon as the ranges are waited for, before any copy back could
+    /// run); a failed step's ranges are let go of without a sum landing in them.
+    #[test]
+    fn exchanged_ranges_are_summed_in_the_exchange_buffer_itself() {
+        let outs = Communicator::run_local(2, |comm| -> Result<(Vec<f32>, Vec<f16>, Vec<f32>)> {
+            let r = comm.rank();
+            let mut cfg = TrainConfig::default();
+            cfg.exchange.overlap_backward = OverlapMode::On;
+            let cfg = cfg.validate(2)?;
+            let specs = [
+                ParamSpec {
+                    name: "a".into(),
+                    range: 0..3,
+                },
+                ParamSpec {
+                    name: "b".into(),
+                    range: 3..8,
+                },
+            ];
+            let mut s = Replicated::new(&cfg, comm, &specs)?;
+            assert!(s.is_overlapped());
+            let mut flat: Vec<f32> = (0..8).map(|i| ((r + 1) * i) as f32).collect();
+            let at = flat.as_ptr();
+            s.begin_step(StepContext::default());
+            for range in [3..8, 0..3] {
+                s.on_exchanged(range.clone(), HostGrads::F32(&mut flat[range]))?;
+            }
+            assert_eq!(s.wait_exchanged()?, Some(8));
+            assert_eq!(flat.as_ptr(), at);
+            let mut half = vec![f16::from_f32((r + 1) as f32); 8];
+            s.begin_step(StepContext::default());
+            for range in [0..3, 3..8] {
+                s.on_exchanged(range.clone(), HostGrads::F16(&mut half[range]))?;
+            }
+            assert_eq!(s.wait_exchanged()?, Some(8));
+            // A step that fails after handing on a range: rank 0 lets go of it at once
+            // and writes the buffer, rank 1 hands it on later.
+            let mut failed = vec![(r + 1) as f32; 8];
+            s.begin_step(StepContext::default());
+            if r == 0 {
+                s.on_exchanged(0..8, HostGrads::F32(&mut failed[..]))?;
+                s.release_exchanged();
+                failed.fill(-1.0);
+            } else {
+                std::thread::sleep(Duration::from_millis(100));
+                s.on_exchanged(0..8, HostGrads::F32(&mut failed[..]))?;
+                assert_eq!(s.wait_exchanged()?, Some(8));
+            }
+            s.shutdown()?;
+            Ok((flat, half, failed))
+        })
+        .expect("run");
+        for (rank, out) in outs.into_iter().enumerate() {
+            let (flat, half, failed) = out.expect("rank");
+            let want: Vec<f32> = (0..8).map(|i| (3 * i) as f32).collect();
+            assert_eq!(flat, want, "rank {rank}");
+            assert_eq!(half, vec![f16::from_f32(3.0); 8], "rank {rank}");
+            let failed_want = if rank == 0 { -1.0 } else { 3.0 };
+            assert_eq!(failed, vec![failed_want; 8], "rank {rank}");
+        }
+    }
 }

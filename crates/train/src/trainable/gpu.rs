@@ -136,7 +136,7 @@ fn unsettled(mirror: &str) -> Error {
 }
 
 /// Takes a landed range of a pinned buffer.
-type Deliver<'a, T> = dyn FnMut(Range<usize>, &[T]) -> Result<()> + 'a;
+type Deliver<'a, T> = dyn FnMut(Range<usize>, &mut [T]) -> Result<()> + 'a;
 
 /// A pinned host buffer, and the ranges queued into it not yet handed over.
 struct PinnedCopies<T: Element> {
@@ -185,7 +185,7 @@ impl<T: Element> PinnedCopies<T> {
                 break;
             }
             self.pending.pop_front();
-            let grads = self.host.wait(front.clone()).map_err(gpu_err)?;
+            let grads = self.host.wait_mut(front.clone()).map_err(gpu_err)?;
             deliver(front, grads)?;
         }
         Ok(())
@@ -200,11 +200,11 @@ impl Delivery<GpuBuffer<f32>> for PinnedCopies<f32> {
         on_ready: &mut ReadyCallback<'_>,
     ) -> Result<()> {
         self.start(range, grads)?;
-        self.hand_over(false, on_ready)
+        self.hand_over(false, &mut |r, g| on_ready(r, g))
     }
 
     fn drain(&mut self, on_ready: &mut ReadyCallback<'_>) -> Result<()> {
-        self.hand_over(true, on_ready)
+        self.hand_over(true, &mut |r, g| on_ready(r, g))
     }
 }
 

@@ -117,13 +117,14 @@ pub struct PassOutput {
 pub type ReadyCallback<'a> = dyn FnMut(Range<usize>, &[f32]) -> Result<()> + 'a;
 
 /// A gradient range in the host buffer it was copied into for the exchange: f32, or
-/// f16 when the device cast it for the wire.
+/// f16 when the device cast it for the wire. Mutable, so that the exchange can reduce it
+/// in place there.
 #[derive(Debug)]
 pub enum HostGrads<'a> {
     /// f32 gradients.
-    F32(&'a [f32]),
+    F32(&'a mut [f32]),
     /// f16 gradients carrying the wire's scale.
-    F16(&'a [f16]),
+    F16(&'a mut [f16]),
 }
 
 /// The whole host exchange buffer, for a reduction in place.

@@ -104,12 +104,15 @@ impl Session<'_> {
                         note(&range);
                         strategy.on_exchanged(range, grads)
                     },
-                )?,
+                ),
                 None => model.forward_backward(&batch, &mut |range, grads| {
                     note(&range);
                     strategy.on_ready(range, grads)
-                })?,
+                }),
             };
+            // Ranges of a device's exchange buffer handed on before a failure are let go
+            // of before anything else can touch that buffer.
+            let pass = pass.inspect_err(|_| strategy.release_exchanged())?;
             if let Some(t) = timeline {
                 let end = Instant::now();
                 let args = serde_json::json!({});
