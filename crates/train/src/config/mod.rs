@@ -327,8 +327,8 @@ options! {
         device: DeviceKind = DeviceKind::Cpu,
         /// Operand precision of the matrix products: `f32`, or `f16` / `bf16` (mixed
         /// precision: 16-bit operands with f32 accumulation, f32 master weights, optimizer,
-        /// pointwise kernels and loss). On the CPU `f32` or `bf16` (AVX-512 BF16 where the
-        /// CPU has it); `f16` needs `--device cuda`.
+        /// pointwise kernels and loss). On the CPU `f32` or `bf16` (AMX-BF16 or AVX-512 BF16
+        /// where the CPU has it, chosen at run time); `f16` needs `--device cuda`.
         #[arg(long, alias = "gemm_precision", value_parser = gemm_precision)]
         gemm_precision: GemmPrecision = GemmPrecision::F32,
         /// CPU threads per rank (0 = cores divided by the ranks on this node).

@@ -48,10 +48,12 @@ pub use replicated::Replicated;
 pub enum Wire {
     /// As f32, unscaled.
     F32,
-    /// As f16, multiplied by `scale` (the loss scale over the step's expected examples,
-    /// so that the sum neither overflows nor underflows); divided out afterwards.
+    /// As f16, multiplied by the loss scale over the step's expected examples (so that
+    /// the sum neither overflows nor underflows); divided out afterwards.
     F16 {
-        /// The factor gradients are multiplied by before the cast.
+        /// The host's factor: the loss scale over the expected examples where the scale
+        /// is a host value, or `1 / examples` where a device-resident model keeps the
+        /// scale in device memory and multiplies it in itself.
         scale: f32,
     },
 }
