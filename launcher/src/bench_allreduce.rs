@@ -354,7 +354,8 @@ fn check_memory(
 }
 
 /// Checks, before anything is measured, the files each rank will write (`--json` on rank
-/// 0, its own `--timeline` file on every rank); every rank fails when one cannot write.
+/// 0, its own `--timeline` file on every rank); every rank fails when one cannot write,
+/// and a rank that cannot write prints its reason itself, before the ranks agree.
 #[cfg(feature = "mpi")]
 fn check_outputs(
     comm: &mut ringtrain_collective::Communicator,
@@ -374,17 +375,23 @@ fn check_outputs(
         let own = ringtrain_collective::timeline_path_for_rank(path, rank);
         local = check_output_file("--timeline", &own, "timeline.json");
     }
+    // A rank that cannot write says why before the collective: once any rank is past
+    // it, every failing rank's message is written, so mpirun ending the job when the
+    // first rank exits cannot lose it.
+    if let Err(e) = &local {
+        let line = format!("ringtrain: error: {e}\n");
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+    }
     let mut failed = [f64::from(u8::from(local.is_err()))];
     comm.all_reduce(&mut failed, &ringtrain_collective::AllReduceOptions::sum())?;
-    match local {
-        Err(e) => Err(e.into()),
-        Ok(()) if failed[0] > 0.0 => Err(format!(
+    if failed[0] > 0.0 {
+        return Err(format!(
             "{} rank(s) cannot write their output files; see their error messages",
             failed[0]
         )
-        .into()),
-        Ok(()) => Ok(()),
+        .into());
     }
+    Ok(())
 }
 
 /// Without MPI there is nothing to compare against.
