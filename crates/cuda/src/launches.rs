@@ -26,7 +26,7 @@ thread_local! {
     static THREAD: Cell<u64> = const { Cell::new(0) };
 }
 
-/// Kernel launch counts (see the [module docs](self)).
+/// Kernel launch counts (see the `launches` module docs).
 #[derive(Debug, Clone, Copy)]
 pub struct KernelLaunches;
 

@@ -13,11 +13,11 @@
 //! Weights: `w_ih: [input, 4H]`, `w_hh: [H, 4H]`, `bias: [4H]`, gate blocks `i | f | g | o`.
 //! A layer may run in reverse time order (the backward direction of a bidirectional
 //! encoder); its outputs are still stored in time order. Its input may come in parts
-//! ([`LayerInput`]: the two directions of the bi encoder layer below, read as one input
+//! (`LayerInput`: the two directions of the bi encoder layer below, read as one input
 //! of their summed width without copying them side by side): `X·W_ih` is then the sum of
 //! each part times its block of rows of `W_ih`.
 //!
-//! With a [`StepMask`] (source lengths), a step at a padded position leaves the state as
+//! With a `StepMask` (source lengths), a step at a padded position leaves the state as
 //! it was (`h`, `c` are the previous step's) and gets no gradient: after each step the new
 //! state is blended `keep·new + hold·prev` with 0/1 masks, and backward splits the
 //! incoming gradient the same way (the `hold` part passes to the previous step unchanged,

@@ -1,5 +1,5 @@
 //! The seeds' 8 × P100 tables (reports 000 and 001, transcribed below) predicted from
-//! their own 1-GPU rows and the [`P100_PCIE`](super::links::P100_PCIE) description.
+//! their own 1-GPU rows and the [`P100_PCIE`] description.
 //!
 //! The compute profile of each table comes from its 1-GPU row: the step is the row's
 //! time for 20 batches / 20, its words the row's words/s × that time; it is split 1 : 2

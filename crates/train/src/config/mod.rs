@@ -460,7 +460,7 @@ impl TrainConfig {
     /// with another `--checkpoint` or `--resume` was started by mistake.
     ///
     /// # Errors
-    /// [`Error::Json`] when a value does not serialise (validation refuses paths that
+    /// [`Error::Json`](crate::error::Error::Json) when a value does not serialise (validation refuses paths that
     /// are not UTF-8, the one way that happens).
     pub fn shared_flags(&self) -> crate::Result<Vec<(String, String)>> {
         let json = serde_json::to_value(self).map_err(|source| crate::Error::Json {

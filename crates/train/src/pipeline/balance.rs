@@ -64,7 +64,7 @@ pub fn warm_up_batch(cfg: &ValidatedConfig, src_vocab: usize, tgt_vocab: usize) 
 }
 
 /// Seconds of a forward and a backward of each of `model`'s units on `batch` (see the
-/// [module docs](self)).
+/// module docs).
 ///
 /// # Errors
 /// The model's.

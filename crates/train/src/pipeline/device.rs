@@ -39,7 +39,7 @@ fn gpu_err(e: ringtrain_cuda::Error) -> Error {
     ringtrain_model::Error::from(e).into()
 }
 
-/// One pipeline stage on the GPU (see the [module docs](self)).
+/// One pipeline stage on the GPU (see the `pipeline::device` module docs).
 pub struct GpuPipelineStage<M: StagesOnBatch> {
     model: M,
     runner: StageRunner<M>,

@@ -249,7 +249,7 @@ impl PipelineUpdate {
         }
     }
 
-    /// Every stage's parameters on rank 0 (see [`Self::gather_ranges`]); `params` is the
+    /// Every stage's parameters on rank 0 (see `gather_ranges`); `params` is the
     /// whole buffer, of which this stage's range is current.
     ///
     /// # Errors

@@ -1,12 +1,12 @@
 //! The training loop of one rank, in three parts:
 //!
-//! - setup ([`setup`]): ranks check they share the flags and the model, resume a
+//! - setup (`setup`): ranks check they share the flags and the model, resume a
 //!   checkpoint, broadcast rank 0's parameters, start the strategy and the optimizer;
-//! - the steps ([`step`]): batch, forward and backward with gradient ranges handed to the
+//! - the steps (`step`): batch, forward and backward with gradient ranges handed to the
 //!   strategy as they finish, exchange, update; the loop here measures, logs,
 //!   evaluates on the held-out set (stopping at a target perplexity, see
 //!   [`crate::evaluation`]) and checkpoints;
-//! - the summary ([`summary`]): every rank's figures, gathered on the control plane,
+//! - the summary (`summary`): every rank's figures, gathered on the control plane,
 //!   become the [`RunReport`].
 
 use std::time::Instant;
