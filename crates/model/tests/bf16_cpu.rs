@@ -71,16 +71,21 @@ fn the_loss_in_bf16_is_within_2e_2_of_f32_at_the_benchmark_configuration() {
     );
 }
 
-#[test]
-fn nmt_gradients_in_bf16_stay_close_to_f32_and_threads_give_the_same_bits() {
-    let config = NmtConfig {
+/// A bidirectional 2-layer NMT model small enough for many passes per test.
+fn small_nmt() -> NmtConfig {
+    NmtConfig {
         src_vocab: 40,
         tgt_vocab: 50,
         emb: 24,
         hidden: 32,
         init_scale: 0.3,
         ..toy::tiny_nmt(EncoderKind::Bi, 2, LstmImpl::Fused)
-    };
+    }
+}
+
+#[test]
+fn nmt_gradients_in_bf16_stay_close_to_f32_and_threads_give_the_same_bits() {
+    let config = small_nmt();
     let data = toy::NmtData::random(&config, 6, 7, 8, 3);
     let run = |threads, precision| {
         let mut model =
@@ -154,14 +159,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 #[test]
 fn casting_activations_where_they_are_produced_gives_the_same_bits_with_fewer_casts() {
-    let nmt = NmtConfig {
-        src_vocab: 40,
-        tgt_vocab: 50,
-        emb: 24,
-        hidden: 32,
-        init_scale: 0.3,
-        ..toy::tiny_nmt(EncoderKind::Bi, 2, LstmImpl::Fused)
-    };
+    let nmt = small_nmt();
     let nmt_data = toy::NmtData::random(&nmt, 6, 7, 8, 3);
     let lm = ringtrain_model::LmConfig {
         vocab: 60,
