@@ -215,9 +215,12 @@ def _fma_f32(a, b, c):
         # Rounding s to float32 can differ from rounding p + c only where s lies exactly
         # halfway between two float32 values: in the normal range its 29 low mantissa bits
         # are then 1 followed by zeros; below it (float32 subnormals) more bits count, so
-        # every such s takes the exact path too. Otherwise one rounding is the answer.
+        # every such s takes the exact path too, except 0: a float64 sum that rounds to 0 is
+        # exactly 0 (sums of floats are multiples of the smallest subnormal), and its sign
+        # follows the same IEEE rule in float64 as in float32. Otherwise one rounding is the
+        # answer.
         halfway = (s.view(np.uint64) & np.uint64(0x1FFFFFFF)) == np.uint64(0x10000000)
-        if not (halfway | (np.abs(s) < np.float64(2.0**-126))).any():
+        if not (halfway | ((np.abs(s) < np.float64(2.0**-126)) & (s != 0))).any():
             return s.astype(np.float32)
         bb = s - p
         err = (p - (s - bb)) + (c64 - bb)  # TwoSum: s + err == p + c exactly
@@ -313,11 +316,12 @@ def _parse_operand(tok):
 
 class Inst:
     """A decoded instruction."""
-    __slots__ = ("pred", "neg", "op", "parts", "ops", "line", "text")
+    __slots__ = ("pred", "neg", "op", "parts", "ops", "line", "text", "memo")
 
     def __init__(self, pred, neg, op, ops, line, text):
         self.pred, self.neg, self.op, self.ops, self.line, self.text = pred, neg, op, ops, line, text
         self.parts = op.split(".")
+        self.memo = None  # what a handler decoded from the instruction once, for later runs
 
 
 class Entry:
@@ -712,8 +716,12 @@ class _Shared:
         self.r_ep = np.full(size, -1, np.int64)
         self.r_wep = np.full(size, -1, np.int64)
         self.pend = np.zeros(size, np.int32)
+        self.pending = 0  # cp.async copies in flight (their bytes are counted in pend)
         self.epoch = 0
         self.warp_ep = None
+        # scratch, indexed by offset: the lowest and highest thread at each start offset
+        self._lo = np.zeros(size, np.int64)
+        self._hi = np.zeros(size, np.int64)
 
     def offsets(self, addrs, n, align):
         off = addrs.astype(np.int64) - self.base
@@ -731,56 +739,70 @@ class _Shared:
         same_warp_synced = (other_warp == warp) & (other_wep < self.warp_ep[warp])
         return (other_ep < self.epoch) | (other_th == th) | same_warp_synced | (other_th == -1)
 
-    def read(self, threads, addrs, n, align):
-        o = self.offsets(addrs, n, align)
-        flat = o.ravel()
+    def _first_last(self, threads, start):
+        """Per access: the lowest and the highest thread whose access starts at the same
+        offset.  Accesses of one instruction have one size and are aligned to it, so two
+        of them either cover the same bytes or none in common."""
+        lo, hi = self._lo, self._hi
+        lo[start] = np.iinfo(np.int64).max
+        hi[start] = -1
+        np.minimum.at(lo, start, threads)
+        np.maximum.at(hi, start, threads)
+        return lo[start], hi[start]
+
+    def _check_writers(self, threads, flat, n, what):
+        """Every byte of ``flat`` (``n`` per thread) was last written by the reading or
+        writing thread itself, before a barrier, or by a synced lane of its warp."""
+        if self.pending and (self.pend[flat] != 0).any():
+            raise EmuError(f"shared {what} of bytes with a cp.async copy still in flight"
+                           if what == "read" else "shared write over a cp.async copy still in flight")
+        w_ep = self.w_ep[flat]
+        if (w_ep < self.epoch).all():  # all written before the last barrier, or never
+            return
         th = np.repeat(threads, n)
-        if (self.pend[flat] != 0).any():
-            raise EmuError("shared read of bytes with a cp.async copy still in flight")
         w = self.w_th[flat]
-        ok = self._ordered(w, self.w_ep[flat], np.where(w >= 0, w >> 5, -1), self.w_wep[flat], th)
+        ok = self._ordered(w, w_ep, np.where(w >= 0, w >> 5, -1), self.w_wep[flat], th)
         if not ok.all():
             k = np.nonzero(~ok)[0][0]
-            raise EmuError(f"shared read-after-write race at offset {flat[k]}: thread {th[k]} "
-                           f"reads what thread {w[k]} wrote without a barrier in between")
-        # record readers
-        u, first, cnt = np.unique(flat, return_index=True, return_counts=True)
-        tu = th[first]
-        fresh = self.r_ep[u] != self.epoch
-        prev_th = np.where(fresh, -1, self.r_th[u])
-        prev_warp = np.where(fresh, -1, self.r_warp[u])
-        multi = (cnt > 1) | ((prev_th != -1) & (prev_th != tu))
-        warps = tu >> 5
-        # warp of all readers: the same as before, or -2
-        many_warps = (prev_warp >= 0) & (prev_warp != warps)
-        if (cnt > 1).any():
-            # several readers in this instruction: same warp?
-            wmin = np.full(len(u), 1 << 40, np.int64)
-            wmax = np.full(len(u), -1, np.int64)
-            pos = np.searchsorted(u, flat)
-            np.minimum.at(wmin, pos, th >> 5)
-            np.maximum.at(wmax, pos, th >> 5)
-            many_warps |= wmin != wmax
-        self.r_th[u] = np.where(multi, -2, tu)
-        self.r_warp[u] = np.where(many_warps | (prev_warp == -2), -2, warps)
-        self.r_ep[u] = self.epoch
-        self.r_wep[u] = self.warp_ep[warps]
+            if what == "read":
+                raise EmuError(f"shared read-after-write race at offset {flat[k]}: thread {th[k]} "
+                               f"reads what thread {w[k]} wrote without a barrier in between")
+            raise EmuError(f"shared write-after-write race at offset {flat[k]} (threads {w[k]} "
+                           f"and {th[k]}, no barrier in between)")
+
+    def read(self, threads, addrs, n, align):
+        o = self.offsets(addrs, n, align)
+        self._check_writers(threads, o.ravel(), n, "read")
+        # Record the readers of each byte (one thread, or -2 for several; their warp, or
+        # -2 for several), once per distinct access: the lowest thread reading it stands
+        # for the others.
+        first, last = self._first_last(threads, o[:, 0])
+        rep = threads == first
+        flat = o[rep].ravel()
+        tf, tl = np.repeat(first[rep], n), np.repeat(last[rep], n)
+        fresh = self.r_ep[flat] != self.epoch
+        prev_th = np.where(fresh, -1, self.r_th[flat])
+        prev_warp = np.where(fresh, -1, self.r_warp[flat])
+        multi = (tf != tl) | ((prev_th != -1) & (prev_th != tf))
+        warps = tf >> 5
+        many_warps = ((tl >> 5) != warps) | ((prev_warp >= 0) & (prev_warp != warps)) | (prev_warp == -2)
+        self.r_th[flat] = np.where(multi, -2, tf)
+        self.r_warp[flat] = np.where(many_warps, -2, warps)
+        self.r_ep[flat] = self.epoch
+        self.r_wep[flat] = self.warp_ep[warps]
         return self.data[o]
 
     def check_write(self, threads, o):
         flat = o.ravel()
-        th = np.repeat(threads, o.shape[1])
-        if len(np.unique(flat)) != flat.size:
+        first, _ = self._first_last(threads, o[:, 0])
+        if (threads != first).any():
             raise EmuError("two threads write the same shared bytes in one instruction")
-        if (self.pend[flat] != 0).any():
-            raise EmuError("shared write over a cp.async copy still in flight")
-        w = self.w_th[flat]
-        ok = self._ordered(w, self.w_ep[flat], np.where(w >= 0, w >> 5, -1), self.w_wep[flat], th)
-        if not ok.all():
-            k = np.nonzero(~ok)[0][0]
-            raise EmuError(f"shared write-after-write race at offset {flat[k]} (threads {w[k]} "
-                           f"and {th[k]}, no barrier in between)")
-        r = np.where(self.r_ep[flat] == self.epoch, self.r_th[flat], -1)
+        self._check_writers(threads, flat, o.shape[1], "write")
+        r_ep = self.r_ep[flat]
+        if (r_ep != self.epoch).all():  # nothing read since the last barrier
+            return
+        th = np.repeat(threads, o.shape[1])
+        r = np.where(r_ep == self.epoch, self.r_th[flat], -1)
         rwarp = self.r_warp[flat]
         ok = (r == -1) | (r == th) | ((rwarp == (th >> 5)) & (self.r_wep[flat] < self.warp_ep[th >> 5]))
         if not ok.all():
@@ -909,7 +931,8 @@ class _Block:
             if op.name not in self.e.reg_types:
                 raise EmuError(f"register {op.name} is not declared")
             old = np.full(self.nt, 0xFFFFFFFFFFFFFFFF, np.uint64)
-        self.regs[op.name] = np.where(mask, bits, old) if not mask.all() else bits.copy()
+        # to_bits returns a new array (or a scalar, made into one above): no copy needed
+        self.regs[op.name] = np.where(mask, bits, old) if not mask.all() else bits
 
     def getp(self, op):
         name = op.name
@@ -942,11 +965,19 @@ class _Block:
         insts, labels = self.e.insts, self.e.labels
         nt = self.nt
         alive = np.ones(nt, bool)
+        # While every live thread is at one instruction (``converged``), that instruction is
+        # ``cpc`` and ``pcs`` is not kept up to date; it is filled in when threads diverge.
         pcs = np.zeros(nt, np.int64)
+        converged, cpc = True, 0
         steps = 0
         while True:
-            pc = int(pcs[alive].min())
-            mask_at = alive & (pcs == pc)
+            if converged:
+                pc, mask_at = cpc, alive
+            else:
+                pc = int(pcs[alive].min())
+                mask_at = alive & (pcs == pc)
+                if np.array_equal(mask_at, alive):
+                    converged, cpc, mask_at = True, pc, alive
             if pc >= len(insts):
                 raise EmuError(f"{self.e.name}: threads run past the last instruction (missing ret)")
             steps += 1
@@ -956,7 +987,9 @@ class _Block:
             self.executed.add(pc)
             mask = mask_at
             if inst.pred is not None:
-                pv = self.getp(Operand("reg", name=inst.pred))
+                pv = self.preds.get(inst.pred)
+                if pv is None:
+                    pv = self.getp(Operand("reg", name=inst.pred))  # reports the unset predicate
                 mask = mask_at & (~pv if inst.neg else pv)
             base = inst.parts[0]
             try:
@@ -964,22 +997,35 @@ class _Block:
                     tgt = inst.ops[0].name
                     if tgt not in labels:
                         raise EmuError(f"unknown label {tgt}")
+                    taken = mask.any()
+                    if inst.parts[-1] == "uni" and taken and not np.array_equal(mask, mask_at):
+                        raise EmuError("bra.uni taken by only some of the threads")
+                    if converged and (not taken or np.array_equal(mask, mask_at)):
+                        cpc = labels[tgt] if taken else pc + 1
+                        continue
+                    if converged:
+                        pcs[alive] = pc
+                        converged = False
                     pcs[mask] = labels[tgt]
                     pcs[mask_at & ~mask] = pc + 1
-                    if inst.parts[-1] == "uni" and mask.any() and not np.array_equal(mask, mask_at):
-                        raise EmuError("bra.uni taken by only some of the threads")
                     continue
                 if base in ("ret", "exit"):
-                    alive &= ~mask
-                    pcs[mask_at & ~mask] = pc + 1
+                    alive = alive & ~mask
                     if not alive.any():
                         if self.cur_group or any(self.groups):
                             raise EmuError("kernel exits with cp.async copies not waited for")
                         return
+                    if converged:
+                        cpc = pc + 1  # the threads left all go on after it
+                    else:
+                        pcs[mask_at & ~mask] = pc + 1
                     continue
                 if base in ("bar", "barrier") and inst.parts[1] != "warp":
                     if not mask.any():
-                        pcs[mask_at] = pc + 1
+                        if converged:
+                            cpc = pc + 1
+                        else:
+                            pcs[mask_at] = pc + 1
                         continue
                     if not np.array_equal(mask, np.ones(nt, bool)):
                         gone = int((~alive).sum())
@@ -990,7 +1036,10 @@ class _Block:
             except EmuError as err:
                 raise EmuError(f"{self.mod.path}:{inst.line}: {self.e.name}: `{inst.text}` "
                                f"(block {self.ctaid}): {err}") from None
-            pcs[mask_at] = pc + 1
+            if converged:
+                cpc = pc + 1
+            else:
+                pcs[mask_at] = pc + 1
 
     # ---------------- instructions
     def execute(self, inst, mask):
@@ -1453,10 +1502,16 @@ def _space(inst):
     return "generic"
 
 
+def _mem_layout(inst):
+    """(type, state space, vector width) of a ld / st, decoded once per instruction."""
+    if inst.memo is None:
+        vec = next((int(p[1:]) for p in inst.parts if re.fullmatch(r"v[248]", p)), 1)
+        inst.memo = (_mem_type(inst), _space(inst), vec)
+    return inst.memo
+
+
 def _h_ld(b, inst, mask):
-    ty = _mem_type(inst)
-    space = _space(inst)
-    vec = next((int(p[1:]) for p in inst.parts if re.fullmatch(r"v[248]", p)), 1)
+    ty, space, vec = _mem_layout(inst)
     d, a = inst.ops[0], inst.ops[1]
     regs = d.items if d.kind == "vec" else [d]
     size = _SIZES[ty]
@@ -1494,16 +1549,16 @@ def _h_ld(b, inst, mask):
             w = w & np.uint64(_MASK[_SIZES.get(rt, 8)])
         full[th] = w
         if r.kind != "sink":
-            old = b.regs.get(r.name, np.full(b.nt, 0xFFFFFFFFFFFFFFFF, np.uint64))
             if r.name not in b.e.reg_types:
                 raise EmuError(f"register {r.name} is not declared")
+            old = b.regs.get(r.name)
+            if old is None:
+                old = np.full(b.nt, 0xFFFFFFFFFFFFFFFF, np.uint64)
             b.regs[r.name] = np.where(mask, full, old)
 
 
 def _h_st(b, inst, mask):
-    ty = _mem_type(inst)
-    space = _space(inst)
-    vec = next((int(p[1:]) for p in inst.parts if re.fullmatch(r"v[248]", p)), 1)
+    ty, space, vec = _mem_layout(inst)
     a, s = inst.ops[0], inst.ops[1]
     regs = s.items if s.kind == "vec" else [s]
     size = _SIZES[ty]
@@ -1710,6 +1765,7 @@ def _h_cp(b, inst, mask):
         while len(b.groups) > keep:
             for th, o, vals in b.groups.pop(0):
                 b.sh.pend[o.ravel()] -= 1
+                b.sh.pending -= 1
                 b.sh.check_write(th, o)
                 b.sh.commit(th, o, vals)
         return
@@ -1733,6 +1789,7 @@ def _h_cp(b, inst, mask):
         sel = nbytes == n
         vals[sel, :n] = b.mem.read(src[sel], int(n), b.gtid[th[sel]], b.blk, b.sh.epoch)
     b.sh.pend[o.ravel()] += 1
+    b.sh.pending += 1
     b.cur_group.append((th, o, vals))
 
 

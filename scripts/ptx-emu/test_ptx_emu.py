@@ -13,7 +13,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-from ptx_emu import EmuError, GlobalMemory, Module  # noqa: E402
+from fractions import Fraction  # noqa: E402
+
+from ptx_emu import EmuError, GlobalMemory, Module, _fma_f32  # noqa: E402
 
 HEAD = ".version 8.0\n.target sm_80\n.address_size 64\n"
 
@@ -148,6 +150,18 @@ NUMERICS = REGS + """
 """
 
 
+def _round_f32(x):
+    """An exact non-zero rational rounded to the nearest float32 (ties to even), by
+    comparing with the two float32 neighbours of its float64 approximation."""
+    r = np.float32(float(x))
+    best = r
+    for cand in (np.nextafter(r, np.float32(-np.inf)), np.nextafter(r, np.float32(np.inf))):
+        d_best, d_cand = abs(Fraction(float(best)) - x), abs(Fraction(float(cand)) - x)
+        if d_cand < d_best or (d_cand == d_best and int(cand.view(np.uint32)) % 2 == 0):
+            best = cand
+    return best
+
+
 class EmulatorSemantics(unittest.TestCase):
     def test_divergent_loop_reconverges(self):
         mod = kernel("k", [("out", "u64")], DIVERGENT_LOOP)
@@ -210,6 +224,33 @@ class EmulatorSemantics(unittest.TestCase):
         self.assertEqual(bf16[3], 0x3F80)
         self.assertEqual(bf16[0], 0x3F80)
 
+
+    def test_fma_f32_rounds_once_and_keeps_the_sign_of_zero(self):
+        # Exact zeros (of either sign), products that cancel, f32 subnormal results and
+        # ordinary values, in one array so the fast and the exact path are both taken;
+        # each lane is compared with the exact rational result rounded to f32 once.
+        rng = np.random.default_rng(7)
+        tiny = np.float32(2.0 ** -140)
+        a = np.array([0.0, -0.0, 0.0, -0.0, 1.0, -1.0, 3.0, tiny, 1.5, 2.0 ** -70],
+                     np.float32)
+        b = np.array([1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -2.0, 0.75, 1.0, 2.0 ** -70],
+                     np.float32)
+        c = np.array([0.0, -0.0, -0.0, 0.0, -1.0, 1.0, 6.0, 0.0, 0.0, 0.0], np.float32)
+        a = np.concatenate([a, rng.standard_normal(54).astype(np.float32)])
+        b = np.concatenate([b, rng.standard_normal(54).astype(np.float32)])
+        c = np.concatenate([c, rng.standard_normal(54).astype(np.float32)])
+        c[-10:] = 0.0  # zero addends beside non-zero products
+        got = _fma_f32(a, b, c)
+        for i in range(len(a)):
+            exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+            if exact == 0:
+                # IEEE 754: an exact zero sum is +0 in round-to-nearest unless both the
+                # product and the addend are -0.
+                neg = np.signbit(a[i]) != np.signbit(b[i]) and np.signbit(c[i])
+                want = np.float32(-0.0) if neg else np.float32(0.0)
+            else:
+                want = _round_f32(exact)
+            self.assertEqual(got[i].view(np.uint32), want.view(np.uint32), f"lane {i}")
 
     def test_atomics_vote_and_exit(self):
         # threads >= 40 exit; the rest add 1.5 to out[0] (f32 atomics), count into a shared
