@@ -146,7 +146,10 @@ mod tests {
             // Only algorithms whose stall errors name the rank waited for.
             assert!(row.iter().all(|(_, a)| matches!(
                 a,
-                Algorithm::RecursiveDoubling | Algorithm::HalvingDoubling | Algorithm::Ring
+                Algorithm::RecursiveDoubling
+                    | Algorithm::HalvingDoubling
+                    | Algorithm::Ring
+                    | Algorithm::Direct
             )));
         }
     }
