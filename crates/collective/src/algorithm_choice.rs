@@ -1,11 +1,11 @@
-//! Which algorithm [`crate::Algorithm::Auto`] runs: the switch points between recursive
-//! doubling, halving-doubling and the ring measured with `ringtrain bench allreduce` (against
+//! Which algorithm [`crate::Algorithm::Auto`] runs: the switch points between direct,
+//! recursive doubling, halving-doubling and the ring measured with `ringtrain bench allreduce` (against
 //! `MPI_Allreduce` in the same runs), kept beside the measurements that chose them
 //! (`algorithm_choice.md`, shown below; `scripts/measure-algorithm-choice` measures them
 //! again).
 //!
-//! For every measured rank count the table lists, by message size, the faster of the
-//! two; rank counts above the largest measured one use its row.
+//! For every measured rank count the table lists, by message size, the fastest of them;
+//! rank counts above the largest measured one use its row (see [`measured_choice`]).
 //! [`crate::Communicator::set_auto_threshold_bytes`] replaces the table with a fixed
 //! two-way rule.
 //!
@@ -33,6 +33,7 @@ pub const SWITCH_POINTS: &[(usize, &[(usize, Algorithm)])] = &[
     (
         3,
         &[
+            (32 << 10, Algorithm::Direct),
             (256 << 10, Algorithm::RecursiveDoubling),
             (usize::MAX, Algorithm::Ring),
         ],
@@ -40,6 +41,7 @@ pub const SWITCH_POINTS: &[(usize, &[(usize, Algorithm)])] = &[
     (
         4,
         &[
+            (16 << 10, Algorithm::Direct),
             (128 << 10, Algorithm::RecursiveDoubling),
             (usize::MAX, Algorithm::HalvingDoubling),
         ],
@@ -48,14 +50,18 @@ pub const SWITCH_POINTS: &[(usize, &[(usize, Algorithm)])] = &[
 
 /// The measured choice for `bytes` bytes on `ranks` ranks (before the transport's
 /// abilities are considered). Above the largest measured rank count, a count that is
-/// not a power of two takes the ring where the row says halving-doubling.
+/// not a power of two takes the ring where the row says halving-doubling, and every
+/// count takes recursive doubling where the row says direct (whose N − 1 messages per
+/// rank and N-fold buffer were measured at 4 ranks at most).
 pub fn measured_choice(ranks: usize, bytes: usize) -> Algorithm {
     let largest = SWITCH_POINTS.last().map_or(0, |(r, _)| *r);
     let chosen = row_choice(ranks, bytes);
-    if chosen == Algorithm::HalvingDoubling && ranks > largest && !ranks.is_power_of_two() {
-        Algorithm::Ring
-    } else {
-        chosen
+    match chosen {
+        Algorithm::HalvingDoubling if ranks > largest && !ranks.is_power_of_two() => {
+            Algorithm::Ring
+        }
+        Algorithm::Direct if ranks > largest => Algorithm::RecursiveDoubling,
+        _ => chosen,
     }
 }
 
@@ -146,27 +152,42 @@ mod tests {
             // Only algorithms whose stall errors name the rank waited for.
             assert!(row.iter().all(|(_, a)| matches!(
                 a,
-                Algorithm::RecursiveDoubling | Algorithm::HalvingDoubling | Algorithm::Ring
+                Algorithm::RecursiveDoubling
+                    | Algorithm::HalvingDoubling
+                    | Algorithm::Ring
+                    | Algorithm::Direct
             )));
         }
     }
 
     #[test]
     fn choice_follows_the_row_of_the_rank_count() {
-        // 4 bytes: one exchange of the whole message at every rank count.
-        for ranks in [2, 3, 4, 64] {
-            assert_eq!(measured_choice(ranks, 4), Algorithm::RecursiveDoubling);
-        }
-        // The last switch of each measured row.
+        // 4 bytes: one exchange of the whole message at 2 ranks, one step of direct
+        // messages at 3 and 4, recursive doubling above the measured counts.
+        assert_eq!(measured_choice(2, 4), Algorithm::RecursiveDoubling);
+        assert_eq!(measured_choice(3, 4), Algorithm::Direct);
+        assert_eq!(measured_choice(4, 4), Algorithm::Direct);
+        assert_eq!(measured_choice(64, 4), Algorithm::RecursiveDoubling);
+        // Every switch of each measured row.
         assert_eq!(measured_choice(2, 64 << 10), Algorithm::Ring);
         assert_eq!(measured_choice(2, 32 << 10), Algorithm::RecursiveDoubling);
+        assert_eq!(measured_choice(3, (32 << 10) - 4), Algorithm::Direct);
+        assert_eq!(measured_choice(3, 32 << 10), Algorithm::RecursiveDoubling);
         assert_eq!(measured_choice(3, 128 << 10), Algorithm::RecursiveDoubling);
         assert_eq!(measured_choice(3, 256 << 10), Algorithm::Ring);
+        assert_eq!(measured_choice(4, (16 << 10) - 4), Algorithm::Direct);
+        assert_eq!(measured_choice(4, 16 << 10), Algorithm::RecursiveDoubling);
         assert_eq!(measured_choice(4, 128 << 10), Algorithm::HalvingDoubling);
         assert_eq!(measured_choice(4, 256 << 20), Algorithm::HalvingDoubling);
-        // Unmeasured rank counts: the 4-rank row, with the ring instead of
-        // halving-doubling unless the count is a power of two.
-        for bytes in [4, 4096, 64 << 10] {
+        // Unmeasured rank counts: the 4-rank row, with recursive doubling instead of
+        // direct, and the ring instead of halving-doubling unless the count is a power
+        // of two.
+        for bytes in [4, 4096, 8 << 10] {
+            assert_eq!(measured_choice(4, bytes), Algorithm::Direct);
+            assert_eq!(measured_choice(1024, bytes), Algorithm::RecursiveDoubling);
+            assert_eq!(measured_choice(6, bytes), Algorithm::RecursiveDoubling);
+        }
+        for bytes in [16 << 10, 64 << 10] {
             assert_eq!(measured_choice(1024, bytes), measured_choice(4, bytes));
             assert_eq!(measured_choice(6, bytes), measured_choice(4, bytes));
         }

@@ -292,8 +292,8 @@ impl Communicator {
     }
 
     /// The algorithm [`Algorithm::Auto`] resolves to for a message of `bytes` bytes:
-    /// the faster of recursive doubling and the ring as measured for this rank count and
-    /// size ([`crate::algorithm_choice`]).
+    /// the fastest of ours as measured for this rank count and size
+    /// ([`crate::algorithm_choice`]).
     pub fn resolve_algorithm(&self, algorithm: Algorithm, bytes: usize) -> Algorithm {
         match (algorithm, self.auto_threshold_bytes) {
             (Algorithm::Auto, Some(threshold)) if bytes < threshold => Algorithm::RecursiveDoubling,
@@ -327,6 +327,7 @@ impl Communicator {
                 Algorithm::Ring | Algorithm::Auto => "ring all-reduce",
                 Algorithm::RecursiveDoubling => "recursive-doubling all-reduce",
                 Algorithm::HalvingDoubling => "halving-doubling all-reduce",
+                Algorithm::Direct => "direct all-reduce",
                 Algorithm::Mpi => "MPI_Allreduce",
             };
             self.begin(name, Some(T::DTYPE), bytes);
@@ -335,6 +336,7 @@ impl Communicator {
                 Algorithm::Ring | Algorithm::Auto => self.ring_all_reduce(buf, opts.op)?,
                 Algorithm::RecursiveDoubling => self.recursive_doubling_all_reduce(buf, opts.op)?,
                 Algorithm::HalvingDoubling => self.halving_doubling_all_reduce(buf, opts.op)?,
+                Algorithm::Direct => self.direct_all_reduce(buf, opts.op)?,
                 Algorithm::Mpi => self.mpi_all_reduce_in_place(buf, opts.op)?,
             }
         } else if self.size > 1 && opts.algorithm == Algorithm::Mpi {
@@ -571,6 +573,40 @@ impl Communicator {
             }
             Ok(())
         })
+    }
+
+    /// Every rank sends its whole buffer to every other rank in one message step
+    /// ([`Transport::exchange_all_into`]) and reduces the N contributions in rank order,
+    /// `((x0 op x1) op x2) ...`: the same operands in the same order on every rank, so
+    /// every rank ends with identical bits. Holds the N contributions in the scratch
+    /// buffer (N times the message), which suits the small messages it is for.
+    fn direct_all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        let bytes = std::mem::size_of_val(buf);
+        let total = n.checked_mul(bytes).ok_or_else(|| {
+            Error::invalid(
+                "message size for the direct all-reduce",
+                bytes,
+                "use the ring or halving-doubling for messages this large",
+            )
+        })?;
+        let Communicator {
+            transport, scratch, ..
+        } = self;
+        let all = scratch_bytes(scratch, total);
+        transport.exchange_all_into(bytes_of(buf), all)?;
+        let all = elements::<T>(all, r)?;
+        let len = buf.len();
+        if len == 0 {
+            return Ok(());
+        }
+        if r != 0 {
+            buf.copy_from_slice(&all[..len]);
+        }
+        for contribution in all.chunks_exact(len).skip(1) {
+            reduce_into(op, buf, contribution)?;
+        }
+        Ok(())
     }
 
     fn mpi_all_reduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {

@@ -1,7 +1,8 @@
 //! Horovod-style collectives for data-parallel training: a pipelined ring all-reduce,
-//! recursive doubling for small messages, broadcast, all-gather, reduce-scatter and
-//! barrier, tf_cnn_benchmarks' gradient packing, and Horovod's tensor fusion with
-//! asynchronous submission, name negotiation and stall detection.
+//! recursive doubling and a one-step direct all-reduce for small messages,
+//! halving-doubling, broadcast, all-gather, reduce-scatter and barrier, tf_cnn_benchmarks'
+//! gradient packing, and Horovod's tensor fusion with asynchronous submission, name
+//! negotiation and stall detection.
 //!
 //! The algorithms are written once against a small [`Transport`] (rank, size and
 //! point-to-point bytes). Two transports exist:

@@ -67,8 +67,12 @@ pub enum Algorithm {
     /// recursive doubling, with the same fold-in step as recursive doubling (bandwidth of
     /// the ring in log₂ steps instead of N − 1; for mid-sized messages).
     HalvingDoubling,
-    /// The fastest of recursive doubling, halving-doubling and the ring as measured for
-    /// the rank count and message size ([`crate::algorithm_choice`]).
+    /// Every rank sends its whole message to every other rank at once and sums the N
+    /// contributions locally in rank order (one message step however many ranks, at
+    /// N − 1 times the message's bytes sent and held by each rank; for small messages).
+    Direct,
+    /// The fastest of direct, recursive doubling, halving-doubling and the ring as
+    /// measured for the rank count and message size ([`crate::algorithm_choice`]).
     Auto,
 }
 
@@ -80,6 +84,7 @@ impl Algorithm {
             Algorithm::Mpi => "mpi",
             Algorithm::RecursiveDoubling => "rd",
             Algorithm::HalvingDoubling => "hd",
+            Algorithm::Direct => "direct",
             Algorithm::Auto => "auto",
         }
     }
@@ -99,11 +104,12 @@ impl FromStr for Algorithm {
             "mpi" => Ok(Algorithm::Mpi),
             "rd" | "recursive-doubling" | "recursive_doubling" => Ok(Algorithm::RecursiveDoubling),
             "hd" | "halving-doubling" | "halving_doubling" => Ok(Algorithm::HalvingDoubling),
+            "direct" => Ok(Algorithm::Direct),
             "auto" => Ok(Algorithm::Auto),
             _ => Err(Error::invalid(
                 "all-reduce algorithm",
                 s,
-                "use one of ring, mpi, rd (recursive doubling), hd (halving-doubling), auto",
+                "use one of ring, mpi, rd (recursive doubling), hd (halving-doubling), direct, auto",
             )),
         }
     }

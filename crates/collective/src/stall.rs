@@ -12,9 +12,9 @@
 //! - the local transport (threads of one process) returns [`Error::StallTimeout`] from the
 //!   waiting call, so that the caller (a test) can see it.
 //!
-//! The ranks named are the peers of the point-to-point messages still pending (ring and
-//! recursive-doubling steps, broadcast, all-gather, barrier, the fusion engine's
-//! negotiation). Inside `MPI_Allreduce` ([`crate::Algorithm::Mpi`]) MPI does not say whom
+//! The ranks named are the peers of the point-to-point messages still pending (ring,
+//! recursive-doubling, halving-doubling and direct steps, broadcast, all-gather, barrier,
+//! the fusion engine's negotiation). Inside `MPI_Allreduce` ([`crate::Algorithm::Mpi`]) MPI does not say whom
 //! it waits for: the message says so, and the job is still aborted. Horovod's stall check
 //! is the model, with one difference: Horovod only warns, which leaves the job hanging.
 //!

@@ -78,6 +78,30 @@ pub trait Transport: Send {
         Ok(out)
     }
 
+    /// Sends `data` to every other rank and receives every other rank's message of the
+    /// same length into `out` (`size * data.len()` bytes): rank `p`'s data lands at
+    /// `out[p * data.len()..]`, this rank's own copied to its place. One message step
+    /// where the transport can keep every message in flight at once.
+    ///
+    /// This default takes `size - 1` shifts (send to `rank + k`, receive from
+    /// `rank - k`) through [`Transport::sendrecv`], which works over any transport;
+    /// transports with non-blocking messages override it with one step.
+    fn exchange_all_into(&self, data: &[u8], out: &mut [u8]) -> Result<()> {
+        let (n, r, len) = (self.size(), self.rank(), data.len());
+        check_exchange_len(r, n, len, out.len())?;
+        out[r * len..(r + 1) * len].copy_from_slice(data);
+        for k in 1..n {
+            let from = (r + n - k) % n;
+            self.sendrecv(
+                (r + k) % n,
+                data,
+                from,
+                &mut out[from * len..(from + 1) * len],
+            )?;
+        }
+        Ok(())
+    }
+
     /// Like [`Transport::sendrecv`], but moves the data in segments of `segment_bytes`
     /// and calls `on_segment(byte_offset, bytes)` for every received segment, in order,
     /// while later segments are still in flight where the transport allows it.
@@ -125,6 +149,24 @@ pub trait Transport: Send {
             hint: "use the ring or recursive-doubling algorithm, or build with feature `mpi` and run under mpirun",
         })
     }
+}
+
+/// `out_len` must be `size * len` for [`Transport::exchange_all_into`].
+pub(crate) fn check_exchange_len(
+    rank: usize,
+    size: usize,
+    len: usize,
+    out_len: usize,
+) -> Result<()> {
+    if size.checked_mul(len) != Some(out_len) {
+        return Err(Error::Transport {
+            rank,
+            detail: format!(
+                "exchange of {len} bytes with {size} ranks needs a receive buffer of {size} x {len} bytes, got {out_len}"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Number of segments of at most `segment` bytes covering `len` bytes.

@@ -197,6 +197,7 @@ fn algorithms() -> impl Strategy<Value = Algorithm> {
         Just(Algorithm::Ring),
         Just(Algorithm::RecursiveDoubling),
         Just(Algorithm::HalvingDoubling),
+        Just(Algorithm::Direct),
         Just(Algorithm::Auto)
     ]
 }
@@ -1014,6 +1015,7 @@ fn a_stalled_rank_is_named_by_the_waiting_ranks() {
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::HalvingDoubling,
+        Algorithm::Direct,
     ] {
         let outs = Communicator::run_local(3, |mut comm| {
             comm.set_stall_timeout(Some(Duration::from_millis(300)));
@@ -1075,6 +1077,95 @@ fn halving_doubling_is_exact_at_every_rank_count_and_length() {
             let opts = AllReduceOptions::sum().algorithm(Algorithm::HalvingDoubling);
             check_all_reduce::<f32>(size, len, opts, 64, size + len)
                 .unwrap_or_else(|e| panic!("{size} ranks, length {len}: {e}"));
+        }
+    }
+}
+
+/// The direct all-reduce at every rank count from 1 to 9 and short, odd and long
+/// lengths, every dtype and op: exact, and the same bits on every rank.
+#[test]
+fn direct_is_exact_at_every_rank_count_length_and_dtype() {
+    for size in 1..=9 {
+        for len in [0usize, 1, 2, 3, 5, 8, 17, 1000] {
+            for op in [
+                ReduceOp::Sum,
+                ReduceOp::Average,
+                ReduceOp::Min,
+                ReduceOp::Max,
+            ] {
+                let opts = AllReduceOptions::with_op(op).algorithm(Algorithm::Direct);
+                let salt = size + len;
+                check_all_reduce::<f32>(size, len, opts, 64, salt)
+                    .and_then(|_| check_all_reduce::<f64>(size, len, opts, 64, salt))
+                    .and_then(|_| check_all_reduce::<f16>(size, len, opts, 64, salt))
+                    .and_then(|_| check_all_reduce::<bf16>(size, len, opts, 64, salt))
+                    .unwrap_or_else(|e| panic!("{size} ranks, length {len}, {op}: {e}"));
+            }
+        }
+    }
+}
+
+/// Inputs whose sum depends on the order it is taken in: fractions at magnitudes 1e-3
+/// to 1e3 of both signs, so that a different grouping rounds differently.
+fn order_sensitive_input(rank: usize, i: usize) -> f64 {
+    let scale = [1.0, 1000.0, -1000.0, 0.001][(i + rank) % 4];
+    ((i * 31 + rank * 17) % 13) as f64 * 0.37 * scale
+}
+
+/// Rank `rank`'s input and the sum in rank order, `((x0 + x1) + x2) ...`, each addition
+/// rounded to `T` (IEEE addition of two `T` values, done in f64 and rounded once, which
+/// is exact for f32, f16 and bf16).
+fn rank_order_sum<T: Element>(size: usize, len: usize) -> (Vec<Vec<T>>, Vec<T>) {
+    let inputs: Vec<Vec<T>> = (0..size)
+        .map(|r| {
+            (0..len)
+                .map(|i| T::from_f64(order_sensitive_input(r, i)))
+                .collect()
+        })
+        .collect();
+    let sum = (0..len)
+        .map(|i| {
+            inputs[1..].iter().fold(inputs[0][i], |acc, x| {
+                T::from_f64(acc.to_f64() + x[i].to_f64())
+            })
+        })
+        .collect();
+    (inputs, sum)
+}
+
+fn check_direct_sums_in_rank_order<T: Element>(size: usize, len: usize) {
+    let (inputs, want) = rank_order_sum::<T>(size, len);
+    let outs = Communicator::run_local(size, |mut comm| {
+        let mut v = inputs[comm.rank()].clone();
+        comm.all_reduce(
+            &mut v,
+            &AllReduceOptions::sum().algorithm(Algorithm::Direct),
+        )
+        .map(|_| v)
+    })
+    .expect("threads");
+    for (rank, out) in outs.into_iter().enumerate() {
+        let out = out.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(
+            bits(&out),
+            bits(&want),
+            "{} at {size} ranks, length {len}: rank {rank} is not the sum in rank order",
+            T::NAME
+        );
+    }
+}
+
+/// Every rank of the direct all-reduce ends with the bits of the sum taken in rank
+/// order, for inputs whose sum depends on the order (recursive doubling's order, for
+/// one, gives other bits at 3 ranks and up).
+#[test]
+fn direct_sums_in_rank_order_with_identical_bits_on_every_rank() {
+    for size in 2..=9 {
+        for len in [1usize, 7, 64, 1000] {
+            check_direct_sums_in_rank_order::<f32>(size, len);
+            check_direct_sums_in_rank_order::<f64>(size, len);
+            check_direct_sums_in_rank_order::<f16>(size, len);
+            check_direct_sums_in_rank_order::<bf16>(size, len);
         }
     }
 }

@@ -113,6 +113,7 @@ fn check_algorithms<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
                 Algorithm::Ring,
                 Algorithm::RecursiveDoubling,
                 Algorithm::HalvingDoubling,
+                Algorithm::Direct,
                 Algorithm::Auto,
                 Algorithm::Mpi,
             ] {
@@ -209,6 +210,7 @@ fn check_non_finite<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
                 Algorithm::Ring,
                 Algorithm::RecursiveDoubling,
                 Algorithm::HalvingDoubling,
+                Algorithm::Direct,
                 Algorithm::Auto,
                 Algorithm::Mpi,
             ] {
@@ -220,6 +222,47 @@ fn check_non_finite<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
             comm.native_all_reduce_into(&input, &mut out, op)?;
             check("native_all_reduce_into", &out);
         }
+    }
+    Ok(())
+}
+
+/// Inputs whose sum depends on the order it is taken in: fractions at magnitudes 1e-3
+/// to 1e3 of both signs, so that a different grouping rounds differently.
+fn order_sensitive_input(rank: usize, i: usize) -> f64 {
+    let scale = [1.0, 1000.0, -1000.0, 0.001][(i + rank) % 4];
+    ((i * 31 + rank * 17) % 13) as f64 * 0.37 * scale
+}
+
+/// The direct all-reduce gives, on every rank, the bits of the sum taken in rank order
+/// `((x0 + x1) + x2) ...`, each addition rounded to `T` (IEEE addition of two `T`
+/// values, done in f64 and rounded once, which is exact for f32, f16 and bf16).
+fn check_direct_rank_order<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
+    let (r, n) = (comm.rank(), comm.size());
+    for &len in &[1usize, 7, 1000, 70_001] {
+        let inputs: Vec<Vec<T>> = (0..n)
+            .map(|rank| {
+                (0..len)
+                    .map(|i| T::from_f64(order_sensitive_input(rank, i)))
+                    .collect()
+            })
+            .collect();
+        let want: Vec<T> = (0..len)
+            .map(|i| {
+                inputs[1..].iter().fold(inputs[0][i], |acc, x| {
+                    T::from_f64(acc.to_f64() + x[i].to_f64())
+                })
+            })
+            .collect();
+        let mut v = inputs[r].clone();
+        comm.all_reduce(
+            &mut v,
+            &AllReduceOptions::sum().algorithm(Algorithm::Direct),
+        )?;
+        assert!(
+            v == want,
+            "rank {r}: {} direct len {len} is not the sum in rank order",
+            T::NAME
+        );
     }
     Ok(())
 }
@@ -240,6 +283,10 @@ fn mpi_worker_collectives() {
     check_non_finite::<f64>(&mut comm).expect("f64 non-finite");
     check_non_finite::<f16>(&mut comm).expect("f16 non-finite");
     check_non_finite::<bf16>(&mut comm).expect("bf16 non-finite");
+    check_direct_rank_order::<f32>(&mut comm).expect("f32 direct order");
+    check_direct_rank_order::<f64>(&mut comm).expect("f64 direct order");
+    check_direct_rank_order::<f16>(&mut comm).expect("f16 direct order");
+    check_direct_rank_order::<bf16>(&mut comm).expect("bf16 direct order");
 
     // Broadcast from every root, all-gather with per-rank sizes, reduce-scatter, barrier.
     for root in 0..n {
@@ -480,7 +527,13 @@ fn mpi_worker_stall() {
 /// and the job ends with a failure, whichever algorithm waits for it.
 #[test]
 fn mpirun_stopped_rank_aborts_the_job_naming_it() {
-    for (ranks, mode) in [(2, "ring"), (3, "rd"), (2, "mpi"), (3, "fusion")] {
+    for (ranks, mode) in [
+        (2, "ring"),
+        (3, "rd"),
+        (3, "direct"),
+        (2, "mpi"),
+        (3, "fusion"),
+    ] {
         let dir = tempfile::tempdir().expect("tempdir");
         let dir_text = dir.path().display().to_string();
         let start = Instant::now();
