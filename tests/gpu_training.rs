@@ -879,3 +879,228 @@ fn launches_per_batch_count_the_optimizer_kernels() {
         launches(&half)
     );
 }
+
+/// What one rank of a pipeline run ends with.
+struct StageRun {
+    /// Its stage's range of the flat parameter buffer.
+    own: std::ops::Range<usize>,
+    /// Its parameters (its own range current).
+    params: Vec<f32>,
+    /// Its report.
+    report: RunReport,
+    /// The loss scale its device keeps (`None` on cpu, or with f32 gradients).
+    device_scale: Option<ringtrain::train::LossScaler>,
+}
+
+/// Every rank's [`StageRun`] of a `stages`-stage pipeline of `cfg` (its device as set)
+/// over `ranks` ranks (threads over the local transport, every GPU stage on GPU 0),
+/// training on batches `from..to`.
+fn pipeline_ranks(
+    cfg: &TrainConfig,
+    stages: usize,
+    ranks: usize,
+    from: usize,
+    to: usize,
+) -> Vec<StageRun> {
+    let cfg = with(cfg, |c| c.exchange.pipeline_stages = stages);
+    let run = cfg.validate(ranks).expect("a valid pipeline config");
+    Communicator::run_local(ranks, |comm| {
+        let rank = comm.rank();
+        let seeded = with(&cfg, |c| c.run.seed = 100 + rank as u64)
+            .validate(ranks)
+            .expect("valid");
+        let stage_comm = comm.duplicate()?;
+        let mut model = build_pipeline_stage(
+            &seeded,
+            training_runs::VOCAB,
+            training_runs::VOCAB,
+            0,
+            1,
+            stage_comm,
+        )?;
+        let mut data = batches(&run, run.data_worker(rank))
+            .into_iter()
+            .skip(from)
+            .take(to - from);
+        let report = train(&run, comm, model.as_mut(), &mut data, &mut |_| {})?.report;
+        let (info, _) = model.pipeline_stage().expect("a pipeline stage");
+        let device_scale = match model.device_resident() {
+            Some(device) => device.loss_scaler()?,
+            None => None,
+        };
+        Ok::<_, ringtrain::train::Error>(StageRun {
+            own: info.own_params(),
+            params: model.params()?.to_vec(),
+            report,
+            device_scale,
+        })
+    })
+    .expect("the local transport runs")
+    .into_iter()
+    .map(|r| r.expect("the stage trains"))
+    .collect()
+}
+
+/// The whole parameters of a pipeline run: each stage's own range from replica 0; every
+/// other replica must hold the same.
+fn pipeline_params(runs: &[StageRun], stages: usize) -> Vec<f32> {
+    let mut full = runs[0].params.clone();
+    for (rank, run) in runs.iter().enumerate() {
+        let own = run.own.clone();
+        if rank < stages {
+            full[own.clone()].copy_from_slice(&run.params[own]);
+        } else {
+            let d = max_diff(&full[own.clone()], &run.params[own]);
+            assert_eq!(
+                d,
+                0.0,
+                "replica {} of stage {} diverged",
+                rank / stages,
+                rank % stages
+            );
+        }
+    }
+    full
+}
+
+/// The tiny RNNLM of the pipeline tests: 4 units, windows of 3, `batch` examples per
+/// replica, Adam with clipping, 2 micro-batches under 1F1B.
+fn tiny_pipelined_lm(batch: usize) -> TrainConfig {
+    use ringtrain::train::config::PipelineSchedule;
+    clipped(
+        &with(&config(ModelKind::Rnnlm, VariableUpdate::Replicated), |c| {
+            c.data.batch_size = batch;
+            c.data.src_max_len = 3;
+            c.model.num_units = 4;
+            c.model.num_encoder_layers = 1;
+            c.exchange.micro_batches = 2;
+            c.exchange.pipeline_schedule = PipelineSchedule::OneFOneB;
+        }),
+        OptimizerKind::Adam,
+    )
+}
+
+/// 2 GPU stages x 2 replicas with f16 gradients: each stage casts its summed gradients to
+/// f16 on the device with the loss scale kept there, and the replicas reduce them in the
+/// pinned exchange buffer. Resumed from a checkpoint whose scale grows after every clean
+/// step (and soon overflows f16), the GPU pipeline (reducing overlapped with backward, and
+/// after it) skips an overflowed step on every rank and grows the scale exactly as the
+/// CPU pipeline's host scale does, writes the same scale into its checkpoint, holds it on
+/// every rank's device, and ends with the CPU pipeline's parameters.
+#[test]
+fn a_gpu_pipeline_with_replicas_keeps_the_f16_loss_scale_on_the_device_like_the_cpu_one() {
+    use ringtrain::train::{Checkpoint, LossScaler};
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let base = with(&tiny_pipelined_lm(2), |c| {
+        c.exchange.fp16_gradients = true;
+        c.run.warmup_batches = 0;
+    });
+    let leg = |device: DeviceKind, overlap: OverlapMode, path: &std::path::Path, from, to| {
+        let cfg = with(&base, |c| {
+            c.run.device = device;
+            c.run.timed_batches = to - from;
+            c.exchange.overlap_backward = overlap;
+            c.output.checkpoint = Some(path.to_path_buf());
+            c.output.resume = from > 0;
+        });
+        pipeline_ranks(&cfg, 2, 4, from, to)
+    };
+    let start = dir.path().join("start.ckpt");
+    leg(DeviceKind::Cpu, OverlapMode::Off, &start, 0, 1);
+    let mut ck = Checkpoint::load(&start).expect("the first leg's checkpoint");
+    // 2^20 passes these gradients in f16 and a few doublings overflow them (the cpu run
+    // checks it skips).
+    ck.loss_scaler = Some(LossScaler {
+        scale: 2f32.powi(20),
+        clean_steps: 0,
+        growth_interval: 1,
+        skipped_steps: 0,
+    });
+    let resumed = |device: DeviceKind, overlap: OverlapMode| {
+        let path = dir.path().join(format!("{device}-{overlap}.ckpt"));
+        ck.save(&path).expect("the start checkpoint is written");
+        let runs = leg(device, overlap, &path, 1, 4);
+        let written = Checkpoint::load(&path)
+            .expect("the leg's checkpoint")
+            .loss_scaler;
+        (runs, written)
+    };
+    let (cpu, cpu_scaler) = resumed(DeviceKind::Cpu, OverlapMode::Off);
+    let scaler = cpu_scaler.expect("an f16 run checkpoints its loss scale");
+    assert!(
+        (1..3).contains(&scaler.skipped_steps),
+        "the cpu pipeline should skip one or two of its 3 steps: {scaler:?}"
+    );
+    assert!(cpu.iter().all(|r| r.device_scale.is_none()));
+    let cpu_params = pipeline_params(&cpu, 2);
+    for overlap in [OverlapMode::On, OverlapMode::Off] {
+        let (gpu, gpu_scaler) = resumed(DeviceKind::Cuda, overlap);
+        assert_eq!(
+            gpu_scaler,
+            Some(scaler),
+            "{overlap}: the checkpoints' loss scales differ"
+        );
+        for (rank, run) in gpu.iter().enumerate() {
+            assert_eq!(
+                run.device_scale,
+                Some(scaler),
+                "{overlap}: rank {rank}'s device does not hold the loss scale"
+            );
+        }
+        let (g, c) = (&gpu[0].report, &cpu[0].report);
+        assert_eq!(
+            (g.skipped_steps, g.loss_scale),
+            (c.skipped_steps, c.loss_scale),
+            "{overlap}"
+        );
+        let d = max_diff(&pipeline_params(&gpu, 2), &cpu_params);
+        assert!(
+            d <= BACKEND_TOLERANCE,
+            "{overlap}: the GPU and CPU pipelines differ by {d:e}"
+        );
+    }
+}
+
+/// A GPU stage's summed gradients cross to the host only with replicas, once each way, in
+/// its pinned exchange buffer: against the same stages without replicas (whose steps move
+/// the batch, the boundary tensors and a few scalars), a step with 2 replicas moves
+/// exactly 4 more bytes per parameter of the stage each way, and with f16 gradients (cast
+/// on the device) 2, plus the read of the cast's non-finite flag (4 bytes); the loss
+/// scale never crosses.
+#[test]
+fn a_gpu_stage_moves_its_gradients_only_to_its_replicas_and_in_f16_half_the_bytes() {
+    let base = with(&tiny_pipelined_lm(2), |c| {
+        c.run.device = DeviceKind::Cuda;
+        c.run.warmup_batches = 1;
+        c.run.timed_batches = 1;
+    });
+    let bytes = |cfg: &TrainConfig, ranks: usize| -> Vec<(f64, f64, usize)> {
+        let runs = pipeline_ranks(cfg, 2, ranks, 0, 2);
+        let per_rank = &runs[0].report.per_rank;
+        runs.iter()
+            .enumerate()
+            .map(|(rank, run)| {
+                let b = per_rank[rank]
+                    .host_device_bytes_per_step
+                    .expect("a cuda run counts its copies");
+                (b.to_device, b.to_host, run.own.len())
+            })
+            .collect()
+    };
+    let alone = bytes(&base, 2);
+    for (fp16_gradients, width, flag) in [(false, 4.0, 0.0), (true, 2.0, 4.0)] {
+        let cfg = with(&base, |c| c.exchange.fp16_gradients = fp16_gradients);
+        let replicated = bytes(&cfg, 4);
+        for (rank, &(up, down, own)) in replicated.iter().enumerate() {
+            let (alone_up, alone_down, alone_own) = alone[rank % 2];
+            assert_eq!(own, alone_own);
+            let own = own as f64;
+            assert_eq!(
+                ((up - alone_up).round(), (down - alone_down).round()),
+                (width * own, width * own + flag),
+                "fp16={fp16_gradients} rank {rank} ({own} parameters in its stage): \
+                 ({up}, {down}) bytes per step, without replicas ({alone_up}, {alone_down})"
+            );
+        }
+    }
+}

@@ -7,28 +7,40 @@
 //! The stage's gradients are summed over the micro-batches on the device (an
 //! accumulator the length of its parameter range); the optimizer's state (Adam's
 //! moments) covers that range only and lives on the device too, and the clipping and the
-//! update run there ([`DeviceResident`]). Only with D > 1 replicas does the summed
-//! gradient leave the device, once each way, for the replicas' all-reduce; the squared
-//! norm of the stage's gradients comes to the host as one scalar for the global norm
-//! the stages sum on the control plane. With f16 gradients the replicas cast the summed
-//! gradients on the host, so the dynamic loss scale stays on the host too (the
-//! default of [`DeviceResident::start_loss_scaler`]).
+//! update run there ([`DeviceResident`]). The squared norm of the stage's gradients comes
+//! to the host as one scalar for the global norm the stages sum on the control plane.
+//!
+//! Only with D > 1 replicas does the summed gradient leave the device, as the
+//! data-parallel GPU path's gradients do (the pieces are shared,
+//! `crate::trainable::device_exchange`): once device → pinned host exchange buffer,
+//! where the replicas' reduction sums it in place (no other host copy), and once back
+//! before the update. With f16 gradients the cast runs on the device before the copy,
+//! multiplied by the dynamic loss scale, which lives on the device too
+//! ([`DeviceResident::start_loss_scaler`]): the cast sets the device's non-finite flag
+//! (every rank, all stages and replicas, agrees on the flags and skips together), the
+//! reduced sum is cast back and unscaled on the device, and the update applies the
+//! agreed outcome to the scale there, so no step moves the scale between host and device.
 //!
 //! The host parameter buffer (whole, as the model's flat buffer on the device is) is
 //! filled only for the initial broadcast, a resume, checkpoints and the end of the run.
 
 use std::ops::Range;
 
+use half::f16;
 use ringtrain_cuda::optim as device_optim;
-use ringtrain_cuda::{Gpu, GpuBuffer};
+use ringtrain_cuda::{DeviceLossScale, Gpu, GpuBuffer, NonFiniteFlag};
 use ringtrain_model::CudaBackend;
 
 use super::stage::{held_out_not_pipelined, StageRunner};
 use super::{StageInfo, StageTimes, StagesOnBatch};
 use crate::config::{OptimizerKind, ValidatedConfig};
 use crate::error::{Error, Result};
-use crate::optimizer::OptimizerState;
+use crate::optimizer::{LossScaler, OptimizerState};
 use crate::strategy::Wire;
+use crate::trainable::device_exchange::{
+    cast_back_from_wire, cast_to_wire, missing, read_loss_scale, start_loss_scale, step_loss_scale,
+    PinnedCopies,
+};
 use crate::trainable::{
     param_specs, Batch, DeviceOptimizer, DeviceResident, DeviceUpdate, ExchangeCallback, HostGrads,
     HostGradsMut, ParamSpec, PassOutput, ReadyCallback, TrainableModel,
@@ -48,11 +60,21 @@ pub struct GpuPipelineStage<M: StagesOnBatch> {
     description: String,
     /// The stage's gradients summed over the micro-batches (its range's length).
     acc: GpuBuffer<f32>,
-    /// The host copy of `acc` the replicas reduce (allocated on first use).
-    exchange: Vec<f32>,
-    /// The last pass copied `acc` to `exchange`; the reduced values go back before the
-    /// update.
-    exchanged: bool,
+    /// `acc` cast to f16 for the wire (allocated on first use).
+    half: Option<GpuBuffer<f16>>,
+    /// The pinned host exchange buffers the replicas reduce in place (allocated on first
+    /// use).
+    host_f32: Option<PinnedCopies<f32>>,
+    host_f16: Option<PinnedCopies<f16>>,
+    /// The wire of the last pass's copy to the host, until the reduced values are back
+    /// on the device (`None`: nothing is on the host to bring back).
+    exchanged: Option<Wire>,
+    /// The last pass cast its gradients to f16 (the loss scale takes the step's outcome).
+    last_half: bool,
+    /// The device's "a value was Inf or NaN" flag of the f16 cast.
+    flag: NonFiniteFlag,
+    /// The dynamic loss scale of f16 gradients (from [`DeviceResident::start_loss_scaler`]).
+    loss_scale: Option<DeviceLossScale>,
     norm_sq: GpuBuffer<f64>,
     /// The optimizer's state on the device, for the stage's own parameter range.
     optimizer: Option<DeviceOptimizer>,
@@ -88,8 +110,13 @@ where
             specs: param_specs(model.layout()),
             acc: gpu.zeros::<f32>(own.len()).map_err(gpu_err)?,
             norm_sq: gpu.zeros::<f64>(1).map_err(gpu_err)?,
-            exchange: Vec::new(),
-            exchanged: false,
+            half: None,
+            host_f32: None,
+            host_f16: None,
+            exchanged: None,
+            last_half: false,
+            flag: NonFiniteFlag::new(&gpu).map_err(gpu_err)?,
+            loss_scale: None,
             optimizer: None,
             params_host,
             params_dirty: false,
@@ -117,13 +144,87 @@ where
         Ok(())
     }
 
-    /// Brings the replicas' reduced gradients back to the device, once.
+    /// Brings the replicas' reduced gradients back to the device, once (an f16 wire's
+    /// cast back to f32 there, divided by the loss scale: `acc` then carries the wire's
+    /// own factor only, as the host's f32 sum would).
     fn upload_exchanged(&mut self) -> Result<()> {
-        if self.exchanged {
-            self.acc.copy_from_host(&self.exchange).map_err(gpu_err)?;
-            self.exchanged = false;
+        let Some(wire) = self.exchanged.take() else {
+            return Ok(());
+        };
+        let n = self.acc.len();
+        match wire {
+            Wire::F32 => {
+                let copies = self
+                    .host_f32
+                    .as_mut()
+                    .ok_or_else(|| missing("f32 exchange buffer"))?;
+                copies
+                    .host
+                    .upload_async(0..n, &mut self.acc)
+                    .map_err(gpu_err)?;
+                copies.host.wait_all().map_err(gpu_err)?;
+            }
+            Wire::F16 { .. } => {
+                let half = self.half.as_mut().ok_or_else(|| missing("f16 buffer"))?;
+                let copies = self
+                    .host_f16
+                    .as_mut()
+                    .ok_or_else(|| missing("f16 exchange buffer"))?;
+                copies.host.upload_async(0..n, half).map_err(gpu_err)?;
+                cast_back_from_wire(
+                    &self.gpu,
+                    half,
+                    1.0,
+                    self.loss_scale.as_ref(),
+                    &mut self.acc,
+                )?;
+                // The next pass may write the buffer again only once the copy read it.
+                copies.host.wait_all().map_err(gpu_err)?;
+            }
         }
         Ok(())
+    }
+
+    /// The pass's tail with replicas: `acc` cast for `wire` on the device, copied once
+    /// into the pinned exchange buffer and handed to `on_ready` (as the stage's own
+    /// range) once landed.
+    fn copy_to_host(&mut self, wire: Wire, on_ready: &mut ExchangeCallback<'_>) -> Result<()> {
+        let own = self.own();
+        let n = own.len();
+        let gpu = self.gpu.clone();
+        match wire {
+            Wire::F16 { scale } => {
+                if self.half.is_none() {
+                    self.half = Some(gpu.alloc::<f16>(n).map_err(gpu_err)?);
+                }
+                if self.host_f16.is_none() {
+                    self.host_f16 = Some(PinnedCopies::new(&gpu, n)?);
+                }
+                let half = self.half.as_mut().ok_or_else(|| missing("f16 buffer"))?;
+                // The wire's factor times the loss scale, read on the device.
+                let loss_scale = self.loss_scale.as_ref();
+                cast_to_wire(&gpu, &self.acc, scale, loss_scale, half, &mut self.flag)?;
+                let copies = self
+                    .host_f16
+                    .as_mut()
+                    .ok_or_else(|| missing("f16 exchange buffer"))?;
+                copies.pending.clear();
+                copies.start(0..n, half)?;
+                copies.hand_over(true, &mut |_, g| on_ready(own.clone(), HostGrads::F16(g)))
+            }
+            Wire::F32 => {
+                if self.host_f32.is_none() {
+                    self.host_f32 = Some(PinnedCopies::new(&gpu, n)?);
+                }
+                let copies = self
+                    .host_f32
+                    .as_mut()
+                    .ok_or_else(|| missing("f32 exchange buffer"))?;
+                copies.pending.clear();
+                copies.start(0..n, &self.acc)?;
+                copies.hand_over(true, &mut |_, g| on_ready(own.clone(), HostGrads::F32(g)))
+            }
+        }
     }
 
     fn stage_optimizer(&mut self) -> Result<&mut DeviceOptimizer> {
@@ -149,38 +250,71 @@ where
         Ok(())
     }
 
+    fn start_loss_scaler(&mut self, scaler: LossScaler) -> Result<bool> {
+        start_loss_scale(&self.gpu, &mut self.loss_scale, scaler)?;
+        Ok(true)
+    }
+
+    fn loss_scaler(&mut self) -> Result<Option<LossScaler>> {
+        read_loss_scale(self.loss_scale.as_ref())
+    }
+
     /// The stage's passes; the summed gradients stay on the device unless `to_host`
-    /// (replicas), when they are handed on as f32 (the replicas' reduction casts them
-    /// for the wire on the host, as for a host-memory stage).
+    /// (replicas), when they are cast for `wire` on the device and copied once into the
+    /// pinned exchange buffer (see the module docs).
     fn forward_backward_exchanging(
         &mut self,
         batch: &Batch,
-        _wire: Wire,
+        wire: Wire,
         to_host: bool,
         on_ready: &mut ExchangeCallback<'_>,
     ) -> Result<PassOutput> {
         self.upload_params()?;
-        self.exchanged = false;
+        self.exchanged = None;
+        self.last_half = false;
+        self.flag.reset().map_err(gpu_err)?;
         let out = self.runner.run(&mut self.model, batch, &mut self.acc)?;
         if to_host {
-            self.exchange = self.acc.to_host().map_err(gpu_err)?;
-            self.exchanged = true;
-            on_ready(self.own(), HostGrads::F32(&mut self.exchange))?;
+            self.last_half = matches!(wire, Wire::F16 { .. });
+            let copied = self.copy_to_host(wire, on_ready);
+            // Whatever `on_ready` did, the copy has landed: the update brings it back.
+            self.exchanged = Some(wire);
+            copied?;
         }
         Ok(out)
     }
 
     fn cast_overflowed(&mut self) -> Result<bool> {
-        Ok(false)
+        if !self.last_half {
+            return Ok(false);
+        }
+        let set = self.flag.is_set().map_err(gpu_err)?;
+        self.flag.reset().map_err(gpu_err)?;
+        Ok(set)
     }
 
     fn exchanged_grads(&mut self) -> Result<HostGradsMut<'_>> {
-        if !self.exchanged {
-            return Err(Error::Internal(
-                "the last pass did not copy its gradients to the host".into(),
-            ));
+        let not_copied =
+            || Error::Internal("the last pass did not copy its gradients to the host".into());
+        let unsettled = || {
+            Error::Internal(
+                "the stage's pinned exchange buffer was read while a copy into it was in flight"
+                    .into(),
+            )
+        };
+        match self.exchanged {
+            Some(Wire::F32) => {
+                let copies = self.host_f32.as_mut().ok_or_else(not_copied)?;
+                let host = copies.host.settled_mut().ok_or_else(unsettled)?;
+                Ok(HostGradsMut::F32(host))
+            }
+            Some(Wire::F16 { .. }) => {
+                let copies = self.host_f16.as_mut().ok_or_else(not_copied)?;
+                let host = copies.host.settled_mut().ok_or_else(unsettled)?;
+                Ok(HostGradsMut::F16(host))
+            }
+            None => Err(not_copied()),
         }
-        Ok(HostGradsMut::F32(&mut self.exchange))
     }
 
     fn gradient_sum_of_squares(&mut self) -> Result<f64> {
@@ -198,7 +332,10 @@ where
         skip: bool,
     ) -> Result<DeviceUpdate> {
         self.upload_exchanged()?;
+        // The loss scale takes the outcome every rank agreed on.
+        let loss_scale = self.loss_scale.as_mut().filter(|_| self.last_half);
         if skip {
+            step_loss_scale(&self.gpu, loss_scale, true)?;
             return Ok(DeviceUpdate {
                 skipped: true,
                 grad_norm: 0.0,
@@ -228,6 +365,8 @@ where
         })?;
         let mut params = self.model.params_mut().slice_mut(own).map_err(gpu_err)?;
         optimizer.apply(&gpu, &mut params, &self.acc)?;
+        let loss_scale = self.loss_scale.as_mut().filter(|_| self.last_half);
+        step_loss_scale(&gpu, loss_scale, false)?;
         self.host_stale = true;
         Ok(DeviceUpdate {
             skipped: false,

@@ -13,7 +13,7 @@ use crate::optimizer::OptimizerState;
 use crate::strategy::{
     correction_factor, DeviceStepInputs, Replicated, StepContext, StepInputs, StepOutcome,
 };
-use crate::trainable::{HostGradsMut, ParamSpec};
+use crate::trainable::{HostGrads, ParamSpec};
 
 /// Each stage updates its own parameters with its own optimizer state; the clipping
 /// norm is global (the stages' squared norms summed on the control plane). With D > 1
@@ -99,6 +99,40 @@ impl PipelineUpdate {
         r.on_ready(0..own.len(), &grads[at])
     }
 
+    /// Whether a stage that updates on its device copies its summed gradients to the
+    /// host: only with replicas to reduce them with.
+    pub fn exchanges_gradients(&self) -> bool {
+        self.replicas.is_some()
+    }
+
+    /// A device stage's summed gradients (`range`: its whole own range) once their copy
+    /// to its pinned host exchange buffer has landed, cast for the wire on the device: the
+    /// replicas' reduction takes that buffer itself, to sum it in place.
+    ///
+    /// # Errors
+    /// The reduction's; [`crate::error::Error::Internal`] for a range that is not the
+    /// stage's own.
+    pub fn on_exchanged(&mut self, range: Range<usize>, grads: HostGrads<'_>) -> Result<()> {
+        let own = self.info.own_params();
+        let Some(r) = self.replicas.as_mut() else {
+            return Ok(());
+        };
+        if range != own {
+            return Err(crate::error::Error::Internal(format!(
+                "the stage exchanged gradient range {range:?}, not its own range {own:?}"
+            )));
+        }
+        r.on_exchanged(0..own.len(), grads)
+    }
+
+    /// Lets go of the exchange buffer's range handed on by [`Self::on_exchanged`] after
+    /// the stage's pass failed.
+    pub fn release_exchanged(&mut self) {
+        if let Some(r) = self.replicas.as_mut() {
+            r.release_exchanged();
+        }
+    }
+
     /// Stops the replicas' reduction and returns the world communicator.
     ///
     /// # Errors
@@ -169,9 +203,12 @@ impl PipelineUpdate {
     }
 
     /// [`Self::finish_step`] for a stage that updates on its device: the replicas reduce
-    /// the gradients in the stage's host exchange buffer, the stage reports its squared
-    /// norm, and the stages agree on the global norm before each applies its update with
-    /// the correction and the clip folded into one factor.
+    /// the gradients in place in the stage's pinned host exchange buffer (f16 cast on the
+    /// device with its loss scale under `--fp16-gradients`), the stage reports its squared
+    /// norm, every rank (all stages, all replicas) agrees on the overflow flags and skips
+    /// together, and the stages agree on the global norm before each applies its update
+    /// with the correction and the clip folded into one factor. The loss scale on the
+    /// device takes the agreed outcome in the update, as the host's would.
     ///
     /// # Errors
     /// Control-plane, transport and device errors.
@@ -183,15 +220,12 @@ impl PipelineUpdate {
         } = inputs;
         let start = Instant::now();
         if let Some(r) = self.replicas.as_mut() {
-            match model.exchanged_grads()? {
-                HostGradsMut::F32(g) => r.reduce(g, &mut local)?,
-                HostGradsMut::F16(_) => {
-                    return Err(crate::error::Error::Internal(
-                        "a pipeline stage exchanges f32 gradients".into(),
-                    ))
-                }
-            }
+            // In place in the stage's pinned exchange buffer; the overflow flag of this
+            // rank's f16 cast comes from the device.
+            r.reduce_exchanged(&mut *model, &mut local)?;
         }
+        // The reduced gradients back on the device (cast back from the wire there): a sum
+        // that overflowed f16 is not finite.
         let raw = model.gradient_sum_of_squares()?;
         if !raw.is_finite() {
             local.overflow = 1.0;

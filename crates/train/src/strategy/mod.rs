@@ -250,7 +250,8 @@ impl Strategy {
     pub fn exchanges_gradients(&self) -> bool {
         match self {
             Strategy::Replicated(s) => s.exchanges_gradients(),
-            Strategy::ParameterServer(_) | Strategy::Pipeline(_) => true,
+            Strategy::Pipeline(s) => s.exchanges_gradients(),
+            Strategy::ParameterServer(_) => true,
             Strategy::Independent(_) => false,
         }
     }
@@ -258,8 +259,10 @@ impl Strategy {
     /// Lets go of the exchange buffer's ranges [`Strategy::on_exchanged`] handed on, after a
     /// device-resident pass failed: nothing writes into that buffer afterwards.
     pub fn release_exchanged(&mut self) {
-        if let Strategy::Replicated(s) = self {
-            s.release_exchanged();
+        match self {
+            Strategy::Replicated(s) => s.release_exchanged(),
+            Strategy::Pipeline(s) => s.release_exchanged(),
+            _ => {}
         }
     }
 
@@ -271,12 +274,7 @@ impl Strategy {
     pub fn on_exchanged(&mut self, range: Range<usize>, grads: HostGrads<'_>) -> Result<()> {
         match self {
             Strategy::Replicated(s) => s.on_exchanged(range, grads),
-            Strategy::Pipeline(s) => match grads {
-                HostGrads::F32(g) => s.on_ready(range, g),
-                HostGrads::F16(_) => Err(crate::error::Error::Internal(
-                    "a pipeline stage hands on f32 gradients".into(),
-                )),
-            },
+            Strategy::Pipeline(s) => s.on_exchanged(range, grads),
             _ => Ok(()),
         }
     }

@@ -21,7 +21,8 @@
 //! fusion engine each range of the exchange buffer itself
 //! ([`FusionEngine::submit_external`]): the sums land there in place, with no other host
 //! copy of the gradients. The overflow flags come from the device's non-finite checks.
-//! With one rank nothing leaves the device.
+//! With one rank nothing leaves the device. A GPU pipeline stage's replicas reduce its
+//! exchange buffer the same way ([`Replicated::reduce_exchanged`]).
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -38,7 +39,7 @@ use super::{
 };
 use crate::config::{Reduction, ValidatedConfig};
 use crate::error::{Error, Result};
-use crate::trainable::{HostGrads, HostGradsMut, ParamSpec};
+use crate::trainable::{DeviceResident, HostGrads, HostGradsMut, ParamSpec};
 
 enum Mode {
     Overlapped {
@@ -198,11 +199,11 @@ impl Replicated {
     /// A device-resident model's range in its host exchange buffer: handed to the fusion
     /// engine to be reduced in place there, when reducing while backward runs.
     ///
-    /// The range must stay where it is, untouched, until [`Self::finish_device_step`] or
-    /// [`Self::release_exchanged`]: the device-resident models keep their exchange buffer
-    /// from the pass to the update, and the trainer releases the ranges when a step fails
-    /// between them.
-    pub(super) fn on_exchanged(&mut self, range: Range<usize>, grads: HostGrads<'_>) -> Result<()> {
+    /// The range must stay where it is, untouched, until [`Self::reduce_exchanged`] (in
+    /// [`Self::finish_device_step`], or a pipeline stage's) or [`Self::release_exchanged`]:
+    /// the device-resident models keep their exchange buffer from the pass to the update,
+    /// and the trainer releases the ranges when a step fails between them.
+    pub(crate) fn on_exchanged(&mut self, range: Range<usize>, grads: HostGrads<'_>) -> Result<()> {
         let Mode::Overlapped {
             engine, pending, ..
         } = &mut self.mode
@@ -222,9 +223,10 @@ impl Replicated {
         let name = format!("grad.{}", range.start);
         // SAFETY: the range lies in the model's exchange buffer, which stays allocated and
         // is neither read nor written (no copy into it is queued, nothing reads it) until
-        // the update after `finish_device_step`, which waits for this handle first. A step
-        // that fails before then drops the handle (`release_exchanged`, `begin_step`),
-        // which takes the values out of the buffer before anything else touches it.
+        // `reduce_exchanged` (of this strategy's or a pipeline stage's device step) has
+        // waited for this handle. A step that fails before then drops the handle
+        // (`release_exchanged`, `begin_step`), which takes the values out of the buffer
+        // before anything else touches it.
         let handle = unsafe { engine.submit_external(&name, tensor)? };
         pending.push((range, handle));
         Ok(())
@@ -268,6 +270,34 @@ impl Replicated {
         } = inputs;
         let comm_start = Instant::now();
         let wire = self.ctx.wire;
+        self.reduce_exchanged(&mut *model, &mut local)?;
+        let stats = local.summed(control)?;
+        let communication_seconds = comm_start.elapsed().as_secs_f64();
+        let opt_start = Instant::now();
+        // Every replica holds the same sums, so the device's non-finite check agrees
+        // everywhere too.
+        let correction = correction_factor(wire, stats.examples);
+        let update = model.update(correction, self.max_gradient_norm, stats.overflow > 0.0)?;
+        Ok(StepOutcome {
+            stats,
+            skipped: update.skipped,
+            grad_norm: update.grad_norm,
+            communication_seconds,
+            optimizer_seconds: opt_start.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Sums a device-resident model's host exchange buffer over the ranks in place (a
+    /// pipeline stage's over its replicas), and notes in `local.overflow` whether this
+    /// rank's f16 cast on the device met a value that is not finite.
+    ///
+    /// # Errors
+    /// The collective's; the model's, when the buffer is not there or not settled.
+    pub(crate) fn reduce_exchanged(
+        &mut self,
+        model: &mut dyn DeviceResident,
+        local: &mut StepStats,
+    ) -> Result<()> {
         // The ranges handed over during backward are summed in the exchange buffer
         // itself: wait for them before anything else reads or writes it.
         let overlapped = self.wait_exchanged()?;
@@ -302,20 +332,7 @@ impl Replicated {
                 }
             }
         }
-        let stats = local.summed(control)?;
-        let communication_seconds = comm_start.elapsed().as_secs_f64();
-        let opt_start = Instant::now();
-        // Every replica holds the same sums, so the device's non-finite check agrees
-        // everywhere too.
-        let correction = correction_factor(wire, stats.examples);
-        let update = model.update(correction, self.max_gradient_norm, stats.overflow > 0.0)?;
-        Ok(StepOutcome {
-            stats,
-            skipped: update.skipped,
-            grad_norm: update.grad_norm,
-            communication_seconds,
-            optimizer_seconds: opt_start.elapsed().as_secs_f64(),
-        })
+        Ok(())
     }
 
     /// Sums `grads` over the replicas (the exchange of [`Self::finish_step`], without

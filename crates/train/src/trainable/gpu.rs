@@ -24,18 +24,20 @@
 //! copies have landed, and every copy has finished when a pass returns, also after an
 //! error; were a mirror ever not settled, its accessors return [`Error::Internal`].
 
-use std::collections::VecDeque;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use half::f16;
 use ringtrain_cuda::optim as device_optim;
 use ringtrain_cuda::{
-    fp16 as device_fp16, DeviceLossScale, Element, Gpu, GpuBuffer, LossScaleState, NonFiniteFlag,
-    PinnedBuffer, StreamMark,
+    fp16 as device_fp16, DeviceLossScale, Gpu, GpuBuffer, NonFiniteFlag, PinnedBuffer, StreamMark,
 };
 use ringtrain_model::{Backend, CudaBackend, Model};
 
+use super::device_exchange::{
+    cast_back_from_wire, cast_to_wire, missing, read_loss_scale, start_loss_scale, step_loss_scale,
+    PinnedCopies,
+};
 use super::pass::{run_forward, run_pass, Delivery};
 use super::staging::TrainsOnBatch;
 use super::{
@@ -135,63 +137,6 @@ fn unsettled(mirror: &str) -> Error {
     ))
 }
 
-/// Takes a landed range of a pinned buffer.
-type Deliver<'a, T> = dyn FnMut(Range<usize>, &mut [T]) -> Result<()> + 'a;
-
-/// A pinned host buffer, and the ranges queued into it not yet handed over.
-struct PinnedCopies<T: Element> {
-    host: PinnedBuffer<T>,
-    pending: VecDeque<Range<usize>>,
-    /// Each copy's start and end marks on the copy stream (`None`: copies are not timed).
-    timed: Option<Vec<(Range<usize>, StreamMark, StreamMark)>>,
-}
-
-impl<T: Element> PinnedCopies<T> {
-    fn new(gpu: &Gpu, len: usize) -> Result<Self> {
-        Ok(PinnedCopies {
-            host: gpu.pinned::<T>(len).map_err(gpu_err)?,
-            pending: VecDeque::new(),
-            timed: None,
-        })
-    }
-
-    /// Queues copying `src` (the device's `range`) into the host buffer.
-    fn start(&mut self, range: Range<usize>, src: &GpuBuffer<T>) -> Result<()> {
-        let view = src.slice(range.clone()).map_err(gpu_err)?;
-        match self.timed.as_mut() {
-            Some(marks) => {
-                let timed = self
-                    .host
-                    .download_async_timed(range.clone(), &view)
-                    .map_err(gpu_err)?;
-                if let Some((start, end)) = timed {
-                    marks.push((range.clone(), start, end));
-                }
-            }
-            None => self
-                .host
-                .download_async(range.clone(), &view)
-                .map_err(gpu_err)?,
-        }
-        self.pending.push_back(range);
-        Ok(())
-    }
-
-    /// Hands the landed ranges at the front of `pending` to `deliver`, in order; with
-    /// `block`, waits for each in turn until none is left.
-    fn hand_over(&mut self, block: bool, deliver: &mut Deliver<'_, T>) -> Result<()> {
-        while let Some(front) = self.pending.front().cloned() {
-            if !block && !self.host.is_ready(front.clone()).map_err(gpu_err)? {
-                break;
-            }
-            self.pending.pop_front();
-            let grads = self.host.wait_mut(front.clone()).map_err(gpu_err)?;
-            deliver(front, grads)?;
-        }
-        Ok(())
-    }
-}
-
 impl Delivery<GpuBuffer<f32>> for PinnedCopies<f32> {
     fn finished(
         &mut self,
@@ -235,11 +180,6 @@ impl Exchanging<'_, '_, '_> {
     }
 }
 
-/// A buffer the pass needs but was not allocated: a bug of this adapter.
-fn missing(what: &str) -> Error {
-    Error::Internal(format!("the device-resident pass has no {what}"))
-}
-
 impl Delivery<GpuBuffer<f32>> for Exchanging<'_, '_, '_> {
     fn finished(
         &mut self,
@@ -253,14 +193,10 @@ impl Delivery<GpuBuffer<f32>> for Exchanging<'_, '_, '_> {
                     .half
                     .as_deref_mut()
                     .ok_or_else(|| missing("f16 buffer"))?;
-                let loss_scale = self.loss_scale.ok_or_else(|| missing("loss scale"))?;
                 let src = grads.slice(range.clone()).map_err(gpu_err)?;
                 let mut dst = half.slice_mut(range.clone()).map_err(gpu_err)?;
                 // The wire's factor times the loss scale, read on the device.
-                device_fp16::f32_to_f16_loss_scaled(
-                    self.gpu, &src, scale, loss_scale, &mut dst, self.flag,
-                )
-                .map_err(gpu_err)?;
+                cast_to_wire(self.gpu, &src, scale, self.loss_scale, &mut dst, self.flag)?;
                 if self.to_host {
                     let copies = self
                         .host_f16
@@ -516,10 +452,6 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
         match wire {
             Wire::F16 { .. } => {
                 let half = state.half.as_mut().ok_or_else(|| missing("f16 buffer"))?;
-                let loss_scale = state
-                    .loss_scale
-                    .as_ref()
-                    .ok_or_else(|| missing("loss scale"))?;
                 if to_host {
                     let copies = state
                         .host_f16
@@ -528,8 +460,7 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
                     copies.host.upload_async(0..n, half).map_err(gpu_err)?;
                 }
                 // Back to f32 with the correction over the loss scale, read on the device.
-                device_fp16::f16_to_f32_loss_unscaled(&gpu, half, correction, loss_scale, grads)
-                    .map_err(gpu_err)?;
+                cast_back_from_wire(&gpu, half, correction, state.loss_scale.as_ref(), grads)?;
                 correction = 1.0;
             }
             Wire::F32 => {
@@ -560,9 +491,7 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
         state.flag.reset().map_err(gpu_err)?;
         device_fp16::has_non_finite_f32(&gpu, grads, &mut state.flag).map_err(gpu_err)?;
         if skip || state.flag.is_set().map_err(gpu_err)? {
-            if let Some(loss_scale) = state.loss_scale.as_mut().filter(|_| half) {
-                device_fp16::loss_scale_update(&gpu, loss_scale, true).map_err(gpu_err)?;
-            }
+            step_loss_scale(&gpu, state.loss_scale.as_mut().filter(|_| half), true)?;
             let end = DeviceTiming::mark(&self.timing, &gpu)?;
             let args = serde_json::json!({ "skipped": true });
             DeviceTiming::span(&mut self.timing, "gpu update", update_from, end, args);
@@ -584,9 +513,7 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> GpuTrainable<M> {
             Error::Internal("a device-resident update before start_optimizer".into())
         })?;
         optimizer.apply(&gpu, params, grads)?;
-        if let Some(loss_scale) = state.loss_scale.as_mut().filter(|_| half) {
-            device_fp16::loss_scale_update(&gpu, loss_scale, false).map_err(gpu_err)?;
-        }
+        step_loss_scale(&gpu, state.loss_scale.as_mut().filter(|_| half), false)?;
         self.host_stale = true;
         let end = DeviceTiming::mark(&self.timing, &gpu)?;
         let args = serde_json::json!({ "skipped": false });
@@ -610,32 +537,12 @@ impl<M: TrainsOnBatch<Backend = CudaBackend> + Send> DeviceResident for GpuTrain
     fn start_loss_scaler(&mut self, scaler: LossScaler) -> Result<bool> {
         let gpu = self.gpu.clone();
         let state = self.resident()?;
-        let on_device = LossScaleState {
-            scale: scaler.scale,
-            clean_steps: scaler.clean_steps,
-            growth_interval: scaler.growth_interval,
-            skipped_steps: scaler.skipped_steps,
-        };
-        match state.loss_scale.as_mut() {
-            Some(loss_scale) => loss_scale.write(on_device).map_err(gpu_err)?,
-            None => {
-                state.loss_scale = Some(DeviceLossScale::new(&gpu, on_device).map_err(gpu_err)?)
-            }
-        }
+        start_loss_scale(&gpu, &mut state.loss_scale, scaler)?;
         Ok(true)
     }
 
     fn loss_scaler(&mut self) -> Result<Option<LossScaler>> {
-        let Some(loss_scale) = self.resident()?.loss_scale.as_ref() else {
-            return Ok(None);
-        };
-        let s = loss_scale.read().map_err(gpu_err)?;
-        Ok(Some(LossScaler {
-            scale: s.scale,
-            clean_steps: s.clean_steps,
-            growth_interval: s.growth_interval,
-            skipped_steps: s.skipped_steps,
-        }))
+        read_loss_scale(self.resident()?.loss_scale.as_ref())
     }
 
     fn forward_backward_exchanging(

@@ -12,7 +12,9 @@
 //! - `GpuTrainable` (feature `cuda`): a model on the GPU that keeps its parameters,
 //!   gradients and optimizer state there and updates on the device ([`DeviceResident`]);
 //!   under `parameter_server` it keeps pinned host mirrors instead and is updated on the
-//!   host like a CPU model;
+//!   host like a CPU model; `device_exchange` (feature `cuda`) holds what it shares with
+//!   a GPU pipeline stage: the pinned exchange buffer and the f16 wire whose loss scale
+//!   lives on the device;
 //! - [`build_model`]: the model a configuration asks for, on its device.
 
 use std::ops::Range;
@@ -27,6 +29,8 @@ use crate::strategy::Wire;
 
 mod build;
 mod cpu;
+#[cfg(feature = "cuda")]
+pub(crate) mod device_exchange;
 #[cfg(feature = "cuda")]
 mod device_optimizer;
 #[cfg(feature = "cuda")]
@@ -177,9 +181,9 @@ pub trait DeviceResident {
     /// Keeps the dynamic loss scale of f16 gradients on the device from now on, starting
     /// from `scaler` (a new one, or a checkpoint's): the casts read it there and
     /// [`DeviceResident::update`] applies the growth/backoff policy of
-    /// [`LossScaler::update`] there, so no step moves it between host and device. Returns
-    /// false when the model leaves the scale to the host (the default: a pipeline stage,
-    /// whose replicas cast their gradients on the host).
+    /// [`LossScaler::update`] there, so no step moves it between host and device (both
+    /// GPU models do: a whole model and a pipeline stage). Returns false when the model
+    /// leaves the scale to the host (the default).
     ///
     /// # Errors
     /// Device errors.
