@@ -14,7 +14,7 @@ mod training_runs;
 use ringtrain::collective::Communicator;
 use ringtrain::train::{
     build_pipeline_stage, train, DeviceKind, LstmImpl, ModelKind, OptimizerKind, OverlapMode,
-    RunReport, TrainConfig, VariableUpdate,
+    RunReport, TrainConfig, TrainableModel, VariableUpdate,
 };
 use training_runs::{batches, config, initial_model, max_diff, run, with};
 
@@ -557,6 +557,27 @@ fn the_timeline_has_a_gpu_row_per_rank_inside_the_steps() {
     }
 }
 
+/// This rank's stage of the pipeline of `cfg` over `ranks` ranks, its parameters seeded
+/// per rank (the broadcast makes them equal), on a duplicate of `comm`.
+fn seeded_stage(
+    cfg: &TrainConfig,
+    ranks: usize,
+    comm: &Communicator,
+) -> ringtrain::train::Result<Box<dyn TrainableModel>> {
+    let seeded = with(cfg, |c| c.run.seed = 100 + comm.rank() as u64)
+        .validate(ranks)
+        .expect("valid");
+    let stage_comm = comm.duplicate()?;
+    build_pipeline_stage(
+        &seeded,
+        training_runs::VOCAB,
+        training_runs::VOCAB,
+        0,
+        1,
+        stage_comm,
+    )
+}
+
 /// Final parameters of a `stages`-stage pipeline on the GPU over `ranks` ranks (threads
 /// over the local transport, every stage on GPU 0), each stage's own range taken from
 /// that stage of replica 0; the other replicas must hold the same.
@@ -568,18 +589,7 @@ fn gpu_pipeline(cfg: &TrainConfig, stages: usize, ranks: usize) -> Vec<f32> {
     let run = cfg.validate(ranks).expect("a valid pipeline config");
     let per_stage = Communicator::run_local(ranks, |comm| {
         let rank = comm.rank();
-        let seeded = with(&cfg, |c| c.run.seed = 100 + rank as u64)
-            .validate(ranks)
-            .expect("valid");
-        let stage_comm = comm.duplicate()?;
-        let mut model = build_pipeline_stage(
-            &seeded,
-            training_runs::VOCAB,
-            training_runs::VOCAB,
-            0,
-            1,
-            stage_comm,
-        )?;
+        let mut model = seeded_stage(&cfg, ranks, &comm)?;
         assert!(
             model.device_resident().is_some(),
             "a GPU stage updates there"
@@ -906,18 +916,7 @@ fn pipeline_ranks(
     let run = cfg.validate(ranks).expect("a valid pipeline config");
     Communicator::run_local(ranks, |comm| {
         let rank = comm.rank();
-        let seeded = with(&cfg, |c| c.run.seed = 100 + rank as u64)
-            .validate(ranks)
-            .expect("valid");
-        let stage_comm = comm.duplicate()?;
-        let mut model = build_pipeline_stage(
-            &seeded,
-            training_runs::VOCAB,
-            training_runs::VOCAB,
-            0,
-            1,
-            stage_comm,
-        )?;
+        let mut model = seeded_stage(&cfg, ranks, &comm)?;
         let mut data = batches(&run, run.data_worker(rank))
             .into_iter()
             .skip(from)

@@ -2,6 +2,13 @@
 
 use std::path::PathBuf;
 
+/// A GPU runtime error as the trainer's error (through the model crate's, which names
+/// the device operation).
+#[cfg(feature = "cuda")]
+pub(crate) fn gpu_err(e: ringtrain_cuda::Error) -> Error {
+    ringtrain_model::Error::from(e).into()
+}
+
 /// Everything that can go wrong while configuring, running or checkpointing training.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -34,7 +34,7 @@ use ringtrain_model::CudaBackend;
 use super::stage::{held_out_not_pipelined, StageRunner};
 use super::{StageInfo, StageTimes, StagesOnBatch};
 use crate::config::{OptimizerKind, ValidatedConfig};
-use crate::error::{Error, Result};
+use crate::error::{gpu_err, Error, Result};
 use crate::optimizer::{LossScaler, OptimizerState};
 use crate::strategy::Wire;
 use crate::trainable::device_exchange::{
@@ -45,11 +45,6 @@ use crate::trainable::{
     param_specs, Batch, DeviceOptimizer, DeviceResident, DeviceUpdate, ExchangeCallback, HostGrads,
     HostGradsMut, ParamSpec, PassOutput, ReadyCallback, TrainableModel,
 };
-
-/// A GPU runtime error as the trainer's error.
-fn gpu_err(e: ringtrain_cuda::Error) -> Error {
-    ringtrain_model::Error::from(e).into()
-}
 
 /// One pipeline stage on the GPU (see the `pipeline::device` module docs).
 pub struct GpuPipelineStage<M: StagesOnBatch> {

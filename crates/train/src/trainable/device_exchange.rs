@@ -14,13 +14,8 @@ use ringtrain_cuda::{
     LossScaleState, NonFiniteFlag, PinnedBuffer, StreamMark,
 };
 
-use crate::error::{Error, Result};
+use crate::error::{gpu_err, Error, Result};
 use crate::optimizer::LossScaler;
-
-/// A GPU runtime error as the trainer's error.
-fn gpu_err(e: ringtrain_cuda::Error) -> Error {
-    ringtrain_model::Error::from(e).into()
-}
 
 /// A buffer or state the exchange needs but was not set up: a bug of the adapter.
 pub(crate) fn missing(what: &str) -> Error {

@@ -7,13 +7,8 @@ use ringtrain_cuda::optim as device_optim;
 use ringtrain_cuda::{AsDevSlice, AsDevSliceMut, Gpu, GpuBuffer};
 
 use crate::config::OptimizerKind;
-use crate::error::{Error, Result};
+use crate::error::{gpu_err, Error, Result};
 use crate::optimizer::{OptimizerState, ADAM_BETA1, ADAM_BETA2, ADAM_EPS};
-
-/// A GPU runtime error as the trainer's error.
-fn gpu_err(e: ringtrain_cuda::Error) -> Error {
-    ringtrain_model::Error::from(e).into()
-}
 
 /// The optimizer's state on the device, for `len` parameters.
 pub(crate) struct DeviceOptimizer {

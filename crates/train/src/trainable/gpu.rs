@@ -46,7 +46,7 @@ use super::{
     TrainableModel,
 };
 use crate::config::OptimizerKind;
-use crate::error::{Error, Result};
+use crate::error::{gpu_err, Error, Result};
 use crate::optimizer::{LossScaler, OptimizerState};
 use crate::strategy::Wire;
 
@@ -123,11 +123,6 @@ struct ResidentState {
     host_f16: Option<PinnedCopies<f16>>,
     /// How the last pass's gradients left backward: the wire, and whether to the host.
     last: Option<(Wire, bool)>,
-}
-
-/// A GPU runtime error as the trainer's error.
-fn gpu_err(e: ringtrain_cuda::Error) -> Error {
-    ringtrain_model::Error::from(e).into()
 }
 
 /// A pinned mirror that an in-flight copy makes unreadable: a bug of this adapter.
