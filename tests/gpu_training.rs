@@ -602,16 +602,27 @@ fn gpu_pipeline(cfg: &TrainConfig, stages: usize, ranks: usize) -> Vec<f32> {
         Ok::<_, ringtrain::train::Error>((info.own_params(), model.params()?.to_vec()))
     })
     .expect("the local transport runs");
-    let mut full = Vec::new();
-    for (rank, stage) in per_stage.into_iter().enumerate() {
-        let (range, params) = stage.expect("the stage trains");
-        if full.is_empty() {
-            full = params.clone();
-        }
+    let per_stage: Vec<_> = per_stage
+        .into_iter()
+        .map(|stage| stage.expect("the stage trains"))
+        .collect();
+    let parts: Vec<_> = per_stage
+        .iter()
+        .map(|(own, p)| (own.clone(), &p[..]))
+        .collect();
+    assemble_stages(&parts, stages)
+}
+
+/// The whole parameter vector from every rank's `(own range, parameters)`: each stage's
+/// range from replica 0's rank of it (ranks `0..stages`), the other replicas' ranks
+/// checked to hold the same bits.
+fn assemble_stages(parts: &[(std::ops::Range<usize>, &[f32])], stages: usize) -> Vec<f32> {
+    let mut full = parts[0].1.to_vec();
+    for (rank, (own, params)) in parts.iter().enumerate() {
         if rank < stages {
-            full[range.clone()].copy_from_slice(&params[range]);
+            full[own.clone()].copy_from_slice(&params[own.clone()]);
         } else {
-            let d = max_diff(&full[range.clone()], &params[range]);
+            let d = max_diff(&full[own.clone()], &params[own.clone()]);
             assert_eq!(
                 d,
                 0.0,
@@ -943,23 +954,11 @@ fn pipeline_ranks(
 /// The whole parameters of a pipeline run: each stage's own range from replica 0; every
 /// other replica must hold the same.
 fn pipeline_params(runs: &[StageRun], stages: usize) -> Vec<f32> {
-    let mut full = runs[0].params.clone();
-    for (rank, run) in runs.iter().enumerate() {
-        let own = run.own.clone();
-        if rank < stages {
-            full[own.clone()].copy_from_slice(&run.params[own]);
-        } else {
-            let d = max_diff(&full[own.clone()], &run.params[own]);
-            assert_eq!(
-                d,
-                0.0,
-                "replica {} of stage {} diverged",
-                rank / stages,
-                rank % stages
-            );
-        }
-    }
-    full
+    let parts: Vec<_> = runs
+        .iter()
+        .map(|r| (r.own.clone(), &r.params[..]))
+        .collect();
+    assemble_stages(&parts, stages)
 }
 
 /// The tiny RNNLM of the pipeline tests: 4 units, windows of 3, `batch` examples per
