@@ -156,6 +156,7 @@ mod tests {
                     | Algorithm::HalvingDoubling
                     | Algorithm::Ring
                     | Algorithm::Direct
+                    | Algorithm::ScatterGather
             )));
         }
     }

@@ -328,6 +328,7 @@ impl Communicator {
                 Algorithm::RecursiveDoubling => "recursive-doubling all-reduce",
                 Algorithm::HalvingDoubling => "halving-doubling all-reduce",
                 Algorithm::Direct => "direct all-reduce",
+                Algorithm::ScatterGather => "scatter-gather all-reduce",
                 Algorithm::Mpi => "MPI_Allreduce",
             };
             self.begin(name, Some(T::DTYPE), bytes);
@@ -337,6 +338,7 @@ impl Communicator {
                 Algorithm::RecursiveDoubling => self.recursive_doubling_all_reduce(buf, opts.op)?,
                 Algorithm::HalvingDoubling => self.halving_doubling_all_reduce(buf, opts.op)?,
                 Algorithm::Direct => self.direct_all_reduce(buf, opts.op)?,
+                Algorithm::ScatterGather => self.scatter_gather_all_reduce(buf, opts.op)?,
                 Algorithm::Mpi => self.mpi_all_reduce_in_place(buf, opts.op)?,
             }
         } else if self.size > 1 && opts.algorithm == Algorithm::Mpi {
@@ -607,6 +609,57 @@ impl Communicator {
             reduce_into(op, buf, contribution)?;
         }
         Ok(())
+    }
+
+    /// A direct reduce-scatter, then a direct all-gather, over the chunks of
+    /// [`ring_chunk_range`]. Step one: every rank sends chunk `p` to rank `p` and receives
+    /// its own chunk from every other rank, all at once ([`Transport::all_to_all_into`]),
+    /// and reduces the N copies of its chunk in rank order, `((x0 op x1) op x2) ...`.
+    /// Step two: every rank sends its reduced chunk to every other rank and receives
+    /// theirs. Two message steps however many ranks, each moving (N − 1)/N of the message
+    /// per rank: the ring's bytes in 2 steps instead of 2(N − 1). Every element is reduced
+    /// at one rank in rank order and copied to the others, so every rank ends with the
+    /// same bits, those of [`Algorithm::Direct`]. Holds N copies of one chunk (about the
+    /// message) in the scratch buffer.
+    fn scatter_gather_all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        let len = buf.len();
+        let own = ring_chunk_range(len, n, r);
+        let chunk_bytes = own.len() * T::BYTES;
+        let Communicator {
+            transport, scratch, ..
+        } = self;
+        // Slot p receives rank p's copy of this rank's chunk; slot r gets this rank's own.
+        let copies = scratch_bytes(scratch, n * chunk_bytes);
+        let mut slots: Vec<&mut [u8]> = if chunk_bytes == 0 {
+            (0..n).map(|_| <&mut [u8]>::default()).collect()
+        } else {
+            copies.chunks_mut(chunk_bytes).collect()
+        };
+        let sends: Vec<&[u8]> = (0..n)
+            .map(|p| bytes_of(&buf[ring_chunk_range(len, n, p)]))
+            .collect();
+        transport.all_to_all_into(&sends, &mut slots)?;
+        if chunk_bytes > 0 {
+            // Rank order: rank 0's copy is the accumulator, whichever rank reduces.
+            if r != 0 {
+                slots[r].copy_from_slice(bytes_of(&buf[own.clone()]));
+                buf[own.clone()].copy_from_slice(elements::<T>(slots[0], r)?);
+            }
+            for slot in &slots[1..] {
+                reduce_into(op, &mut buf[own.clone()], elements::<T>(slot, r)?)?;
+            }
+        }
+        // Every chunk in its place; this rank's reduced chunk goes to every other rank.
+        let mut pieces: Vec<&mut [u8]> = Vec::with_capacity(n);
+        let mut rest = bytes_of_mut(buf);
+        for p in 0..n {
+            let (piece, tail) = rest.split_at_mut(ring_chunk_range(len, n, p).len() * T::BYTES);
+            pieces.push(piece);
+            rest = tail;
+        }
+        let reduced = &*std::mem::take(&mut pieces[r]);
+        transport.all_to_all_into(&vec![reduced; n], &mut pieces)
     }
 
     fn mpi_all_reduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {

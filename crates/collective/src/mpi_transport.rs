@@ -17,7 +17,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::options::ReduceOp;
 use crate::stall::{StallWatch, Wait, STALL_EXIT_CODE};
-use crate::transport::{check_exchange_len, segment_count, segment_range, NodeRank, Transport};
+use crate::transport::{check_all_to_all_len, segment_count, segment_range, NodeRank, Transport};
 
 /// An MPI communicator handle that may move to another thread.
 struct Comm(SimpleCommunicator);
@@ -394,38 +394,35 @@ impl Transport for MpiTransport {
 
     /// Every receive and every send posted at once (non-blocking), then all completed
     /// together: one message step, the peers still pending named if it stalls.
-    fn exchange_all_into(&self, data: &[u8], out: &mut [u8]) -> Result<()> {
-        self.check(0, data.len())?;
-        let (n, r, len) = (self.size, self.rank, data.len());
-        check_exchange_len(r, n, len, out.len())?;
-        // Zero-length messages are exchanged too, so that every rank takes part.
-        let slots: Vec<&mut [u8]> = if len == 0 {
-            (0..n).map(|_| <&mut [u8]>::default()).collect()
-        } else {
-            out.chunks_mut(len).collect()
-        };
+    fn all_to_all_into(&self, sends: &[&[u8]], recvs: &mut [&mut [u8]]) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        check_all_to_all_len(r, n, sends.len(), recvs.len())?;
+        for (peer, (send, recv)) in sends.iter().zip(recvs.iter()).enumerate() {
+            if peer != r {
+                self.check(peer, send.len().max(recv.len()))?;
+            }
+        }
+        let expected: Vec<usize> = recvs.iter().map(|b| b.len()).collect();
         let world = self.world();
         let statuses = mpi::request::scope(|scope| {
             let mut requests = Vec::with_capacity(2 * (n - 1));
-            for (peer, chunk) in slots.into_iter().enumerate() {
-                if peer == r {
-                    chunk.copy_from_slice(data);
-                } else {
+            for (peer, recv) in recvs.iter_mut().enumerate() {
+                if peer != r {
                     let src = world.process_at_rank(peer as i32);
-                    requests.push((peer, src.immediate_receive_into(scope, chunk)));
+                    requests.push((peer, src.immediate_receive_into(scope, &mut **recv)));
                 }
             }
             for k in 1..n {
                 let peer = (r + k) % n;
                 let dst = world.process_at_rank(peer as i32);
-                requests.push((peer, dst.immediate_send(scope, data)));
+                requests.push((peer, dst.immediate_send(scope, sends[peer])));
             }
             self.complete(requests)
         });
         // The receives come first, in peer order without this rank.
         for (k, status) in statuses.into_iter().take(n - 1).enumerate() {
             let peer = if k < r { k } else { k + 1 };
-            self.check_status(status, peer, len)?;
+            self.check_status(status, peer, expected[peer])?;
         }
         Ok(())
     }

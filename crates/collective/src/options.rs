@@ -71,7 +71,12 @@ pub enum Algorithm {
     /// contributions locally in rank order (one message step however many ranks, at
     /// N − 1 times the message's bytes sent and held by each rank; for small messages).
     Direct,
-    /// The fastest of direct, recursive doubling, halving-doubling and the ring as
+    /// A direct reduce-scatter, then a direct all-gather: every rank sends chunk p of
+    /// its message to rank p and reduces the N copies of its own chunk in rank order,
+    /// then sends its reduced chunk to every other rank (two message steps however many
+    /// ranks, moving the ring's bytes; for mid-sized messages at few ranks).
+    ScatterGather,
+    /// The fastest of direct, scatter-gather, recursive doubling, halving-doubling and the ring as
     /// measured for the rank count and message size ([`crate::algorithm_choice`]).
     Auto,
 }
@@ -85,6 +90,7 @@ impl Algorithm {
             Algorithm::RecursiveDoubling => "rd",
             Algorithm::HalvingDoubling => "hd",
             Algorithm::Direct => "direct",
+            Algorithm::ScatterGather => "sg",
             Algorithm::Auto => "auto",
         }
     }
@@ -105,11 +111,12 @@ impl FromStr for Algorithm {
             "rd" | "recursive-doubling" | "recursive_doubling" => Ok(Algorithm::RecursiveDoubling),
             "hd" | "halving-doubling" | "halving_doubling" => Ok(Algorithm::HalvingDoubling),
             "direct" => Ok(Algorithm::Direct),
+            "sg" | "scatter-gather" | "scatter_gather" => Ok(Algorithm::ScatterGather),
             "auto" => Ok(Algorithm::Auto),
             _ => Err(Error::invalid(
                 "all-reduce algorithm",
                 s,
-                "use one of ring, mpi, rd (recursive doubling), hd (halving-doubling), direct, auto",
+                "use one of ring, mpi, rd (recursive doubling), hd (halving-doubling), direct, sg (scatter-gather), auto",
             )),
         }
     }

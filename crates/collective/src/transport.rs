@@ -81,23 +81,36 @@ pub trait Transport: Send {
     /// Sends `data` to every other rank and receives every other rank's message of the
     /// same length into `out` (`size * data.len()` bytes): rank `p`'s data lands at
     /// `out[p * data.len()..]`, this rank's own copied to its place. One message step
-    /// where the transport can keep every message in flight at once.
+    /// where the transport can keep every message in flight at once
+    /// ([`Transport::all_to_all_into`]).
+    fn exchange_all_into(&self, data: &[u8], out: &mut [u8]) -> Result<()> {
+        let (n, r, len) = (self.size(), self.rank(), data.len());
+        check_exchange_len(r, n, len, out.len())?;
+        // Zero-length messages are exchanged too, so that every rank takes part.
+        let mut slots: Vec<&mut [u8]> = if len == 0 {
+            (0..n).map(|_| <&mut [u8]>::default()).collect()
+        } else {
+            out.chunks_mut(len).collect()
+        };
+        slots[r].copy_from_slice(data);
+        self.all_to_all_into(&vec![data; n], &mut slots)
+    }
+
+    /// Sends `sends[p]` to every other rank `p` and receives rank `p`'s message for this
+    /// rank into `recvs[p]`, which must be exactly as long as what `p` sends here; entry
+    /// `rank` of both is left alone. Both hold one entry per rank. One message step where
+    /// the transport can keep every message in flight at once; a stall names the peers
+    /// still pending.
     ///
     /// This default takes `size - 1` shifts (send to `rank + k`, receive from
     /// `rank - k`) through [`Transport::sendrecv`], which works over any transport;
     /// transports with non-blocking messages override it with one step.
-    fn exchange_all_into(&self, data: &[u8], out: &mut [u8]) -> Result<()> {
-        let (n, r, len) = (self.size(), self.rank(), data.len());
-        check_exchange_len(r, n, len, out.len())?;
-        out[r * len..(r + 1) * len].copy_from_slice(data);
+    fn all_to_all_into(&self, sends: &[&[u8]], recvs: &mut [&mut [u8]]) -> Result<()> {
+        let (n, r) = (self.size(), self.rank());
+        check_all_to_all_len(r, n, sends.len(), recvs.len())?;
         for k in 1..n {
-            let from = (r + n - k) % n;
-            self.sendrecv(
-                (r + k) % n,
-                data,
-                from,
-                &mut out[from * len..(from + 1) * len],
-            )?;
+            let (to, from) = ((r + k) % n, (r + n - k) % n);
+            self.sendrecv(to, sends[to], from, recvs[from])?;
         }
         Ok(())
     }
@@ -152,17 +165,30 @@ pub trait Transport: Send {
 }
 
 /// `out_len` must be `size * len` for [`Transport::exchange_all_into`].
-pub(crate) fn check_exchange_len(
-    rank: usize,
-    size: usize,
-    len: usize,
-    out_len: usize,
-) -> Result<()> {
+fn check_exchange_len(rank: usize, size: usize, len: usize, out_len: usize) -> Result<()> {
     if size.checked_mul(len) != Some(out_len) {
         return Err(Error::Transport {
             rank,
             detail: format!(
                 "exchange of {len} bytes with {size} ranks needs a receive buffer of {size} x {len} bytes, got {out_len}"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// [`Transport::all_to_all_into`] takes one send and one receive buffer per rank.
+pub(crate) fn check_all_to_all_len(
+    rank: usize,
+    size: usize,
+    sends: usize,
+    recvs: usize,
+) -> Result<()> {
+    if sends != size || recvs != size {
+        return Err(Error::Transport {
+            rank,
+            detail: format!(
+                "all-to-all among {size} ranks needs {size} send and {size} receive buffers, got {sends} and {recvs}"
             ),
         });
     }

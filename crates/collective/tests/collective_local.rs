@@ -198,6 +198,7 @@ fn algorithms() -> impl Strategy<Value = Algorithm> {
         Just(Algorithm::RecursiveDoubling),
         Just(Algorithm::HalvingDoubling),
         Just(Algorithm::Direct),
+        Just(Algorithm::ScatterGather),
         Just(Algorithm::Auto)
     ]
 }
@@ -1016,6 +1017,7 @@ fn a_stalled_rank_is_named_by_the_waiting_ranks() {
         Algorithm::RecursiveDoubling,
         Algorithm::HalvingDoubling,
         Algorithm::Direct,
+        Algorithm::ScatterGather,
     ] {
         let outs = Communicator::run_local(3, |mut comm| {
             comm.set_stall_timeout(Some(Duration::from_millis(300)));
@@ -1081,25 +1083,30 @@ fn halving_doubling_is_exact_at_every_rank_count_and_length() {
     }
 }
 
-/// The direct all-reduce at every rank count from 1 to 9 and short, odd and long
-/// lengths, every dtype and op: exact, and the same bits on every rank.
+/// The direct and scatter-gather all-reduces at every rank count from 1 to 9 and
+/// short, odd and long lengths (lengths below the rank count leave chunks empty), every
+/// dtype and op: exact, and the same bits on every rank.
 #[test]
-fn direct_is_exact_at_every_rank_count_length_and_dtype() {
-    for size in 1..=9 {
-        for len in [0usize, 1, 2, 3, 5, 8, 17, 1000] {
-            for op in [
-                ReduceOp::Sum,
-                ReduceOp::Average,
-                ReduceOp::Min,
-                ReduceOp::Max,
-            ] {
-                let opts = AllReduceOptions::with_op(op).algorithm(Algorithm::Direct);
-                let salt = size + len;
-                check_all_reduce::<f32>(size, len, opts, 64, salt)
-                    .and_then(|_| check_all_reduce::<f64>(size, len, opts, 64, salt))
-                    .and_then(|_| check_all_reduce::<f16>(size, len, opts, 64, salt))
-                    .and_then(|_| check_all_reduce::<bf16>(size, len, opts, 64, salt))
-                    .unwrap_or_else(|e| panic!("{size} ranks, length {len}, {op}: {e}"));
+fn direct_and_scatter_gather_are_exact_at_every_rank_count_length_and_dtype() {
+    for algorithm in [Algorithm::Direct, Algorithm::ScatterGather] {
+        for size in 1..=9 {
+            for len in [0usize, 1, 2, 3, 5, 8, 17, 1000] {
+                for op in [
+                    ReduceOp::Sum,
+                    ReduceOp::Average,
+                    ReduceOp::Min,
+                    ReduceOp::Max,
+                ] {
+                    let opts = AllReduceOptions::with_op(op).algorithm(algorithm);
+                    let salt = size + len;
+                    check_all_reduce::<f32>(size, len, opts, 64, salt)
+                        .and_then(|_| check_all_reduce::<f64>(size, len, opts, 64, salt))
+                        .and_then(|_| check_all_reduce::<f16>(size, len, opts, 64, salt))
+                        .and_then(|_| check_all_reduce::<bf16>(size, len, opts, 64, salt))
+                        .unwrap_or_else(|e| {
+                            panic!("{algorithm}, {size} ranks, length {len}, {op}: {e}")
+                        });
+                }
             }
         }
     }
@@ -1133,15 +1140,12 @@ fn rank_order_sum<T: Element>(size: usize, len: usize) -> (Vec<Vec<T>>, Vec<T>) 
     (inputs, sum)
 }
 
-fn check_direct_sums_in_rank_order<T: Element>(size: usize, len: usize) {
+fn check_sums_in_rank_order<T: Element>(algorithm: Algorithm, size: usize, len: usize) {
     let (inputs, want) = rank_order_sum::<T>(size, len);
     let outs = Communicator::run_local(size, |mut comm| {
         let mut v = inputs[comm.rank()].clone();
-        comm.all_reduce(
-            &mut v,
-            &AllReduceOptions::sum().algorithm(Algorithm::Direct),
-        )
-        .map(|_| v)
+        comm.all_reduce(&mut v, &AllReduceOptions::sum().algorithm(algorithm))
+            .map(|_| v)
     })
     .expect("threads");
     for (rank, out) in outs.into_iter().enumerate() {
@@ -1149,23 +1153,25 @@ fn check_direct_sums_in_rank_order<T: Element>(size: usize, len: usize) {
         assert_eq!(
             bits(&out),
             bits(&want),
-            "{} at {size} ranks, length {len}: rank {rank} is not the sum in rank order",
+            "{algorithm} {} at {size} ranks, length {len}: rank {rank} is not the sum in rank order",
             T::NAME
         );
     }
 }
 
-/// Every rank of the direct all-reduce ends with the bits of the sum taken in rank
-/// order, for inputs whose sum depends on the order (recursive doubling's order, for
-/// one, gives other bits at 3 ranks and up).
+/// Every rank of the direct and scatter-gather all-reduces ends with the bits of the sum
+/// taken in rank order, for inputs whose sum depends on the order (recursive doubling's
+/// order, for one, gives other bits at 3 ranks and up).
 #[test]
-fn direct_sums_in_rank_order_with_identical_bits_on_every_rank() {
-    for size in 2..=9 {
-        for len in [1usize, 7, 64, 1000] {
-            check_direct_sums_in_rank_order::<f32>(size, len);
-            check_direct_sums_in_rank_order::<f64>(size, len);
-            check_direct_sums_in_rank_order::<f16>(size, len);
-            check_direct_sums_in_rank_order::<bf16>(size, len);
+fn direct_and_scatter_gather_sum_in_rank_order_with_identical_bits_on_every_rank() {
+    for algorithm in [Algorithm::Direct, Algorithm::ScatterGather] {
+        for size in 2..=9 {
+            for len in [1usize, 7, 64, 1000] {
+                check_sums_in_rank_order::<f32>(algorithm, size, len);
+                check_sums_in_rank_order::<f64>(algorithm, size, len);
+                check_sums_in_rank_order::<f16>(algorithm, size, len);
+                check_sums_in_rank_order::<bf16>(algorithm, size, len);
+            }
         }
     }
 }

@@ -114,6 +114,7 @@ fn check_algorithms<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
                 Algorithm::RecursiveDoubling,
                 Algorithm::HalvingDoubling,
                 Algorithm::Direct,
+                Algorithm::ScatterGather,
                 Algorithm::Auto,
                 Algorithm::Mpi,
             ] {
@@ -211,6 +212,7 @@ fn check_non_finite<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
                 Algorithm::RecursiveDoubling,
                 Algorithm::HalvingDoubling,
                 Algorithm::Direct,
+                Algorithm::ScatterGather,
                 Algorithm::Auto,
                 Algorithm::Mpi,
             ] {
@@ -233,12 +235,16 @@ fn order_sensitive_input(rank: usize, i: usize) -> f64 {
     ((i * 31 + rank * 17) % 13) as f64 * 0.37 * scale
 }
 
-/// The direct all-reduce gives, on every rank, the bits of the sum taken in rank order
-/// `((x0 + x1) + x2) ...`, each addition rounded to `T` (IEEE addition of two `T`
-/// values, done in f64 and rounded once, which is exact for f32, f16 and bf16).
-fn check_direct_rank_order<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
+/// The direct and scatter-gather all-reduces give, on every rank, the bits of the sum
+/// taken in rank order `((x0 + x1) + x2) ...`, each addition rounded to `T` (IEEE
+/// addition of two `T` values, done in f64 and rounded once, which is exact for f32, f16
+/// and bf16).
+fn check_rank_order<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
     let (r, n) = (comm.rank(), comm.size());
-    for &len in &[1usize, 7, 1000, 70_001] {
+    for (algorithm, &len) in [Algorithm::Direct, Algorithm::ScatterGather]
+        .into_iter()
+        .flat_map(|a| [1usize, 7, 1000, 70_001].iter().map(move |len| (a, len)))
+    {
         let inputs: Vec<Vec<T>> = (0..n)
             .map(|rank| {
                 (0..len)
@@ -254,13 +260,10 @@ fn check_direct_rank_order<T: Element>(comm: &mut Communicator) -> Result<(), Er
             })
             .collect();
         let mut v = inputs[r].clone();
-        comm.all_reduce(
-            &mut v,
-            &AllReduceOptions::sum().algorithm(Algorithm::Direct),
-        )?;
+        comm.all_reduce(&mut v, &AllReduceOptions::sum().algorithm(algorithm))?;
         assert!(
             v == want,
-            "rank {r}: {} direct len {len} is not the sum in rank order",
+            "rank {r}: {} {algorithm} len {len} is not the sum in rank order",
             T::NAME
         );
     }
@@ -283,10 +286,10 @@ fn mpi_worker_collectives() {
     check_non_finite::<f64>(&mut comm).expect("f64 non-finite");
     check_non_finite::<f16>(&mut comm).expect("f16 non-finite");
     check_non_finite::<bf16>(&mut comm).expect("bf16 non-finite");
-    check_direct_rank_order::<f32>(&mut comm).expect("f32 direct order");
-    check_direct_rank_order::<f64>(&mut comm).expect("f64 direct order");
-    check_direct_rank_order::<f16>(&mut comm).expect("f16 direct order");
-    check_direct_rank_order::<bf16>(&mut comm).expect("bf16 direct order");
+    check_rank_order::<f32>(&mut comm).expect("f32 rank order");
+    check_rank_order::<f64>(&mut comm).expect("f64 rank order");
+    check_rank_order::<f16>(&mut comm).expect("f16 rank order");
+    check_rank_order::<bf16>(&mut comm).expect("bf16 rank order");
 
     // Broadcast from every root, all-gather with per-rank sizes, reduce-scatter, barrier.
     for root in 0..n {
@@ -531,6 +534,7 @@ fn mpirun_stopped_rank_aborts_the_job_naming_it() {
         (2, "ring"),
         (3, "rd"),
         (3, "direct"),
+        (3, "sg"),
         (2, "mpi"),
         (3, "fusion"),
     ] {

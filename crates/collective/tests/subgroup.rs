@@ -42,20 +42,25 @@ fn a_group_without_this_rank_is_an_error() {
         .all(|e| e.as_deref().is_some_and(|e| e.contains("subgroup"))));
 }
 
-/// The direct all-reduce maps its peers through the subgroup: three of five ranks sum
-/// among themselves while the other two do the same beside them.
+/// The direct and scatter-gather all-reduces map their peers through the subgroup: three
+/// of five ranks sum among themselves while the other two do the same beside them.
 #[test]
-fn direct_all_reduce_stays_within_the_subgroup() {
-    let out = Communicator::run_local(5, |comm| {
-        let rank = comm.rank();
-        let members: Vec<usize> = (0..5).filter(|r| r % 2 == rank % 2).collect();
-        let mut sub = comm.subgroup(&members).unwrap();
-        let mut v = [rank as f32 + 1.0; 3];
-        let opts = AllReduceOptions::sum().algorithm(Algorithm::Direct);
-        sub.all_reduce(&mut v, &opts).unwrap();
-        v[0]
-    })
-    .unwrap();
-    // Even ranks: 1 + 3 + 5; odd: 2 + 4.
-    assert_eq!(out, vec![9.0, 6.0, 9.0, 6.0, 9.0]);
+fn direct_and_scatter_gather_all_reduces_stay_within_the_subgroup() {
+    for algorithm in [Algorithm::Direct, Algorithm::ScatterGather] {
+        let out = Communicator::run_local(5, |comm| {
+            let rank = comm.rank();
+            let members: Vec<usize> = (0..5).filter(|r| r % 2 == rank % 2).collect();
+            let mut sub = comm.subgroup(&members).unwrap();
+            let mut v = [rank as f32 + 1.0; 7];
+            let opts = AllReduceOptions::sum().algorithm(algorithm);
+            sub.all_reduce(&mut v, &opts).unwrap();
+            v
+        })
+        .unwrap();
+        // Even ranks: 1 + 3 + 5; odd: 2 + 4; in every chunk.
+        for (rank, v) in out.iter().enumerate() {
+            let want = if rank % 2 == 0 { 9.0 } else { 6.0 };
+            assert_eq!(v, &[want; 7], "{algorithm}, rank {rank}");
+        }
+    }
 }
