@@ -1,5 +1,5 @@
 //! Which algorithm [`crate::Algorithm::Auto`] runs: the switch points between direct,
-//! recursive doubling, halving-doubling and the ring measured with `ringtrain bench allreduce` (against
+//! recursive doubling, scatter-gather, halving-doubling and the ring measured with `ringtrain bench allreduce` (against
 //! `MPI_Allreduce` in the same runs), kept beside the measurements that chose them
 //! (`algorithm_choice.md`, shown below; `scripts/measure-algorithm-choice` measures them
 //! again).
@@ -34,7 +34,8 @@ pub const SWITCH_POINTS: &[(usize, &[(usize, Algorithm)])] = &[
         3,
         &[
             (32 << 10, Algorithm::Direct),
-            (256 << 10, Algorithm::RecursiveDoubling),
+            (64 << 10, Algorithm::RecursiveDoubling),
+            (1 << 20, Algorithm::ScatterGather),
             (usize::MAX, Algorithm::Ring),
         ],
     ),
@@ -43,24 +44,30 @@ pub const SWITCH_POINTS: &[(usize, &[(usize, Algorithm)])] = &[
         &[
             (16 << 10, Algorithm::Direct),
             (128 << 10, Algorithm::RecursiveDoubling),
+            (2 << 20, Algorithm::ScatterGather),
             (usize::MAX, Algorithm::HalvingDoubling),
         ],
     ),
 ];
 
 /// The measured choice for `bytes` bytes on `ranks` ranks (before the transport's
-/// abilities are considered). Above the largest measured rank count, a count that is
-/// not a power of two takes the ring where the row says halving-doubling, and every
-/// count takes recursive doubling where the row says direct (whose N − 1 messages per
-/// rank and N-fold buffer were measured at 4 ranks at most).
+/// abilities are considered). Above the largest measured rank count, every count takes
+/// recursive doubling where the row says direct and halving-doubling where it says
+/// scatter-gather (both send N − 1 messages per rank in a step, and were measured at 4
+/// ranks at most), and a count that is not a power of two then takes the ring where
+/// that gives halving-doubling.
 pub fn measured_choice(ranks: usize, bytes: usize) -> Algorithm {
     let largest = SWITCH_POINTS.last().map_or(0, |(r, _)| *r);
     let chosen = row_choice(ranks, bytes);
+    if ranks <= largest {
+        return chosen;
+    }
     match chosen {
-        Algorithm::HalvingDoubling if ranks > largest && !ranks.is_power_of_two() => {
+        Algorithm::Direct => Algorithm::RecursiveDoubling,
+        Algorithm::HalvingDoubling | Algorithm::ScatterGather if !ranks.is_power_of_two() => {
             Algorithm::Ring
         }
-        Algorithm::Direct if ranks > largest => Algorithm::RecursiveDoubling,
+        Algorithm::ScatterGather => Algorithm::HalvingDoubling,
         _ => chosen,
     }
 }
@@ -174,15 +181,18 @@ mod tests {
         assert_eq!(measured_choice(2, 32 << 10), Algorithm::RecursiveDoubling);
         assert_eq!(measured_choice(3, (32 << 10) - 4), Algorithm::Direct);
         assert_eq!(measured_choice(3, 32 << 10), Algorithm::RecursiveDoubling);
-        assert_eq!(measured_choice(3, 128 << 10), Algorithm::RecursiveDoubling);
-        assert_eq!(measured_choice(3, 256 << 10), Algorithm::Ring);
+        assert_eq!(measured_choice(3, 64 << 10), Algorithm::ScatterGather);
+        assert_eq!(measured_choice(3, (1 << 20) - 4), Algorithm::ScatterGather);
+        assert_eq!(measured_choice(3, 1 << 20), Algorithm::Ring);
         assert_eq!(measured_choice(4, (16 << 10) - 4), Algorithm::Direct);
         assert_eq!(measured_choice(4, 16 << 10), Algorithm::RecursiveDoubling);
-        assert_eq!(measured_choice(4, 128 << 10), Algorithm::HalvingDoubling);
+        assert_eq!(measured_choice(4, 128 << 10), Algorithm::ScatterGather);
+        assert_eq!(measured_choice(4, (2 << 20) - 4), Algorithm::ScatterGather);
+        assert_eq!(measured_choice(4, 2 << 20), Algorithm::HalvingDoubling);
         assert_eq!(measured_choice(4, 256 << 20), Algorithm::HalvingDoubling);
         // Unmeasured rank counts: the 4-rank row, with recursive doubling instead of
-        // direct, and the ring instead of halving-doubling unless the count is a power
-        // of two.
+        // direct, halving-doubling instead of scatter-gather, and the ring instead of
+        // halving-doubling unless the count is a power of two.
         for bytes in [4, 4096, 8 << 10] {
             assert_eq!(measured_choice(4, bytes), Algorithm::Direct);
             assert_eq!(measured_choice(1024, bytes), Algorithm::RecursiveDoubling);
@@ -192,8 +202,11 @@ mod tests {
             assert_eq!(measured_choice(1024, bytes), measured_choice(4, bytes));
             assert_eq!(measured_choice(6, bytes), measured_choice(4, bytes));
         }
+        assert_eq!(measured_choice(1024, 256 << 10), Algorithm::HalvingDoubling);
+        assert_eq!(measured_choice(6, 256 << 10), Algorithm::Ring);
         assert_eq!(measured_choice(1024, 1 << 20), Algorithm::HalvingDoubling);
         assert_eq!(measured_choice(6, 1 << 20), Algorithm::Ring);
+        assert_eq!(measured_choice(6, 4 << 20), Algorithm::Ring);
         assert_eq!(measured_choice(8, 1 << 20), Algorithm::HalvingDoubling);
     }
 }

@@ -1,6 +1,6 @@
 //! Horovod-style collectives for data-parallel training: a pipelined ring all-reduce,
 //! recursive doubling and a one-step direct all-reduce for small messages,
-//! halving-doubling, broadcast, all-gather, reduce-scatter and barrier, tf_cnn_benchmarks'
+//! scatter-gather (two direct steps) and halving-doubling for mid-sized ones, broadcast, all-gather, reduce-scatter and barrier, tf_cnn_benchmarks'
 //! gradient packing, and Horovod's tensor fusion with asynchronous submission, name
 //! negotiation and stall detection.
 //!
