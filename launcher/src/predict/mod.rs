@@ -49,17 +49,34 @@
 //!
 //! words/s = training ranks x words per step / step; speedup = words/s / the 1-rank
 //! words/s of the profile; efficiency = speedup / N. The bottleneck is the largest term:
-//! compute, bandwidth, latency, bubble, server link, stage link.
+//! compute, bandwidth, latency, bubble, server link, stage link, shared cores.
 //!
-//! Ranks that share a node's cores (`--cores-per-node C`, CPU runs) compute slower:
-//! compute is multiplied by `max(1, N x threads / C)`, threads being the calibration
-//! run's `--threads` (calibrate with `--threads` set).
+//! **Shared cores.** The model describes the machine it predicts: the cores (hardware
+//! threads) of the node its ranks share, and the threads each rank computes with. A
+//! run's report records both (`host`: the node's online cores, whatever mpirun bound
+//! the rank to, and the rank's `--threads`); with a link measured here (`--bench`,
+//! `--validate`) the calibration run's node is the machine predicted; a described link
+//! (`--link`, `--alpha-us`) is a machine with a core or GPU per rank; a cuda run
+//! computes on its GPUs and shares no cores; `--cores-per-node C` says it (0: none).
+//! When N ranks of T threads want more than the C cores, a synchronised step (replicated,
+//! parameter servers, pipeline) runs in waves: it ends only when every rank has computed
+//! and reduced, and a rank waiting for the others polls MPI on its core, so the
+//! scheduler does not interleave ranks within a step; whole ranks run `floor(C / T)` at
+//! a time, `W = ceil(N / floor(C / T))` waves (N when one rank has more threads than
+//! cores). The term **shared cores** is `(W - 1) x` the rest of the step, the reduction's
+//! own CPU work included. Independent ranks never wait for each other and time-share:
+//! `(max(1, N T / C) / max(1, T / C) - 1) x compute`. Measured on a 2-core machine, 3
+//! ranks of the `--validate` model ran forward and backward at their 1-rank speed and
+//! spent the difference waiting in the all-reduce: whole ranks in turns, not a
+//! fine-grained share of 1.5x.
 //!
 //! # Limits
 //!
-//! The model knows what the report measured and the link; it does not know contention
-//! beyond the cores (memory bandwidth, a busy machine), a pipeline's uneven stages (it
-//! assumes equal ones), or another framework's overheads (see [`seeds`]).
+//! The model knows what the report measured, the link and the node's cores; it does
+//! not know contention beyond the cores (memory bandwidth, other programs on a busy
+//! machine), the scheduler's own cost of switching ranks that share cores (they yield
+//! in MPI while they wait), a pipeline's uneven stages (it assumes equal ones), or
+//! another framework's overheads (see [`seeds`]).
 
 use std::path::PathBuf;
 
@@ -394,7 +411,7 @@ pub fn sharing_of(
         threads_per_rank: threads,
     };
     let text = if cores == 0 {
-        format!("a core per rank thread, none shared ({how})")
+        format!("none shared, a core (or GPU) per rank ({how})")
     } else {
         format!("{cores} shared by the ranks, {threads} thread(s) each ({how})")
     };
