@@ -176,6 +176,15 @@ pub fn run(args: &PredictArgs) -> Result<()> {
         args.np.clone()
     };
     let command = prepared_command(&args.command);
+    if let Some(cores) = args.cores_per_node.filter(|&c| c > 0 && on_cuda(&command)) {
+        // Refused before any run, as the calibration would refuse it after one.
+        return Err(LauncherError::invalid(
+            "--cores-per-node",
+            cores,
+            "the command trains on cuda, whose ranks compute on a GPU each and share no \
+             cores; drop --cores-per-node",
+        ));
+    }
     let dir = std::env::temp_dir();
     let file = |name: &str| -> PathBuf {
         dir.join(format!(
@@ -273,6 +282,14 @@ pub fn run(args: &PredictArgs) -> Result<()> {
     Ok(())
 }
 
+/// Whether the command trains on cuda (`--device cuda`).
+fn on_cuda(command: &[String]) -> bool {
+    command
+        .windows(2)
+        .any(|w| w[0] == "--device" && w[1] == "cuda")
+        || command.iter().any(|a| a == "--device=cuda")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -294,6 +311,9 @@ mod tests {
         let c = prepared_command(&strings(&["train", "--threads=2"]));
         assert_eq!(c, strings(&["train", "--threads=2"]));
         assert_eq!(prepared_command(&[])[0], "train");
+        assert!(on_cuda(&strings(&["train", "--device", "cuda"])));
+        assert!(on_cuda(&strings(&["train", "--device=cuda"])));
+        assert!(!on_cuda(&prepared_command(&[])));
     }
 
     #[test]
