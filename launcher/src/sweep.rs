@@ -561,7 +561,8 @@ fn predicted_rows(
         .iter()
         .filter(|&&n| strategy.fits(n))
         .map(|&n| {
-            let p = model::predict(&profile, link, &strategy, n, 1.0);
+            // The predicted counts are machines larger than this one: a rank per core or GPU.
+            let p = model::predict(&profile, link, &strategy, n, model::Sharing::NONE);
             let speedup = if base > 0.0 {
                 p.words_per_sec / base
             } else {

@@ -105,6 +105,7 @@ fn predict_from_a_report_and_a_bench_prints_every_strategy_and_count() {
         "bubble",
         "server link",
         "stage link",
+        "shared cores",
     ];
     for r in &rows {
         assert_eq!(r["predicted"], true, "{r}");
@@ -308,6 +309,40 @@ fn the_report_lists_every_gradient_range_once_in_backward_order() {
     assert_eq!(at, json["parameters"].as_u64().unwrap());
 }
 
+/// The hardware threads this machine has online (what the trainer records).
+fn node_cores() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .map(|list| {
+            list.trim()
+                .split(',')
+                .map(|part| match part.split_once('-') {
+                    Some((a, b)) => b.parse::<usize>().unwrap() - a.parse::<usize>().unwrap() + 1,
+                    None => 1,
+                })
+                .sum()
+        })
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+#[test]
+fn the_report_records_the_nodes_cores_even_when_mpirun_binds_the_rank() {
+    // One rank of one thread: `launch` binds it to a core, yet the model needs the
+    // cores the ranks of a larger run would share.
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("one.json");
+    let mut args = vec!["launch", "--np", "1", "--", "train"];
+    args.extend_from_slice(TINY);
+    args.extend_from_slice(&["--json-report", report.to_str().unwrap()]);
+    let (ok, stdout, stderr) = run(&args);
+    assert!(ok, "{stdout}\n{stderr}");
+    let json: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let host = &json["host"];
+    assert_eq!(host["cores"].as_u64(), Some(node_cores() as u64), "{host}");
+    assert_eq!(host["threads_per_rank"].as_u64(), Some(1), "{host}");
+    assert_eq!(host["ranks_on_node"].as_u64(), Some(1), "{host}");
+}
+
 #[test]
 fn sweep_appends_predicted_rows_marked_as_such() {
     let dir = tempfile::tempdir().unwrap();
@@ -371,11 +406,44 @@ fn sweep_appends_predicted_rows_marked_as_such() {
 #[test]
 fn validate_runs_calibrates_measures_and_ends_with_the_largest_error() {
     // The default counts: 2 and 3 ranks.
-    let mut args = vec!["predict", "--validate", "--rounds", "1", "--", "train"];
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("validated.json");
+    let mut args = vec![
+        "predict",
+        "--validate",
+        "--rounds",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+        "--",
+        "train",
+    ];
     args.extend_from_slice(TINY);
     let (ok, stdout, stderr) = run(&args);
     assert!(ok, "{stdout}\n{stderr}");
     assert!(stdout.contains("calibration: 1 rank"), "{stdout}");
+    // The model assumed the node's cores (not the one core mpirun bound the calibration
+    // rank to) and the calibration's one thread per rank, and says so.
+    let cores = node_cores();
+    assert!(
+        stdout.contains(&format!(
+            "{cores} cores shared by the ranks, 1 thread(s) each"
+        )),
+        "{stdout}"
+    );
+    let rows: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for r in rows {
+        assert_eq!(r["cores"].as_u64(), Some(cores as u64), "{r}");
+        assert_eq!(r["threads_per_rank"].as_u64(), Some(1), "{r}");
+        let three_on_fewer_cores = r["ranks"].as_u64() == Some(3) && cores < 3;
+        assert_eq!(
+            r["bottleneck"] == "shared cores",
+            three_on_fewer_cores,
+            "{r}"
+        );
+    }
     let table: Vec<&str> = stdout
         .lines()
         .skip_while(|l| !l.starts_with("| ranks | strategy | predicted"))

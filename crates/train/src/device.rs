@@ -163,6 +163,36 @@ pub fn max_cpu_threads() -> usize {
     MAX_THREADS_PER_CORE * std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// Hardware threads online on this node, whatever this process is bound to: mpirun
+/// binds a rank to one core when the ranks fit the cores, and
+/// `std::thread::available_parallelism` then says 1. Read from
+/// `/sys/devices/system/cpu/online` (e.g. `0-3,6`); `available_parallelism` where that
+/// file is missing or unreadable.
+pub fn node_cores() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .and_then(|s| count_cpu_list(&s))
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// The CPUs in a kernel CPU list such as `0-3,6` (`None` when malformed or empty).
+fn count_cpu_list(list: &str) -> Option<usize> {
+    let mut count = 0;
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        count += match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) = (a.parse().ok()?, b.parse().ok()?);
+                b.checked_sub(a)? + 1
+            }
+            None => {
+                part.parse::<usize>().ok()?;
+                1
+            }
+        };
+    }
+    (count > 0).then_some(count)
+}
+
 /// CPU threads a rank should use: `requested` when non-zero, else the machine's cores
 /// divided evenly over the ranks on this node (at least one).
 pub fn cpu_threads(requested: usize, local_size: usize) -> usize {
@@ -177,6 +207,17 @@ pub fn cpu_threads(requested: usize, local_size: usize) -> usize {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn cpu_lists_count_every_cpu_once() {
+        assert_eq!(count_cpu_list("0-1\n"), Some(2));
+        assert_eq!(count_cpu_list("0-3,6,8-9"), Some(7));
+        assert_eq!(count_cpu_list("5"), Some(1));
+        assert_eq!(count_cpu_list(""), None);
+        assert_eq!(count_cpu_list("3-1"), None);
+        assert_eq!(count_cpu_list("x"), None);
+        assert!(node_cores() >= 1);
+    }
 
     #[test]
     fn too_big_a_configuration_names_its_estimate_and_biggest_term() {

@@ -72,7 +72,8 @@ pub use input::{
 };
 pub use optimizer::{LossScaler, Optimizer, OptimizerState};
 pub use report::{
-    GradientReady, HostDeviceBytes, PipelineReport, RankFigures, RunReport, StageFigures,
+    GradientReady, HostDeviceBytes, HostFigures, PipelineReport, RankFigures, RunReport,
+    StageFigures,
 };
 pub use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, LstmImpl, SourceLengths};
 pub use run::run_rank;

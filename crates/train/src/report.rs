@@ -122,6 +122,20 @@ pub struct PipelineReport {
     pub per_stage: Vec<StageFigures>,
 }
 
+/// The machine rank 0 ran on, as the scaling model (`ringtrain predict`) needs it to tell
+/// whether ranks shared its cores.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct HostFigures {
+    /// Hardware threads online on the node, whatever the rank was bound to
+    /// ([`crate::device::node_cores`]).
+    pub cores: usize,
+    /// CPU threads each rank computed with (`--threads`, or the cores divided over the
+    /// node's ranks when it is 0).
+    pub threads_per_rank: usize,
+    /// Ranks of the run on rank 0's node.
+    pub ranks_on_node: usize,
+}
+
 /// Everything a run measured, as written by `--json-report`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunReport {
@@ -181,6 +195,10 @@ pub struct RunReport {
     /// The pipeline's stages, micro-batches, schedule and bubble (absent without one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineReport>,
+    /// Rank 0's machine: its cores and the threads per rank (absent in reports of older
+    /// versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostFigures>,
 }
 
 impl RunReport {

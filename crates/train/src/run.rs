@@ -7,6 +7,7 @@ use crate::config::ValidatedConfig;
 use crate::device::{cpu_threads, LocalRank, LocalRankSource};
 use crate::error::{Error, Result};
 use crate::input::{BatchSource, InputPipeline};
+use crate::report::HostFigures;
 use crate::trainable::{build_model, build_pipeline_stage, check_memory};
 use crate::trainer::{train_evaluating, LogSink, TrainOutcome};
 
@@ -97,7 +98,13 @@ pub fn run_rank(
     };
     // A dedicated parameter server holds no part of the held-out set either.
     let held_out = held_out.filter(|_| cfg.is_worker(rank));
-    let outcome = train_evaluating(cfg, comm, model.as_mut(), source, held_out.as_ref(), log)?;
+    let mut outcome = train_evaluating(cfg, comm, model.as_mut(), source, held_out.as_ref(), log)?;
+    // What the scaling model needs to know whether the ranks shared the cores.
+    outcome.report.host = Some(HostFigures {
+        cores: crate::device::node_cores(),
+        threads_per_rank: threads,
+        ranks_on_node: local.size,
+    });
     if rank == 0 {
         if let Some(path) = &cfg.config().output.json_report {
             outcome.report.write_json(path)?;

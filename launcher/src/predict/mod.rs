@@ -49,17 +49,34 @@
 //!
 //! words/s = training ranks x words per step / step; speedup = words/s / the 1-rank
 //! words/s of the profile; efficiency = speedup / N. The bottleneck is the largest term:
-//! compute, bandwidth, latency, bubble, server link, stage link.
+//! compute, bandwidth, latency, bubble, server link, stage link, shared cores.
 //!
-//! Ranks that share a node's cores (`--cores-per-node C`, CPU runs) compute slower:
-//! compute is multiplied by `max(1, N x threads / C)`, threads being the calibration
-//! run's `--threads` (calibrate with `--threads` set).
+//! **Shared cores.** The model describes the machine it predicts: the cores (hardware
+//! threads) of the node its ranks share, and the threads each rank computes with. A
+//! run's report records both (`host`: the node's online cores, whatever mpirun bound
+//! the rank to, and the rank's `--threads`); with a link measured here (`--bench`,
+//! `--validate`) the calibration run's node is the machine predicted; a described link
+//! (`--link`, `--alpha-us`) is a machine with a core or GPU per rank; a cuda run
+//! computes on its GPUs and shares no cores; `--cores-per-node C` says it (0: none).
+//! When N ranks of T threads want more than the C cores, a synchronised step (replicated,
+//! parameter servers, pipeline) runs in waves: it ends only when every rank has computed
+//! and reduced, and a rank waiting for the others polls MPI on its core, so the
+//! scheduler does not interleave ranks within a step; whole ranks run `floor(C / T)` at
+//! a time, `W = ceil(N / floor(C / T))` waves (N when one rank has more threads than
+//! cores). The term **shared cores** is `(W - 1) x` the rest of the step, the reduction's
+//! own CPU work included. Independent ranks never wait for each other and time-share:
+//! `(max(1, N T / C) / max(1, T / C) - 1) x compute`. Measured on a 2-core machine, 3
+//! ranks of the `--validate` model ran forward and backward at their 1-rank speed and
+//! spent the difference waiting in the all-reduce: whole ranks in turns, not a
+//! fine-grained share of 1.5x.
 //!
 //! # Limits
 //!
-//! The model knows what the report measured and the link; it does not know contention
-//! beyond the cores (memory bandwidth, a busy machine), a pipeline's uneven stages (it
-//! assumes equal ones), or another framework's overheads (see [`seeds`]).
+//! The model knows what the report measured, the link and the node's cores; it does
+//! not know contention beyond the cores (memory bandwidth, other programs on a busy
+//! machine), the scheduler's own cost of switching ranks that share cores (they yield
+//! in MPI while they wait), a pipeline's uneven stages (it assumes equal ones), or
+//! another framework's overheads (see [`seeds`]).
 
 use std::path::PathBuf;
 
@@ -74,7 +91,7 @@ pub mod model;
 pub mod seeds;
 mod validate;
 
-use model::{Exchange, Link, Prediction, Profile, Strategy};
+use model::{Exchange, Link, Prediction, Profile, Sharing, Strategy};
 
 /// Where the link's alpha and beta come from (shared by `predict` and `sweep --predict`).
 #[derive(Debug, Clone, Default, Args)]
@@ -251,9 +268,11 @@ pub struct PredictArgs {
     /// The replicated exchange.
     #[command(flatten)]
     pub exchange: ExchangeOverrides,
-    /// Cores of a node that its ranks share (CPU runs; 0 = every rank has its own).
-    #[arg(long, default_value_t = 0)]
-    pub cores_per_node: usize,
+    /// Cores (hardware threads) of the node that its ranks share, CPU runs only; 0 =
+    /// every rank has cores of its own (default: with --bench, the cores the report's run
+    /// recorded, the machine both were measured on; with a described link, 0).
+    #[arg(long)]
+    pub cores_per_node: Option<usize>,
     /// Also write the rows as JSON to this file (an existing one is replaced).
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -298,6 +317,8 @@ pub const DEFAULT_COUNTS: &[usize] = &[2, 4, 8, 64, 1024];
 pub struct PredictedRow {
     /// Always true: these rows are predicted, not measured.
     pub predicted: bool,
+    /// The cores the ranks were taken to share (0: none) and the threads per rank.
+    pub sharing: Sharing,
     /// The prediction.
     #[serde(flatten)]
     pub prediction: Prediction,
@@ -335,15 +356,66 @@ pub fn strategy_of(report: &ringtrain_train::RunReport, o: &ExchangeOverrides) -
     }
 }
 
-/// How much slower a rank computes when `n` ranks of `threads` threads share `cores`
-/// (0 = not shared), against the calibration's one rank.
-pub fn core_slowdown(n: usize, threads: usize, cores: usize) -> f64 {
-    if cores == 0 {
-        return 1.0;
+/// The cores the predicted ranks share: `--cores-per-node` when given (0: none), else,
+/// for a link measured here (`--bench`), the cores the calibration run recorded; a
+/// described link (`--link`, `--alpha-us`) is a machine with a core or GPU per rank. The
+/// threads per rank are the calibration run's. A run on cuda computes on its GPU: its
+/// ranks share no cores. Returns the sharing and how it was found.
+///
+/// # Errors
+/// [`LauncherError::InvalidValue`] for `--cores-per-node` with a cuda report.
+pub fn sharing_of(
+    report: &ringtrain_train::RunReport,
+    cores_per_node: Option<usize>,
+    link_measured_here: bool,
+) -> Result<(Sharing, String)> {
+    let cuda = report.config.run.device == ringtrain_train::DeviceKind::Cuda;
+    if cuda {
+        if let Some(c) = cores_per_node.filter(|&c| c > 0) {
+            return Err(LauncherError::invalid(
+                "--cores-per-node",
+                c,
+                "the report is of a cuda run, whose ranks compute on a GPU each and share \
+                 no cores; drop --cores-per-node",
+            ));
+        }
+        return Ok((
+            Sharing::NONE,
+            "one GPU per rank: no cores shared".to_string(),
+        ));
     }
-    let t = threads.max(1) as f64;
-    let one = (t / cores as f64).max(1.0);
-    (n as f64 * t / cores as f64).max(1.0) / one
+    let host = report.host;
+    let threads = host
+        .map(|h| h.threads_per_rank)
+        .filter(|&t| t > 0)
+        .unwrap_or(report.config.run.threads)
+        .max(1);
+    let (cores, how) = match (cores_per_node, host) {
+        (Some(0), _) => (0, "--cores-per-node 0".to_string()),
+        (Some(c), _) => (c, "--cores-per-node".to_string()),
+        (None, Some(h)) if link_measured_here && h.cores > 0 => (
+            h.cores,
+            "recorded by the calibration run; --cores-per-node 0 predicts a core per rank"
+                .to_string(),
+        ),
+        (None, None) if link_measured_here => (
+            0,
+            "the report does not record its cores (an older version); --cores-per-node C \
+             says them"
+                .to_string(),
+        ),
+        (None, _) => (0, "a described machine".to_string()),
+    };
+    let sharing = Sharing {
+        cores,
+        threads_per_rank: threads,
+    };
+    let text = if cores == 0 {
+        format!("none shared, a core (or GPU) per rank ({how})")
+    } else {
+        format!("{cores} shared by the ranks, {threads} thread(s) each ({how})")
+    };
+    Ok((sharing, text))
 }
 
 /// The rows for `counts` x `strategies`, in that order (rank counts a strategy cannot
@@ -353,8 +425,7 @@ pub fn rows(
     link: Link,
     strategies: &[Strategy],
     counts: &[usize],
-    threads: usize,
-    cores: usize,
+    sharing: Sharing,
 ) -> Vec<PredictedRow> {
     let mut out = Vec::new();
     for s in strategies {
@@ -362,13 +433,8 @@ pub fn rows(
             if s.fits(n) {
                 out.push(PredictedRow {
                     predicted: true,
-                    prediction: model::predict(
-                        profile,
-                        link,
-                        s,
-                        n,
-                        core_slowdown(n, threads, cores),
-                    ),
+                    sharing,
+                    prediction: model::predict(profile, link, s, n, sharing),
                 });
             }
         }
@@ -471,14 +537,9 @@ pub fn run(args: &PredictArgs) -> Result<()> {
     } else {
         args.np.clone()
     };
-    let table = rows(
-        &profile,
-        link,
-        &strategies,
-        &counts,
-        report.config.run.threads,
-        args.cores_per_node,
-    );
+    let (sharing, sharing_how) =
+        sharing_of(&report, args.cores_per_node, args.link.bench.is_some())?;
+    let table = rows(&profile, link, &strategies, &counts, sharing);
     println!(
         "calibration: {} ({:.0} words/step, compute {:.3} ms: forward {:.3}, backward {:.3}, \
          optimizer {:.3}; {} gradient ranges, {:.0} bytes)",
@@ -500,6 +561,7 @@ pub fn run(args: &PredictArgs) -> Result<()> {
             f64::INFINITY
         }
     );
+    println!("cores: {sharing_how}");
     if !profile.ready_measured {
         println!(
             "note: the report has no gradient ready-times (one rank on cuda keeps its \
@@ -570,6 +632,7 @@ pub fn charts(rows: &[PredictedRow]) -> Vec<crate::plot::Chart> {
                 t.bubble,
                 t.server_link,
                 t.stage_link,
+                t.shared_cores,
             ],
         });
     }
@@ -580,6 +643,7 @@ pub fn charts(rows: &[PredictedRow]) -> Vec<crate::plot::Chart> {
         "bubble",
         "server link",
         "stage link",
+        "shared cores",
     ];
     vec![
         Chart::Speedup {
@@ -629,12 +693,78 @@ fn strategies(args: &PredictArgs, report: &ringtrain_train::RunReport) -> Vec<St
 mod tests {
     use super::*;
 
+    fn fixture_report() -> ringtrain_train::RunReport {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data/predict-one-rank.json");
+        ringtrain_train::RunReport::read_json(&path).expect("fixture report")
+    }
+
     #[test]
-    fn shared_cores_slow_compute_only_past_the_core_count() {
-        assert_eq!(core_slowdown(8, 1, 0), 1.0);
-        assert_eq!(core_slowdown(2, 1, 2), 1.0);
-        assert_eq!(core_slowdown(3, 1, 2), 1.5);
-        assert_eq!(core_slowdown(4, 2, 2), 4.0);
+    fn the_cores_come_from_the_calibration_or_the_described_machine() {
+        let mut report = fixture_report();
+        report.host = Some(ringtrain_train::HostFigures {
+            cores: 2,
+            threads_per_rank: 1,
+            ranks_on_node: 1,
+        });
+        let two = Sharing {
+            cores: 2,
+            threads_per_rank: 1,
+        };
+        // A link measured here: the machine the report recorded.
+        let (s, how) = sharing_of(&report, None, true).expect("sharing");
+        assert_eq!(s, two);
+        assert!(how.contains("recorded by the calibration run"), "{how}");
+        // A described machine: a core per rank, unless told otherwise.
+        assert_eq!(
+            sharing_of(&report, None, false).expect("sharing").0.cores,
+            0
+        );
+        assert_eq!(
+            sharing_of(&report, Some(0), true).expect("sharing").0.cores,
+            0
+        );
+        assert_eq!(
+            sharing_of(&report, Some(8), false)
+                .expect("sharing")
+                .0
+                .cores,
+            8
+        );
+        // A report without the record (an older version) shares nothing, and says so.
+        report.host = None;
+        let (s, how) = sharing_of(&report, None, true).expect("sharing");
+        assert_eq!(s.cores, 0);
+        assert!(how.contains("--cores-per-node"), "{how}");
+        // A cuda run's ranks have a GPU each: never shared, and the flag is refused.
+        report.config.run.device = ringtrain_train::DeviceKind::Cuda;
+        report.host = Some(ringtrain_train::HostFigures {
+            cores: 2,
+            threads_per_rank: 1,
+            ranks_on_node: 1,
+        });
+        assert_eq!(
+            sharing_of(&report, None, true).expect("sharing").0,
+            Sharing::NONE
+        );
+        let e = sharing_of(&report, Some(2), true).unwrap_err().to_string();
+        assert!(
+            e.starts_with("invalid value `2` for --cores-per-node"),
+            "{e}"
+        );
+        // So a GPU preset predicts the same with or without a node's cores.
+        let (profile, _) = calibrate::read_profile(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/data/predict-one-rank.json"),
+        )
+        .expect("profile");
+        let link = links::NVLINK_H100.link();
+        let s = Strategy::Replicated(exchange_of(&report, &ExchangeOverrides::default()));
+        let gpu = sharing_of(&report, None, true).expect("sharing").0;
+        assert_eq!(
+            rows(&profile, link, &[s], &[8, 64], gpu)[1].prediction,
+            rows(&profile, link, &[s], &[8, 64], Sharing::NONE)[1].prediction
+        );
     }
 
     #[test]

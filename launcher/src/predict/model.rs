@@ -155,6 +155,59 @@ fn f16_tag(f16: bool) -> &'static str {
     }
 }
 
+/// The cores a node's ranks share: the machine the prediction describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Sharing {
+    /// Hardware threads of the node that its ranks share (0: every rank has cores, or a
+    /// GPU, of its own).
+    pub cores: usize,
+    /// CPU threads each rank computes with.
+    pub threads_per_rank: usize,
+}
+
+impl Sharing {
+    /// Every rank on cores (or a GPU) of its own.
+    pub const NONE: Sharing = Sharing {
+        cores: 0,
+        threads_per_rank: 1,
+    };
+
+    /// Whether `n` ranks want more threads than the cores.
+    pub fn oversubscribed(&self, n: usize) -> bool {
+        self.cores > 0 && n * self.threads_per_rank.max(1) > self.cores
+    }
+
+    /// How many times longer a synchronised step takes when `n` ranks share the cores,
+    /// against the calibration's one rank: the ranks run in waves. A step ends only when
+    /// every rank has computed and reduced, and a rank that waits for the others polls
+    /// on its core, so the scheduler does not interleave the ranks within a step: whole
+    /// ranks of T threads run `floor(cores / T)` at a time, `ceil(n / that)` waves (n
+    /// when one rank alone has more threads than cores: they take turns).
+    pub fn waves(&self, n: usize) -> f64 {
+        if !self.oversubscribed(n) {
+            return 1.0;
+        }
+        let per_wave = self.cores / self.threads_per_rank.max(1);
+        if per_wave == 0 {
+            return n as f64;
+        }
+        n.div_ceil(per_wave) as f64
+    }
+
+    /// How many times longer ranks that never wait for each other (independent
+    /// replicas) compute when `n` share the cores: a plain time-share,
+    /// `max(1, n T / cores) / max(1, T / cores)` (the calibration's one rank already had
+    /// its share).
+    pub fn time_share(&self, n: usize) -> f64 {
+        if self.cores == 0 {
+            return 1.0;
+        }
+        let t = self.threads_per_rank.max(1) as f64;
+        let c = self.cores as f64;
+        (n as f64 * t / c).max(1.0) / (t / c).max(1.0)
+    }
+}
+
 /// What one row predicts.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Prediction {
@@ -171,7 +224,7 @@ pub struct Prediction {
     /// speedup / ranks.
     pub efficiency: f64,
     /// The largest term of the step: `compute`, `bandwidth`, `latency`, `bubble`,
-    /// `server link`, `stage link`.
+    /// `server link`, `stage link`, `shared cores`.
     pub bottleneck: &'static str,
     /// Every term of the step, seconds (they add up to `step_seconds`).
     pub terms: Terms,
@@ -192,6 +245,9 @@ pub struct Terms {
     pub server_link: f64,
     /// A pipeline stage's activations and their gradients to its neighbours.
     pub stage_link: f64,
+    /// Ranks sharing a node's cores: the other waves of a synchronised step (see
+    /// [`Sharing::waves`]), or the time-share of independent ranks.
+    pub shared_cores: f64,
 }
 
 impl Terms {
@@ -202,6 +258,7 @@ impl Terms {
             + self.bubble
             + self.server_link
             + self.stage_link
+            + self.shared_cores
     }
 
     fn largest(&self) -> &'static str {
@@ -212,6 +269,7 @@ impl Terms {
             ("bubble", self.bubble),
             ("server link", self.server_link),
             ("stage link", self.stage_link),
+            ("shared cores", self.shared_cores),
         ];
         named
             .iter()
@@ -355,28 +413,26 @@ pub fn one_rank_step(profile: &Profile) -> f64 {
     profile.compute()
 }
 
-/// Predicts `strategy` at `n` ranks with `profile` and `link`. `slowdown` multiplies the
-/// compute (ranks sharing a node's cores, see the module docs; 1 = none).
+/// Predicts `strategy` at `n` ranks with `profile` and `link` on a node whose cores the
+/// ranks share as `sharing` says ([`Sharing::NONE`]: not at all).
 pub fn predict(
     profile: &Profile,
     link: Link,
     strategy: &Strategy,
     n: usize,
-    slowdown: f64,
+    sharing: Sharing,
 ) -> Prediction {
-    let s = slowdown.max(1.0);
     let p = profile;
     let mut t = Terms::default();
     let workers;
     match strategy {
         Strategy::Independent => {
-            t.compute = p.compute() * s;
+            t.compute = p.compute();
             workers = n;
         }
         Strategy::Replicated(e) => {
-            t.compute = p.compute() * s;
-            let ready: Vec<(f64, f64)> = p.ready.iter().map(|r| (r.0, r.1 * s)).collect();
-            let (bw, lat) = replicated_exchange(link, n, e, p.backward * s, &ready);
+            t.compute = p.compute();
+            let (bw, lat) = replicated_exchange(link, n, e, p.backward, &p.ready);
             t.bandwidth = bw;
             t.latency = lat;
             workers = n;
@@ -387,7 +443,7 @@ pub fn predict(
             let g = p.gradient_bytes().max(1.0);
             // Each server updates its own tensors only.
             let optimizer = p.optimizer * (largest / g).min(1.0);
-            t.compute = (p.data_wait + p.forward + p.backward + optimizer) * s;
+            t.compute = p.data_wait + p.forward + p.backward + optimizer;
             t.server_link = if n > 1 { server } else { 0.0 };
             workers = n - servers.min(&n);
         }
@@ -400,8 +456,8 @@ pub fn predict(
             let m = (*micro_batches).max(1) as f64;
             let d = (n / k).max(1);
             let kf = k as f64;
-            let stage = (p.forward + p.backward) * s / kf;
-            t.compute = p.data_wait * s + stage + p.optimizer * s / kf;
+            let stage = (p.forward + p.backward) / kf;
+            t.compute = p.data_wait + stage + p.optimizer / kf;
             t.bubble = stage * (kf - 1.0) / m;
             if k > 1 {
                 // Each micro-batch crosses a boundary forward and its gradient back.
@@ -419,6 +475,12 @@ pub fn predict(
             workers = d;
         }
     }
+    // Ranks sharing the cores: independent ones time-share them; synchronised ones run
+    // the whole step, compute and reduction alike, once per wave.
+    t.shared_cores = match strategy {
+        Strategy::Independent => (sharing.time_share(n) - 1.0) * t.compute,
+        _ => (sharing.waves(n) - 1.0) * t.total(),
+    };
     let step = t.total();
     let words_per_sec = if step > 0.0 {
         workers as f64 * p.words_per_step / step
@@ -566,22 +628,76 @@ mod tests {
     fn replicated_prediction_by_hand() {
         let p = profile();
         let s = Strategy::Replicated(after_backward());
-        let one = predict(&p, LINK, &s, 1, 1.0);
+        let one = predict(&p, LINK, &s, 1, Sharing::NONE);
         assert!(close(one.step_seconds, 4.0) && close(one.speedup, 1.0));
         // 2 ranks: 4 s compute + 4.08 s exchange; 2000 words / 8.08 s.
-        let two = predict(&p, LINK, &s, 2, 1.0);
+        let two = predict(&p, LINK, &s, 2, Sharing::NONE);
         assert!(close(two.step_seconds, 8.08), "{two:?}");
         assert!(close(two.words_per_sec, 2000.0 / 8.08));
         assert!(close(two.speedup, 2.0 * 4.0 / 8.08));
         assert!(close(two.efficiency, two.speedup / 2.0));
         // 3 ranks: 4 * 2*2/3*1000*0.001 = 5.33 s of bandwidth outweighs 4 s of compute.
-        let three = predict(&p, LINK, &s, 3, 1.0);
+        let three = predict(&p, LINK, &s, 3, Sharing::NONE);
         assert!(close(three.terms.bandwidth, 16.0 / 3.0), "{three:?}");
         assert_eq!(three.bottleneck, "bandwidth");
-        // Shared cores double the compute.
-        let slow = predict(&p, LINK, &Strategy::Independent, 2, 2.0);
-        assert!(close(slow.step_seconds, 8.0) && close(slow.speedup, 1.0));
-        assert_eq!(slow.bottleneck, "compute");
+    }
+
+    #[test]
+    fn shared_cores_by_hand() {
+        let p = profile();
+        let s = Strategy::Replicated(after_backward());
+        let two_cores = Sharing {
+            cores: 2,
+            threads_per_rank: 1,
+        };
+        // 2 ranks of 1 thread on 2 cores: nothing shared.
+        assert_eq!(
+            predict(&p, LINK, &s, 2, two_cores),
+            predict(&p, LINK, &s, 2, Sharing::NONE)
+        );
+        // 4 ranks on 2 cores: two waves, the whole step twice.
+        let alone = predict(&p, LINK, &s, 4, Sharing::NONE);
+        let shared = predict(&p, LINK, &s, 4, two_cores);
+        assert!(
+            close(shared.terms.shared_cores, alone.step_seconds),
+            "{shared:?}"
+        );
+        assert!(close(shared.step_seconds, 2.0 * alone.step_seconds));
+        assert!(close(shared.terms.compute, alone.terms.compute));
+        assert_eq!(shared.bottleneck, "shared cores");
+        // 3 ranks on 2 cores: two waves as well (whole ranks, not 1.5).
+        let three = predict(&p, LINK, &s, 3, two_cores);
+        let three_alone = predict(&p, LINK, &s, 3, Sharing::NONE);
+        assert!(close(three.step_seconds, 2.0 * three_alone.step_seconds));
+        // Independent ranks do not wait for each other: they time-share, 4 on 2 cores
+        // double the compute, 3 take 1.5 times as long.
+        let ind = predict(&p, LINK, &Strategy::Independent, 4, two_cores);
+        assert!(close(ind.terms.shared_cores, 4.0) && close(ind.step_seconds, 8.0));
+        assert!(close(ind.speedup, 2.0) && ind.bottleneck == "compute");
+        let ind3 = predict(&p, LINK, &Strategy::Independent, 3, two_cores);
+        assert!(close(ind3.step_seconds, 6.0), "{ind3:?}");
+    }
+
+    #[test]
+    fn waves_count_whole_ranks() {
+        let on = |cores, threads_per_rank| Sharing {
+            cores,
+            threads_per_rank,
+        };
+        assert_eq!(Sharing::NONE.waves(1024), 1.0);
+        assert_eq!(on(2, 1).waves(1), 1.0);
+        assert_eq!(on(2, 1).waves(2), 1.0);
+        assert_eq!(on(2, 1).waves(3), 2.0);
+        assert_eq!(on(2, 1).waves(4), 2.0);
+        assert_eq!(on(2, 1).waves(5), 3.0);
+        // Two threads each: one rank at a time on 2 cores, two at a time on 5.
+        assert_eq!(on(2, 2).waves(2), 2.0);
+        assert_eq!(on(5, 2).waves(3), 2.0);
+        // More threads than cores: the ranks take turns.
+        assert_eq!(on(2, 4).waves(3), 3.0);
+        assert_eq!(on(2, 1).time_share(3), 1.5);
+        assert_eq!(on(2, 4).time_share(2), 2.0);
+        assert_eq!(on(0, 4).time_share(64), 1.0);
     }
 
     #[test]
@@ -593,7 +709,7 @@ mod tests {
             servers: 2,
             f16: false,
         };
-        let r = predict(&p, LINK, &s, 4, 1.0);
+        let r = predict(&p, LINK, &s, 4, Sharing::NONE);
         assert!(close(r.terms.server_link, 8.08), "{r:?}");
         assert!(close(r.terms.compute, 3.5), "{r:?}");
         assert!(close(r.words_per_sec, 2000.0 / 11.58));
@@ -605,7 +721,7 @@ mod tests {
             servers: 0,
             f16: false,
         };
-        let r = predict(&p, LINK, &shard, 4, 1.0);
+        let r = predict(&p, LINK, &shard, 4, Sharing::NONE);
         assert!(close(r.terms.server_link, 6.06), "{r:?}");
     }
 
@@ -619,14 +735,14 @@ mod tests {
         };
         // K = 2, M = 4, one replica: stage 1.5 s, optimizer 0.5 s, bubble 1.5 * 1/4,
         // boundary 2 * 4 * (0.01 + 25 * 0.001) = 0.28 s.
-        let r = predict(&p, LINK, &s, 2, 1.0);
+        let r = predict(&p, LINK, &s, 2, Sharing::NONE);
         assert!(close(r.terms.compute, 2.0), "{r:?}");
         assert!(close(r.terms.bubble, 0.375), "{r:?}");
         assert!(close(r.terms.stage_link, 0.28), "{r:?}");
         assert_eq!(r.terms.bandwidth, 0.0);
         assert!(close(r.words_per_sec, 1000.0 / 2.655));
         // 2 x 2: each stage all-reduces its half (four 500-byte ranges) over 2 replicas.
-        let r = predict(&p, LINK, &s, 4, 1.0);
+        let r = predict(&p, LINK, &s, 4, Sharing::NONE);
         assert!(close(r.terms.bandwidth, 2.0) && close(r.terms.latency, 0.08));
         assert!(!s.fits(3));
     }
@@ -660,7 +776,7 @@ mod tests {
                 let mut last = 0.0;
                 for beta in [1e-2, 1e-3, 1e-4, 1e-6, 0.0] {
                     let link = Link { alpha: 0.01, beta };
-                    let w = predict(&p, link, s, n, 1.0).words_per_sec;
+                    let w = predict(&p, link, s, n, Sharing::NONE).words_per_sec;
                     assert!(w >= last - 1e-9, "{s:?} n={n} beta={beta}: {w} < {last}");
                     last = w;
                 }

@@ -23,7 +23,7 @@
 //! the all-reduce rows.
 
 use super::links::P100_PCIE;
-use super::model::{predict, Exchange, Profile, Strategy};
+use super::model::{predict, Exchange, Profile, Sharing, Strategy};
 
 /// One of the seeds' tables: words/s at 1, 2, ... GPUs.
 #[derive(Debug, Clone, Copy)]
@@ -230,7 +230,7 @@ pub fn seed_rows() -> Vec<SeedRow> {
             }),
         };
         for (i, &measured) in table.words_per_sec.iter().enumerate().skip(1) {
-            let p = predict(&profile, link, &strategy, i + 1, 1.0);
+            let p = predict(&profile, link, &strategy, i + 1, Sharing::NONE);
             rows.push(SeedRow {
                 table: table.name,
                 ranks: i + 1,

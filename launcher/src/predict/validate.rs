@@ -5,8 +5,9 @@
 //! `--json-report` (the profile); `bench allreduce` of the `auto` algorithm on 2 ranks,
 //! from 4 KiB to the gradient's size (the link); the prediction of every count; the
 //! training command at every count (the measurement). The command gets `--threads 1`
-//! unless it sets `--threads`, and the node's cores are the model's `--cores-per-node`
-//! unless given, so that ranks sharing the cores are part of the prediction. Every run is
+//! unless it sets `--threads`; the cores the ranks share and the threads per rank are
+//! those the calibration run recorded (`--cores-per-node` overrides the cores), so that
+//! ranks sharing the cores are part of the prediction ([`super::model::Sharing`]). Every run is
 //! made `--rounds` times (default 3) and the fastest kept, as the `scaling` benchmark
 //! does: other load on the machine only ever slows a run down.
 
@@ -15,7 +16,7 @@ use std::path::{Path, PathBuf};
 use ringtrain_train::RunReport;
 use serde::Serialize;
 
-use super::{calibrate, core_slowdown, model, strategy_of, PredictArgs};
+use super::{calibrate, model, sharing_of, strategy_of, PredictArgs};
 use crate::error::{LauncherError, Result};
 use crate::launch::{self, LaunchArgs, Machine};
 
@@ -55,6 +56,10 @@ pub struct ValidatedRow {
     pub error_percent: f64,
     /// The model's bottleneck term.
     pub bottleneck: &'static str,
+    /// The cores the model took the ranks to share (0: a core per rank).
+    pub cores: usize,
+    /// The threads per rank it took.
+    pub threads_per_rank: usize,
 }
 
 /// The command with `--threads 1` added when it has no `--threads`, and without any
@@ -171,11 +176,15 @@ pub fn run(args: &PredictArgs) -> Result<()> {
         args.np.clone()
     };
     let command = prepared_command(&args.command);
-    let cores = if args.cores_per_node > 0 {
-        args.cores_per_node
-    } else {
-        Machine::current().cores
-    };
+    if let Some(cores) = args.cores_per_node.filter(|&c| c > 0 && on_cuda(&command)) {
+        // Refused before any run, as the calibration would refuse it after one.
+        return Err(LauncherError::invalid(
+            "--cores-per-node",
+            cores,
+            "the command trains on cuda, whose ranks compute on a GPU each and share no \
+             cores; drop --cores-per-node",
+        ));
+    }
     let dir = std::env::temp_dir();
     let file = |name: &str| -> PathBuf {
         dir.join(format!(
@@ -218,12 +227,15 @@ pub fn run(args: &PredictArgs) -> Result<()> {
     let fit = calibrate::read_link(&bench_path, Some("auto"));
     let _ = std::fs::remove_file(&bench_path);
     let fit = fit?;
-    let threads = threads_of(&command);
+    // The calibration run recorded the cores of this machine, where every count runs.
+    let (sharing, _) = sharing_of(&one, args.cores_per_node, true)?;
+    let (cores, threads) = (sharing.cores, sharing.threads_per_rank);
     let strategy = strategy_of(&one, &args.exchange);
     println!(
         "calibration: 1 rank {:.1} words/s, compute {:.3} ms per step ({} gradient ranges, \
          {:.0} bytes); link `auto` on 2 ranks: alpha {:.2} us, {:.3} GB/s (worst bench row \
-         {:.0} % off the fit); {cores} cores shared by the ranks, {threads} thread(s) each",
+         {:.0} % off the fit); {cores} cores shared by the ranks, {threads} thread(s) each \
+         (0 cores: a core per rank)",
         one.words_per_sec,
         profile.compute() * 1e3,
         profile.ready.len(),
@@ -238,18 +250,13 @@ pub fn run(args: &PredictArgs) -> Result<()> {
     );
     let mut rows = Vec::new();
     for &n in &counts {
-        let p = model::predict(
-            &profile,
-            fit.link,
-            &strategy,
-            n,
-            core_slowdown(n, threads, cores),
-        );
+        let p = model::predict(&profile, fit.link, &strategy, n, sharing);
         eprintln!("ringtrain predict: measuring {n} ranks");
-        if n * threads > cores {
+        if sharing.oversubscribed(n) {
             println!(
-                "note: {n} ranks x {threads} thread(s) on {cores} cores: the model counts the \
-                 shared cores as slower compute only; waits for descheduled ranks are not in it"
+                "note: {n} ranks x {threads} thread(s) on {cores} cores: a step runs in {} \
+                 waves of ranks (term `shared cores`)",
+                sharing.waves(n)
             );
         }
         let measured = fastest(args, &exe, &command, n, &file(&format!("np{n}")))?;
@@ -264,6 +271,8 @@ pub fn run(args: &PredictArgs) -> Result<()> {
                 0.0
             },
             bottleneck: p.bottleneck,
+            cores,
+            threads_per_rank: threads,
         });
     }
     if let Some(path) = &args.json {
@@ -273,18 +282,12 @@ pub fn run(args: &PredictArgs) -> Result<()> {
     Ok(())
 }
 
-/// The command's `--threads` (1 when absent: [`prepared_command`] adds it).
-fn threads_of(command: &[String]) -> usize {
-    let mut it = command.iter();
-    while let Some(a) = it.next() {
-        if a == "--threads" {
-            return it.next().and_then(|v| v.parse().ok()).unwrap_or(1);
-        }
-        if let Some(v) = a.strip_prefix("--threads=") {
-            return v.parse().unwrap_or(1);
-        }
-    }
-    1
+/// Whether the command trains on cuda (`--device cuda`).
+fn on_cuda(command: &[String]) -> bool {
+    command
+        .windows(2)
+        .any(|w| w[0] == "--device" && w[1] == "cuda")
+        || command.iter().any(|a| a == "--device=cuda")
 }
 
 #[cfg(test)]
@@ -307,8 +310,10 @@ mod tests {
         assert_eq!(c, strings(&["train", "--seed", "1", "--threads", "1"]));
         let c = prepared_command(&strings(&["train", "--threads=2"]));
         assert_eq!(c, strings(&["train", "--threads=2"]));
-        assert_eq!(threads_of(&c), 2);
         assert_eq!(prepared_command(&[])[0], "train");
+        assert!(on_cuda(&strings(&["train", "--device", "cuda"])));
+        assert!(on_cuda(&strings(&["train", "--device=cuda"])));
+        assert!(!on_cuda(&prepared_command(&[])));
     }
 
     #[test]
@@ -320,6 +325,8 @@ mod tests {
             measured: 1.0,
             error_percent,
             bottleneck: "compute",
+            cores: 2,
+            threads_per_rank: 1,
         };
         let md = markdown(&[row(2, 3.0), row(3, -12.5)]);
         assert_eq!(md.lines().last(), Some("prediction error: max 12.5 %"));

@@ -281,6 +281,7 @@ impl Session<'_> {
             eval: Vec::new(),
             time_to_quality: None,
             pipeline,
+            host: None,
         })
     }
 }
