@@ -38,7 +38,10 @@
 //! one negotiation round (a bit vector once every name is cached), the copy of every
 //! element into the fusion buffer and back, and a few operations per tensor (its slot,
 //! its bit, its result). A group submitted again with the same [`TensorNames`] goes by the
-//! ids its names had, without a look-up of each name. `ringtrain bench allreduce` prints
+//! ids its names had, without a look-up of each name; [`FusionEngine::all_reduce_group`]
+//! of such a group on an otherwise idle engine skips the queue altogether (the
+//! cached-group step: one round whose messages are compared as bytes, then the fused
+//! reduction from and back to the caller's tensors). `ringtrain bench allreduce` prints
 //! the ratio as its `fusion_overhead` rows; see the measured rows in the docs of
 //! [`crate::algorithm_choice`].
 
@@ -560,6 +563,10 @@ impl FusionEngine {
             group_ids: HashMap::default(),
             #[cfg(test)]
             by_group_id: 0,
+            #[cfg(test)]
+            rounds: 0,
+            #[cfg(test)]
+            cached_steps: 0,
             shutting_down: false,
             table: ReadyTable::new(size),
             foreign: Arc::clone(&foreign),
@@ -672,12 +679,43 @@ impl FusionEngine {
     /// All-reduces a group of tensors and returns them in the order of `names`:
     /// [`FusionEngine::submit_group`] and [`GroupHandle::wait`] at once, without waking
     /// the background thread (this thread runs the cycles).
+    ///
+    /// A cached group (the same [`TensorNames`] as in an earlier step, every shape as last
+    /// reduced, one dtype, within the fusion threshold), submitted while nothing else is
+    /// queued on this rank, is reduced at once on this thread: its negotiation round sends
+    /// the message it would send anyway (the group's bits), and when every rank sends the
+    /// same message its tensors are copied from where they lie into the fusion buffer, in
+    /// the order the general path fuses them, without a queue entry, handle or look-up per
+    /// tensor. Any other answer (a rank that submitted something else, a failure)
+    /// continues as a submitted group would, so decisions and results are the general
+    /// path's.
     pub fn all_reduce_group<T: Into<Tensor>>(
         &self,
         names: &TensorNames,
         tensors: Vec<T>,
     ) -> Result<Vec<Tensor>> {
-        self.queue_group(names, tensors, false)?.wait()
+        if tensors.len() != names.len() || self.tx.is_none() || self.timed {
+            return self.queue_group(names, tensors, false)?.wait();
+        }
+        let tensors: Vec<Tensor> = tensors.into_iter().map(Into::into).collect();
+        match self.core.cached_group(names, tensors, &self.board)? {
+            CachedGroup::Reduced(out) => {
+                if let Some(e) = self.take_foreign_failure() {
+                    return Err(e);
+                }
+                Ok(out)
+            }
+            CachedGroup::Queued(batch) => GroupHandle {
+                batch,
+                names: names.clone(),
+                board: Arc::clone(&self.board),
+                core: Arc::clone(&self.core),
+                foreign: Arc::clone(&self.foreign),
+                waited: false,
+            }
+            .wait(),
+            CachedGroup::NotCached(tensors) => self.queue_group(names, tensors, false)?.wait(),
+        }
     }
 
     fn queue_group<T: Into<Tensor>>(
@@ -927,6 +965,12 @@ struct Engine {
     /// Tensors accepted by their group's ids, without a look-up of their name.
     #[cfg(test)]
     by_group_id: usize,
+    /// Negotiation rounds run.
+    #[cfg(test)]
+    rounds: usize,
+    /// Groups reduced by the cached-group step.
+    #[cfg(test)]
+    cached_steps: usize,
     shutting_down: bool,
     table: ReadyTable,
     foreign: ForeignFailures,
@@ -1030,6 +1074,84 @@ impl Core {
         }
     }
 
+    /// The cached-group step of [`FusionEngine::all_reduce_group`] on the calling thread.
+    fn cached_group(
+        &self,
+        names: &TensorNames,
+        mut tensors: Vec<Tensor>,
+        board: &Arc<Board>,
+    ) -> Result<CachedGroup> {
+        let mut state = self.lock();
+        let CoreState::Running(r) = &mut *state else {
+            return Ok(CachedGroup::NotCached(tensors));
+        };
+        r.engine.drain(&r.rx);
+        let Some(order) = r.engine.cached_order(names, &tensors) else {
+            return Ok(CachedGroup::NotCached(tensors));
+        };
+        let mut cached = IdBits::default();
+        for &(id, _) in &order {
+            cached.insert(id);
+        }
+        let msg = CycleMessage {
+            cached,
+            ..CycleMessage::default()
+        }
+        .encode();
+        let round = r.engine.exchange(&mut r.comm, &msg).and_then(|gathered| {
+            if gathered.iter().all(|m| *m == msg) {
+                // Every rank sent this group's bits and nothing else: with no entry open
+                // (this rank's table is empty, and every rank's table is the same), the
+                // table would only answer "reduce the group"; it stays as it is.
+                Ok(None)
+            } else {
+                r.engine.absorb(&gathered).map(Some)
+            }
+        });
+        let (decisions, negotiated, agreed) = match round {
+            Ok(None) => (Vec::new(), Instant::now(), true),
+            Ok(Some((decisions, negotiated))) => (decisions, negotiated, false),
+            Err(e) => {
+                let reason = e.to_string();
+                Self::finish(&mut state, Err(e));
+                return Err(Error::EngineStopped { reason });
+            }
+        };
+        // Every rank answered with the same bits (and nothing of this group failed):
+        // the decisions reduce exactly the group, in id order.
+        let mut reduced = decisions.iter().filter_map(|d| match d {
+            Decision::Reduce { id, .. } => Some(*id),
+            Decision::Fail { .. } => None,
+        });
+        let whole = agreed
+            || (order.iter().all(|&(id, _)| reduced.next() == Some(id))
+                && reduced.next().is_none());
+        if !whole {
+            // Continues exactly as a submitted group: its tensors queued, the decisions
+            // carried out, the caller then waiting on its batch.
+            let batch = board.open_batch(tensors.len());
+            r.engine.queue_cached(batch, tensors, &order);
+            let outcome = r.engine.carry_out(&mut r.comm, decisions, negotiated);
+            match outcome {
+                Ok(false) => {}
+                Ok(true) => Self::finish(&mut state, Ok(())),
+                Err(e) => Self::finish(&mut state, Err(e)),
+            }
+            return Ok(CachedGroup::Queued(batch));
+        }
+        for d in decisions {
+            if let Decision::Fail { id, name, failure } = d {
+                r.engine.fail(id, name, failure);
+            }
+        }
+        if let Err(e) = r.engine.reduce_cached(&mut r.comm, &mut tensors, &order) {
+            let reason = e.to_string();
+            Self::finish(&mut state, Err(e));
+            return Err(Error::EngineStopped { reason });
+        }
+        Ok(CachedGroup::Reduced(tensors))
+    }
+
     /// Runs cycles on the calling thread until `done()` or the engine has ended.
     fn help(&self, done: impl Fn() -> bool) {
         while !done() {
@@ -1040,6 +1162,16 @@ impl Core {
             Self::step(&mut state);
         }
     }
+}
+
+/// What became of a group offered to the cached-group step.
+enum CachedGroup {
+    /// Reduced: the tensors in the order of their names.
+    Reduced(Vec<Tensor>),
+    /// The other ranks did not answer with the same group: queued as this batch.
+    Queued(u64),
+    /// Not a cached group (or not now): the tensors, untouched.
+    NotCached(Vec<Tensor>),
 }
 
 /// The background thread: waits for submissions (an idle engine joins a round every
@@ -1191,6 +1323,95 @@ impl Engine {
         }
     }
 
+    /// `(id, index)` of every tensor of `names` in id order (the order a round's
+    /// decisions reduce them in) when the group can take the cached-group step: nothing
+    /// else queued, waiting or failed here, no timeline, a remembered group of at least
+    /// two distinct names, every shape as cached, one dtype, one fusion buffer.
+    fn cached_order(&self, names: &TensorNames, tensors: &[Tensor]) -> Option<Vec<(u32, u32)>> {
+        if tensors.len() < 2 || self.busy() || !self.failed.is_empty() || self.timeline.enabled() {
+            return None;
+        }
+        let key = Arc::as_ptr(&names.names).cast::<Arc<str>>() as usize;
+        let (_, ids) = self.group_ids.get(&key)?;
+        let dtype = tensors[0].dtype();
+        let mut bytes = 0usize;
+        let mut order = Vec::with_capacity(ids.len());
+        for (index, (&id, t)) in ids.iter().zip(tensors).enumerate() {
+            if t.dtype() != dtype || !self.table.is_cached(id, dtype, t.len() as u64) {
+                return None;
+            }
+            bytes = bytes.saturating_add(t.size_bytes());
+            order.push((id, index as u32));
+        }
+        if order.len() != tensors.len() || bytes > self.config.threshold_bytes {
+            return None;
+        }
+        order.sort_unstable();
+        order.windows(2).all(|w| w[0].0 < w[1].0).then_some(order)
+    }
+
+    /// Queues a group offered to the cached-group step as [`Engine::accept_group`] would
+    /// have (every name has its id and a free slot: [`Engine::cached_order`] said so).
+    fn queue_cached(&mut self, batch: u64, tensors: Vec<Tensor>, order: &[(u32, u32)]) {
+        let mut tensors: Vec<Option<Tensor>> = tensors.into_iter().map(Some).collect();
+        for &(id, index) in order {
+            let Some(tensor) = tensors[index as usize].take() else {
+                continue;
+            };
+            self.slots[id as usize] = Some(Pending {
+                tensor: Payload::Owned(tensor),
+                ticket: Ticket::Member { batch, index },
+                submitted: None,
+            });
+            self.queued += 1;
+        }
+    }
+
+    /// The fused reduction of a cached group, as [`Engine::reduce_group`] does it for the
+    /// same tensors queued (same buffer, same order), from and back to where they lie.
+    fn reduce_cached(
+        &mut self,
+        comm: &mut Communicator,
+        tensors: &mut [Tensor],
+        order: &[(u32, u32)],
+    ) -> Result<()> {
+        match tensors[0].dtype() {
+            DType::F32 => self.reduce_cached_as::<f32>(comm, tensors, order),
+            DType::F64 => self.reduce_cached_as::<f64>(comm, tensors, order),
+            DType::F16 => self.reduce_cached_as::<half::f16>(comm, tensors, order),
+            DType::BF16 => self.reduce_cached_as::<half::bf16>(comm, tensors, order),
+        }
+    }
+
+    fn reduce_cached_as<T: Element>(
+        &mut self,
+        comm: &mut Communicator,
+        tensors: &mut [Tensor],
+        order: &[(u32, u32)],
+    ) -> Result<()> {
+        let total: usize = tensors.iter().map(Tensor::len).sum();
+        let fused = fusion_buffer::<T>(&mut self.buffer, total);
+        let mut at = 0;
+        for &(_, index) in order {
+            let src = typed::<T>(&mut tensors[index as usize])?;
+            fused[at..at + src.len()].copy_from_slice(src);
+            at += src.len();
+        }
+        comm.all_reduce(fused, &self.config.options)?;
+        let mut at = 0;
+        for &(_, index) in order {
+            let dst = typed::<T>(&mut tensors[index as usize])?;
+            let n = dst.len();
+            dst.copy_from_slice(&fused[at..at + n]);
+            at += n;
+        }
+        #[cfg(test)]
+        {
+            self.cached_steps += 1;
+        }
+        Ok(())
+    }
+
     fn duplicate(&self, name: &str, ticket: Ticket) {
         let err = Error::DuplicateName {
             name: name.to_owned(),
@@ -1234,30 +1455,42 @@ impl Engine {
     /// One negotiation round and the reductions it agrees on; true once every rank has
     /// shut down.
     fn cycle(&mut self, comm: &mut Communicator) -> Result<bool> {
-        let size = comm.size();
-        let now = Instant::now();
-        let fail = if self.rank == 0 {
-            self.table.expired(
-                now,
-                self.config
-                    .stall_warning
-                    .saturating_add(self.config.stall_error),
-            )
-        } else {
-            Vec::new()
-        };
         let msg = CycleMessage {
             shutting_down: self.shutting_down,
             announcements: std::mem::take(&mut self.fresh),
             cached: std::mem::take(&mut self.fresh_bits),
-            fail,
+            fail: self.expired_ids(),
         };
+        let (decisions, negotiated) = self.negotiate(comm, msg)?;
+        self.carry_out(comm, decisions, negotiated)
+    }
+
+    /// The coordinator's list of tensors whose stall timeout ran out (empty elsewhere).
+    fn expired_ids(&self) -> Vec<u32> {
+        if self.rank != 0 {
+            return Vec::new();
+        }
+        self.table.expired(
+            Instant::now(),
+            self.config
+                .stall_warning
+                .saturating_add(self.config.stall_error),
+        )
+    }
+
+    /// Exchanges `msg` with every rank and feeds the gathered messages into the table:
+    /// the decisions every rank takes alike, and when the round ended.
+    fn negotiate(
+        &mut self,
+        comm: &mut Communicator,
+        msg: CycleMessage,
+    ) -> Result<(Vec<Decision>, Instant)> {
         // A round is drawn only when this rank had something in it: idle rounds (the
         // stall checks between steps) would fill a timeline with nothing.
         let drawn = self.timeline.enabled()
             && (!msg.announcements.is_empty() || !msg.cached.is_empty() || self.queued > 0);
         let round_start = drawn.then(Instant::now);
-        let gathered = comm.negotiate(&msg.encode())?;
+        let gathered = self.exchange(comm, &msg.encode())?;
         if let Some(start) = round_start {
             let args = serde_json::json!({
                 "announced": msg.announcements.len(),
@@ -1265,9 +1498,24 @@ impl Engine {
             });
             self.timeline.negotiation(start, Instant::now(), args);
         }
+        self.absorb(&gathered)
+    }
+
+    /// Sends this rank's encoded message to every rank and returns every rank's.
+    fn exchange(&mut self, comm: &mut Communicator, encoded: &[u8]) -> Result<Vec<Vec<u8>>> {
+        #[cfg(test)]
+        {
+            self.rounds += 1;
+        }
+        comm.negotiate(encoded)
+    }
+
+    /// Feeds every rank's message of a round into the table: the decisions, and when.
+    fn absorb(&mut self, gathered: &[Vec<u8>]) -> Result<(Vec<Decision>, Instant)> {
+        let size = gathered.len();
         let known = self.table.registered_count();
         let mut messages = Vec::with_capacity(size);
-        for bytes in &gathered {
+        for bytes in gathered {
             messages.push(CycleMessage::decode(bytes, self.rank, known)?);
         }
         let negotiated = Instant::now();
@@ -1292,6 +1540,16 @@ impl Engine {
                     );
             }
         }
+        Ok((decisions, negotiated))
+    }
+
+    /// Fails and reduces what a round decided; true once every rank has shut down.
+    fn carry_out(
+        &mut self,
+        comm: &mut Communicator,
+        decisions: Vec<Decision>,
+        negotiated: Instant,
+    ) -> Result<bool> {
         let mut ready = Vec::new();
         for d in decisions {
             match d {
@@ -1431,13 +1689,7 @@ impl Engine {
             return Ok(());
         }
         let total: usize = group.iter().map(|(_, p)| p.tensor.len()).sum();
-        let words = (total * T::BYTES).div_ceil(8);
-        if self.buffer.len() < words {
-            self.buffer.resize(words, 0);
-        }
-        let bytes =
-            &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.buffer[..words])[..total * T::BYTES];
-        let fused: &mut [T] = bytemuck::cast_slice_mut(bytes);
+        let fused = fusion_buffer::<T>(&mut self.buffer, total);
         // Per-tensor timestamps only when a timeline is written: they cost more than
         // copying a small tensor.
         let timed = self.timeline.enabled();
@@ -1494,9 +1746,29 @@ impl Engine {
     }
 }
 
+/// The first `len` elements of the fusion buffer (grown as needed) as `T`s.
+fn fusion_buffer<T: Element>(buffer: &mut Vec<u64>, len: usize) -> &mut [T] {
+    let words = (len * T::BYTES).div_ceil(8);
+    if buffer.len() < words {
+        buffer.resize(words, 0);
+    }
+    let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buffer[..words])[..len * T::BYTES];
+    bytemuck::cast_slice_mut(bytes)
+}
+
+/// Typed view of an owned tensor whose dtype was checked to be `T`.
+fn typed<T: Element>(t: &mut Tensor) -> Result<&mut [T]> {
+    let dtype = t.dtype();
+    typed_bytes(dtype, t.as_bytes_mut())
+}
+
 /// Typed view of a tensor whose dtype was agreed to be `T`.
 fn typed_mut<T: Element>(t: &mut Payload) -> Result<&mut [T]> {
     let dtype = t.dtype();
+    typed_bytes(dtype, t.bytes_mut())
+}
+
+fn typed_bytes<T: Element>(dtype: DType, bytes: &mut [u8]) -> Result<&mut [T]> {
     if dtype != T::DTYPE {
         return Err(Error::invalid(
             "tensor dtype",
@@ -1504,7 +1776,7 @@ fn typed_mut<T: Element>(t: &mut Payload) -> Result<&mut [T]> {
             "internal: the agreed dtype differs from the queued tensor",
         ));
     }
-    bytemuck::try_cast_slice_mut(t.bytes_mut()).map_err(|_| {
+    bytemuck::try_cast_slice_mut(bytes).map_err(|_| {
         Error::invalid(
             "tensor buffer",
             dtype,
@@ -1517,12 +1789,21 @@ fn typed_mut<T: Element>(t: &mut Payload) -> Result<&mut [T]> {
 mod tests {
     use super::*;
 
+    /// The engine's counters: (tensors accepted by group id, cached-group steps, rounds).
+    fn counters(engine: &FusionEngine) -> (usize, usize, usize) {
+        match &*engine.core.lock() {
+            CoreState::Running(r) => (r.engine.by_group_id, r.engine.cached_steps, r.engine.rounds),
+            CoreState::Ended(_) => (usize::MAX, usize::MAX, usize::MAX),
+        }
+    }
+
     /// From its third step on (the names are registered by the first and their ids noted
-    /// by the second), a group submitted again skips the look-up of every name; a changed
-    /// shape goes the long way for that tensor only.
+    /// by the second), a group submitted again takes the cached-group step: no look-up of
+    /// a name, no queue entry. A changed shape goes the long way, where the tensors whose
+    /// shape stayed go by their ids.
     #[test]
     fn a_group_submitted_again_goes_by_its_ids() {
-        let outs = Communicator::run_local(2, |comm| -> Result<Vec<usize>> {
+        let outs = Communicator::run_local(2, |comm| -> Result<Vec<(usize, usize)>> {
             let engine = FusionEngine::start(comm, FusionConfig::default())?;
             let names = TensorNames::new(["a", "b", "c"]);
             let mut counts = Vec::new();
@@ -1531,17 +1812,231 @@ mod tests {
                 let tensors = vec![vec![1.0f32; 2], vec![1.0f32; b_len], vec![1.0f32; 2]];
                 let out = engine.all_reduce_group(&names, tensors)?;
                 assert_eq!(out[1].clone().into_vec::<f32>()?, vec![2.0; b_len]);
-                counts.push(match &*engine.core.lock() {
-                    CoreState::Running(r) => r.engine.by_group_id,
-                    CoreState::Ended(_) => usize::MAX,
-                });
+                let (by_id, cached, _) = counters(&engine);
+                counts.push((by_id, cached));
             }
             engine.shutdown()?;
             Ok(counts)
         })
         .expect("run");
         for out in outs {
-            assert_eq!(out.expect("rank"), vec![0, 0, 3, 6, 8]);
+            assert_eq!(
+                out.expect("rank"),
+                vec![(0, 0), (0, 0), (0, 1), (0, 2), (2, 2)]
+            );
+        }
+    }
+
+    /// Values whose sums depend on their order (not small integers), rank- and tensor-
+    /// dependent.
+    fn odd_values(rank: usize, k: usize, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| 1.0 / (1.0 + (rank * 7919 + k * 104_729 + i * 31) as f32 % 977.0) + 1e3)
+            .collect()
+    }
+
+    /// The cached-group step fuses the tensors in the order the general path does (by id,
+    /// not by their place in the group), so its sums are the general path's bit for bit,
+    /// at 3 and 4 ranks over a ring (whose order of additions depends on an element's
+    /// place in the buffer) and each other algorithm.
+    #[test]
+    fn a_cached_group_step_gives_the_general_paths_bits() {
+        for size in [3, 4] {
+            for algorithm in [
+                crate::Algorithm::Ring,
+                crate::Algorithm::RecursiveDoubling,
+                crate::Algorithm::HalvingDoubling,
+                crate::Algorithm::Direct,
+            ] {
+                let config = FusionConfig {
+                    options: AllReduceOptions::sum().algorithm(algorithm),
+                    ..FusionConfig::default()
+                };
+                let outs = Communicator::run_local(size, |comm| -> Result<usize> {
+                    let r = comm.rank();
+                    let engine = FusionEngine::start(comm, config.clone())?;
+                    let lens = [5usize, 1, 17, 0, 9, 33, 2];
+                    let names: Vec<String> = (0..lens.len()).map(|k| format!("g{k}")).collect();
+                    // Registered in this order: ids 0, 1, 2, ...
+                    let mut general = Vec::new();
+                    for _ in 0..2 {
+                        let handles = names
+                            .iter()
+                            .enumerate()
+                            .map(|(k, n)| engine.submit(n, odd_values(r, k, lens[k])))
+                            .collect::<Result<Vec<_>>>()?;
+                        general = engine.synchronize(handles)?;
+                    }
+                    // The group lists them in another order.
+                    let order = [4usize, 0, 6, 2, 5, 1, 3];
+                    let group = TensorNames::new(order.iter().map(|&k| &names[k]));
+                    for _ in 0..3 {
+                        let tensors: Vec<Vec<f32>> =
+                            order.iter().map(|&k| odd_values(r, k, lens[k])).collect();
+                        let out = engine.all_reduce_group(&group, tensors)?;
+                        for (place, &k) in order.iter().enumerate() {
+                            let got: Vec<u32> = out[place]
+                                .clone()
+                                .into_vec::<f32>()?
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect();
+                            let want: Vec<u32> = general[k]
+                                .clone()
+                                .into_vec::<f32>()?
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect();
+                            assert_eq!(got, want, "{algorithm}, {size} ranks, tensor {k}");
+                        }
+                    }
+                    let (_, cached, _) = counters(&engine);
+                    engine.shutdown()?;
+                    Ok(cached)
+                })
+                .expect("run");
+                for out in outs {
+                    // The group's first step notes its ids; the other two are cached steps.
+                    assert_eq!(out.expect("rank"), 2, "{algorithm}, {size} ranks");
+                }
+            }
+        }
+    }
+
+    /// Ranks 0 and 2 take the cached-group step while rank 1 submits the group without
+    /// `y`: the others' bits differ, so the step goes on as the general path, `x` and `z`
+    /// are reduced, and `y` fails on every rank as a stall naming rank 1.
+    #[test]
+    fn a_rank_that_submits_another_group_fails_the_missing_tensor_on_every_rank() {
+        let config = FusionConfig {
+            stall_warning: Duration::from_millis(100),
+            stall_error: Duration::from_millis(100),
+            cycle_time: Duration::from_micros(200),
+            ..FusionConfig::default()
+        };
+        let outs = Communicator::run_local(3, |comm| -> Result<String> {
+            let r = comm.rank();
+            let engine = FusionEngine::start(comm, config.clone())?;
+            let all = TensorNames::new(["x", "y", "z"]);
+            for _ in 0..3 {
+                let out = engine.all_reduce_group(&all, vec![vec![1.0f32; 2]; 3])?;
+                assert_eq!(out[1].clone().into_vec::<f32>()?, vec![3.0; 2]);
+            }
+            let (_, cached, _) = counters(&engine);
+            assert_eq!(cached, 1);
+            let err = if r == 1 {
+                let fewer = TensorNames::new(["x", "z"]);
+                let out = engine.all_reduce_group(&fewer, vec![vec![1.0f32; 2]; 2])?;
+                for t in out {
+                    assert_eq!(t.into_vec::<f32>()?, vec![3.0; 2]);
+                }
+                let mut seen = None;
+                for _ in 0..500 {
+                    if let Some(e) = engine.take_foreign_failure() {
+                        seen = Some(e);
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                seen.expect("the stall of y reaches rank 1")
+            } else {
+                engine
+                    .all_reduce_group(&all, vec![vec![1.0f32; 2]; 3])
+                    .expect_err("y was not submitted on rank 1")
+            };
+            let (_, cached, _) = counters(&engine);
+            assert_eq!(cached, 1, "rank {r}: no cached step with other bits");
+            engine.shutdown()?;
+            Ok(err.to_string())
+        })
+        .expect("run");
+        for out in outs {
+            let msg = out.expect("rank");
+            assert!(
+                msg.contains("`y`") && msg.contains("not on ranks [1]"),
+                "{msg}"
+            );
+        }
+    }
+
+    /// A rank that stops submitting while the others take cached-group steps: their step
+    /// ends with an error naming it and the tensors after the stall timeout (its engine
+    /// still joins rounds, so the time-out is the engine's own).
+    #[test]
+    fn a_rank_that_stops_is_named_by_the_cached_group_step() {
+        let config = FusionConfig {
+            stall_warning: Duration::from_millis(200),
+            stall_error: Duration::from_millis(200),
+            ..FusionConfig::default()
+        };
+        let outs = Communicator::run_local(3, |comm| -> Result<()> {
+            let r = comm.rank();
+            let engine = FusionEngine::start(comm, config.clone())?;
+            let names = TensorNames::new(["u", "v"]);
+            for _ in 0..3 {
+                engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2])?;
+            }
+            if r == 2 {
+                std::thread::sleep(Duration::from_secs(3));
+                drop(engine);
+                return Ok(());
+            }
+            let result = engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2]);
+            drop(engine);
+            result.map(|_| ())
+        })
+        .expect("run");
+        for out in &outs[..2] {
+            let msg = out
+                .as_ref()
+                .expect_err("a stopped rank must fail the step")
+                .to_string();
+            assert!(
+                msg.contains("`u`") && msg.contains("not on ranks [2]"),
+                "{msg}"
+            );
+        }
+    }
+
+    /// A cached-group step is one negotiation round, the one its bits would take anyway:
+    /// nothing queued, and the group reduced within it.
+    #[test]
+    fn a_cached_group_step_takes_one_round() {
+        let config = FusionConfig {
+            // No round of the background thread's own during the steps.
+            cycle_time: Duration::from_secs(1),
+            ..FusionConfig::default()
+        };
+        let outs = Communicator::run_local(3, |comm| -> Result<Vec<(usize, usize)>> {
+            let r = comm.rank();
+            let engine = FusionEngine::start(comm, config.clone())?;
+            let names = TensorNames::new(["p", "q", "s", "t"]);
+            let mut deltas = Vec::new();
+            for _ in 0..6 {
+                let (_, cached0, rounds0) = counters(&engine);
+                let tensors: Vec<Vec<f32>> = (0..4).map(|k| vec![(r + k) as f32; 3]).collect();
+                let out = engine.all_reduce_group(&names, tensors)?;
+                for (k, t) in out.into_iter().enumerate() {
+                    assert_eq!(t.into_vec::<f32>()?, vec![(3 + 3 * k) as f32; 3]);
+                }
+                let (_, cached1, rounds1) = counters(&engine);
+                deltas.push((cached1 - cached0, rounds1 - rounds0));
+            }
+            engine.shutdown()?;
+            Ok(deltas)
+        })
+        .expect("run");
+        for out in outs {
+            let deltas = out.expect("rank");
+            // Idle rounds of the background thread (every 50 ms) may fall into a step of
+            // a loaded machine; a cached step itself is exactly one.
+            assert_eq!(
+                deltas[2..].iter().map(|d| d.0).sum::<usize>(),
+                4,
+                "{deltas:?}"
+            );
+            assert!(deltas[2..].iter().all(|d| d.1 >= 1), "{deltas:?}");
+            assert!(deltas[2..].iter().any(|d| d.1 == 1), "{deltas:?}");
         }
     }
 }
