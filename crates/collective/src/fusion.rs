@@ -993,7 +993,11 @@ struct Engine {
 /// group (it submitted the same group again) or against (it submitted anything else,
 /// shuts down, or waits for another tensor). Only a vote of every rank for it delivers
 /// the sums; any vote against ends it on every rank at once (every rank sees the same
-/// reduced slots), and the cycles go on with rounds.
+/// reduced slots), and the cycles go on with rounds. An armed engine's background thread
+/// makes no idle round until the engine has been idle for [`MAX_ARMED_IDLE`] (or a
+/// quarter of the stall timeout); its idle round then is a vote against, so that a rank
+/// waiting in the armed reduction for an idle one goes on to the general path, whose
+/// stall checks name the missing ranks and tensors.
 ///
 /// The slots are placed one after each ring chunk of the fused tensors, so that every
 /// element stays in its chunk and is summed in the order it would be without them (the
@@ -1005,6 +1009,10 @@ struct Engine {
 /// against.
 #[derive(Debug)]
 struct Armed {
+    /// The group's names (kept, so that their address stays theirs).
+    names: TensorNames,
+    /// Its tensors' lengths, in the order of the names.
+    lens: Vec<usize>,
     /// `(id, index)` in id order, as [`Engine::cached_order`] gives it.
     order: Vec<(u32, u32)>,
     dtype: DType,
@@ -1012,7 +1020,15 @@ struct Armed {
     len: usize,
     /// The options with the algorithm resolved for the tensors' own size.
     options: AllReduceOptions,
+    /// When it was armed or last reduced.
+    since: Instant,
 }
+
+/// How long an armed engine stays idle before its background thread votes against the
+/// group (and idle rounds resume), at most: a step that takes longer pays that vote and a
+/// round, and a rank that waits in the armed reduction for an idle one is released long
+/// before the stall timeout (a quarter of it where that is shorter) would report it.
+const MAX_ARMED_IDLE: Duration = Duration::from_secs(1);
 
 /// The largest cached group reduced without rounds: above it a round costs little next
 /// to the reduction, and an armed vote against costs a reduction of this size.
@@ -1133,15 +1149,17 @@ impl Core {
             return Ok(CachedGroup::NotCached(tensors));
         };
         r.engine.drain(&r.rx);
-        let order = r.engine.cached_order(names, &tensors);
         if let Some(armed) = r.engine.armed.take() {
             // Every rank's next cycle is this group's reduction: with this rank's tensors
             // when it submitted the same group, else with a vote against it.
-            let same = order.as_ref().is_some_and(|o| *o == armed.order);
+            let same = r.engine.is_armed_group(&armed, names, &tensors);
             let voted = same.then_some(&mut tensors[..]);
             match r.engine.armed_round(&mut r.comm, &armed, voted) {
                 Ok(true) => {
-                    r.engine.armed = Some(armed);
+                    r.engine.armed = Some(Armed {
+                        since: Instant::now(),
+                        ..armed
+                    });
                     return Ok(CachedGroup::Reduced(tensors));
                 }
                 // Every rank has seen a vote against it: the group goes the long way.
@@ -1153,14 +1171,14 @@ impl Core {
                 }
             }
         }
-        let Some(order) = order else {
+        let Some(order) = r.engine.cached_order(names, &tensors) else {
             return Ok(CachedGroup::NotCached(tensors));
         };
         let mut cached = IdBits::default();
         for &(id, _) in &order {
             cached.insert(id);
         }
-        let armed = r.engine.armable(&r.comm, &tensors, order.clone());
+        let armed = r.engine.armable(&r.comm, names, &tensors, order.clone());
         let msg = CycleMessage {
             cached,
             arming: armed.is_some(),
@@ -1220,7 +1238,10 @@ impl Core {
         }
         if agreed {
             // Every rank sent this message, so every rank asked to arm, or none did.
-            r.engine.armed = armed;
+            r.engine.armed = armed.map(|a| Armed {
+                since: Instant::now(),
+                ..a
+            });
         }
         Ok(CachedGroup::Reduced(tensors))
     }
@@ -1272,10 +1293,20 @@ fn background(core: Arc<Core>, wake: Arc<Wakeup>, cycle_time: Duration) {
             if !idle_round && !r.engine.busy() && r.rx.is_empty() {
                 continue;
             }
-            // An armed engine's next cycle is its group's reduction on every rank: no idle
-            // rounds (waits for a rank that does not come end at the stall timeout).
-            if idle_round && r.engine.armed.is_some() && r.rx.is_empty() {
-                continue;
+            // An armed engine's next cycle is its group's reduction on every rank: its
+            // idle round is a vote against, once it has been idle for a while.
+            if idle_round && r.rx.is_empty() {
+                let patience = r
+                    .comm
+                    .stall_timeout()
+                    .map_or(MAX_ARMED_IDLE, |t| MAX_ARMED_IDLE.min(t / 4));
+                if r.engine
+                    .armed
+                    .as_ref()
+                    .is_some_and(|a| a.since.elapsed() < patience)
+                {
+                    continue;
+                }
             }
         }
         Core::step(&mut state);
@@ -1496,6 +1527,7 @@ impl Engine {
     fn armable(
         &self,
         comm: &Communicator,
+        names: &TensorNames,
         tensors: &[Tensor],
         order: Vec<(u32, u32)>,
     ) -> Option<Armed> {
@@ -1515,11 +1547,29 @@ impl Engine {
                     | crate::Algorithm::Direct
             );
         (exact && comm.size() > 1 && len > 0 && bytes <= MAX_ARMED_BYTES).then_some(Armed {
+            names: names.clone(),
+            lens: tensors.iter().map(Tensor::len).collect(),
             order,
             dtype,
             len,
             options: AllReduceOptions { algorithm, ..opts },
+            since: Instant::now(),
         })
+    }
+
+    /// Whether `tensors` under `names` are the armed group as [`Engine::cached_order`]
+    /// would find it, without its look-ups: the same names (the ids of names never change,
+    /// and no round has changed a cached shape since the group was armed), the same
+    /// shapes, nothing else queued, waiting or failed here.
+    fn is_armed_group(&self, armed: &Armed, names: &TensorNames, tensors: &[Tensor]) -> bool {
+        Arc::ptr_eq(&armed.names.names, &names.names)
+            && !self.busy()
+            && self.failed.is_empty()
+            && tensors.len() == armed.lens.len()
+            && tensors
+                .iter()
+                .zip(&armed.lens)
+                .all(|(t, &len)| t.dtype() == armed.dtype && t.len() == len)
     }
 
     /// The armed group's reduction with this rank's vote: `Some(tensors)` (in the order
@@ -2229,6 +2279,34 @@ mod tests {
         }
     }
 
+    /// While armed, a rank that changes one tensor's shape votes against the group, and
+    /// every rank gets the mismatch error naming the tensor and each rank's shape.
+    #[test]
+    fn a_changed_shape_on_one_rank_ends_the_armed_group_with_a_mismatch() {
+        let outs = Communicator::run_local(2, |comm| -> Result<String> {
+            let r = comm.rank();
+            let engine = FusionEngine::start(comm, FusionConfig::default())?;
+            let names = TensorNames::new(["a", "b"]);
+            for _ in 0..4 {
+                engine.all_reduce_group(&names, vec![vec![1.0f32; 2], vec![1.0f32; 3]])?;
+            }
+            let b_len = if r == 1 { 4 } else { 3 };
+            let err = engine
+                .all_reduce_group(&names, vec![vec![1.0f32; 2], vec![1.0f32; b_len]])
+                .expect_err("the shapes of b differ");
+            engine.shutdown()?;
+            Ok(err.to_string())
+        })
+        .expect("run");
+        for out in outs {
+            let msg = out.expect("rank");
+            assert!(
+                msg.contains("`b`") && msg.contains("rank 0: f32[3], rank 1: f32[4]"),
+                "{msg}"
+            );
+        }
+    }
+
     /// Every element lies in the ring chunk `chunk_of` names.
     #[test]
     fn chunk_of_agrees_with_the_ring_chunks() {
@@ -2243,11 +2321,54 @@ mod tests {
         }
     }
 
-    /// A rank that stops taking part while the others take armed cached-group steps
-    /// (whose background threads join no idle rounds): their step ends with an error
-    /// naming it after the communicator's stall timeout instead of waiting for ever.
+    /// A rank that stops submitting while the others take armed cached-group steps: its
+    /// engine votes against the group once idle, and the others' step ends with the
+    /// general path's stall error naming it and the tensor, instead of waiting for ever.
     #[test]
     fn a_rank_that_stops_is_named_by_the_armed_step() {
+        let config = FusionConfig {
+            stall_warning: Duration::from_millis(200),
+            stall_error: Duration::from_millis(200),
+            ..FusionConfig::default()
+        };
+        let outs = Communicator::run_local(3, |comm| -> Result<()> {
+            let r = comm.rank();
+            let engine = FusionEngine::start(comm, config.clone())?;
+            let names = TensorNames::new(["u", "v"]);
+            for _ in 0..4 {
+                engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2])?;
+            }
+            let armed = match &*engine.core.lock() {
+                CoreState::Running(r) => r.engine.armed.is_some(),
+                CoreState::Ended(_) => false,
+            };
+            assert!(armed, "rank {r}");
+            if r == 2 {
+                std::thread::sleep(Duration::from_secs(4));
+                drop(engine);
+                return Ok(());
+            }
+            let result = engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2]);
+            drop(engine);
+            result.map(|_| ())
+        })
+        .expect("run");
+        for out in &outs[..2] {
+            let msg = out
+                .as_ref()
+                .expect_err("a stopped rank must fail the step")
+                .to_string();
+            assert!(
+                msg.contains("`u`") && msg.contains("not on ranks [2]"),
+                "{msg}"
+            );
+        }
+    }
+
+    /// A rank that stops taking part in the armed reduction itself: the others' wait ends
+    /// with an error naming it after the communicator's stall timeout.
+    #[test]
+    fn a_rank_stuck_in_the_armed_reduction_is_named_at_the_stall_timeout() {
         let outs = Communicator::run_local(3, |comm| -> Result<()> {
             comm.set_stall_timeout(Some(Duration::from_millis(300)));
             let r = comm.rank();
@@ -2257,7 +2378,11 @@ mod tests {
                 engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2])?;
             }
             if r == 2 {
+                // Holds its engine (as a rank stuck in a device call would hold its
+                // thread): no cycle of its own, no vote.
+                let guard = engine.core.lock();
                 std::thread::sleep(Duration::from_secs(2));
+                drop(guard);
                 drop(engine);
                 return Ok(());
             }
