@@ -41,8 +41,13 @@
 //! ids its names had, without a look-up of each name; [`FusionEngine::all_reduce_group`]
 //! of such a group on an otherwise idle engine skips the queue altogether (the
 //! cached-group step: one round whose messages are compared as bytes, then the fused
-//! reduction from and back to the caller's tensors). `ringtrain bench allreduce` prints
-//! the ratio as its `fusion_overhead` rows; see the measured rows in the docs of
+//! reduction from and back to the caller's tensors). When every rank took that step with
+//! the same group (up to 1 MiB, without scaling or wire compression), every rank is armed:
+//! the group's next step is its reduction alone, with one vote slot per ring chunk that
+//! every other cycle (another group, a changed shape, single submissions, shutdown, an
+//! idle engine) turns against it, which ends it on every rank at once and hands the step
+//! to the general path. `ringtrain bench allreduce` prints the ratio as its
+//! `fusion_overhead` rows; see the measured rows in the docs of
 //! [`crate::algorithm_choice`].
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
