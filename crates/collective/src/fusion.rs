@@ -696,7 +696,8 @@ impl FusionEngine {
     /// the order the general path fuses them, without a queue entry, handle or look-up per
     /// tensor. Any other answer (a rank that submitted something else, a failure)
     /// continues as a submitted group would, so decisions and results are the general
-    /// path's.
+    /// path's. Once every rank has taken that step with the same group, the next steps of
+    /// it take no round at all (the armed step in the module docs' "Overhead").
     pub fn all_reduce_group<T: Into<Tensor>>(
         &self,
         names: &TensorNames,
