@@ -691,8 +691,9 @@ mod measure {
     }
 
     /// For every `--fusion-tensors` x `--fusion-tensor-bytes` case: a fused step of N f32
-    /// tensors (submit each, synchronize) against one all-reduce of the same total bytes
-    /// with the same options, taking turns step by step; prints the ratio of the medians.
+    /// tensors (submit each and synchronize; then, in steps of their own, one
+    /// `all_reduce_group`) against one all-reduce of the same total bytes with the same
+    /// options, taking turns step by step; prints the ratio of the medians.
     pub(super) fn fusion_overhead(
         comm: Communicator,
         args: &AllreduceBenchArgs,
@@ -722,7 +723,7 @@ mod measure {
         let mut wrong = 0usize;
         if rank == 0 {
             println!(
-                "# fusion overhead: a fused step of N f32 tensors (submission `each`: one submit per tensor, then synchronize; `group`: one all_reduce_group) against one {} all-reduce of the same total bytes; {size} ranks, {steps} timed steps each, medians of the slowest rank, fusion cycle {} us",
+                "# fusion overhead: a fused step of N f32 tensors (submission `each`: one submit per tensor, then synchronize; `group`: one all_reduce_group, in steps of its own) against one {} all-reduce of the same total bytes taken in turns with each; {size} ranks, {steps} timed steps each, medians of the slowest rank, fusion cycle {} us",
                 opts.algorithm, args.cycle_time_us
             );
             println!(
@@ -744,55 +745,48 @@ mod measure {
             let mut tensors: Vec<Vec<f32>> = (0..n).map(|_| vec![1.0f32; len]).collect();
             let mut flat = vec![1.0f32; n * len];
             let group = TensorNames::new(&names);
-            let mut fused_times = Vec::with_capacity(steps);
-            let mut group_times = Vec::with_capacity(steps);
-            let mut flat_times = Vec::with_capacity(steps);
-            for step in 0..warmup + steps {
-                flat.fill(1.0);
-                other.barrier()?;
-                let start = Instant::now();
-                other.all_reduce(&mut flat, &opts)?;
-                let one = start.elapsed().as_secs_f64();
-                wrong += flat.iter().filter(|&&x| x != size as f32).count();
+            // One way of submitting after the other, each against its own baseline taken
+            // in turns with it: a step of one way would end the other's steady state (an
+            // engine armed for a cached group reduces it without a round until any other
+            // cycle comes).
+            for submission in ["each", "group"] {
+                let mut fused_times = Vec::with_capacity(steps);
+                let mut flat_times = Vec::with_capacity(steps);
+                for step in 0..warmup + steps {
+                    flat.fill(1.0);
+                    other.barrier()?;
+                    let start = Instant::now();
+                    other.all_reduce(&mut flat, &opts)?;
+                    let one = start.elapsed().as_secs_f64();
+                    wrong += flat.iter().filter(|&&x| x != size as f32).count();
 
-                for t in tensors.iter_mut() {
-                    t.fill(1.0);
+                    for t in tensors.iter_mut() {
+                        t.fill(1.0);
+                    }
+                    other.barrier()?;
+                    let start = Instant::now();
+                    let reduced = if submission == "each" {
+                        let mut handles = Vec::with_capacity(n);
+                        for (name, t) in names.iter().zip(tensors.drain(..)) {
+                            handles.push(engine.submit(name, t)?);
+                        }
+                        engine.synchronize(handles)?
+                    } else {
+                        engine.all_reduce_group(&group, std::mem::take(&mut tensors))?
+                    };
+                    let fused = start.elapsed().as_secs_f64();
+                    for t in reduced {
+                        let v = t.into_vec::<f32>()?;
+                        wrong += v.iter().filter(|&&x| x != size as f32).count();
+                        tensors.push(v);
+                    }
+                    if step >= warmup {
+                        flat_times.push(one);
+                        fused_times.push(fused);
+                    }
                 }
-                other.barrier()?;
-                let start = Instant::now();
-                let mut handles = Vec::with_capacity(n);
-                for (name, t) in names.iter().zip(tensors.drain(..)) {
-                    handles.push(engine.submit(name, t)?);
-                }
-                let reduced = engine.synchronize(handles)?;
-                let fused = start.elapsed().as_secs_f64();
-                for t in reduced {
-                    let v = t.into_vec::<f32>()?;
-                    wrong += v.iter().filter(|&&x| x != size as f32).count();
-                    tensors.push(v);
-                }
-
-                for t in tensors.iter_mut() {
-                    t.fill(1.0);
-                }
-                other.barrier()?;
-                let start = Instant::now();
-                let reduced = engine.all_reduce_group(&group, std::mem::take(&mut tensors))?;
-                let grouped = start.elapsed().as_secs_f64();
-                for t in reduced {
-                    let v = t.into_vec::<f32>()?;
-                    wrong += v.iter().filter(|&&x| x != size as f32).count();
-                    tensors.push(v);
-                }
-                if step >= warmup {
-                    flat_times.push(one);
-                    fused_times.push(fused);
-                    group_times.push(grouped);
-                }
-            }
-            let all_reduce = max_over_ranks(&mut other, median(&mut flat_times))?;
-            for (submission, times) in [("each", &mut fused_times), ("group", &mut group_times)] {
-                let fused = max_over_ranks(&mut other, median(times))?;
+                let all_reduce = max_over_ranks(&mut other, median(&mut flat_times))?;
+                let fused = max_over_ranks(&mut other, median(&mut fused_times))?;
                 let ratio = fused / all_reduce;
                 if rank == 0 {
                     println!(

@@ -38,8 +38,16 @@
 //! one negotiation round (a bit vector once every name is cached), the copy of every
 //! element into the fusion buffer and back, and a few operations per tensor (its slot,
 //! its bit, its result). A group submitted again with the same [`TensorNames`] goes by the
-//! ids its names had, without a look-up of each name. `ringtrain bench allreduce` prints
-//! the ratio as its `fusion_overhead` rows; see the measured rows in the docs of
+//! ids its names had, without a look-up of each name; [`FusionEngine::all_reduce_group`]
+//! of such a group on an otherwise idle engine skips the queue altogether (the
+//! cached-group step: one round whose messages are compared as bytes, then the fused
+//! reduction from and back to the caller's tensors). When every rank took that step with
+//! the same group (up to 1 MiB, without scaling or wire compression), every rank is armed:
+//! the group's next step is its reduction alone, with one vote slot per ring chunk that
+//! every other cycle (another group, a changed shape, single submissions, shutdown, an
+//! idle engine) turns against it, which ends it on every rank at once and hands the step
+//! to the general path. `ringtrain bench allreduce` prints the ratio as its
+//! `fusion_overhead` rows; see the measured rows in the docs of
 //! [`crate::algorithm_choice`].
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
@@ -52,7 +60,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 
-use crate::communicator::Communicator;
+use crate::communicator::{ring_chunk_range, Communicator};
 use crate::dtype::{DType, Element, Tensor};
 use crate::error::{Error, Result};
 use crate::negotiation::{
@@ -560,11 +568,18 @@ impl FusionEngine {
             group_ids: HashMap::default(),
             #[cfg(test)]
             by_group_id: 0,
+            #[cfg(test)]
+            rounds: 0,
+            #[cfg(test)]
+            cached_steps: 0,
+            #[cfg(test)]
+            armed_rounds: 0,
             shutting_down: false,
             table: ReadyTable::new(size),
             foreign: Arc::clone(&foreign),
             board: Arc::clone(&board),
             buffer: Vec::new(),
+            armed: None,
             timeline: Timeline::new(
                 config.timeline.as_deref(),
                 config.events.as_ref(),
@@ -672,12 +687,44 @@ impl FusionEngine {
     /// All-reduces a group of tensors and returns them in the order of `names`:
     /// [`FusionEngine::submit_group`] and [`GroupHandle::wait`] at once, without waking
     /// the background thread (this thread runs the cycles).
+    ///
+    /// A cached group (the same [`TensorNames`] as in an earlier step, every shape as last
+    /// reduced, one dtype, within the fusion threshold), submitted while nothing else is
+    /// queued on this rank, is reduced at once on this thread: its negotiation round sends
+    /// the message it would send anyway (the group's bits), and when every rank sends the
+    /// same message its tensors are copied from where they lie into the fusion buffer, in
+    /// the order the general path fuses them, without a queue entry, handle or look-up per
+    /// tensor. Any other answer (a rank that submitted something else, a failure)
+    /// continues as a submitted group would, so decisions and results are the general
+    /// path's. Once every rank has taken that step with the same group, the next steps of
+    /// it take no round at all (the armed step in the module docs' "Overhead").
     pub fn all_reduce_group<T: Into<Tensor>>(
         &self,
         names: &TensorNames,
         tensors: Vec<T>,
     ) -> Result<Vec<Tensor>> {
-        self.queue_group(names, tensors, false)?.wait()
+        if tensors.len() != names.len() || self.tx.is_none() || self.timed {
+            return self.queue_group(names, tensors, false)?.wait();
+        }
+        let tensors: Vec<Tensor> = tensors.into_iter().map(Into::into).collect();
+        match self.core.cached_group(names, tensors, &self.board)? {
+            CachedGroup::Reduced(out) => {
+                if let Some(e) = self.take_foreign_failure() {
+                    return Err(e);
+                }
+                Ok(out)
+            }
+            CachedGroup::Queued(batch) => GroupHandle {
+                batch,
+                names: names.clone(),
+                board: Arc::clone(&self.board),
+                core: Arc::clone(&self.core),
+                foreign: Arc::clone(&self.foreign),
+                waited: false,
+            }
+            .wait(),
+            CachedGroup::NotCached(tensors) => self.queue_group(names, tensors, false)?.wait(),
+        }
     }
 
     fn queue_group<T: Into<Tensor>>(
@@ -927,13 +974,71 @@ struct Engine {
     /// Tensors accepted by their group's ids, without a look-up of their name.
     #[cfg(test)]
     by_group_id: usize,
+    /// Negotiation rounds run.
+    #[cfg(test)]
+    rounds: usize,
+    /// Groups reduced by the cached-group step (with a round or armed).
+    #[cfg(test)]
+    cached_steps: usize,
+    /// Armed reductions run (votes for and against).
+    #[cfg(test)]
+    armed_rounds: usize,
     shutting_down: bool,
     table: ReadyTable,
     foreign: ForeignFailures,
     board: Arc<Board>,
     buffer: Vec<u64>,
     timeline: Timeline,
+    /// The cached group every rank agreed to reduce next without a round.
+    armed: Option<Armed>,
 }
+
+/// A cached group that every rank reduced in the last cycle and reduces again in the
+/// next without a negotiation round: the next cycle of every rank is an all-reduce of its
+/// fused tensors plus one check slot per ring chunk, in which each rank votes for the
+/// group (it submitted the same group again) or against (it submitted anything else,
+/// shuts down, or waits for another tensor). Only a vote of every rank for it delivers
+/// the sums; any vote against ends it on every rank at once (every rank sees the same
+/// reduced slots), and the cycles go on with rounds. An armed engine's background thread
+/// makes no idle round until the engine has been idle for [`MAX_ARMED_IDLE`] (or a
+/// quarter of the stall timeout); its idle round then is a vote against, so that a rank
+/// waiting in the armed reduction for an idle one goes on to the general path, whose
+/// stall checks name the missing ranks and tensors.
+///
+/// The slots are placed one after each ring chunk of the fused tensors, so that every
+/// element stays in its chunk and is summed in the order it would be without them (the
+/// other algorithms' orders do not depend on an element's place), and the algorithm is
+/// the one chosen for the tensors' own size: the sums are the general path's bits. A vote
+/// is a value whose reduction is exact under every operation without scaling or wire
+/// compression (which are not armed): for a sum, average or maximum 0 for and 1 against,
+/// so that the slot stays 0 only when every rank voted for; for a minimum 1 for and 0
+/// against.
+#[derive(Debug)]
+struct Armed {
+    /// The group's names (kept, so that their address stays theirs).
+    names: TensorNames,
+    /// Its tensors' lengths, in the order of the names.
+    lens: Vec<usize>,
+    /// `(id, index)` in id order, as [`Engine::cached_order`] gives it.
+    order: Vec<(u32, u32)>,
+    dtype: DType,
+    /// Elements of all its tensors.
+    len: usize,
+    /// The options with the algorithm resolved for the tensors' own size.
+    options: AllReduceOptions,
+    /// When it was armed or last reduced.
+    since: Instant,
+}
+
+/// How long an armed engine stays idle before its background thread votes against the
+/// group (and idle rounds resume), at most: a step that takes longer pays that vote and a
+/// round, and a rank that waits in the armed reduction for an idle one is released long
+/// before the stall timeout (a quarter of it where that is shorter) would report it.
+const MAX_ARMED_IDLE: Duration = Duration::from_secs(1);
+
+/// The largest cached group reduced without rounds: above it a round costs little next
+/// to the reduction, and an armed vote against costs a reduction of this size.
+const MAX_ARMED_BYTES: usize = 1 << 20;
 
 /// The engine with its communicator, run one cycle at a time under a lock: by the
 /// background thread while nobody waits, and by a caller that waits for its results
@@ -973,6 +1078,14 @@ impl Core {
             return;
         };
         r.engine.drain(&r.rx);
+        if let Some(armed) = r.engine.armed.take() {
+            // Anything but the armed group itself: a vote against it ends it on every rank,
+            // and this cycle goes on as a round.
+            if let Err(e) = r.engine.armed_round(&mut r.comm, &armed, None) {
+                Self::finish(state, Err(e));
+                return;
+            }
+        }
         let outcome = r.engine.cycle(&mut r.comm);
         match outcome {
             Ok(false) => {}
@@ -1030,6 +1143,115 @@ impl Core {
         }
     }
 
+    /// The cached-group step of [`FusionEngine::all_reduce_group`] on the calling thread.
+    fn cached_group(
+        &self,
+        names: &TensorNames,
+        mut tensors: Vec<Tensor>,
+        board: &Arc<Board>,
+    ) -> Result<CachedGroup> {
+        let mut state = self.lock();
+        let CoreState::Running(r) = &mut *state else {
+            return Ok(CachedGroup::NotCached(tensors));
+        };
+        r.engine.drain(&r.rx);
+        if let Some(armed) = r.engine.armed.take() {
+            // Every rank's next cycle is this group's reduction: with this rank's tensors
+            // when it submitted the same group, else with a vote against it.
+            let same = r.engine.is_armed_group(&armed, names, &tensors);
+            let voted = same.then_some(&mut tensors[..]);
+            match r.engine.armed_round(&mut r.comm, &armed, voted) {
+                Ok(true) => {
+                    r.engine.armed = Some(Armed {
+                        since: Instant::now(),
+                        ..armed
+                    });
+                    return Ok(CachedGroup::Reduced(tensors));
+                }
+                // Every rank has seen a vote against it: the group goes the long way.
+                Ok(false) => {}
+                Err(e) => {
+                    let reason = e.to_string();
+                    Self::finish(&mut state, Err(e));
+                    return Err(Error::EngineStopped { reason });
+                }
+            }
+        }
+        let Some(order) = r.engine.cached_order(names, &tensors) else {
+            return Ok(CachedGroup::NotCached(tensors));
+        };
+        let mut cached = IdBits::default();
+        for &(id, _) in &order {
+            cached.insert(id);
+        }
+        let armed = r.engine.armable(&r.comm, names, &tensors, order.clone());
+        let msg = CycleMessage {
+            cached,
+            arming: armed.is_some(),
+            ..CycleMessage::default()
+        }
+        .encode();
+        let round = r.engine.exchange(&mut r.comm, &msg).and_then(|gathered| {
+            if gathered.iter().all(|m| *m == msg) {
+                // Every rank sent this group's bits and nothing else: with no entry open
+                // (this rank's table is empty, and every rank's table is the same), the
+                // table would only answer "reduce the group"; it stays as it is.
+                Ok(None)
+            } else {
+                r.engine.absorb(&gathered).map(Some)
+            }
+        });
+        let (decisions, negotiated, agreed) = match round {
+            Ok(None) => (Vec::new(), Instant::now(), true),
+            Ok(Some((decisions, negotiated))) => (decisions, negotiated, false),
+            Err(e) => {
+                let reason = e.to_string();
+                Self::finish(&mut state, Err(e));
+                return Err(Error::EngineStopped { reason });
+            }
+        };
+        // Every rank answered with the same bits (and nothing of this group failed):
+        // the decisions reduce exactly the group, in id order.
+        let mut reduced = decisions.iter().filter_map(|d| match d {
+            Decision::Reduce { id, .. } => Some(*id),
+            Decision::Fail { .. } => None,
+        });
+        let whole = agreed
+            || (order.iter().all(|&(id, _)| reduced.next() == Some(id))
+                && reduced.next().is_none());
+        if !whole {
+            // Continues exactly as a submitted group: its tensors queued, the decisions
+            // carried out, the caller then waiting on its batch.
+            let batch = board.open_batch(tensors.len());
+            r.engine.queue_cached(batch, tensors, &order);
+            let outcome = r.engine.carry_out(&mut r.comm, decisions, negotiated);
+            match outcome {
+                Ok(false) => {}
+                Ok(true) => Self::finish(&mut state, Ok(())),
+                Err(e) => Self::finish(&mut state, Err(e)),
+            }
+            return Ok(CachedGroup::Queued(batch));
+        }
+        for d in decisions {
+            if let Decision::Fail { id, name, failure } = d {
+                r.engine.fail(id, name, failure);
+            }
+        }
+        if let Err(e) = r.engine.reduce_cached(&mut r.comm, &mut tensors, &order) {
+            let reason = e.to_string();
+            Self::finish(&mut state, Err(e));
+            return Err(Error::EngineStopped { reason });
+        }
+        if agreed {
+            // Every rank sent this message, so every rank asked to arm, or none did.
+            r.engine.armed = armed.map(|a| Armed {
+                since: Instant::now(),
+                ..a
+            });
+        }
+        Ok(CachedGroup::Reduced(tensors))
+    }
+
     /// Runs cycles on the calling thread until `done()` or the engine has ended.
     fn help(&self, done: impl Fn() -> bool) {
         while !done() {
@@ -1040,6 +1262,16 @@ impl Core {
             Self::step(&mut state);
         }
     }
+}
+
+/// What became of a group offered to the cached-group step.
+enum CachedGroup {
+    /// Reduced: the tensors in the order of their names.
+    Reduced(Vec<Tensor>),
+    /// The other ranks did not answer with the same group: queued as this batch.
+    Queued(u64),
+    /// Not a cached group (or not now): the tensors, untouched.
+    NotCached(Vec<Tensor>),
 }
 
 /// The background thread: waits for submissions (an idle engine joins a round every
@@ -1066,6 +1298,21 @@ fn background(core: Arc<Core>, wake: Arc<Wakeup>, cycle_time: Duration) {
             // round for nothing (the other ranks would have to join it).
             if !idle_round && !r.engine.busy() && r.rx.is_empty() {
                 continue;
+            }
+            // An armed engine's next cycle is its group's reduction on every rank: its
+            // idle round is a vote against, once it has been idle for a while.
+            if idle_round && r.rx.is_empty() {
+                let patience = r
+                    .comm
+                    .stall_timeout()
+                    .map_or(MAX_ARMED_IDLE, |t| MAX_ARMED_IDLE.min(t / 4));
+                if r.engine
+                    .armed
+                    .as_ref()
+                    .is_some_and(|a| a.since.elapsed() < patience)
+                {
+                    continue;
+                }
             }
         }
         Core::step(&mut state);
@@ -1191,6 +1438,215 @@ impl Engine {
         }
     }
 
+    /// `(id, index)` of every tensor of `names` in id order (the order a round's
+    /// decisions reduce them in) when the group can take the cached-group step: nothing
+    /// else queued, waiting or failed here, no timeline, a remembered group of at least
+    /// two distinct names, every shape as cached, one dtype, one fusion buffer.
+    fn cached_order(&self, names: &TensorNames, tensors: &[Tensor]) -> Option<Vec<(u32, u32)>> {
+        if tensors.len() < 2 || self.busy() || !self.failed.is_empty() || self.timeline.enabled() {
+            return None;
+        }
+        let key = Arc::as_ptr(&names.names).cast::<Arc<str>>() as usize;
+        let (_, ids) = self.group_ids.get(&key)?;
+        let dtype = tensors[0].dtype();
+        let mut bytes = 0usize;
+        let mut order = Vec::with_capacity(ids.len());
+        for (index, (&id, t)) in ids.iter().zip(tensors).enumerate() {
+            if t.dtype() != dtype || !self.table.is_cached(id, dtype, t.len() as u64) {
+                return None;
+            }
+            bytes = bytes.saturating_add(t.size_bytes());
+            order.push((id, index as u32));
+        }
+        if order.len() != tensors.len() || bytes > self.config.threshold_bytes {
+            return None;
+        }
+        order.sort_unstable();
+        order.windows(2).all(|w| w[0].0 < w[1].0).then_some(order)
+    }
+
+    /// Queues a group offered to the cached-group step as [`Engine::accept_group`] would
+    /// have (every name has its id and a free slot: [`Engine::cached_order`] said so).
+    fn queue_cached(&mut self, batch: u64, tensors: Vec<Tensor>, order: &[(u32, u32)]) {
+        let mut tensors: Vec<Option<Tensor>> = tensors.into_iter().map(Some).collect();
+        for &(id, index) in order {
+            let Some(tensor) = tensors[index as usize].take() else {
+                continue;
+            };
+            self.slots[id as usize] = Some(Pending {
+                tensor: Payload::Owned(tensor),
+                ticket: Ticket::Member { batch, index },
+                submitted: None,
+            });
+            self.queued += 1;
+        }
+    }
+
+    /// The fused reduction of a cached group, as [`Engine::reduce_group`] does it for the
+    /// same tensors queued (same buffer, same order), from and back to where they lie.
+    fn reduce_cached(
+        &mut self,
+        comm: &mut Communicator,
+        tensors: &mut [Tensor],
+        order: &[(u32, u32)],
+    ) -> Result<()> {
+        match tensors[0].dtype() {
+            DType::F32 => self.reduce_cached_as::<f32>(comm, tensors, order),
+            DType::F64 => self.reduce_cached_as::<f64>(comm, tensors, order),
+            DType::F16 => self.reduce_cached_as::<half::f16>(comm, tensors, order),
+            DType::BF16 => self.reduce_cached_as::<half::bf16>(comm, tensors, order),
+        }
+    }
+
+    fn reduce_cached_as<T: Element>(
+        &mut self,
+        comm: &mut Communicator,
+        tensors: &mut [Tensor],
+        order: &[(u32, u32)],
+    ) -> Result<()> {
+        let total: usize = tensors.iter().map(Tensor::len).sum();
+        let fused = fusion_buffer::<T>(&mut self.buffer, total);
+        let mut at = 0;
+        for &(_, index) in order {
+            let src = typed::<T>(&mut tensors[index as usize])?;
+            fused[at..at + src.len()].copy_from_slice(src);
+            at += src.len();
+        }
+        comm.all_reduce(fused, &self.config.options)?;
+        let mut at = 0;
+        for &(_, index) in order {
+            let dst = typed::<T>(&mut tensors[index as usize])?;
+            let n = dst.len();
+            dst.copy_from_slice(&fused[at..at + n]);
+            at += n;
+        }
+        #[cfg(test)]
+        {
+            self.cached_steps += 1;
+        }
+        Ok(())
+    }
+
+    /// The armed state a cached-group step of `tensors` (in `order`) asks for, if its
+    /// reduction can carry the votes exactly: no scaling, no wire compression, one of our
+    /// algorithms whose order of additions the slots keep, at most [`MAX_ARMED_BYTES`].
+    fn armable(
+        &self,
+        comm: &Communicator,
+        names: &TensorNames,
+        tensors: &[Tensor],
+        order: Vec<(u32, u32)>,
+    ) -> Option<Armed> {
+        let opts = self.config.options;
+        let dtype = tensors.first()?.dtype();
+        let len: usize = tensors.iter().map(Tensor::len).sum();
+        let bytes = len * dtype.size_bytes();
+        let algorithm = comm.resolve_algorithm(opts.algorithm, bytes);
+        let exact = opts.prescale == 1.0
+            && opts.postscale == 1.0
+            && opts.compression == crate::options::WireCompression::None
+            && matches!(
+                algorithm,
+                crate::Algorithm::Ring
+                    | crate::Algorithm::RecursiveDoubling
+                    | crate::Algorithm::HalvingDoubling
+                    | crate::Algorithm::Direct
+            );
+        (exact && comm.size() > 1 && len > 0 && bytes <= MAX_ARMED_BYTES).then_some(Armed {
+            names: names.clone(),
+            lens: tensors.iter().map(Tensor::len).collect(),
+            order,
+            dtype,
+            len,
+            options: AllReduceOptions { algorithm, ..opts },
+            since: Instant::now(),
+        })
+    }
+
+    /// Whether `tensors` under `names` are the armed group as [`Engine::cached_order`]
+    /// would find it, without its look-ups: the same names (the ids of names never change,
+    /// and no round has changed a cached shape since the group was armed), the same
+    /// shapes, nothing else queued, waiting or failed here.
+    fn is_armed_group(&self, armed: &Armed, names: &TensorNames, tensors: &[Tensor]) -> bool {
+        Arc::ptr_eq(&armed.names.names, &names.names)
+            && !self.busy()
+            && self.failed.is_empty()
+            && tensors.len() == armed.lens.len()
+            && tensors
+                .iter()
+                .zip(&armed.lens)
+                .all(|(t, &len)| t.dtype() == armed.dtype && t.len() == len)
+    }
+
+    /// The armed group's reduction with this rank's vote: `Some(tensors)` (in the order
+    /// of their names) for it, `None` against. True when every rank voted for it (the
+    /// sums are in the tensors); false when any voted against (nothing was written).
+    fn armed_round(
+        &mut self,
+        comm: &mut Communicator,
+        armed: &Armed,
+        tensors: Option<&mut [Tensor]>,
+    ) -> Result<bool> {
+        #[cfg(test)]
+        {
+            self.armed_rounds += 1;
+        }
+        match armed.dtype {
+            DType::F32 => self.armed_round_as::<f32>(comm, armed, tensors),
+            DType::F64 => self.armed_round_as::<f64>(comm, armed, tensors),
+            DType::F16 => self.armed_round_as::<half::f16>(comm, armed, tensors),
+            DType::BF16 => self.armed_round_as::<half::bf16>(comm, armed, tensors),
+        }
+    }
+
+    fn armed_round_as<T: Element>(
+        &mut self,
+        comm: &mut Communicator,
+        armed: &Armed,
+        mut tensors: Option<&mut [Tensor]>,
+    ) -> Result<bool> {
+        let (n, len) = (comm.size(), armed.len);
+        let (for_it, against) = match armed.options.op {
+            crate::ReduceOp::Min => (1.0, 0.0),
+            _ => (0.0, 1.0),
+        };
+        let buf = fusion_buffer::<T>(&mut self.buffer, len + n);
+        match tensors.as_deref_mut() {
+            Some(tensors) => {
+                let mut at = 0;
+                for &(_, index) in &armed.order {
+                    let src = typed::<T>(&mut tensors[index as usize])?;
+                    scatter_past_slots(buf, len, n, at, src);
+                    at += src.len();
+                }
+            }
+            None => buf.fill(T::from_f64(0.0)),
+        }
+        let vote = T::from_f64(if tensors.is_some() { for_it } else { against });
+        for c in 0..n {
+            buf[ring_chunk_range(len, n, c).end + c] = vote;
+        }
+        comm.all_reduce(buf, &armed.options)?;
+        let agreed = (0..n).all(|c| buf[ring_chunk_range(len, n, c).end + c].to_f64() == for_it);
+        if !agreed {
+            return Ok(false);
+        }
+        let Some(tensors) = tensors else {
+            return Ok(false);
+        };
+        let mut at = 0;
+        for &(_, index) in &armed.order {
+            let dst = typed::<T>(&mut tensors[index as usize])?;
+            gather_past_slots(buf, len, n, at, dst);
+            at += dst.len();
+        }
+        #[cfg(test)]
+        {
+            self.cached_steps += 1;
+        }
+        Ok(true)
+    }
+
     fn duplicate(&self, name: &str, ticket: Ticket) {
         let err = Error::DuplicateName {
             name: name.to_owned(),
@@ -1234,30 +1690,43 @@ impl Engine {
     /// One negotiation round and the reductions it agrees on; true once every rank has
     /// shut down.
     fn cycle(&mut self, comm: &mut Communicator) -> Result<bool> {
-        let size = comm.size();
-        let now = Instant::now();
-        let fail = if self.rank == 0 {
-            self.table.expired(
-                now,
-                self.config
-                    .stall_warning
-                    .saturating_add(self.config.stall_error),
-            )
-        } else {
-            Vec::new()
-        };
         let msg = CycleMessage {
             shutting_down: self.shutting_down,
+            arming: false,
             announcements: std::mem::take(&mut self.fresh),
             cached: std::mem::take(&mut self.fresh_bits),
-            fail,
+            fail: self.expired_ids(),
         };
+        let (decisions, negotiated) = self.negotiate(comm, msg)?;
+        self.carry_out(comm, decisions, negotiated)
+    }
+
+    /// The coordinator's list of tensors whose stall timeout ran out (empty elsewhere).
+    fn expired_ids(&self) -> Vec<u32> {
+        if self.rank != 0 {
+            return Vec::new();
+        }
+        self.table.expired(
+            Instant::now(),
+            self.config
+                .stall_warning
+                .saturating_add(self.config.stall_error),
+        )
+    }
+
+    /// Exchanges `msg` with every rank and feeds the gathered messages into the table:
+    /// the decisions every rank takes alike, and when the round ended.
+    fn negotiate(
+        &mut self,
+        comm: &mut Communicator,
+        msg: CycleMessage,
+    ) -> Result<(Vec<Decision>, Instant)> {
         // A round is drawn only when this rank had something in it: idle rounds (the
         // stall checks between steps) would fill a timeline with nothing.
         let drawn = self.timeline.enabled()
             && (!msg.announcements.is_empty() || !msg.cached.is_empty() || self.queued > 0);
         let round_start = drawn.then(Instant::now);
-        let gathered = comm.negotiate(&msg.encode())?;
+        let gathered = self.exchange(comm, &msg.encode())?;
         if let Some(start) = round_start {
             let args = serde_json::json!({
                 "announced": msg.announcements.len(),
@@ -1265,9 +1734,24 @@ impl Engine {
             });
             self.timeline.negotiation(start, Instant::now(), args);
         }
+        self.absorb(&gathered)
+    }
+
+    /// Sends this rank's encoded message to every rank and returns every rank's.
+    fn exchange(&mut self, comm: &mut Communicator, encoded: &[u8]) -> Result<Vec<Vec<u8>>> {
+        #[cfg(test)]
+        {
+            self.rounds += 1;
+        }
+        comm.negotiate(encoded)
+    }
+
+    /// Feeds every rank's message of a round into the table: the decisions, and when.
+    fn absorb(&mut self, gathered: &[Vec<u8>]) -> Result<(Vec<Decision>, Instant)> {
+        let size = gathered.len();
         let known = self.table.registered_count();
         let mut messages = Vec::with_capacity(size);
-        for bytes in &gathered {
+        for bytes in gathered {
             messages.push(CycleMessage::decode(bytes, self.rank, known)?);
         }
         let negotiated = Instant::now();
@@ -1292,6 +1776,16 @@ impl Engine {
                     );
             }
         }
+        Ok((decisions, negotiated))
+    }
+
+    /// Fails and reduces what a round decided; true once every rank has shut down.
+    fn carry_out(
+        &mut self,
+        comm: &mut Communicator,
+        decisions: Vec<Decision>,
+        negotiated: Instant,
+    ) -> Result<bool> {
         let mut ready = Vec::new();
         for d in decisions {
             match d {
@@ -1431,13 +1925,7 @@ impl Engine {
             return Ok(());
         }
         let total: usize = group.iter().map(|(_, p)| p.tensor.len()).sum();
-        let words = (total * T::BYTES).div_ceil(8);
-        if self.buffer.len() < words {
-            self.buffer.resize(words, 0);
-        }
-        let bytes =
-            &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.buffer[..words])[..total * T::BYTES];
-        let fused: &mut [T] = bytemuck::cast_slice_mut(bytes);
+        let fused = fusion_buffer::<T>(&mut self.buffer, total);
         // Per-tensor timestamps only when a timeline is written: they cost more than
         // copying a small tensor.
         let timed = self.timeline.enabled();
@@ -1494,9 +1982,64 @@ impl Engine {
     }
 }
 
+/// The ring chunk (of `len` elements over `n` ranks) that element `at` lies in.
+fn chunk_of(len: usize, n: usize, at: usize) -> usize {
+    let (base, extra) = (len / n, len % n);
+    let long = extra * (base + 1);
+    if at < long {
+        at / (base + 1)
+    } else {
+        extra + (at - long) / base.max(1)
+    }
+}
+
+/// Copies `src` to elements `at..` of `len` fused elements laid out with one slot after
+/// each of the `n` ring chunks (element `i` of chunk `c` lies `c` places further on).
+fn scatter_past_slots<T: Copy>(buf: &mut [T], len: usize, n: usize, mut at: usize, mut src: &[T]) {
+    while !src.is_empty() {
+        let c = chunk_of(len, n, at);
+        let m = src.len().min(ring_chunk_range(len, n, c).end - at);
+        buf[at + c..at + c + m].copy_from_slice(&src[..m]);
+        at += m;
+        src = &src[m..];
+    }
+}
+
+/// The inverse of [`scatter_past_slots`]: elements `at..` into `dst`.
+fn gather_past_slots<T: Copy>(buf: &[T], len: usize, n: usize, mut at: usize, dst: &mut [T]) {
+    let mut done = 0;
+    while done < dst.len() {
+        let c = chunk_of(len, n, at);
+        let m = (dst.len() - done).min(ring_chunk_range(len, n, c).end - at);
+        dst[done..done + m].copy_from_slice(&buf[at + c..at + c + m]);
+        at += m;
+        done += m;
+    }
+}
+
+/// The first `len` elements of the fusion buffer (grown as needed) as `T`s.
+fn fusion_buffer<T: Element>(buffer: &mut Vec<u64>, len: usize) -> &mut [T] {
+    let words = (len * T::BYTES).div_ceil(8);
+    if buffer.len() < words {
+        buffer.resize(words, 0);
+    }
+    let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buffer[..words])[..len * T::BYTES];
+    bytemuck::cast_slice_mut(bytes)
+}
+
+/// Typed view of an owned tensor whose dtype was checked to be `T`.
+fn typed<T: Element>(t: &mut Tensor) -> Result<&mut [T]> {
+    let dtype = t.dtype();
+    typed_bytes(dtype, t.as_bytes_mut())
+}
+
 /// Typed view of a tensor whose dtype was agreed to be `T`.
 fn typed_mut<T: Element>(t: &mut Payload) -> Result<&mut [T]> {
     let dtype = t.dtype();
+    typed_bytes(dtype, t.bytes_mut())
+}
+
+fn typed_bytes<T: Element>(dtype: DType, bytes: &mut [u8]) -> Result<&mut [T]> {
     if dtype != T::DTYPE {
         return Err(Error::invalid(
             "tensor dtype",
@@ -1504,7 +2047,7 @@ fn typed_mut<T: Element>(t: &mut Payload) -> Result<&mut [T]> {
             "internal: the agreed dtype differs from the queued tensor",
         ));
     }
-    bytemuck::try_cast_slice_mut(t.bytes_mut()).map_err(|_| {
+    bytemuck::try_cast_slice_mut(bytes).map_err(|_| {
         Error::invalid(
             "tensor buffer",
             dtype,
@@ -1517,12 +2060,25 @@ fn typed_mut<T: Element>(t: &mut Payload) -> Result<&mut [T]> {
 mod tests {
     use super::*;
 
+    /// The engine's counters: (tensors accepted by group id, cached-group steps, rounds,
+    /// armed reductions).
+    fn counters(engine: &FusionEngine) -> (usize, usize, usize, usize) {
+        match &*engine.core.lock() {
+            CoreState::Running(r) => {
+                let e = &r.engine;
+                (e.by_group_id, e.cached_steps, e.rounds, e.armed_rounds)
+            }
+            CoreState::Ended(_) => (usize::MAX, usize::MAX, usize::MAX, usize::MAX),
+        }
+    }
+
     /// From its third step on (the names are registered by the first and their ids noted
-    /// by the second), a group submitted again skips the look-up of every name; a changed
-    /// shape goes the long way for that tensor only.
+    /// by the second), a group submitted again takes the cached-group step: no look-up of
+    /// a name, no queue entry. A changed shape goes the long way, where the tensors whose
+    /// shape stayed go by their ids.
     #[test]
     fn a_group_submitted_again_goes_by_its_ids() {
-        let outs = Communicator::run_local(2, |comm| -> Result<Vec<usize>> {
+        let outs = Communicator::run_local(2, |comm| -> Result<Vec<(usize, usize)>> {
             let engine = FusionEngine::start(comm, FusionConfig::default())?;
             let names = TensorNames::new(["a", "b", "c"]);
             let mut counts = Vec::new();
@@ -1531,17 +2087,362 @@ mod tests {
                 let tensors = vec![vec![1.0f32; 2], vec![1.0f32; b_len], vec![1.0f32; 2]];
                 let out = engine.all_reduce_group(&names, tensors)?;
                 assert_eq!(out[1].clone().into_vec::<f32>()?, vec![2.0; b_len]);
-                counts.push(match &*engine.core.lock() {
-                    CoreState::Running(r) => r.engine.by_group_id,
-                    CoreState::Ended(_) => usize::MAX,
-                });
+                let (by_id, cached, _, _) = counters(&engine);
+                counts.push((by_id, cached));
             }
             engine.shutdown()?;
             Ok(counts)
         })
         .expect("run");
         for out in outs {
-            assert_eq!(out.expect("rank"), vec![0, 0, 3, 6, 8]);
+            assert_eq!(
+                out.expect("rank"),
+                vec![(0, 0), (0, 0), (0, 1), (0, 2), (2, 2)]
+            );
+        }
+    }
+
+    /// Values whose sums depend on their order (not small integers), rank- and tensor-
+    /// dependent.
+    fn odd_values(rank: usize, k: usize, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| 1.0 / (1.0 + (rank * 7919 + k * 104_729 + i * 31) as f32 % 977.0) + 1e3)
+            .collect()
+    }
+
+    /// The cached-group step fuses the tensors in the order the general path does (by id,
+    /// not by their place in the group), and the armed step keeps every element in its
+    /// ring chunk, so their results are the general path's bit for bit, at 2 to 4 ranks
+    /// over a ring (whose order of additions depends on an element's place in the
+    /// buffer) with every operation, and each other algorithm.
+    #[test]
+    fn a_cached_group_step_gives_the_general_paths_bits() {
+        let cases = [
+            (crate::Algorithm::Ring, crate::ReduceOp::Sum),
+            (crate::Algorithm::Ring, crate::ReduceOp::Average),
+            (crate::Algorithm::Ring, crate::ReduceOp::Min),
+            (crate::Algorithm::Ring, crate::ReduceOp::Max),
+            (crate::Algorithm::RecursiveDoubling, crate::ReduceOp::Sum),
+            (crate::Algorithm::HalvingDoubling, crate::ReduceOp::Sum),
+            (crate::Algorithm::Direct, crate::ReduceOp::Sum),
+            (crate::Algorithm::Auto, crate::ReduceOp::Max),
+        ];
+        for size in [2, 3, 4] {
+            for (algorithm, op) in cases {
+                let config = FusionConfig {
+                    options: AllReduceOptions::with_op(op).algorithm(algorithm),
+                    ..FusionConfig::default()
+                };
+                let outs = Communicator::run_local(size, |comm| -> Result<usize> {
+                    let r = comm.rank();
+                    let engine = FusionEngine::start(comm, config.clone())?;
+                    let lens = [5usize, 1, 17, 0, 9, 33, 2];
+                    let names: Vec<String> = (0..lens.len()).map(|k| format!("g{k}")).collect();
+                    // Registered in this order: ids 0, 1, 2, ...
+                    let mut general = Vec::new();
+                    for _ in 0..2 {
+                        let handles = names
+                            .iter()
+                            .enumerate()
+                            .map(|(k, n)| engine.submit(n, odd_values(r, k, lens[k])))
+                            .collect::<Result<Vec<_>>>()?;
+                        general = engine.synchronize(handles)?;
+                    }
+                    // The group lists them in another order.
+                    let order = [4usize, 0, 6, 2, 5, 1, 3];
+                    let group = TensorNames::new(order.iter().map(|&k| &names[k]));
+                    for _ in 0..3 {
+                        let tensors: Vec<Vec<f32>> =
+                            order.iter().map(|&k| odd_values(r, k, lens[k])).collect();
+                        let out = engine.all_reduce_group(&group, tensors)?;
+                        for (place, &k) in order.iter().enumerate() {
+                            let got: Vec<u32> = out[place]
+                                .clone()
+                                .into_vec::<f32>()?
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect();
+                            let want: Vec<u32> = general[k]
+                                .clone()
+                                .into_vec::<f32>()?
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect();
+                            assert_eq!(got, want, "{algorithm} {op:?}, {size} ranks, tensor {k}");
+                        }
+                    }
+                    let (_, cached, _, _) = counters(&engine);
+                    engine.shutdown()?;
+                    Ok(cached)
+                })
+                .expect("run");
+                for out in outs {
+                    // The group's first step notes its ids; the second is a cached step
+                    // with a round, the third an armed one.
+                    assert_eq!(out.expect("rank"), 2, "{algorithm} {op:?}, {size} ranks");
+                }
+            }
+        }
+    }
+
+    /// Ranks 0 and 2 take the cached-group step while rank 1 submits the group without
+    /// `y`: the others' bits differ, so the step goes on as the general path, `x` and `z`
+    /// are reduced, and `y` fails on every rank as a stall naming rank 1.
+    #[test]
+    fn a_rank_that_submits_another_group_fails_the_missing_tensor_on_every_rank() {
+        let config = FusionConfig {
+            stall_warning: Duration::from_millis(100),
+            stall_error: Duration::from_millis(100),
+            cycle_time: Duration::from_micros(200),
+            ..FusionConfig::default()
+        };
+        let outs = Communicator::run_local(3, |comm| -> Result<String> {
+            let r = comm.rank();
+            let engine = FusionEngine::start(comm, config.clone())?;
+            let all = TensorNames::new(["x", "y", "z"]);
+            for _ in 0..3 {
+                let out = engine.all_reduce_group(&all, vec![vec![1.0f32; 2]; 3])?;
+                assert_eq!(out[1].clone().into_vec::<f32>()?, vec![3.0; 2]);
+            }
+            let (_, cached, _, _) = counters(&engine);
+            assert_eq!(cached, 1);
+            let err = if r == 1 {
+                let fewer = TensorNames::new(["x", "z"]);
+                let out = engine.all_reduce_group(&fewer, vec![vec![1.0f32; 2]; 2])?;
+                for t in out {
+                    assert_eq!(t.into_vec::<f32>()?, vec![3.0; 2]);
+                }
+                let mut seen = None;
+                for _ in 0..500 {
+                    if let Some(e) = engine.take_foreign_failure() {
+                        seen = Some(e);
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                seen.expect("the stall of y reaches rank 1")
+            } else {
+                engine
+                    .all_reduce_group(&all, vec![vec![1.0f32; 2]; 3])
+                    .expect_err("y was not submitted on rank 1")
+            };
+            let (_, cached, _, _) = counters(&engine);
+            assert_eq!(cached, 1, "rank {r}: no cached step with other bits");
+            engine.shutdown()?;
+            Ok(err.to_string())
+        })
+        .expect("run");
+        for out in outs {
+            let msg = out.expect("rank");
+            assert!(
+                msg.contains("`y`") && msg.contains("not on ranks [1]"),
+                "{msg}"
+            );
+        }
+    }
+
+    /// While armed, a rank that submits the group's tensors one by one votes against the
+    /// armed reduction; every rank still gets the sums (through rounds) and, once the group
+    /// comes from every rank again, is armed again.
+    #[test]
+    fn single_submissions_on_one_rank_end_the_armed_group_and_still_reduce() {
+        let outs = Communicator::run_local(3, |comm| -> Result<(usize, usize)> {
+            let r = comm.rank();
+            let engine = FusionEngine::start(comm, FusionConfig::default())?;
+            let names = TensorNames::new(["a", "b"]);
+            let step = |single: bool| -> Result<()> {
+                let out = if single {
+                    let handles = vec![
+                        engine.submit("a", vec![r as f32; 3])?,
+                        engine.submit("b", vec![1.0f32; 5])?,
+                    ];
+                    engine.synchronize(handles)?
+                } else {
+                    engine.all_reduce_group(&names, vec![vec![r as f32; 3], vec![1.0f32; 5]])?
+                };
+                assert_eq!(out[0].clone().into_vec::<f32>()?, vec![3.0; 3]);
+                assert_eq!(out[1].clone().into_vec::<f32>()?, vec![3.0; 5]);
+                Ok(())
+            };
+            for _ in 0..4 {
+                step(false)?;
+            }
+            let (_, cached, _, armed) = counters(&engine);
+            step(r == 1)?;
+            for _ in 0..3 {
+                step(false)?;
+            }
+            let (_, cached_after, _, armed_after) = counters(&engine);
+            engine.shutdown()?;
+            Ok((cached_after - cached, armed_after - armed))
+        })
+        .expect("run");
+        for (r, out) in outs.into_iter().enumerate() {
+            // The vote against (one armed reduction), then: ranks 0 and 2 a cached step
+            // with its round, and all three a cached step that arms again and two armed.
+            let want = if r == 1 { (3, 3) } else { (4, 3) };
+            assert_eq!(out.expect("rank"), want, "rank {r}");
+        }
+    }
+
+    /// While armed, a rank that changes one tensor's shape votes against the group, and
+    /// every rank gets the mismatch error naming the tensor and each rank's shape.
+    #[test]
+    fn a_changed_shape_on_one_rank_ends_the_armed_group_with_a_mismatch() {
+        let outs = Communicator::run_local(2, |comm| -> Result<String> {
+            let r = comm.rank();
+            let engine = FusionEngine::start(comm, FusionConfig::default())?;
+            let names = TensorNames::new(["a", "b"]);
+            for _ in 0..4 {
+                engine.all_reduce_group(&names, vec![vec![1.0f32; 2], vec![1.0f32; 3]])?;
+            }
+            let b_len = if r == 1 { 4 } else { 3 };
+            let err = engine
+                .all_reduce_group(&names, vec![vec![1.0f32; 2], vec![1.0f32; b_len]])
+                .expect_err("the shapes of b differ");
+            engine.shutdown()?;
+            Ok(err.to_string())
+        })
+        .expect("run");
+        for out in outs {
+            let msg = out.expect("rank");
+            assert!(
+                msg.contains("`b`") && msg.contains("rank 0: f32[3], rank 1: f32[4]"),
+                "{msg}"
+            );
+        }
+    }
+
+    /// Every element lies in the ring chunk `chunk_of` names.
+    #[test]
+    fn chunk_of_agrees_with_the_ring_chunks() {
+        for n in 1..9 {
+            for len in 0..40 {
+                for c in 0..n {
+                    for at in ring_chunk_range(len, n, c) {
+                        assert_eq!(chunk_of(len, n, at), c, "len {len}, {n} ranks, at {at}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A rank that stops submitting while the others take armed cached-group steps: its
+    /// engine votes against the group once idle, and the others' step ends with the
+    /// general path's stall error naming it and the tensor, instead of waiting for ever.
+    #[test]
+    fn a_rank_that_stops_is_named_by_the_armed_step() {
+        let config = FusionConfig {
+            stall_warning: Duration::from_millis(200),
+            stall_error: Duration::from_millis(200),
+            ..FusionConfig::default()
+        };
+        let outs = Communicator::run_local(3, |comm| -> Result<()> {
+            let r = comm.rank();
+            let engine = FusionEngine::start(comm, config.clone())?;
+            let names = TensorNames::new(["u", "v"]);
+            for _ in 0..4 {
+                engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2])?;
+            }
+            let armed = match &*engine.core.lock() {
+                CoreState::Running(r) => r.engine.armed.is_some(),
+                CoreState::Ended(_) => false,
+            };
+            assert!(armed, "rank {r}");
+            if r == 2 {
+                std::thread::sleep(Duration::from_secs(4));
+                drop(engine);
+                return Ok(());
+            }
+            let result = engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2]);
+            drop(engine);
+            result.map(|_| ())
+        })
+        .expect("run");
+        for out in &outs[..2] {
+            let msg = out
+                .as_ref()
+                .expect_err("a stopped rank must fail the step")
+                .to_string();
+            assert!(
+                msg.contains("`u`") && msg.contains("not on ranks [2]"),
+                "{msg}"
+            );
+        }
+    }
+
+    /// A rank that stops taking part in the armed reduction itself: the others' wait ends
+    /// with an error naming it after the communicator's stall timeout.
+    #[test]
+    fn a_rank_stuck_in_the_armed_reduction_is_named_at_the_stall_timeout() {
+        let outs = Communicator::run_local(3, |comm| -> Result<()> {
+            comm.set_stall_timeout(Some(Duration::from_millis(300)));
+            let r = comm.rank();
+            let engine = FusionEngine::start(comm, FusionConfig::default())?;
+            let names = TensorNames::new(["u", "v"]);
+            for _ in 0..4 {
+                engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2])?;
+            }
+            if r == 2 {
+                // Holds its engine (as a rank stuck in a device call would hold its
+                // thread): no cycle of its own, no vote.
+                let guard = engine.core.lock();
+                std::thread::sleep(Duration::from_secs(2));
+                drop(guard);
+                drop(engine);
+                return Ok(());
+            }
+            let result = engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2]);
+            drop(engine);
+            result.map(|_| ())
+        })
+        .expect("run");
+        let mut named = false;
+        for out in &outs[..2] {
+            let msg = out
+                .as_ref()
+                .expect_err("a stopped rank must fail the step")
+                .to_string();
+            named |= msg.contains("waiting for rank 2");
+            assert!(
+                msg.contains("waiting for rank") || msg.contains("gone away"),
+                "{msg}"
+            );
+        }
+        assert!(named, "{outs:?}");
+    }
+
+    /// The first cached-group step of a group is one negotiation round (the one its bits
+    /// take anyway), in which every rank asks to arm; every later step of the same group
+    /// is one armed reduction and no round at all.
+    #[test]
+    fn a_cached_group_step_after_the_first_takes_no_round() {
+        let outs = Communicator::run_local(3, |comm| -> Result<Vec<(usize, usize, usize)>> {
+            let r = comm.rank();
+            let engine = FusionEngine::start(comm, FusionConfig::default())?;
+            let names = TensorNames::new(["p", "q", "s", "t"]);
+            let mut deltas = Vec::new();
+            for _ in 0..6 {
+                let (_, cached0, rounds0, armed0) = counters(&engine);
+                let tensors: Vec<Vec<f32>> = (0..4).map(|k| vec![(r + k) as f32; 3]).collect();
+                let out = engine.all_reduce_group(&names, tensors)?;
+                for (k, t) in out.into_iter().enumerate() {
+                    assert_eq!(t.into_vec::<f32>()?, vec![(3 + 3 * k) as f32; 3]);
+                }
+                let (_, cached1, rounds1, armed1) = counters(&engine);
+                deltas.push((cached1 - cached0, rounds1 - rounds0, armed1 - armed0));
+            }
+            engine.shutdown()?;
+            Ok(deltas)
+        })
+        .expect("run");
+        for out in outs {
+            let deltas = out.expect("rank");
+            // Step 3 is a cached step with its round (idle rounds of the background thread
+            // may add to it on a loaded machine); from step 4 on, no round.
+            assert_eq!((deltas[2].0, deltas[2].2), (1, 0), "{deltas:?}");
+            assert!(deltas[2].1 >= 1, "{deltas:?}");
+            assert_eq!(deltas[3..], [(1, 0, 1); 3], "{deltas:?}");
         }
     }
 }

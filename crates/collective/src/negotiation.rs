@@ -121,6 +121,9 @@ impl IdBits {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct CycleMessage {
     pub shutting_down: bool,
+    /// Sent by a cached-group step that will reduce its group again without a round of
+    /// its own if every rank sends the same message (the table ignores it).
+    pub arming: bool,
     pub announcements: Vec<Announcement>,
     /// Registered tensors submitted with their cached shape.
     pub cached: IdBits,
@@ -183,7 +186,7 @@ impl Reader<'_> {
 impl CycleMessage {
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(16 + self.announcements.len() * 14);
-        out.push(u8::from(self.shutting_down));
+        out.push(u8::from(self.shutting_down) | (u8::from(self.arming) << 1));
         out.extend_from_slice(&(self.announcements.len() as u32).to_le_bytes());
         for a in &self.announcements {
             match a {
@@ -214,7 +217,8 @@ impl CycleMessage {
     pub(crate) fn decode(bytes: &[u8], rank: usize, known_ids: usize) -> Result<CycleMessage> {
         let mut r = Reader { bytes, at: 0, rank };
         let bad = |what: String| Error::Transport { rank, detail: what };
-        let shutting_down = r.u8()? != 0;
+        let flags = r.u8()?;
+        let (shutting_down, arming) = (flags & 1 != 0, flags & 2 != 0);
         let n = r.u32()? as usize;
         let mut announcements = Vec::with_capacity(n.min(1 << 16));
         for _ in 0..n {
@@ -264,6 +268,7 @@ impl CycleMessage {
         }
         Ok(CycleMessage {
             shutting_down,
+            arming,
             announcements,
             cached,
             fail,
@@ -747,6 +752,7 @@ mod tests {
         cached.insert(200);
         let m = CycleMessage {
             shutting_down: true,
+            arming: true,
             announcements: vec![
                 new("a/b", DType::BF16, 7),
                 Announcement::Known {

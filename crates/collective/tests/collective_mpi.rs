@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 use ringtrain_collective::{
     Algorithm, AllReduceOptions, Communicator, DType, Element, Error, FusionConfig, FusionEngine,
-    GradientPacker, GradientSpec, PackingConfig, ReduceOp, Tensor, TensorMut,
+    GradientPacker, GradientSpec, PackingConfig, ReduceOp, Tensor, TensorMut, TensorNames,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(90);
@@ -436,6 +436,29 @@ fn mpi_worker_mismatch() {
     );
     let good = good.wait().expect("the agreed tensor still reduces");
     assert_eq!(good.into_vec::<f32>().expect("f32"), vec![n as f32; 5]);
+    // A group reduced step after step (from its third step on without a round of its
+    // own), then a changed shape on the last rank: the same error on every rank.
+    let group = TensorNames::new(["layer/w", "layer/b"]);
+    let sum = (n * (n + 1) / 2) as f32;
+    for _ in 0..5 {
+        let out = engine
+            .all_reduce_group(
+                &group,
+                vec![vec![(r + 1) as f32; 6], vec![(r + 1) as f32; 2]],
+            )
+            .expect("group step");
+        assert_eq!(out[0].clone().into_vec::<f32>().expect("f32"), vec![sum; 6]);
+        assert_eq!(out[1].clone().into_vec::<f32>().expect("f32"), vec![sum; 2]);
+    }
+    let b_len = if r == n - 1 { 3 } else { 2 };
+    let err = engine
+        .all_reduce_group(&group, vec![vec![1.0f32; 6], vec![1.0f32; b_len]])
+        .expect_err("a changed shape on one rank must fail");
+    let group_msg = err.to_string();
+    assert!(
+        group_msg.contains("layer/b") && group_msg.contains(&format!("rank {}: f32[3]", n - 1)),
+        "{group_msg}"
+    );
     engine.shutdown().expect("shutdown");
     println!("MISMATCH-OK rank {r}: {msg}");
 }
