@@ -1551,6 +1551,7 @@ impl Engine {
                     | crate::Algorithm::RecursiveDoubling
                     | crate::Algorithm::HalvingDoubling
                     | crate::Algorithm::Direct
+                    | crate::Algorithm::ScatterGather
             );
         (exact && comm.size() > 1 && len > 0 && bytes <= MAX_ARMED_BYTES).then_some(Armed {
             names: names.clone(),
@@ -2125,6 +2126,8 @@ mod tests {
             (crate::Algorithm::RecursiveDoubling, crate::ReduceOp::Sum),
             (crate::Algorithm::HalvingDoubling, crate::ReduceOp::Sum),
             (crate::Algorithm::Direct, crate::ReduceOp::Sum),
+            (crate::Algorithm::ScatterGather, crate::ReduceOp::Sum),
+            (crate::Algorithm::ScatterGather, crate::ReduceOp::Min),
             (crate::Algorithm::Auto, crate::ReduceOp::Max),
         ];
         for size in [2, 3, 4] {
@@ -2133,7 +2136,7 @@ mod tests {
                     options: AllReduceOptions::with_op(op).algorithm(algorithm),
                     ..FusionConfig::default()
                 };
-                let outs = Communicator::run_local(size, |comm| -> Result<usize> {
+                let outs = Communicator::run_local(size, |comm| -> Result<(usize, usize)> {
                     let r = comm.rank();
                     let engine = FusionEngine::start(comm, config.clone())?;
                     let lens = [5usize, 1, 17, 0, 9, 33, 2];
@@ -2171,15 +2174,19 @@ mod tests {
                             assert_eq!(got, want, "{algorithm} {op:?}, {size} ranks, tensor {k}");
                         }
                     }
-                    let (_, cached, _, _) = counters(&engine);
+                    let (_, cached, _, armed) = counters(&engine);
                     engine.shutdown()?;
-                    Ok(cached)
+                    Ok((cached, armed))
                 })
                 .expect("run");
                 for out in outs {
                     // The group's first step notes its ids; the second is a cached step
                     // with a round, the third an armed one.
-                    assert_eq!(out.expect("rank"), 2, "{algorithm} {op:?}, {size} ranks");
+                    assert_eq!(
+                        out.expect("rank"),
+                        (2, 1),
+                        "{algorithm} {op:?}, {size} ranks: (cached steps, armed rounds)"
+                    );
                 }
             }
         }
