@@ -1,0 +1,320 @@
+//! The cached-group step and the armed group: a group submitted again with the same
+//! names and shapes is reduced without a queue entry per tensor, and once every rank has
+//! taken that step with the same group, without a negotiation round ([`Armed`]).
+
+use super::*;
+
+/// A cached group that every rank reduced in the last cycle and reduces again in the
+/// next without a negotiation round: the next cycle of every rank is an all-reduce of its
+/// fused tensors plus one check slot per ring chunk, in which each rank votes for the
+/// group (it submitted the same group again) or against (it submitted anything else,
+/// shuts down, or waits for another tensor). Only a vote of every rank for it delivers
+/// the sums; any vote against ends it on every rank at once (every rank sees the same
+/// reduced slots), and the cycles go on with rounds. An armed engine's background thread
+/// makes no idle round until the engine has been idle for [`MAX_ARMED_IDLE`] (or a
+/// quarter of the stall timeout); its idle round then is a vote against, so that a rank
+/// waiting in the armed reduction for an idle one goes on to the general path, whose
+/// stall checks name the missing ranks and tensors.
+///
+/// The slots are placed one after each ring chunk of the fused tensors, so that every
+/// element stays in its chunk and is summed in the order it would be without them (the
+/// other algorithms' orders do not depend on an element's place), and the algorithm is
+/// the one chosen for the tensors' own size: the sums are the general path's bits. A vote
+/// is a value whose reduction is exact under every operation without scaling or wire
+/// compression (which are not armed): for a sum, average or maximum 0 for and 1 against,
+/// so that the slot stays 0 only when every rank voted for; for a minimum 1 for and 0
+/// against.
+#[derive(Debug)]
+pub(super) struct Armed {
+    /// The group's names (kept, so that their address stays theirs).
+    pub(super) names: TensorNames,
+    /// Its tensors' lengths, in the order of the names.
+    pub(super) lens: Vec<usize>,
+    /// `(id, index)` in id order, as [`Engine::cached_order`] gives it.
+    pub(super) order: Vec<(u32, u32)>,
+    pub(super) dtype: DType,
+    /// Elements of all its tensors.
+    pub(super) len: usize,
+    /// The options with the algorithm resolved for the tensors' own size.
+    pub(super) options: AllReduceOptions,
+    /// When it was armed or last reduced.
+    pub(super) since: Instant,
+}
+
+/// How long an armed engine stays idle before its background thread votes against the
+/// group (and idle rounds resume), at most: a step that takes longer pays that vote and a
+/// round, and a rank that waits in the armed reduction for an idle one is released long
+/// before the stall timeout (a quarter of it where that is shorter) would report it.
+pub(super) const MAX_ARMED_IDLE: Duration = Duration::from_secs(1);
+
+/// The largest cached group reduced without rounds: above it a round costs little next
+/// to the reduction, and an armed vote against costs a reduction of this size.
+pub(super) const MAX_ARMED_BYTES: usize = 1 << 20;
+
+impl Engine {
+    /// `(id, index)` of every tensor of `names` in id order (the order a round's
+    /// decisions reduce them in) when the group can take the cached-group step: nothing
+    /// else queued, waiting or failed here, no timeline, a remembered group of at least
+    /// two distinct names, every shape as cached, one dtype, one fusion buffer.
+    pub(super) fn cached_order(
+        &self,
+        names: &TensorNames,
+        tensors: &[Tensor],
+    ) -> Option<Vec<(u32, u32)>> {
+        if tensors.len() < 2 || self.busy() || !self.failed.is_empty() || self.timeline.enabled() {
+            return None;
+        }
+        let key = Arc::as_ptr(&names.names).cast::<Arc<str>>() as usize;
+        let (_, ids) = self.group_ids.get(&key)?;
+        let dtype = tensors[0].dtype();
+        let mut bytes = 0usize;
+        let mut order = Vec::with_capacity(ids.len());
+        for (index, (&id, t)) in ids.iter().zip(tensors).enumerate() {
+            if t.dtype() != dtype || !self.table.is_cached(id, dtype, t.len() as u64) {
+                return None;
+            }
+            bytes = bytes.saturating_add(t.size_bytes());
+            order.push((id, index as u32));
+        }
+        if order.len() != tensors.len() || bytes > self.config.threshold_bytes {
+            return None;
+        }
+        order.sort_unstable();
+        order.windows(2).all(|w| w[0].0 < w[1].0).then_some(order)
+    }
+
+    /// Queues a group offered to the cached-group step as [`Engine::accept_group`] would
+    /// have (every name has its id and a free slot: [`Engine::cached_order`] said so).
+    pub(super) fn queue_cached(&mut self, batch: u64, tensors: Vec<Tensor>, order: &[(u32, u32)]) {
+        let mut tensors: Vec<Option<Tensor>> = tensors.into_iter().map(Some).collect();
+        for &(id, index) in order {
+            let Some(tensor) = tensors[index as usize].take() else {
+                continue;
+            };
+            self.slots[id as usize] = Some(Pending {
+                tensor: Payload::Owned(tensor),
+                ticket: Ticket::Member { batch, index },
+                submitted: None,
+            });
+            self.queued += 1;
+        }
+    }
+
+    /// The fused reduction of a cached group, as [`Engine::reduce_group`] does it for the
+    /// same tensors queued (same buffer, same order), from and back to where they lie.
+    pub(super) fn reduce_cached(
+        &mut self,
+        comm: &mut Communicator,
+        tensors: &mut [Tensor],
+        order: &[(u32, u32)],
+    ) -> Result<()> {
+        match tensors[0].dtype() {
+            DType::F32 => self.reduce_cached_as::<f32>(comm, tensors, order),
+            DType::F64 => self.reduce_cached_as::<f64>(comm, tensors, order),
+            DType::F16 => self.reduce_cached_as::<half::f16>(comm, tensors, order),
+            DType::BF16 => self.reduce_cached_as::<half::bf16>(comm, tensors, order),
+        }
+    }
+
+    pub(super) fn reduce_cached_as<T: Element>(
+        &mut self,
+        comm: &mut Communicator,
+        tensors: &mut [Tensor],
+        order: &[(u32, u32)],
+    ) -> Result<()> {
+        let total: usize = tensors.iter().map(Tensor::len).sum();
+        let fused = fusion_buffer::<T>(&mut self.buffer, total);
+        let mut at = 0;
+        for &(_, index) in order {
+            let src = typed::<T>(&mut tensors[index as usize])?;
+            fused[at..at + src.len()].copy_from_slice(src);
+            at += src.len();
+        }
+        comm.all_reduce(fused, &self.config.options)?;
+        let mut at = 0;
+        for &(_, index) in order {
+            let dst = typed::<T>(&mut tensors[index as usize])?;
+            let n = dst.len();
+            dst.copy_from_slice(&fused[at..at + n]);
+            at += n;
+        }
+        #[cfg(test)]
+        {
+            self.cached_steps += 1;
+        }
+        Ok(())
+    }
+
+    /// The armed state a cached-group step of `tensors` (in `order`) asks for, if its
+    /// reduction can carry the votes exactly: no scaling, no wire compression, one of our
+    /// algorithms whose order of additions the slots keep, at most [`MAX_ARMED_BYTES`].
+    pub(super) fn armable(
+        &self,
+        comm: &Communicator,
+        names: &TensorNames,
+        tensors: &[Tensor],
+        order: Vec<(u32, u32)>,
+    ) -> Option<Armed> {
+        let opts = self.config.options;
+        let dtype = tensors.first()?.dtype();
+        let len: usize = tensors.iter().map(Tensor::len).sum();
+        let bytes = len * dtype.size_bytes();
+        let algorithm = comm.resolve_algorithm(opts.algorithm, bytes);
+        let exact = opts.prescale == 1.0
+            && opts.postscale == 1.0
+            && opts.compression == crate::options::WireCompression::None
+            && matches!(
+                algorithm,
+                crate::Algorithm::Ring
+                    | crate::Algorithm::RecursiveDoubling
+                    | crate::Algorithm::HalvingDoubling
+                    | crate::Algorithm::Direct
+                    | crate::Algorithm::ScatterGather
+            );
+        (exact && comm.size() > 1 && len > 0 && bytes <= MAX_ARMED_BYTES).then_some(Armed {
+            names: names.clone(),
+            lens: tensors.iter().map(Tensor::len).collect(),
+            order,
+            dtype,
+            len,
+            options: AllReduceOptions { algorithm, ..opts },
+            since: Instant::now(),
+        })
+    }
+
+    /// Whether `tensors` under `names` are the armed group as [`Engine::cached_order`]
+    /// would find it, without its look-ups: the same names (the ids of names never change,
+    /// and no round has changed a cached shape since the group was armed), the same
+    /// shapes, nothing else queued, waiting or failed here.
+    pub(super) fn is_armed_group(
+        &self,
+        armed: &Armed,
+        names: &TensorNames,
+        tensors: &[Tensor],
+    ) -> bool {
+        Arc::ptr_eq(&armed.names.names, &names.names)
+            && !self.busy()
+            && self.failed.is_empty()
+            && tensors.len() == armed.lens.len()
+            && tensors
+                .iter()
+                .zip(&armed.lens)
+                .all(|(t, &len)| t.dtype() == armed.dtype && t.len() == len)
+    }
+
+    /// The armed group's reduction with this rank's vote: `Some(tensors)` (in the order
+    /// of their names) for it, `None` against. True when every rank voted for it (the
+    /// sums are in the tensors); false when any voted against (nothing was written).
+    pub(super) fn armed_round(
+        &mut self,
+        comm: &mut Communicator,
+        armed: &Armed,
+        tensors: Option<&mut [Tensor]>,
+    ) -> Result<bool> {
+        #[cfg(test)]
+        {
+            self.armed_rounds += 1;
+        }
+        match armed.dtype {
+            DType::F32 => self.armed_round_as::<f32>(comm, armed, tensors),
+            DType::F64 => self.armed_round_as::<f64>(comm, armed, tensors),
+            DType::F16 => self.armed_round_as::<half::f16>(comm, armed, tensors),
+            DType::BF16 => self.armed_round_as::<half::bf16>(comm, armed, tensors),
+        }
+    }
+
+    pub(super) fn armed_round_as<T: Element>(
+        &mut self,
+        comm: &mut Communicator,
+        armed: &Armed,
+        mut tensors: Option<&mut [Tensor]>,
+    ) -> Result<bool> {
+        let (n, len) = (comm.size(), armed.len);
+        let (for_it, against) = match armed.options.op {
+            crate::ReduceOp::Min => (1.0, 0.0),
+            _ => (0.0, 1.0),
+        };
+        let buf = fusion_buffer::<T>(&mut self.buffer, len + n);
+        match tensors.as_deref_mut() {
+            Some(tensors) => {
+                let mut at = 0;
+                for &(_, index) in &armed.order {
+                    let src = typed::<T>(&mut tensors[index as usize])?;
+                    scatter_past_slots(buf, len, n, at, src);
+                    at += src.len();
+                }
+            }
+            None => buf.fill(T::from_f64(0.0)),
+        }
+        let vote = T::from_f64(if tensors.is_some() { for_it } else { against });
+        for c in 0..n {
+            buf[ring_chunk_range(len, n, c).end + c] = vote;
+        }
+        comm.all_reduce(buf, &armed.options)?;
+        let agreed = (0..n).all(|c| buf[ring_chunk_range(len, n, c).end + c].to_f64() == for_it);
+        if !agreed {
+            return Ok(false);
+        }
+        let Some(tensors) = tensors else {
+            return Ok(false);
+        };
+        let mut at = 0;
+        for &(_, index) in &armed.order {
+            let dst = typed::<T>(&mut tensors[index as usize])?;
+            gather_past_slots(buf, len, n, at, dst);
+            at += dst.len();
+        }
+        #[cfg(test)]
+        {
+            self.cached_steps += 1;
+        }
+        Ok(true)
+    }
+}
+
+/// The ring chunk (of `len` elements over `n` ranks) that element `at` lies in.
+pub(super) fn chunk_of(len: usize, n: usize, at: usize) -> usize {
+    let (base, extra) = (len / n, len % n);
+    let long = extra * (base + 1);
+    if at < long {
+        at / (base + 1)
+    } else {
+        extra + (at - long) / base.max(1)
+    }
+}
+
+/// Copies `src` to elements `at..` of `len` fused elements laid out with one slot after
+/// each of the `n` ring chunks (element `i` of chunk `c` lies `c` places further on).
+pub(super) fn scatter_past_slots<T: Copy>(
+    buf: &mut [T],
+    len: usize,
+    n: usize,
+    mut at: usize,
+    mut src: &[T],
+) {
+    while !src.is_empty() {
+        let c = chunk_of(len, n, at);
+        let m = src.len().min(ring_chunk_range(len, n, c).end - at);
+        buf[at + c..at + c + m].copy_from_slice(&src[..m]);
+        at += m;
+        src = &src[m..];
+    }
+}
+
+/// The inverse of [`scatter_past_slots`]: elements `at..` into `dst`.
+pub(super) fn gather_past_slots<T: Copy>(
+    buf: &[T],
+    len: usize,
+    n: usize,
+    mut at: usize,
+    dst: &mut [T],
+) {
+    let mut done = 0;
+    while done < dst.len() {
+        let c = chunk_of(len, n, at);
+        let m = (dst.len() - done).min(ring_chunk_range(len, n, c).end - at);
+        dst[done..done + m].copy_from_slice(&buf[at + c..at + c + m]);
+        at += m;
+        done += m;
+    }
+}
