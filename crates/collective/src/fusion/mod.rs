@@ -717,16 +717,20 @@ impl FusionEngine {
                 }
                 Ok(out)
             }
-            CachedGroup::Queued(batch) => GroupHandle {
-                batch,
-                names: names.clone(),
-                board: Arc::clone(&self.board),
-                core: Arc::clone(&self.core),
-                foreign: Arc::clone(&self.foreign),
-                waited: false,
-            }
-            .wait(),
+            CachedGroup::Queued(batch) => self.group_handle(batch, names).wait(),
             CachedGroup::NotCached(tensors) => self.queue_group(names, tensors, false)?.wait(),
+        }
+    }
+
+    /// The handle of the group of `names` whose results `batch` collects.
+    fn group_handle(&self, batch: u64, names: &TensorNames) -> GroupHandle {
+        GroupHandle {
+            batch,
+            names: names.clone(),
+            board: Arc::clone(&self.board),
+            core: Arc::clone(&self.core),
+            foreign: Arc::clone(&self.foreign),
+            waited: false,
         }
     }
 
@@ -748,14 +752,7 @@ impl FusionEngine {
         };
         let tx = self.tx.as_ref().ok_or_else(stopped)?;
         let batch = self.board.open_batch(names.len());
-        let handle = GroupHandle {
-            batch,
-            names: names.clone(),
-            board: Arc::clone(&self.board),
-            core: Arc::clone(&self.core),
-            foreign: Arc::clone(&self.foreign),
-            waited: false,
-        };
+        let handle = self.group_handle(batch, names);
         tx.send(Command::SubmitGroup {
             names: names.clone(),
             tensors: tensors.into_iter().map(Into::into).collect(),
