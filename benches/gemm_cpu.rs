@@ -7,7 +7,9 @@
 //! and two threads and the ratio gemm / matrixmultiply; then, at the same shapes, our bf16
 //! kernels (`ringtrain_kernels::gemm_bf16`, f32 accumulation; a table per path this CPU
 //! can run, the path the backend takes named) against the `gemm` crate's f32 product, and
-//! the ratio bf16 / f32.
+//! the ratio bf16 / f32; last, the backend's path against `torch.mm` in bf16 at the same
+//! shapes and layouts (`benches/torch_mm_cpu.py`; run scripts/bench-setup first if torch
+//! is missing, else that table says why it was not measured), and the ratio ours / torch.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -297,18 +299,132 @@ fn bf16_table(shapes: &[Shape], budget: Duration, pool2: &rayon::ThreadPool) {
             println!("  path {} not on this CPU: {why}", p.name());
         }
     }
+    let detected = Bf16Path::detect();
+    let mut ours = Vec::new();
     for path in Bf16Path::runnable() {
-        bf16_path_table(path, shapes, budget, pool2);
+        let figures = bf16_path_table(path, shapes, budget, pool2);
+        if path == detected {
+            ours = figures;
+        }
     }
+    torch_table(detected, shapes, &ours, budget);
 }
 
-/// [`bf16_table`] for one path.
+/// GFLOP/s of `torch.mm` in bf16 at `shapes` on `threads` threads
+/// (`benches/torch_mm_cpu.py`).
+fn torch_mm(shapes: &[Shape], threads: usize, budget: Duration) -> Result<Vec<f64>, String> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/torch_mm_cpu.py");
+    let mut cmd = std::process::Command::new("python3");
+    cmd.args([
+        script,
+        "--dtype",
+        "bf16",
+        "--threads",
+        &threads.to_string(),
+        "--budget",
+        &budget.as_secs_f64().to_string(),
+    ]);
+    for s in shapes {
+        cmd.arg("--shape")
+            .arg(format!("{},{},{},{}", s.m, s.n, s.k, s.layout.name()));
+    }
+    let out = cmd.output().map_err(|e| {
+        format!("could not run python3 ({e}): install Python 3, then run scripts/bench-setup")
+    })?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .ok_or("benches/torch_mm_cpu.py printed no JSON line")?;
+    let v: serde_json::Value = serde_json::from_str(line)
+        .map_err(|e| format!("bad JSON from benches/torch_mm_cpu.py: {e}"))?;
+    v["gflops"]
+        .as_array()
+        .filter(|g| g.len() == shapes.len())
+        .and_then(|g| g.iter().map(|x| x.as_f64()).collect())
+        .ok_or_else(|| {
+            format!(
+                "benches/torch_mm_cpu.py: expected {} figures in {line}",
+                shapes.len()
+            )
+        })
+}
+
+/// Our bf16 products on the backend's path (`ours`: GFLOP/s with 1 and 2 threads, from
+/// its table above) against `torch.mm` in bf16 at the same shapes and layouts.
+fn torch_table(
+    path: ringtrain_kernels::gemm_bf16::Bf16Path,
+    shapes: &[Shape],
+    ours: &[[f64; 2]],
+    budget: Duration,
+) {
+    println!();
+    let torch = match (torch_mm(shapes, 1, budget), torch_mm(shapes, 2, budget)) {
+        (Ok(one), Ok(two)) => [one, two],
+        (Err(e), _) | (_, Err(e)) => {
+            println!("gemm_cpu bf16 against torch.mm bf16: not measured: {e}");
+            return;
+        }
+    };
+    println!(
+        "gemm_cpu bf16: GFLOP/s (baseline = torch.mm bf16, ours = ringtrain bf16 path `{}`), ratio = ours / torch",
+        path.name()
+    );
+    println!(
+        "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8} {:>8} {:>6} | {:>8} {:>8} {:>6}",
+        "product",
+        "op",
+        "M",
+        "N",
+        "K",
+        "torch 1t",
+        "ours 1t",
+        "ratio",
+        "torch 2t",
+        "ours 2t",
+        "ratio"
+    );
+    let mut sum_log_ratio = [0.0f64; 2];
+    for (i, s) in shapes.iter().enumerate() {
+        let (t, o) = ([torch[0][i], torch[1][i]], ours[i]);
+        for threads in 0..2 {
+            sum_log_ratio[threads] += (o[threads] / t[threads]).ln();
+        }
+        println!(
+            "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8.1} {:>8.1} {:>6.2} | {:>8.1} {:>8.1} {:>6.2}",
+            s.what,
+            s.layout.name(),
+            s.m,
+            s.n,
+            s.k,
+            t[0],
+            o[0],
+            o[0] / t[0],
+            t[1],
+            o[1],
+            o[1] / t[1]
+        );
+    }
+    let n = shapes.len() as f64;
+    println!(
+        "geometric mean ratio ours ({}) / torch.mm bf16: 1 thread {:.2}, 2 threads {:.2}",
+        path.name(),
+        (sum_log_ratio[0] / n).exp(),
+        (sum_log_ratio[1] / n).exp()
+    );
+}
+
+/// [`bf16_table`] for one path; returns its GFLOP/s per shape with 1 and 2 threads.
 fn bf16_path_table(
     path: ringtrain_kernels::gemm_bf16::Bf16Path,
     shapes: &[Shape],
     budget: Duration,
     pool2: &rayon::ThreadPool,
-) {
+) -> Vec<[f64; 2]> {
     use ringtrain_kernels::bf16;
     use ringtrain_kernels::gemm_bf16::MatRef;
 
@@ -321,6 +437,7 @@ fn bf16_path_table(
         "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8} {:>8} {:>6} | {:>8} {:>8} {:>6}",
         "product", "op", "M", "N", "K", "f32 1t", "bf16 1t", "ratio", "f32 2t", "bf16 2t", "ratio"
     );
+    let mut figures = Vec::with_capacity(shapes.len());
     let mut sum_log_ratio = [0.0f64; 2];
     for s in shapes {
         let (a, bm) = operands(s);
@@ -384,6 +501,7 @@ fn bf16_path_table(
             sum_log_ratio[threads - 1] += (g16 / g32).ln();
             row.push((g32, g16));
         }
+        figures.push([row[0].1, row[1].1]);
         println!(
             "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8.1} {:>8.1} {:>6.2} | {:>8.1} {:>8.1} {:>6.2}",
             s.what,
@@ -406,4 +524,5 @@ fn bf16_path_table(
         (sum_log_ratio[0] / n).exp(),
         (sum_log_ratio[1] / n).exp()
     );
+    figures
 }

@@ -13,7 +13,10 @@
 //! lines `ratio ringtrain bf16 / pytorch autocast bf16: R` and
 //! `ratio ringtrain bf16 / pytorch f32: R`.
 //!
-//! `cargo bench --bench train_step [-- --warmup-batches N --timed-batches N]`
+//! `cargo bench --bench train_step [-- --warmup-batches N --timed-batches N --rounds R]`
+//! (3 rounds by default: the four runs one after the other, R times; each ratio is taken
+//! within a round, and the medians are reported, since a shared machine drifts by tens of
+//! percent over minutes; peak RSS is the largest of the rounds)
 //! The PyTorch side is `python3 benches/torch_nmt_cpu.py --json [--precision bf16]` (run
 //! scripts/bench-setup first if torch is missing). Targets: ringtrain bf16 ≥ 1.5× PyTorch
 //! autocast bf16 and ≥ 2.5× PyTorch f32; ringtrain's peak RSS ≤ PyTorch's.
@@ -223,9 +226,29 @@ fn verdict(ratio: f64, target: f64) -> &'static str {
     }
 }
 
+/// The median of `values` (the mean of the middle two for an even count).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+/// The four runs of one round, in the order they ran.
+const RUNS: [&str; 4] = [
+    "pytorch f32",
+    "pytorch autocast bf16",
+    "ringtrain f32",
+    "ringtrain bf16",
+];
+
 fn main() {
     let warmup = arg("--warmup-batches", 10);
     let timed = arg("--timed-batches", 20);
+    let rounds = arg("--rounds", 3).max(1);
     if let Some(precision) = text_arg("--only-ringtrain") {
         if let Err(e) = only_ringtrain(&precision, warmup, timed) {
             eprintln!("error: {e}");
@@ -235,7 +258,9 @@ fn main() {
     }
     println!(
         "train_step: NMT vocab 8000, emb/hidden 256, 2+2 layers (bi encoder), fused LSTM, length 30, batch 64, \
-         Adam, clip 5, 2 threads; {warmup} warm-up + {timed} timed batches; each run in its own process"
+         Adam, clip 5, 2 threads; {warmup} warm-up + {timed} timed batches; each run in its own process; \
+         {rounds} rounds of the four runs, one after the other (shared machines drift: the ratios \
+         are taken within each round, and the medians reported)"
     );
     let run = |what: &str, f: &dyn Fn() -> Result<Figures, String>| match f() {
         Ok(v) => v,
@@ -244,43 +269,68 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let torch_f32 = run("pytorch f32", &|| torch_run(warmup, timed, "f32"));
-    let torch_bf16 = run("pytorch autocast bf16", &|| {
-        torch_run(warmup, timed, "bf16")
-    });
-    let ours_f32 = run("ringtrain f32", &|| ringtrain_run(warmup, timed, "f32"));
-    let ours_bf16 = run("ringtrain bf16", &|| ringtrain_run(warmup, timed, "bf16"));
-    let mib = |f: &Figures| f.peak_rss_bytes / (1024.0 * 1024.0);
-    println!("  {:<24} {:>12} {:>14}", "run", "words/s", "peak RSS MiB");
-    for (name, f) in [
-        ("pytorch f32", &torch_f32),
-        ("pytorch autocast bf16", &torch_bf16),
-        ("ringtrain f32", &ours_f32),
-        ("ringtrain bf16", &ours_bf16),
-    ] {
-        println!("  {name:<24} {:>12.1} {:>14.1}", f.words_per_sec, mib(f));
+    // figures[round][run], in the order of RUNS.
+    let mut figures: Vec<[Figures; 4]> = Vec::with_capacity(rounds);
+    for round in 1..=rounds {
+        let round_figures = [
+            run(RUNS[0], &|| torch_run(warmup, timed, "f32")),
+            run(RUNS[1], &|| torch_run(warmup, timed, "bf16")),
+            run(RUNS[2], &|| ringtrain_run(warmup, timed, "f32")),
+            run(RUNS[3], &|| ringtrain_run(warmup, timed, "bf16")),
+        ];
+        let w = round_figures.map(|f| f.words_per_sec);
+        println!(
+            "  round {round}: words/s pytorch f32 {:.1}, autocast bf16 {:.1}, ringtrain f32 {:.1}, bf16 {:.1}; \
+             ratios bf16 / autocast {:.2}, bf16 / pytorch f32 {:.2}",
+            w[0],
+            w[1],
+            w[2],
+            w[3],
+            w[3] / w[1],
+            w[3] / w[0]
+        );
+        figures.push(round_figures);
     }
+    let words = |i: usize| median(figures.iter().map(|f| f[i].words_per_sec).collect());
+    // The largest resident set of a run over the rounds.
+    let rss = |i: usize| {
+        figures
+            .iter()
+            .map(|f| f[i].peak_rss_bytes)
+            .fold(0.0, f64::max)
+    };
+    let ratio = |ours: usize, theirs: usize| {
+        median(
+            figures
+                .iter()
+                .map(|f| f[ours].words_per_sec / f[theirs].words_per_sec)
+                .collect(),
+        )
+    };
     println!(
-        "  ratio ringtrain f32 / pytorch f32: {:.2}",
-        ours_f32.words_per_sec / torch_f32.words_per_sec
+        "  {:<24} {:>12} {:>14}",
+        "run", "words/s (median)", "peak RSS MiB (largest)"
     );
-    println!(
-        "  ratio ringtrain bf16 / ringtrain f32: {:.2}",
-        ours_bf16.words_per_sec / ours_f32.words_per_sec
-    );
-    for (ours, theirs, what) in [
-        (&ours_f32, &torch_f32, "f32"),
-        (&ours_bf16, &torch_bf16, "bf16"),
-    ] {
-        let r = ours.peak_rss_bytes / theirs.peak_rss_bytes;
+    for (i, name) in RUNS.iter().enumerate() {
+        println!(
+            "  {name:<24} {:>16.1} {:>22.1}",
+            words(i),
+            rss(i) / (1024.0 * 1024.0)
+        );
+    }
+    println!("  ratio ringtrain f32 / pytorch f32: {:.2}", ratio(2, 0));
+    println!("  ratio ringtrain bf16 / ringtrain f32: {:.2}", ratio(3, 2));
+    for (ours, theirs, what) in [(2, 0, "f32"), (3, 1, "bf16")] {
+        let r = rss(ours) / rss(theirs);
         println!(
             "  peak RSS ringtrain / pytorch, {what}: {r:.2} (target <= 1: {})",
             if r <= 1.0 { "met" } else { "NOT met" }
         );
     }
-    let autocast = ours_bf16.words_per_sec / torch_bf16.words_per_sec;
-    let f32_ratio = ours_bf16.words_per_sec / torch_f32.words_per_sec;
-    println!("  targets: bf16 / autocast >= {TARGET_AUTOCAST} ({}), bf16 / pytorch f32 >= {TARGET_F32} ({})",
+    let autocast = ratio(3, 1);
+    let f32_ratio = ratio(3, 0);
+    println!(
+        "  targets: bf16 / autocast >= {TARGET_AUTOCAST} ({}), bf16 / pytorch f32 >= {TARGET_F32} ({})",
         verdict(autocast, TARGET_AUTOCAST),
         verdict(f32_ratio, TARGET_F32)
     );

@@ -67,8 +67,10 @@ use alloc::vec;
 use alloc::vec::Vec;
 
 use half::bf16;
+use half::slice::HalfFloatSliceExt;
 
 use crate::error::{Error, Result, Value};
+use crate::wide::wide_twin;
 
 /// Rows of C the portable and AVX-512 micro-kernels compute at once.
 pub const MR: usize = 8;
@@ -83,7 +85,7 @@ pub const KC: usize = 256;
 /// Rows of A per packed block (a multiple of [`MR`]).
 pub const MC: usize = 128;
 /// Columns of B per packed block (a multiple of [`NR`]).
-pub const NC: usize = 1024;
+pub const NC: usize = 2048;
 
 // The packs are sized for MC × KC / 2 and NC × KC / 2 words: the padding to AMX steps
 // must not grow them, and A panels must tile MC exactly.
@@ -148,6 +150,11 @@ impl<'a> MatRef<'a> {
         }
     }
 
+    /// Columns `start..end` of the view (`end` clamped to the columns).
+    pub fn col_range(self, start: usize, end: usize) -> Self {
+        self.t().row_range(start, end).t()
+    }
+
     /// Rows `start..end` of the view (`end` clamped to the rows).
     pub fn row_range(self, start: usize, end: usize) -> Self {
         let end = end.min(self.rows);
@@ -173,7 +180,7 @@ impl<'a> MatRef<'a> {
         self.cols
     }
 
-    #[inline]
+    #[cfg(test)]
     fn bits(&self, r: usize, c: usize) -> u32 {
         u32::from(self.data[r * self.row_stride + c * self.col_stride].to_bits())
     }
@@ -242,9 +249,11 @@ impl Bf16Path {
 }
 
 /// A micro-kernel: `pairs` k-pairs (a multiple of its [`Kernel::step`]) of a packed A panel
-/// (`pairs * rows` words) and B panel (`pairs * NR` words), accumulated into the row-major
-/// `rows × NR` tile.
-type MicroKernel = unsafe fn(pairs: usize, a: *const u32, b: *const u32, tile: *mut f32);
+/// (`pairs * rows` words) and B panel (`pairs * NR` words), accumulated into the
+/// `rows × NR` block of C at `c` with row stride `ldc` floats; with `zero` the block's
+/// old values are not read and the sums start at +0.0 (the same bits as a block of zeros).
+type MicroKernel =
+    unsafe fn(pairs: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, zero: bool);
 
 /// What runs on the driver's thread before the first micro-kernel call of a product, and
 /// after the last.
@@ -252,12 +261,14 @@ type Session = (unsafe fn(), unsafe fn());
 
 /// A micro-kernel and the shape of the packs it reads.
 #[derive(Clone, Copy)]
-struct Kernel {
+pub(crate) struct Kernel {
     run: MicroKernel,
     /// Rows of C per call (rows of an A panel).
     rows: usize,
-    /// k-pairs per step: the packs are zero-padded to a multiple of it, and an A panel
-    /// holds, step after step, its rows one after the other, each `step` pairs long.
+    /// k-pairs per step: the packs are zero-padded to a multiple of it. An A panel holds,
+    /// run after run, its rows one after the other, each run long: a step for the AMX
+    /// kernel (a tile row), the whole panel for the vector kernels (each row whole, so
+    /// that a row-major A packs by copying rows); see [`Kernel::run`].
     step: usize,
     /// Called on the driver's thread before its first micro-kernel call and after its
     /// last (the AMX tile configuration, loaded once per product rather than per call).
@@ -272,6 +283,15 @@ const PORTABLE: Kernel = Kernel {
 };
 
 impl Kernel {
+    /// k-pairs of an A panel's row runs, in a panel of `pairs` pairs.
+    fn run(&self, pairs: usize) -> usize {
+        if self.step == 1 {
+            pairs
+        } else {
+            self.step
+        }
+    }
+
     const fn vector(run: MicroKernel) -> Self {
         Kernel {
             run,
@@ -291,6 +311,23 @@ impl Kernel {
     }
 }
 
+/// The kernel of `path`, or why this CPU cannot run it.
+pub(crate) fn kernel_for(path: Bf16Path) -> Result<Kernel> {
+    let kernel = match path {
+        Bf16Path::Portable => Some(PORTABLE),
+        Bf16Path::Avx512Bf16 => avx512::kernel().map(Kernel::vector),
+        Bf16Path::Amx => amx::kernel(),
+    };
+    kernel.ok_or(Error::InvalidValue {
+        name: "path",
+        value: Value::Count(path as usize),
+        reason: match path {
+            Bf16Path::Amx => "this CPU (or OS) cannot run AMX-BF16: use Bf16Path::detect()",
+            _ => "this CPU lacks AVX-512 BF16: use Bf16Path::detect()",
+        },
+    })
+}
+
 /// `C = A·B` (`accumulate == false`) or `C += A·B`, A `[m, k]`, B `[k, n]`, C row-major
 /// with row stride `ldc` (its first `(m - 1) * ldc + n` elements are used), on `path`.
 ///
@@ -304,21 +341,7 @@ pub fn gemm_bf16(
     ldc: usize,
     accumulate: bool,
 ) -> Result<()> {
-    let kernel = match path {
-        Bf16Path::Portable => Some(PORTABLE),
-        Bf16Path::Avx512Bf16 => avx512::kernel().map(Kernel::vector),
-        Bf16Path::Amx => amx::kernel(),
-    };
-    let Some(kernel) = kernel else {
-        return Err(Error::InvalidValue {
-            name: "path",
-            value: Value::Count(path as usize),
-            reason: match path {
-                Bf16Path::Amx => "this CPU (or OS) cannot run AMX-BF16: use Bf16Path::detect()",
-                _ => "this CPU lacks AVX-512 BF16: use Bf16Path::detect()",
-            },
-        });
-    };
+    let kernel = kernel_for(path)?;
     drive(kernel, a, b, c, ldc, accumulate)
 }
 
@@ -349,14 +372,25 @@ pub fn gemm_bf16_modelled(
 }
 
 pub(crate) fn check(a: &MatRef<'_>, b: &MatRef<'_>, c: &[f32], ldc: usize) -> Result<()> {
-    if a.cols != b.rows {
+    check_shapes(a, b.rows, b.cols, c, ldc)
+}
+
+/// [`check`] for a B of `k` rows and `n` columns.
+pub(crate) fn check_shapes(
+    a: &MatRef<'_>,
+    k: usize,
+    n: usize,
+    c: &[f32],
+    ldc: usize,
+) -> Result<()> {
+    if a.cols != k {
         return Err(Error::ShapeMismatch {
             arg: "b (rows)",
             expected: a.cols,
-            actual: b.rows,
+            actual: k,
         });
     }
-    let (m, n) = (a.rows, b.cols);
+    let m = a.rows;
     if m > 0 && n > 0 && ldc < n {
         return Err(Error::InvalidValue {
             name: "ldc",
@@ -379,6 +413,183 @@ pub(crate) fn check(a: &MatRef<'_>, b: &MatRef<'_>, c: &[f32], ldc: usize) -> Re
     Ok(())
 }
 
+/// B packed ahead, for one path: a matrix that is B to many products (a layer's weight,
+/// read by every time step of a recurrence) is packed once, and each product reads the
+/// packs instead of packing it again. [`gemm_bf16_packed`] multiplies with it (and
+/// `par::gemm_bf16_packed`, with the `rayon` feature).
+///
+/// ```
+/// use ringtrain_kernels::gemm_bf16::{gemm_bf16, gemm_bf16_packed, Bf16Path, MatRef, PackedB};
+/// use ringtrain_kernels::bf16;
+///
+/// let w: Vec<bf16> = (0..12).map(|i| bf16::from_f32(i as f32)).collect();
+/// let x: Vec<bf16> = (0..6).map(|i| bf16::from_f32(1.0 - i as f32)).collect();
+/// let path = Bf16Path::detect();
+/// let packed = PackedB::new(path, MatRef::row_major(&w, 3, 4)?)?;
+/// let (mut c1, mut c2) = (vec![0.0f32; 8], vec![0.0f32; 8]);
+/// gemm_bf16_packed(MatRef::row_major(&x, 2, 3)?, &packed, &mut c1, 4, false)?;
+/// gemm_bf16(path, MatRef::row_major(&x, 2, 3)?, MatRef::row_major(&w, 3, 4)?, &mut c2, 4, false)?;
+/// assert_eq!(c1, c2);
+/// # Ok::<(), ringtrain_kernels::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct PackedB {
+    path: Bf16Path,
+    /// The kernel's k-pairs per step (the packs are padded to it).
+    step: usize,
+    k: usize,
+    n: usize,
+    data: Vec<u32>,
+}
+
+/// One block of a [`PackedB`]: columns `jc..jc + nc`, rows `pc..pc + kc`, `pairs` k-pairs
+/// per panel, its panels at `offset` in the packed words.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PackedBlock {
+    pub jc: usize,
+    pub nc: usize,
+    pub pc: usize,
+    pub kc: usize,
+    pub pairs: usize,
+    pub offset: usize,
+}
+
+impl PackedBlock {
+    /// Words the block's panels take.
+    pub fn len(&self) -> usize {
+        self.nc.next_multiple_of(NR) * self.pairs
+    }
+}
+
+impl PackedB {
+    /// Packs `b` (`[k, n]`, any strides) for `path`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidValue`] when this CPU cannot run `path`.
+    pub fn new(path: Bf16Path, b: MatRef<'_>) -> Result<Self> {
+        Self::packed_with(path, &b, |b, block, out| {
+            pack_b(b, block.pc, block.kc, block.jc, block.nc, block.pairs, out)
+        })
+    }
+
+    /// A `[k, n]` pack for `path` whose words are still to be written (every one is, by
+    /// packing each of [`Self::blocks`]).
+    fn unfilled(path: Bf16Path, k: usize, n: usize) -> Result<Self> {
+        let step = kernel_for(path)?.step;
+        let len = n.div_ceil(NC) * NC.min(n).next_multiple_of(NR) * Self::pairs_of(step, k);
+        Ok(PackedB {
+            path,
+            step,
+            k,
+            n,
+            data: vec![0; len],
+        })
+    }
+
+    /// k-pairs of every block of one column block together.
+    fn pairs_of(step: usize, k: usize) -> usize {
+        (k / KC) * (KC / 2) + (k % KC).div_ceil(2).next_multiple_of(step)
+    }
+
+    /// The block holding columns from `jc` (a multiple of [`NC`]) and rows from `pc` (a
+    /// multiple of [`KC`]).
+    pub(crate) fn block(&self, jc: usize, pc: usize) -> PackedBlock {
+        let (nc, kc) = (NC.min(self.n - jc), KC.min(self.k - pc));
+        let width = NC.min(self.n).next_multiple_of(NR);
+        PackedBlock {
+            jc,
+            nc,
+            pc,
+            kc,
+            pairs: kc.div_ceil(2).next_multiple_of(self.step),
+            // Every column block before this one is `width` wide and holds every row;
+            // every row block before this one holds KC / 2 pairs (a multiple of the step).
+            offset: (jc / NC) * width * Self::pairs_of(self.step, self.k)
+                + nc.next_multiple_of(NR) * (pc / KC) * (KC / 2),
+        }
+    }
+
+    /// Every block, in the order of the packed words.
+    pub(crate) fn blocks(&self) -> Vec<PackedBlock> {
+        (0..self.n)
+            .step_by(NC)
+            .flat_map(|jc| (0..self.k).step_by(KC).map(move |pc| self.block(jc, pc)))
+            .collect()
+    }
+
+    /// A `[k, n]` pack of `b` for `path`, its blocks' panels packed by `pack_panels`
+    /// (given each block and its words: the serial packer, or a parallel one).
+    pub(crate) fn packed_with(
+        path: Bf16Path,
+        b: &MatRef<'_>,
+        mut pack_panels: impl FnMut(&MatRef<'_>, PackedBlock, &mut [u32]),
+    ) -> Result<Self> {
+        let mut packed = Self::unfilled(path, b.rows, b.cols)?;
+        for block in packed.blocks() {
+            pack_panels(
+                b,
+                block,
+                &mut packed.data[block.offset..block.offset + block.len()],
+            );
+        }
+        Ok(packed)
+    }
+
+    /// The path it was packed for.
+    pub fn path(&self) -> Bf16Path {
+        self.path
+    }
+
+    /// Rows (`k`).
+    pub fn rows(&self) -> usize {
+        self.k
+    }
+
+    /// Columns (`n`).
+    pub fn cols(&self) -> usize {
+        self.n
+    }
+}
+
+/// `C = A·B` or `C += A·B` with B packed ahead, on the path it was packed for; otherwise as
+/// [`gemm_bf16`].
+///
+/// # Errors
+/// As [`gemm_bf16`].
+pub fn gemm_bf16_packed(
+    a: MatRef<'_>,
+    b: &PackedB,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let kernel = kernel_for(b.path)?;
+    check_shapes(&a, b.k, b.n, c, ldc)?;
+    // SAFETY: the shapes were checked against `c`, and the exclusive borrow keeps every
+    // other access out.
+    unsafe {
+        drive_raw(
+            kernel,
+            a,
+            BSource::Packed(b, 0..b.n),
+            c.as_mut_ptr(),
+            ldc,
+            accumulate,
+        )
+    };
+    Ok(())
+}
+
+/// Where the driver takes B from.
+#[derive(Clone)]
+pub(crate) enum BSource<'a> {
+    /// A view, packed block by block as the product goes.
+    View(MatRef<'a>),
+    /// Columns `range` of a matrix packed ahead (the range starts at a multiple of
+    /// [`NR`]); C's column 0 is the range's first.
+    Packed(&'a PackedB, core::ops::Range<usize>),
+}
+
 /// The blocked driver shared by every path.
 fn drive(
     kernel: Kernel,
@@ -389,90 +600,182 @@ fn drive(
     accumulate: bool,
 ) -> Result<()> {
     check(&a, &b, c, ldc)?;
-    let (m, n, k) = (a.rows, b.cols, a.cols);
+    // SAFETY: `check` found `c` long enough for an `a.rows × b.cols` product with row
+    // stride `ldc`, and the exclusive borrow keeps every other access out.
+    unsafe { drive_raw(kernel, a, BSource::View(b), c.as_mut_ptr(), ldc, accumulate) };
+    Ok(())
+}
+
+/// The driver on a raw C: `C = A·B` or `C += A·B` into element `(i, j)` at
+/// `c + i * ldc + j`. B is packed once per block of [`KC`] × [`NC`] (or was packed
+/// ahead), A once per block of [`MC`] × [`KC`] inside it, and each micro-kernel call keeps
+/// its B panel in L1 while it walks the A panels.
+///
+/// # Safety
+/// A's columns equal B's rows; `ldc` is at least B's (or the range's) columns; a packed
+/// B was packed for `kernel`'s path; and for every `i < a.rows` and `j` below B's columns
+/// the float at `c + i * ldc + j` may be read and written by this call, with no other
+/// access to those floats while it runs.
+pub(crate) unsafe fn drive_raw(
+    kernel: Kernel,
+    a: MatRef<'_>,
+    b: BSource<'_>,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    // Global columns `first..last` of B; C's column 0 is `first`.
+    let (first, last) = match &b {
+        BSource::View(v) => (0, v.cols),
+        BSource::Packed(_, range) => (range.start, range.end),
+    };
+    let (m, n, k) = (a.rows, last - first, a.cols);
     if m == 0 || n == 0 {
-        return Ok(());
-    }
-    if !accumulate {
-        for row in 0..m {
-            c[row * ldc..row * ldc + n].fill(0.0);
-        }
+        return;
     }
     if k == 0 {
-        return Ok(());
+        if !accumulate {
+            for row in 0..m {
+                // SAFETY: row `row < m` of C, `n` floats, is ours (the caller's contract).
+                unsafe { core::slice::from_raw_parts_mut(c.add(row * ldc), n) }.fill(0.0);
+            }
+        }
+        return;
     }
-    let mut b_pack: Vec<u32> = vec![0; NC * KC / 2];
-    let mut a_pack: Vec<u32> = vec![0; MC * KC / 2];
     let rows = kernel.rows;
-    let mut tile = [0.0f32; AMX_MR * NR];
-    let tile = &mut tile[..rows * NR];
+    let max_pairs = KC.min(k).div_ceil(2).next_multiple_of(kernel.step);
+    // Each pack is sized for the largest block this product has (B's only when it is
+    // packed here).
+    let b_words = match b {
+        BSource::View(_) => NC.min(n).next_multiple_of(NR) * max_pairs,
+        BSource::Packed(..) => 0,
+    };
+    let mut b_pack: Vec<u32> = vec![0; b_words];
+    let mut a_pack: Vec<u32> = vec![0; MC.min(m).next_multiple_of(rows) * max_pairs];
+    let mut edge = [0.0f32; AMX_MR * NR];
     if let Some((begin, _)) = kernel.session {
         // SAFETY: a kernel with a session is one whose CPU features were checked when it
         // was chosen; the session ends below, on this thread, and nothing between returns
         // early.
         unsafe { begin() };
     }
-    for jc in (0..n).step_by(NC) {
-        let nc = NC.min(n - jc);
+    // Column blocks end at the multiples of NC (of B's global columns).
+    let mut jc = first;
+    while jc < last {
+        let block_end = last.min((jc / NC + 1) * NC);
+        let nc = block_end - jc;
         for pc in (0..k).step_by(KC) {
             let kc = KC.min(k - pc);
             let pairs = kc.div_ceil(2).next_multiple_of(kernel.step);
-            pack_b(&b, pc, kc, jc, nc, pairs, &mut b_pack);
+            // The block's panels, and the panel of its column `jc` (panel 0 when packed
+            // here).
+            let (panels, first_panel): (&[u32], usize) = match &b {
+                BSource::View(v) => {
+                    pack_b(v, pc, kc, jc, nc, pairs, &mut b_pack);
+                    (&b_pack, 0)
+                }
+                BSource::Packed(p, _) => {
+                    let block = p.block(jc - jc % NC, pc);
+                    (
+                        &p.data[block.offset..block.offset + block.len()],
+                        (jc % NC) / NR,
+                    )
+                }
+            };
+            // The first block of k starts from zero unless the product accumulates.
+            let zero = !accumulate && pc == 0;
             for ic in (0..m).step_by(MC) {
                 let mc = MC.min(m - ic);
                 pack_a(&a, ic, mc, pc, kc, kernel, &mut a_pack);
                 for jr in (0..nc).step_by(NR) {
                     let nr = NR.min(nc - jr);
-                    let b_panel = &b_pack[(jr / NR) * pairs * NR..][..pairs * NR];
+                    let b_panel = &panels[(first_panel + jr / NR) * pairs * NR..][..pairs * NR];
                     for ir in (0..mc).step_by(rows) {
                         let mr = rows.min(mc - ir);
                         let a_panel = &a_pack[(ir / rows) * pairs * rows..][..pairs * rows];
-                        let c0 = (ic + ir) * ldc + jc + jr;
-                        tile.fill(0.0);
-                        for i in 0..mr {
-                            tile[i * NR..i * NR + nr]
-                                .copy_from_slice(&c[c0 + i * ldc..c0 + i * ldc + nr]);
+                        // SAFETY: (ic + ir, jc - first + jr) is inside C.
+                        let block = unsafe { c.add((ic + ir) * ldc + jc - first + jr) };
+                        if mr == rows && nr == NR {
+                            // SAFETY: the panels hold `pairs * rows` and `pairs * NR` words
+                            // (the slices above), `pairs` is a multiple of the kernel's step,
+                            // and the `rows × NR` block of C at `block` is inside C (a
+                            // full block); `kernel` is the portable one, a software model,
+                            // or one whose CPU features were checked when it was chosen.
+                            unsafe {
+                                (kernel.run)(
+                                    pairs,
+                                    a_panel.as_ptr(),
+                                    b_panel.as_ptr(),
+                                    block,
+                                    ldc,
+                                    zero,
+                                )
+                            };
+                            continue;
                         }
-                        // SAFETY: the panels hold `pairs * rows` and `pairs * NR` words (the
-                        // slices above are that long), `pairs` is a multiple of the kernel's
-                        // step, and `tile` is `rows * NR` floats, which is all a micro-kernel
-                        // reads and writes; `kernel` is the portable one, a software model,
-                        // or one whose CPU features were checked when it was chosen.
+                        // A block at an edge of C goes through `edge` (`rows × NR`).
+                        let edge = &mut edge[..rows * NR];
+                        edge.fill(0.0);
+                        if !zero {
+                            for i in 0..mr {
+                                // SAFETY: row i < mr of the block has nr floats inside C.
+                                let row =
+                                    unsafe { core::slice::from_raw_parts(block.add(i * ldc), nr) };
+                                edge[i * NR..i * NR + nr].copy_from_slice(row);
+                            }
+                        }
+                        // SAFETY: as above, with the block in `edge` (row stride NR).
                         unsafe {
                             (kernel.run)(
                                 pairs,
                                 a_panel.as_ptr(),
                                 b_panel.as_ptr(),
-                                tile.as_mut_ptr(),
+                                edge.as_mut_ptr(),
+                                NR,
+                                zero,
                             )
                         };
                         for i in 0..mr {
-                            c[c0 + i * ldc..c0 + i * ldc + nr]
-                                .copy_from_slice(&tile[i * NR..i * NR + nr]);
+                            // SAFETY: as above.
+                            unsafe { core::slice::from_raw_parts_mut(block.add(i * ldc), nr) }
+                                .copy_from_slice(&edge[i * NR..i * NR + nr]);
                         }
                     }
                 }
             }
         }
+        jc = block_end;
     }
     if let Some((_, end)) = kernel.session {
         // SAFETY: the session began above, on this thread.
         unsafe { end() };
     }
-    Ok(())
 }
 
-/// Two bf16 (element `k` in the low half, `k + 1` in the high half) as one word; zero
-/// past `k_end`.
+/// Two bf16 (element `k` in the low half, `k + 1` in the high half) as one word.
 #[inline]
-fn pair(lo: u32, hi: u32) -> u32 {
-    lo | (hi << 16)
+fn pair(lo: bf16, hi: bf16) -> u32 {
+    u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
 }
 
-/// Packs B's rows `pc..pc + kc`, columns `jc..jc + nc` into panels of [`NR`] columns,
-/// `pairs` k-pairs each (zero past `kc`): panel `q`, pair `p`, column `j` at
-/// `(q * pairs + p) * NR + j`.
-fn pack_b(
+wide_twin! {
+    /// Packs B's rows `pc..pc + kc`, columns `jc..jc + nc` into panels of [`NR`] columns,
+    /// `pairs` k-pairs each (zero past `kc` and `nc`): panel `q`, pair `p`, column `j` at
+    /// `(q * pairs + p) * NR + j`. Full panels of a B with unit column stride (NN) or unit
+    /// row stride (B stored transposed, NT) are copied along memory.
+    pub(crate) fn pack_b(
+        b: &MatRef<'_>,
+        pc: usize,
+        kc: usize,
+        jc: usize,
+        nc: usize,
+        pairs: usize,
+        out: &mut [u32],
+    ) = pack_b_body;
+}
+
+#[inline(always)]
+fn pack_b_body(
     b: &MatRef<'_>,
     pc: usize,
     kc: usize,
@@ -481,29 +784,70 @@ fn pack_b(
     pairs: usize,
     out: &mut [u32],
 ) {
+    let (rs, cs) = (b.row_stride, b.col_stride);
+    // Pairs with both of their k inside the block.
+    let full = kc / 2;
     for (q, j0) in (0..nc).step_by(NR).enumerate() {
         let panel = &mut out[q * pairs * NR..(q + 1) * pairs * NR];
-        for p in 0..pairs {
-            let (k0, k1) = (pc + 2 * p, pc + 2 * p + 1);
+        let (col0, cols) = (jc + j0, NR.min(nc - j0));
+        let mut done = 0;
+        if cols == NR && cs == 1 {
+            for (p, dst) in panel.chunks_exact_mut(NR).take(full).enumerate() {
+                let k0 = pc + 2 * p;
+                let r0 = b.data[k0 * rs + col0..][..NR].reinterpret_cast();
+                let r1 = b.data[(k0 + 1) * rs + col0..][..NR].reinterpret_cast();
+                for ((o, &x0), &x1) in dst.iter_mut().zip(r0).zip(r1) {
+                    *o = u32::from(x0) | (u32::from(x1) << 16);
+                }
+            }
+            done = full;
+        } else if cols == NR && rs == 1 {
+            // Each column's k run is contiguous: read it in order (the panel, NR words
+            // per pair, stays in L1 while its columns are written).
             for j in 0..NR {
-                let col = jc + j0 + j;
-                panel[p * NR + j] = if j0 + j >= nc || k0 >= pc + kc {
-                    0
-                } else if k1 < pc + kc {
-                    pair(b.bits(k0, col), b.bits(k1, col))
-                } else {
-                    pair(b.bits(k0, col), 0)
-                };
+                let column = &b.data[(col0 + j) * cs + pc..][..2 * full];
+                for (p, two) in column.chunks_exact(2).enumerate() {
+                    panel[p * NR + j] = pair(two[0], two[1]);
+                }
+            }
+            done = full;
+        }
+        let at = |kk: usize, j: usize| {
+            if j < cols && kk < pc + kc {
+                b.data[kk * rs + (col0 + j) * cs]
+            } else {
+                bf16::ZERO
+            }
+        };
+        for p in done..pairs {
+            let k0 = pc + 2 * p;
+            for j in 0..NR {
+                panel[p * NR + j] = pair(at(k0, j), at(k0 + 1, j));
             }
         }
     }
 }
 
-/// Packs A's rows `ic..ic + mc`, columns `pc..pc + kc` into panels of `kernel.rows`
-/// rows, zero-padded to a multiple of `kernel.step` pairs: panel `q`, pair `p`, row `i`
-/// at `(q * pairs + p - p % step) * rows + i * step + p % step` (with a step of one pair,
-/// `(q * pairs + p) * rows + i`).
-fn pack_a(
+wide_twin! {
+    /// Packs A's rows `ic..ic + mc`, columns `pc..pc + kc` into panels of `kernel.rows`
+    /// rows, zero-padded to a multiple of `kernel.step` pairs: panel `q`, pair `p`, row `i`
+    /// at `(q * pairs + p - p % run) * rows + i * run + p % run` with `run` =
+    /// [`Kernel::run`] (for the vector kernels, whose runs are whole rows,
+    /// `q * pairs * rows + i * pairs + p`). Full panels of an A with unit column stride (NN, NT) or
+    /// unit row stride (A stored transposed, TN) are copied along memory.
+    fn pack_a(
+        a: &MatRef<'_>,
+        ic: usize,
+        mc: usize,
+        pc: usize,
+        kc: usize,
+        kernel: Kernel,
+        out: &mut [u32],
+    ) = pack_a_body;
+}
+
+#[inline(always)]
+fn pack_a_body(
     a: &MatRef<'_>,
     ic: usize,
     mc: usize,
@@ -513,21 +857,66 @@ fn pack_a(
     out: &mut [u32],
 ) {
     let (rows, step) = (kernel.rows, kernel.step);
+    let (rs, cs) = (a.row_stride, a.col_stride);
     let pairs = kc.div_ceil(2).next_multiple_of(step);
+    let full = kc / 2;
+    let run = kernel.run(pairs);
+    let slot = |p: usize, i: usize| (p - p % run) * rows + i * run + p % run;
     for (q, i0) in (0..mc).step_by(rows).enumerate() {
         let panel = &mut out[q * pairs * rows..(q + 1) * pairs * rows];
-        for p in 0..pairs {
-            let (k0, k1) = (pc + 2 * p, pc + 2 * p + 1);
-            let at = (p - p % step) * rows + p % step;
+        let (row0, live) = (ic + i0, rows.min(mc - i0));
+        let mut done = 0;
+        if live == rows && cs == 1 && run == pairs {
+            // Rows whole in the panel, and contiguous in A: a copy, row by row.
             for i in 0..rows {
-                let row = ic + i0 + i;
-                panel[at + i * step] = if i0 + i >= mc || k0 >= pc + kc {
-                    0
-                } else if k1 < pc + kc {
-                    pair(a.bits(row, k0), a.bits(row, k1))
+                let src = a.data[(row0 + i) * rs + pc..][..2 * full].reinterpret_cast();
+                let dst = &mut panel[i * pairs..i * pairs + full];
+                for (d, two) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                    *d = u32::from(two[0]) | (u32::from(two[1]) << 16);
+                }
+            }
+            done = full;
+        } else if live == rows && cs == 1 {
+            // Each row's k run is contiguous: read the rows side by side, so that the
+            // panel is written in order.
+            let src: [&[bf16]; AMX_MR] = core::array::from_fn(|i| {
+                if i < rows {
+                    &a.data[(row0 + i) * rs + pc..][..2 * full]
                 } else {
-                    pair(a.bits(row, k0), 0)
-                };
+                    &[]
+                }
+            });
+            for p in 0..full {
+                let base = slot(p, 0);
+                for (i, row) in src[..rows].iter().enumerate() {
+                    panel[base + i * run] = pair(row[2 * p], row[2 * p + 1]);
+                }
+            }
+            done = full;
+        } else if live == rows && rs == 1 {
+            for p in 0..full {
+                let k0 = pc + 2 * p;
+                let r0 = &a.data[k0 * cs + row0..][..rows];
+                let r1 = &a.data[(k0 + 1) * cs + row0..][..rows];
+                let base = slot(p, 0);
+                for (i, (&x0, &x1)) in r0.iter().zip(r1).enumerate() {
+                    panel[base + i * run] = pair(x0, x1);
+                }
+            }
+            done = full;
+        }
+        let at = |i: usize, kk: usize| {
+            if i < live && kk < pc + kc {
+                a.data[(row0 + i) * rs + kk * cs]
+            } else {
+                bf16::ZERO
+            }
+        };
+        for p in done..pairs {
+            let k0 = pc + 2 * p;
+            let base = slot(p, 0);
+            for i in 0..rows {
+                panel[base + i * run] = pair(at(i, k0), at(i, k0 + 1));
             }
         }
     }
@@ -542,16 +931,30 @@ fn widen(bits: u32) -> f32 {
 /// product and sum rounded to f32 (the widened f32 product, in order of `k`).
 ///
 /// # Safety
-/// `a` holds `pairs * MR` words, `b` `pairs * NR` words, `tile` `MR * NR` floats.
-unsafe fn portable_kernel(pairs: usize, a: *const u32, b: *const u32, tile: *mut f32) {
+/// `a` holds `pairs * MR` words, `b` `pairs * NR` words, and `MR` rows of `NR` floats at
+/// `c + i * ldc` (`ldc >= NR`) are readable and writable.
+unsafe fn portable_kernel(
+    pairs: usize,
+    a: *const u32,
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    zero: bool,
+) {
     // SAFETY: the caller guarantees these lengths.
-    let (a, b, tile) = unsafe {
+    let (a, b) = unsafe {
         (
             core::slice::from_raw_parts(a, pairs * MR),
             core::slice::from_raw_parts(b, pairs * NR),
-            core::slice::from_raw_parts_mut(tile, MR * NR),
         )
     };
+    let mut tile = [0.0f32; MR * NR];
+    if !zero {
+        for (i, row) in tile.chunks_exact_mut(NR).enumerate() {
+            // SAFETY: row i < MR of the block (the caller's contract).
+            row.copy_from_slice(unsafe { core::slice::from_raw_parts(c.add(i * ldc), NR) });
+        }
+    }
     let (mut b0, mut b1) = ([0.0f32; NR], [0.0f32; NR]);
     for p in 0..pairs {
         // Widen the pair row of B once for all MR rows of A.
@@ -560,7 +963,7 @@ unsafe fn portable_kernel(pairs: usize, a: *const u32, b: *const u32, tile: *mut
             b1[j] = widen(w >> 16);
         }
         for i in 0..MR {
-            let w = a[p * MR + i];
+            let w = a[i * pairs + p];
             let (a0, a1) = (widen(w & 0xffff), widen(w >> 16));
             let row = &mut tile[i * NR..(i + 1) * NR];
             for ((acc, &x0), &x1) in row.iter_mut().zip(&b0).zip(&b1) {
@@ -568,6 +971,10 @@ unsafe fn portable_kernel(pairs: usize, a: *const u32, b: *const u32, tile: *mut
                 *acc += a1 * x1;
             }
         }
+    }
+    for (i, row) in tile.chunks_exact(NR).enumerate() {
+        // SAFETY: as above.
+        unsafe { core::slice::from_raw_parts_mut(c.add(i * ldc), NR) }.copy_from_slice(row);
     }
 }
 
@@ -577,29 +984,39 @@ unsafe fn portable_kernel(pairs: usize, a: *const u32, b: *const u32, tile: *mut
 macro_rules! vector_kernel {
     ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
         $(#[$attr])*
-        unsafe fn $name(pairs: usize, a: *const u32, b: *const u32, tile: *mut f32) {
+        unsafe fn $name(
+            pairs: usize,
+            a: *const u32,
+            b: *const u32,
+            c: *mut f32,
+            ldc: usize,
+            zero: bool,
+        ) {
             use $ops as ops;
             use $crate::gemm_bf16::{MR, NR};
             // SAFETY (whole body): the caller guarantees `a` holds `pairs * MR` words, `b`
-            // `pairs * NR` words and `tile` `MR * NR` floats; every offset below is inside.
+            // `pairs * NR` words, and that `MR` rows of `NR` floats at `c + i * ldc` are
+            // readable and writable; every offset below is inside.
             unsafe {
                 let mut acc = [[ops::zero(); 2]; MR];
-                for (i, row) in acc.iter_mut().enumerate() {
-                    row[0] = ops::load(tile.add(i * NR));
-                    row[1] = ops::load(tile.add(i * NR + 16));
+                if !zero {
+                    for (i, row) in acc.iter_mut().enumerate() {
+                        row[0] = ops::load(c.add(i * ldc));
+                        row[1] = ops::load(c.add(i * ldc + 16));
+                    }
                 }
                 for p in 0..pairs {
                     let b0 = ops::load_pairs(b.add(p * NR));
                     let b1 = ops::load_pairs(b.add(p * NR + 16));
                     for (i, row) in acc.iter_mut().enumerate() {
-                        let w = ops::broadcast(*a.add(p * MR + i));
+                        let w = ops::broadcast(*a.add(i * pairs + p));
                         row[0] = ops::dot(row[0], w, b0);
                         row[1] = ops::dot(row[1], w, b1);
                     }
                 }
                 for (i, row) in acc.iter().enumerate() {
-                    ops::store(tile.add(i * NR), row[0]);
-                    ops::store(tile.add(i * NR + 16), row[1]);
+                    ops::store(c.add(i * ldc), row[0]);
+                    ops::store(c.add(i * ldc + 16), row[1]);
                 }
             }
         }
@@ -677,6 +1094,12 @@ static TILE_CONFIG: TileConfig = {
     TileConfig(cfg)
 };
 
+/// 64 zero bytes: the row a C tile that starts from zero is loaded from, 16 times.
+#[repr(C, align(64))]
+struct ZeroRow([u8; 64]);
+
+static ZERO_ROW: ZeroRow = ZeroRow([0; 64]);
+
 /// The AMX micro-kernel's body, written once for the hardware (`$ops::Tiles` = the tile
 /// instructions through `asm!`) and for the software model of the same instructions, as
 /// `vector_kernel!` is. The tiles are configured with [`TILE_CONFIG`] (on the hardware once
@@ -687,25 +1110,41 @@ static TILE_CONFIG: TileConfig = {
 macro_rules! amx_kernel {
     ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
         $(#[$attr])*
-        unsafe fn $name(pairs: usize, a: *const u32, b: *const u32, tile: *mut f32) {
+        unsafe fn $name(
+            pairs: usize,
+            a: *const u32,
+            b: *const u32,
+            c: *mut f32,
+            ldc: usize,
+            zero: bool,
+        ) {
             use $ops as ops;
-            use $crate::gemm_bf16::{AMX_MR, AMX_PAIRS, NR};
-            // Bytes between rows: of C's block and of a B panel (NR floats or words), and of
-            // an A step (AMX_PAIRS words).
-            const C_ROW: usize = NR * 4;
+            use $crate::gemm_bf16::{AMX_MR, AMX_PAIRS, NR, ZERO_ROW};
+            // Bytes between rows: of C, of a B panel (NR words), and of an A step
+            // (AMX_PAIRS words).
+            let c_row = ldc * 4;
             const B_ROW: usize = NR * 4;
             const A_ROW: usize = AMX_PAIRS * 4;
             // SAFETY (whole body): the caller guarantees `pairs` is a multiple of AMX_PAIRS,
-            // `a` holds `pairs * AMX_MR` words, `b` `pairs * NR` words and `tile`
-            // `AMX_MR * NR` floats; every tile below reads or writes 16 rows of 64 bytes
-            // inside them.
+            // `a` holds `pairs * AMX_MR` words, `b` `pairs * NR` words, and that `AMX_MR`
+            // rows of `NR` floats at `c + i * ldc` are readable and writable; every tile
+            // below reads or writes 16 rows of 64 bytes inside them (or, for a block that
+            // starts from zero, the 64 zero bytes of ZERO_ROW 16 times, with stride 0).
             unsafe {
                 let mut t = ops::Tiles::configured(&$crate::gemm_bf16::TILE_CONFIG);
-                let c = tile.cast::<u8>();
-                t.load::<0>(c, C_ROW);
-                t.load::<1>(c.add(64), C_ROW);
-                t.load::<2>(c.add(16 * C_ROW), C_ROW);
-                t.load::<3>(c.add(16 * C_ROW + 64), C_ROW);
+                let c = c.cast::<u8>();
+                if zero {
+                    let z = ZERO_ROW.0.as_ptr();
+                    t.load::<0>(z, 0);
+                    t.load::<1>(z, 0);
+                    t.load::<2>(z, 0);
+                    t.load::<3>(z, 0);
+                } else {
+                    t.load::<0>(c, c_row);
+                    t.load::<1>(c.add(64), c_row);
+                    t.load::<2>(c.add(16 * c_row), c_row);
+                    t.load::<3>(c.add(16 * c_row + 64), c_row);
+                }
                 for s in 0..pairs / AMX_PAIRS {
                     let a_step = a.add(s * AMX_PAIRS * AMX_MR).cast::<u8>();
                     let b_step = b.add(s * AMX_PAIRS * NR).cast::<u8>();
@@ -718,10 +1157,10 @@ macro_rules! amx_kernel {
                     t.dot::<2, 5, 6>();
                     t.dot::<3, 5, 7>();
                 }
-                t.store::<0>(c, C_ROW);
-                t.store::<1>(c.add(64), C_ROW);
-                t.store::<2>(c.add(16 * C_ROW), C_ROW);
-                t.store::<3>(c.add(16 * C_ROW + 64), C_ROW);
+                t.store::<0>(c, c_row);
+                t.store::<1>(c.add(64), c_row);
+                t.store::<2>(c.add(16 * c_row), c_row);
+                t.store::<3>(c.add(16 * c_row + 64), c_row);
             }
         }
     };
@@ -1210,12 +1649,12 @@ mod tests {
     #[test]
     fn the_model_of_vdpbf16ps_adds_the_high_pair_first_and_flushes_subnormals() {
         let big = bf16::from_f32(1.0e8);
-        let (big_bits, one) = (u32::from(big.to_bits()), u32::from(bf16::ONE.to_bits()));
+        let one = bf16::ONE;
         // a = (1, big) times b = (1, 1) onto -big: the high product cancels first, then 1
         // is added exactly (the other order would lose the 1 against big).
         let out = model_ops::dot(
             [-big.to_f32(); 16],
-            [pair(one, big_bits); 16],
+            [pair(one, big); 16],
             [pair(one, one); 16],
         );
         assert_eq!(out, [1.0; 16]);

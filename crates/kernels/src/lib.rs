@@ -103,6 +103,7 @@ pub mod precision;
 pub mod reduce;
 pub mod softmax;
 mod vector_math;
+mod wide;
 
 pub use error::{Error, Result, Value};
 pub use lstm::*;

@@ -7,6 +7,7 @@
 
 use crate::error::{check_len, checked_product, Error, Result, Value};
 use crate::vector_math::{sigmoid, tanh};
+use crate::wide::wide_twin;
 
 /// Forget-gate bias used by [`init_lstm_bias`] callers unless told otherwise (the
 /// TensorFlow `forget_bias=1.0` default, which keeps the cell open early in training).
@@ -158,9 +159,21 @@ fn activate_row(act: &mut [f32], c_prev: &[f32], c: &mut [f32], h: &mut [f32]) {
     }
 }
 
-/// Forward of one batch row of [`lstm_pointwise_forward`].
-#[inline(never)]
-pub(crate) fn forward_row(
+wide_twin! {
+    /// Forward of one batch row of [`lstm_pointwise_forward`].
+    #[inline(never)]
+    pub(crate) fn forward_row(
+        gates: &[f32],
+        bias: &[f32],
+        c_prev: &[f32],
+        c: &mut [f32],
+        h: &mut [f32],
+        act: &mut [f32],
+    ) = forward_row_body;
+}
+
+#[inline(always)]
+fn forward_row_body(
     gates: &[f32],
     bias: &[f32],
     c_prev: &[f32],
@@ -174,9 +187,22 @@ pub(crate) fn forward_row(
     activate_row(act, c_prev, c, h);
 }
 
-/// Forward of one batch row of [`lstm_pointwise_forward_step`].
-#[inline(never)]
-pub(crate) fn forward_step_row(
+wide_twin! {
+    /// Forward of one batch row of [`lstm_pointwise_forward_step`].
+    #[inline(never)]
+    pub(crate) fn forward_step_row(
+        input_proj: &[f32],
+        recurrent: &[f32],
+        bias: &[f32],
+        c_prev: &[f32],
+        c: &mut [f32],
+        h: &mut [f32],
+        act: &mut [f32],
+    ) = forward_step_row_body;
+}
+
+#[inline(always)]
+fn forward_step_row_body(
     input_proj: &[f32],
     recurrent: &[f32],
     bias: &[f32],
@@ -191,10 +217,23 @@ pub(crate) fn forward_step_row(
     activate_row(act, c_prev, c, h);
 }
 
-/// Backward of one batch row of [`lstm_pointwise_backward`].
-#[inline(never)]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward_row(
+wide_twin! {
+    /// Backward of one batch row of [`lstm_pointwise_backward`].
+    #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn backward_row(
+        act: &[f32],
+        c_prev: &[f32],
+        c: &[f32],
+        dh: &[f32],
+        dc: &[f32],
+        dgates: &mut [f32],
+        dc_prev: &mut [f32],
+    ) = backward_row_body;
+}
+
+#[inline(always)]
+fn backward_row_body(
     act: &[f32],
     c_prev: &[f32],
     c: &[f32],

@@ -387,10 +387,14 @@ fn adam_par(s: &optim::AdamStep, params: &mut [f32], grads: &[f32], m: &mut [f32
         .for_each(|(((p, g), m), v)| s.apply(p, g, m, v));
 }
 
-/// Parallel [`crate::gemm_bf16::gemm_bf16`]: C's rows split into blocks of
-/// [`crate::gemm_bf16::MC`], one task each (every task packs its own panels of B). Each
-/// element of C is computed by the same micro-kernel in the same order as in the serial
-/// product, so the results are the same bits.
+/// Parallel [`crate::gemm_bf16::gemm_bf16`]: C split into one rectangle per thread of the
+/// pool, along its rows ([`crate::gemm_bf16::AMX_MR`] at a time) when it has more row
+/// blocks than column panels, else along its columns ([`crate::gemm_bf16::NR`] at a
+/// time), so that a product with few rows (one time step of a recurrence) still uses
+/// every thread. Split by rows, B is packed once, by every thread a share of its panels,
+/// and read by all; split by columns, each task packs the columns it reads. Each element
+/// of C is computed by the same micro-kernel in the same order as in the serial product,
+/// so the results are the same bits.
 ///
 /// # Errors
 /// As the serial kernel.
@@ -402,36 +406,198 @@ pub fn gemm_bf16(
     ldc: usize,
     accumulate: bool,
 ) -> Result<()> {
-    use crate::gemm_bf16::{check, MC};
+    use crate::gemm_bf16::{check, drive_raw, kernel_for, BSource};
 
+    let kernel = kernel_for(path)?;
     check(&a, &b, c, ldc)?;
-    if !path.available() {
-        // The serial kernel names the missing feature.
-        return crate::gemm_bf16::gemm_bf16(path, a, b, c, ldc, accumulate);
+    let c = SendPtr(c.as_mut_ptr());
+    match split(a.rows(), b.cols(), a.cols()) {
+        // SAFETY: `check` found `c` long enough, and the borrow is exclusive.
+        Split::None => unsafe { drive_raw(kernel, a, BSource::View(b), c.0, ldc, accumulate) },
+        Split::Rows(part) => {
+            let packed = pack_b(path, b)?;
+            // SAFETY: as in `rows`.
+            unsafe { rows(kernel, a, &packed, c, ldc, accumulate, part) };
+        }
+        Split::Cols(part) => (0..b.cols())
+            .into_par_iter()
+            .step_by(part)
+            .for_each(|start| {
+                let end = (start + part).min(b.cols());
+                // SAFETY: `check` found `c` long enough for the whole product; the tasks'
+                // column ranges are disjoint, and the exclusive borrow of `c` keeps every
+                // other access out until they all end.
+                unsafe {
+                    drive_raw(
+                        kernel,
+                        a,
+                        BSource::View(b.col_range(start, end)),
+                        c.at(start),
+                        ldc,
+                        accumulate,
+                    )
+                }
+            }),
     }
-    let (m, n) = (a.rows(), b.cols());
-    if m == 0 || n == 0 {
-        return Ok(());
+    Ok(())
+}
+
+/// Parallel [`crate::gemm_bf16::gemm_bf16_packed`], split as [`gemm_bf16`] (every task
+/// reads the one packed B). The same bits as the serial product.
+///
+/// # Errors
+/// As the serial kernel.
+pub fn gemm_bf16_packed(
+    a: crate::gemm_bf16::MatRef<'_>,
+    b: &crate::gemm_bf16::PackedB,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) -> Result<()> {
+    use crate::gemm_bf16::{check_shapes, drive_raw, kernel_for, BSource};
+
+    let kernel = kernel_for(b.path())?;
+    check_shapes(&a, b.rows(), b.cols(), c, ldc)?;
+    let c = SendPtr(c.as_mut_ptr());
+    match split(a.rows(), b.cols(), a.cols()) {
+        // SAFETY: the shapes were checked against `c`, and the borrow is exclusive.
+        Split::None => unsafe {
+            drive_raw(
+                kernel,
+                a,
+                BSource::Packed(b, 0..b.cols()),
+                c.0,
+                ldc,
+                accumulate,
+            )
+        },
+        // SAFETY: as in `rows`.
+        Split::Rows(part) => unsafe { rows(kernel, a, b, c, ldc, accumulate, part) },
+        Split::Cols(part) => (0..b.cols())
+            .into_par_iter()
+            .step_by(part)
+            .for_each(|start| {
+                let end = (start + part).min(b.cols());
+                // SAFETY: as in `gemm_bf16` (`part`, hence `start`, is a multiple of NR, as a
+                // packed range must start).
+                unsafe {
+                    drive_raw(
+                        kernel,
+                        a,
+                        BSource::Packed(b, start..end),
+                        c.at(start),
+                        ldc,
+                        accumulate,
+                    )
+                }
+            }),
     }
-    let c = &mut c[..(m - 1) * ldc + n];
-    // Blocks of MC rows of C: every block but the last is MC full rows of ldc.
-    let mut blocks: alloc::vec::Vec<(usize, &mut [f32])> =
-        alloc::vec::Vec::with_capacity(m.div_ceil(MC));
-    let mut rest = c;
-    let mut row = 0;
-    while row < m {
-        let rows = MC.min(m - row);
-        let take = if row + rows == m {
-            rest.len()
-        } else {
-            rows * ldc
-        };
-        let (block, tail) = core::mem::take(&mut rest).split_at_mut(take);
-        blocks.push((row, block));
-        rest = tail;
-        row += rows;
+    Ok(())
+}
+
+/// How a product is shared among the pool's threads.
+enum Split {
+    /// On the calling thread.
+    None,
+    /// Rows of C, this many per task.
+    Rows(usize),
+    /// Columns of C, this many per task.
+    Cols(usize),
+}
+
+/// The split of an `m × n` product over `k`.
+fn split(m: usize, n: usize, k: usize) -> Split {
+    use crate::gemm_bf16::{AMX_MR, NR};
+
+    /// Below this many multiply-adds a product runs on the calling thread.
+    const SERIAL_BELOW: usize = 1 << 16;
+    let threads = rayon::current_num_threads();
+    let by_rows = m.div_ceil(AMX_MR) >= n.div_ceil(NR);
+    let (len, unit) = if by_rows { (m, AMX_MR) } else { (n, NR) };
+    let part = len.div_ceil(threads).next_multiple_of(unit);
+    if threads == 1 || m * n * k < SERIAL_BELOW || part >= len {
+        Split::None
+    } else if by_rows {
+        Split::Rows(part)
+    } else {
+        Split::Cols(part)
     }
-    blocks.into_par_iter().try_for_each(|(row, block)| {
-        crate::gemm_bf16::gemm_bf16(path, a.row_range(row, row + MC), b, block, ldc, accumulate)
+}
+
+/// Parallel [`crate::gemm_bf16::PackedB::new`]: `b` packed ahead for `path`, the panels
+/// of each block shared among the pool's threads. The same words as the serial packer.
+///
+/// # Errors
+/// As the serial packer.
+pub fn pack_b(
+    path: crate::gemm_bf16::Bf16Path,
+    b: crate::gemm_bf16::MatRef<'_>,
+) -> Result<crate::gemm_bf16::PackedB> {
+    use crate::gemm_bf16::{pack_b, PackedB, NR};
+
+    PackedB::packed_with(path, &b, |b, block, out| {
+        out.par_chunks_mut(block.pairs * NR)
+            .enumerate()
+            .for_each(|(q, panel)| {
+                let jc = block.jc + q * NR;
+                let nc = NR.min(block.jc + block.nc - jc);
+                pack_b(b, block.pc, block.kc, jc, nc, block.pairs, panel);
+            });
     })
+}
+
+/// Rows of C split into tasks of `part` rows, every task reading the one packed B.
+///
+/// # Safety
+/// `c` holds the whole `a.rows() × b.cols()` product with row stride `ldc`, which nothing
+/// else reads or writes until this returns; `b` was packed for `kernel`'s path.
+unsafe fn rows(
+    kernel: crate::gemm_bf16::Kernel,
+    a: crate::gemm_bf16::MatRef<'_>,
+    b: &crate::gemm_bf16::PackedB,
+    c: SendPtr,
+    ldc: usize,
+    accumulate: bool,
+    part: usize,
+) {
+    use crate::gemm_bf16::{drive_raw, BSource};
+
+    (0..a.rows())
+        .into_par_iter()
+        .step_by(part)
+        .for_each(|start| {
+            let end = (start + part).min(a.rows());
+            // SAFETY: the tasks' row ranges are disjoint and inside C (the caller's
+            // contract).
+            unsafe {
+                drive_raw(
+                    kernel,
+                    a.row_range(start, end),
+                    BSource::Packed(b, 0..b.cols()),
+                    c.at(start * ldc),
+                    ldc,
+                    accumulate,
+                )
+            }
+        });
+}
+
+/// C's pointer, shared by the tasks that write disjoint parts of it.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+
+// SAFETY: the tasks given a `SendPtr` write disjoint elements through it (see its use).
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// The pointer `offset` floats further.
+    ///
+    /// # Safety
+    /// The result is inside the allocation.
+    unsafe fn at(self, offset: usize) -> *mut f32 {
+        // SAFETY: the caller's contract.
+        unsafe { self.0.add(offset) }
+    }
 }

@@ -8,6 +8,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::error::{check_len, Result};
+use crate::wide::wide_twin;
 
 /// Elements converted per stack buffer.
 const CAST_BLOCK: usize = 256;
@@ -24,6 +25,8 @@ where
     const EXP_MASK: u16;
     /// The raw bit pattern.
     fn bits(self) -> u16;
+    /// `dst[i] = src[i]` rounded to nearest, ties to even (`half`'s conversion).
+    fn convert_block(src: &[f32], dst: &mut [Self]);
 }
 
 impl HalfFloat for f16 {
@@ -32,6 +35,10 @@ impl HalfFloat for f16 {
     fn bits(self) -> u16 {
         self.to_bits()
     }
+    #[inline(always)]
+    fn convert_block(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
+    }
 }
 
 impl HalfFloat for bf16 {
@@ -39,6 +46,30 @@ impl HalfFloat for bf16 {
     #[inline(always)]
     fn bits(self) -> u16 {
         self.to_bits()
+    }
+    #[inline(always)]
+    fn convert_block(src: &[f32], dst: &mut [Self]) {
+        bf16_from_f32_block(src, dst);
+    }
+}
+
+wide_twin! {
+    /// `dst[i]` = the bf16 of `src[i]`, bit for bit `bf16::from_f32`: NaN keeps its sign
+    /// and high payload and is made quiet; everything else rounds to nearest, ties to
+    /// even, by adding `0x7fff` plus the kept low bit (so that the loop has no branch
+    /// and vectorises).
+    #[inline(never)]
+    fn bf16_from_f32_block(src: &[f32], dst: &mut [bf16]) = bf16_from_f32_block_body;
+}
+
+#[inline(always)]
+fn bf16_from_f32_block_body(src: &[f32], dst: &mut [bf16]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        let x = x.to_bits();
+        let nan = x & 0x7fff_ffff > F32_EXP_MASK;
+        let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+        let quiet = (x >> 16) | 0x0040;
+        *d = bf16::from_bits(if nan { quiet } else { rounded } as u16);
     }
 }
 
@@ -55,7 +86,7 @@ where
         for (b, &x) in buf.iter_mut().zip(s) {
             *b = x * scale;
         }
-        d.convert_from_f32_slice(buf);
+        H::convert_block(buf, d);
         non_finite |= d.iter().fold(false, |acc, h| {
             acc | (h.bits() & H::EXP_MASK == H::EXP_MASK)
         });

@@ -10,6 +10,7 @@
 
 use crate::error::{check_len, checked_product, Error, Result, Value};
 use crate::vector_math::exp;
+use crate::wide::wide_twin;
 
 /// Number of interleaved accumulators a row reduction uses (one SIMD register of f32).
 const LANES: usize = 8;
@@ -79,7 +80,7 @@ fn check_labels(labels: &[u32], mask: &[f32], vocab: usize) -> Result<()> {
 }
 
 /// Largest element of a non-empty row (NaN elements are skipped; they poison the sum).
-#[inline]
+#[inline(always)]
 fn row_max(row: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = row.chunks_exact(LANES);
@@ -98,7 +99,7 @@ fn row_max(row: &[f32]) -> f32 {
 }
 
 /// `sum(exp(row - max))`.
-#[inline]
+#[inline(always)]
 fn row_sum_exp(row: &[f32], max: f32) -> f32 {
     let mut lanes = [0.0f32; LANES];
     let chunks = row.chunks_exact(LANES);
@@ -114,16 +115,21 @@ fn row_sum_exp(row: &[f32], max: f32) -> f32 {
     lanes.iter().sum()
 }
 
-/// `(loss, lse)` of one row with the two-pass algorithm. `label` must be in range
-/// unless `weight == 0.0`.
-#[inline]
-pub(crate) fn forward_row(row: &[f32], label: u32, weight: f32) -> (f32, f32) {
+wide_twin! {
+    /// `(loss, lse)` of one row with the two-pass algorithm. `label` must be in range
+    /// unless `weight == 0.0`.
+    #[inline]
+    pub(crate) fn forward_row(row: &[f32], label: u32, weight: f32) -> (f32, f32) = forward_row_body;
+}
+
+#[inline(always)]
+fn forward_row_body(row: &[f32], label: u32, weight: f32) -> (f32, f32) {
     let max = row_max(row);
     let lse = max + libm::logf(row_sum_exp(row, max));
     (row_loss(row, label, weight, lse), lse)
 }
 
-#[inline]
+#[inline(always)]
 fn row_loss(row: &[f32], label: u32, weight: f32, lse: f32) -> f32 {
     if weight == 0.0 {
         0.0
@@ -143,9 +149,14 @@ fn online_update(m: &mut f32, s: &mut f32, x: f32) {
     *m = if bigger { x } else { *m };
 }
 
-/// `(loss, lse)` of one row in a single pass with the online recurrence.
-#[inline]
-pub(crate) fn forward_row_online(row: &[f32], label: u32, weight: f32) -> (f32, f32) {
+wide_twin! {
+    /// `(loss, lse)` of one row in a single pass with the online recurrence.
+    #[inline]
+    pub(crate) fn forward_row_online(row: &[f32], label: u32, weight: f32) -> (f32, f32) = forward_row_online_body;
+}
+
+#[inline(always)]
+fn forward_row_online_body(row: &[f32], label: u32, weight: f32) -> (f32, f32) {
     // f32::MIN rather than -inf keeps `x - m` finite-or-(-inf) for every x, so the
     // recurrence never forms inf - inf.
     let mut maxes = [f32::MIN; LANES];
@@ -170,9 +181,14 @@ pub(crate) fn forward_row_online(row: &[f32], label: u32, weight: f32) -> (f32, 
     (row_loss(row, label, weight, lse), lse)
 }
 
-/// Gradient of one row, in place. `label` must be in range unless `weight == 0.0`.
-#[inline]
-pub(crate) fn backward_row(row: &mut [f32], lse: f32, label: u32, weight: f32, scale: f32) {
+wide_twin! {
+    /// Gradient of one row, in place. `label` must be in range unless `weight == 0.0`.
+    #[inline]
+    pub(crate) fn backward_row(row: &mut [f32], lse: f32, label: u32, weight: f32, scale: f32) = backward_row_body;
+}
+
+#[inline(always)]
+fn backward_row_body(row: &mut [f32], lse: f32, label: u32, weight: f32, scale: f32) {
     if weight == 0.0 {
         row.fill(0.0);
         return;

@@ -11,13 +11,16 @@
 use proptest::prelude::*;
 use ringtrain_kernels::bf16;
 use ringtrain_kernels::gemm_bf16::{
-    gemm_bf16, gemm_bf16_modelled, Bf16Path, MatRef, AMX_MR, AMX_PAIRS, KC, MC, MR, NC, NR,
+    gemm_bf16, gemm_bf16_modelled, gemm_bf16_packed, Bf16Path, MatRef, PackedB, AMX_MR, AMX_PAIRS,
+    KC, MC, MR, NC, NR,
 };
 
-/// A way to compute the product: a path on this CPU, or a path's software model.
+/// A way to compute the product: a path on this CPU (B packed by the product, or ahead),
+/// or a path's software model.
 #[derive(Debug, Clone, Copy)]
 enum Runner {
     Hardware(Bf16Path),
+    Packed(Bf16Path),
     Model(Bf16Path),
 }
 
@@ -32,6 +35,7 @@ impl Runner {
     ) -> ringtrain_kernels::Result<()> {
         match self {
             Runner::Hardware(p) => gemm_bf16(p, a, b, c, ldc, accumulate),
+            Runner::Packed(p) => gemm_bf16_packed(a, &PackedB::new(p, b)?, c, ldc, accumulate),
             Runner::Model(p) => gemm_bf16_modelled(p, a, b, c, ldc, accumulate),
         }
     }
@@ -39,16 +43,18 @@ impl Runner {
     fn name(self) -> String {
         match self {
             Runner::Hardware(p) => p.name().to_string(),
+            Runner::Packed(p) => format!("{} (B packed ahead)", p.name()),
             Runner::Model(p) => format!("{} (software model)", p.name()),
         }
     }
 }
 
-/// The paths this CPU can run, and the models of the vector and AMX paths.
+/// The paths this CPU can run (B packed by the product and ahead), and the models of the
+/// vector and AMX paths.
 fn runnable() -> Vec<Runner> {
     Bf16Path::runnable()
         .into_iter()
-        .map(Runner::Hardware)
+        .flat_map(|p| [Runner::Hardware(p), Runner::Packed(p)])
         .chain([
             Runner::Model(Bf16Path::Avx512Bf16),
             Runner::Model(Bf16Path::Amx),
@@ -322,4 +328,53 @@ fn bad_shapes_are_refused_before_anything_is_written() {
             assert!(err.to_string().contains("Bf16Path::detect"), "{why}: {err}");
         }
     }
+}
+
+#[test]
+fn a_b_packed_ahead_gives_the_bits_of_a_b_packed_by_the_product() {
+    // Columns across two column blocks (NC) and rows of B across three k blocks (KC).
+    let (m, n, k) = (MR + 3, NC + 37, 2 * KC + 3);
+    for path in Bf16Path::runnable() {
+        for layout in [Layout::Nn, Layout::Nt] {
+            let a_data = values(m * k, 5);
+            let b_data = values(k * n, 6);
+            let a = MatRef::row_major(&a_data, m, k).unwrap();
+            let b = match layout {
+                Layout::Nt => MatRef::row_major(&b_data, n, k).unwrap().t(),
+                _ => MatRef::row_major(&b_data, k, n).unwrap(),
+            };
+            let packed = PackedB::new(path, b).unwrap();
+            assert_eq!((packed.rows(), packed.cols(), packed.path()), (k, n, path));
+            for accumulate in [false, true] {
+                let c0: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32 - 2.0).collect();
+                let (mut want, mut got) = (c0.clone(), c0);
+                gemm_bf16(path, a, b, &mut want, n, accumulate).unwrap();
+                gemm_bf16_packed(a, &packed, &mut got, n, accumulate).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{} {layout:?}", path.name());
+            }
+        }
+    }
+}
+
+#[test]
+fn a_packed_b_of_the_wrong_shape_is_refused_before_anything_is_written() {
+    let b_data = values(6, 1);
+    let packed = PackedB::new(
+        Bf16Path::Portable,
+        MatRef::row_major(&b_data, 3, 2).unwrap(),
+    )
+    .unwrap();
+    let a_data = values(8, 2);
+    let mut c = vec![7.0f32; 8];
+    let err = gemm_bf16_packed(
+        MatRef::row_major(&a_data, 2, 4).unwrap(),
+        &packed,
+        &mut c,
+        2,
+        false,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("b (rows)"), "{err}");
+    assert_eq!(c, [7.0; 8]);
 }

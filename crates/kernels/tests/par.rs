@@ -284,24 +284,51 @@ proptest! {
 
 #[test]
 fn gemm_bf16_par_equals_serial_on_every_path_this_cpu_has() {
-    use ringtrain_kernels::gemm_bf16::{Bf16Path, MatRef, MC};
+    use ringtrain_kernels::gemm_bf16::{Bf16Path, MatRef, MC, NC, NR};
 
-    // Rows across several MC blocks and a short last block; C with a row stride > n.
-    let (m, n, kk, ldc) = (2 * MC + 37, 45, 70, 50);
     let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
-    let a_data = to_bf16(random(41, kk * m, 1.0));
-    let b_data = to_bf16(random(42, n * kk, 1.0));
-    for path in Bf16Path::ALL.into_iter().filter(|p| p.available()) {
-        // TN and NT: A stored [k, m], B stored [n, k].
-        let a = MatRef::row_major(&a_data, kk, m).unwrap().t();
-        let b = MatRef::row_major(&b_data, n, kk).unwrap().t();
-        let c0 = random(43, (m - 1) * ldc + n, 1.0);
-        let mut serial = c0.clone();
-        k::gemm_bf16::gemm_bf16(path, a, b, &mut serial, ldc, true).unwrap();
-        on_pools(|| {
-            let mut parallel = c0.clone();
-            par::gemm_bf16(path, a, b, &mut parallel, ldc, true).unwrap();
-            assert_eq!(bits(&parallel), bits(&serial), "{}", path.name());
-        });
+    // Split by rows: several MC blocks and a short last block. Split by columns: few rows
+    // (one step of a recurrence), columns across several NR panels and a short last one,
+    // and across two column blocks (NC), so that a task's columns start inside a block.
+    // C has a row stride > n in each.
+    for (m, n, kk, ldc) in [
+        (2 * MC + 37, 45, 70, 50),
+        (19, 9 * NR + 5, 70, 9 * NR + 8),
+        (7, NC + 3 * NR + 9, 40, NC + 3 * NR + 9),
+    ] {
+        let a_data = to_bf16(random(41, kk * m, 1.0));
+        let b_data = to_bf16(random(42, n * kk, 1.0));
+        for path in Bf16Path::ALL.into_iter().filter(|p| p.available()) {
+            for accumulate in [false, true] {
+                // TN and NT: A stored [k, m], B stored [n, k].
+                let a = MatRef::row_major(&a_data, kk, m).unwrap().t();
+                let b = MatRef::row_major(&b_data, n, kk).unwrap().t();
+                let c0 = random(43, (m - 1) * ldc + n, 1.0);
+                let mut serial = c0.clone();
+                k::gemm_bf16::gemm_bf16(path, a, b, &mut serial, ldc, accumulate).unwrap();
+                let packed = k::gemm_bf16::PackedB::new(path, b).unwrap();
+                on_pools(|| {
+                    let mut parallel = c0.clone();
+                    par::gemm_bf16(path, a, b, &mut parallel, ldc, accumulate).unwrap();
+                    assert_eq!(
+                        bits(&parallel),
+                        bits(&serial),
+                        "{} m {m} n {n} accumulate {accumulate}",
+                        path.name()
+                    );
+                    // B packed ahead by the serial and by the parallel packer.
+                    for packed in [packed.clone(), par::pack_b(path, b).unwrap()] {
+                        let mut parallel = c0.clone();
+                        par::gemm_bf16_packed(a, &packed, &mut parallel, ldc, accumulate).unwrap();
+                        assert_eq!(
+                            bits(&parallel),
+                            bits(&serial),
+                            "{} B packed ahead, m {m} n {n} accumulate {accumulate}",
+                            path.name()
+                        );
+                    }
+                });
+            }
+        }
     }
 }

@@ -183,3 +183,37 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn bf16_cast_gives_halfs_bits_for_every_kind_of_f32() {
+    // Every sign and exponent with low bits at and around the rounding tie, plus a
+    // pseudo-random sweep of all 2^32 patterns (NaNs with payloads, infinities,
+    // subnormals, the largest finite values that round to infinity).
+    let mut patterns = Vec::new();
+    for high in 0u32..=0x1ff {
+        for low in [
+            0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff, 0x1_7fff, 0x1_8000, 0x7f_ffff,
+        ] {
+            patterns.push((high << 23) | low);
+        }
+    }
+    let mut s = 0x2545_f491_4f6c_dd1d_u64;
+    for _ in 0..1 << 20 {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        patterns.push((s >> 32) as u32);
+    }
+    let src: Vec<f32> = patterns.iter().map(|&b| f32::from_bits(b)).collect();
+    let (got, _) = to_bf16(&src, 1.0);
+    for (&x, g) in src.iter().zip(&got) {
+        // The cast multiplies by the scale first (which quiets a signalling NaN).
+        let want = bf16::from_f32(x * 1.0);
+        assert_eq!(
+            g.to_bits(),
+            want.to_bits(),
+            "f32 bits {:#010x}",
+            x.to_bits()
+        );
+    }
+}

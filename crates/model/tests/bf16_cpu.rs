@@ -283,3 +283,53 @@ fn a_produced_copy_made_stale_by_a_later_write_is_not_used() {
     assert_ne!(bits(&on[0]), bits(&on[1]), "the fill changed the product");
     assert_ne!(bits(&on[1]), bits(&on[2]), "the product into x changed it");
 }
+
+#[test]
+fn parameters_read_as_b_are_packed_once_per_pass_and_again_in_the_next() {
+    // Products reading a parameter as B (as is and transposed, as forward and backward
+    // do) take the pass's packed copy: the same bits as a product on an operand that is
+    // not a parameter, and after the parameters change, the next pass packs them again.
+    let (rows, width, n) = (70, 40, 36);
+    let x: Vec<f32> = (0..rows * width).map(|i| (i as f32 * 0.23).sin()).collect();
+    let y: Vec<f32> = (0..rows * n).map(|i| (i as f32 * 0.31).cos()).collect();
+    for threads in [1, 2] {
+        let cpu = backend(threads, GemmPrecision::Bf16);
+        let mut params: Vec<f32> = (0..width * n).map(|i| (i as f32 * 0.11).cos()).collect();
+        // x·W [rows, n] and y·Wᵀ [rows, width], each product run twice in the pass.
+        let products = |cpu: &CpuBackend, w: &Vec<f32>| {
+            let mut out = Vec::new();
+            for _ in 0..2 {
+                let mut c = vec![0.0f32; rows * n];
+                cpu.gemm(
+                    view(&x, Layout::matrix(0, rows, width)),
+                    view(w, Layout::matrix(0, width, n)),
+                    view_mut(&mut c, Layout::matrix(0, rows, n)),
+                    false,
+                )
+                .expect("x·W");
+                let mut d = vec![0.0f32; rows * width];
+                cpu.gemm(
+                    view(&y, Layout::matrix(0, rows, n)),
+                    view(w, Layout::matrix(0, width, n).t()),
+                    view_mut(&mut d, Layout::matrix(0, rows, width)),
+                    false,
+                )
+                .expect("y·Wᵀ");
+                out.push((bits(&c), bits(&d)));
+            }
+            out
+        };
+        for pass in 0..2 {
+            // The same products with W outside any pass: cast on each product, not packed.
+            let unpacked = products(&backend(threads, GemmPrecision::Bf16), &params.clone());
+            cpu.begin_pass(&params);
+            let packed = products(&cpu, &params);
+            cpu.end_pass();
+            assert_eq!(packed, unpacked, "pass {pass}, {threads} thread(s)");
+            // New values in the same buffer: the next pass must not read the old pack.
+            for (i, w) in params.iter_mut().enumerate() {
+                *w = (i as f32 * 0.07 + pass as f32).sin();
+            }
+        }
+    }
+}

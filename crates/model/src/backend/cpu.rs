@@ -26,7 +26,7 @@ use std::sync::Mutex;
 use rayon::ThreadPool;
 use ringtrain_kernels as kernels;
 use ringtrain_kernels::bf16;
-use ringtrain_kernels::gemm_bf16::{Bf16Path, MatRef};
+use ringtrain_kernels::gemm_bf16::{Bf16Path, MatRef, PackedB};
 
 use super::operands::{self, arg, GemmMatrix};
 use super::{
@@ -124,8 +124,15 @@ struct Bf16Operands {
     produced: HashMap<(usize, usize), Produced>,
     /// Storage of the last pass's copies, kept for reuse.
     spare: Vec<Vec<bf16>>,
+    /// Parameters read as B, packed once per pass for the products that read them (a
+    /// recurrent weight is B to every time step), by where and how they are read.
+    packed: HashMap<PackedKey, PackedB>,
     casts: Bf16Casts,
 }
+
+/// A parameter operand read as B: its first element, row stride, whether it is stored
+/// transposed, and its `k × n` shape.
+type PackedKey = (usize, usize, bool, usize, usize);
 
 /// The bf16 copy of a buffer's produced elements: `data[i]` is the bf16 of the buffer's
 /// element `i` for every `i` in one of the `valid` ranges.
@@ -416,22 +423,42 @@ impl CpuBackend {
         accumulate: bool,
     ) -> Result<()> {
         let path = Bf16Path::detect();
-        let parallel = self.pool.is_some();
         let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
-        let sa = ops.prepare(0, a_buf, g.a.range.clone(), parallel)?;
-        let sb = ops.prepare(1, b_buf, g.b.range.clone(), parallel)?;
-        let a = ops.view(sa, &g.a, g.m, g.k)?;
-        let b = ops.view(sb, &g.b, g.k, g.n)?;
+        let ops = &mut *ops;
         let c = &mut c[g.c.range.start..];
         let ldc = g.c.ld;
         self.run(|parallel| {
-            if parallel {
+            let sa = ops.prepare(0, a_buf, g.a.range.clone(), parallel)?;
+            let sb = ops.prepare(1, b_buf, g.b.range.clone(), parallel)?;
+            if matches!(sb, Bf16Source::Params) {
+                // A parameter read as B: packed once per pass, then read by every
+                // product of the pass that reads it the same way.
+                let key = (g.b.range.start, g.b.ld, g.b.trans, g.k, g.n);
+                if !ops.packed.contains_key(&key) {
+                    let b = ops.view(sb, &g.b, g.k, g.n)?;
+                    let packed = if parallel {
+                        kernels::par::pack_b(path, b)?
+                    } else {
+                        PackedB::new(path, b)?
+                    };
+                    ops.packed.insert(key, packed);
+                }
+                let a = ops.view(sa, &g.a, g.m, g.k)?;
+                let b = &ops.packed[&key];
+                return Ok(if parallel {
+                    kernels::par::gemm_bf16_packed(a, b, c, ldc, accumulate)
+                } else {
+                    kernels::gemm_bf16::gemm_bf16_packed(a, b, c, ldc, accumulate)
+                }?);
+            }
+            let a = ops.view(sa, &g.a, g.m, g.k)?;
+            let b = ops.view(sb, &g.b, g.k, g.n)?;
+            Ok(if parallel {
                 kernels::par::gemm_bf16(path, a, b, c, ldc, accumulate)
             } else {
                 kernels::gemm_bf16::gemm_bf16(path, a, b, c, ldc, accumulate)
-            }
-        })?;
-        Ok(())
+            }?)
+        })
     }
 
     /// Number of threads the backend computes with.
@@ -473,6 +500,7 @@ impl Backend for CpuBackend {
         let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
         ops.pass = Some((params.as_ptr() as usize, params.len()));
         ops.params_cast = false;
+        ops.packed.clear();
         ops.forget_produced();
     }
 
@@ -480,6 +508,7 @@ impl Backend for CpuBackend {
         let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
         ops.pass = None;
         ops.params_cast = false;
+        ops.packed.clear();
         ops.forget_produced();
     }
 
