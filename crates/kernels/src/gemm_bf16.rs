@@ -52,16 +52,27 @@
 //! Every path shares one driver (the classic Goto layout): B is packed into panels of
 //! [`NR`] columns times [`KC`] rows, as pairs of consecutive `k` in one 32-bit word, A into
 //! panels of [`MR`] rows, and a micro-kernel keeps an `MR × NR` block of C in registers
-//! while it walks `k`. Edges are zero-padded in the packs, so any shape works, including
-//! 1 and sizes that are not multiples of the block.
+//! while it walks `k`, reading and writing C in place (a block at an edge of C goes
+//! through a small buffer, and the first block of `k` of a product that does not
+//! accumulate starts from zero instead of reading C). Edges are zero-padded in the packs,
+//! so any shape works, including 1 and sizes that are not multiples of the block. A
+//! matrix that is B to many products (a recurrent weight) can be packed once,
+//! [`PackedB`], and multiplied with [`gemm_bf16_packed`].
 //!
-//! The AMX micro-kernel computes an [`AMX_MR`] × [`NR`] block of C (2 × 2 tiles of 16 × 16
-//! f32) and walks `k` in steps of [`AMX_PAIRS`] pairs (32 bf16, one tile row). Its B
-//! panels are the same pack, zero-padded to a multiple of [`AMX_PAIRS`] pairs; a B tile
-//! (16 pairs × 16 columns, the layout `TDPBF16PS` calls VNNI) is 16 rows of that panel
-//! read with its row stride. Its A panels hold, for each step, the 32 rows one after the
-//! other, each 16 pairs long: an A tile is 16 rows of that, read with a stride of one
-//! row. (The vector kernels' A panels are the same formula with steps of one pair.)
+//! The vector kernels' A panels hold each row whole (pairs `0..pairs` of row 0, then of
+//! row 1, ...), so a row-major A packs by copying rows. The AMX micro-kernel computes an
+//! [`AMX_MR`] × [`NR`] block of C (2 × 2 tiles of 16 × 16 f32) and walks `k` in steps of
+//! [`AMX_PAIRS`] pairs (32 bf16, one tile row). Its B panels are the same pack,
+//! zero-padded to a multiple of [`AMX_PAIRS`] pairs; a B tile (16 pairs × 16 columns, the
+//! layout `TDPBF16PS` calls VNNI) is 16 rows of that panel read with its row stride. Its A
+//! panels hold, for each step, the 32 rows one after the other, each 16 pairs long: an A
+//! tile is 16 rows of that, read with a stride of one row; a C tile is 16 rows of C read
+//! with C's row stride.
+//!
+//! The rayon twins (`par::gemm_bf16`, `par::gemm_bf16_packed`) give each thread a
+//! rectangle of C: rows when C has more row blocks than column panels (B is then packed
+//! once, its panels shared out among the threads, and read by all), else columns (one
+//! time step of a recurrence, 64 rows), each task packing the columns it reads.
 
 use alloc::vec;
 use alloc::vec::Vec;
@@ -752,6 +763,22 @@ pub(crate) unsafe fn drive_raw(
     }
 }
 
+/// `out[j]` = the pair (`lo[j]`, `hi[j]`) for the `NR` columns of a panel row (fixed
+/// length, so that it compiles to a few vector instructions).
+#[inline(always)]
+fn interleave(lo: &[bf16], hi: &[bf16], out: &mut [u32]) {
+    let (Ok(lo), Ok(hi), Ok(out)) = (
+        <&[u16; NR]>::try_from(lo.reinterpret_cast()),
+        <&[u16; NR]>::try_from(hi.reinterpret_cast()),
+        <&mut [u32; NR]>::try_from(out),
+    ) else {
+        unreachable!("panel rows are NR long");
+    };
+    for j in 0..NR {
+        out[j] = u32::from(lo[j]) | (u32::from(hi[j]) << 16);
+    }
+}
+
 /// Two bf16 (element `k` in the low half, `k + 1` in the high half) as one word.
 #[inline]
 fn pair(lo: bf16, hi: bf16) -> u32 {
@@ -794,11 +821,11 @@ fn pack_b_body(
         if cols == NR && cs == 1 {
             for (p, dst) in panel.chunks_exact_mut(NR).take(full).enumerate() {
                 let k0 = pc + 2 * p;
-                let r0 = b.data[k0 * rs + col0..][..NR].reinterpret_cast();
-                let r1 = b.data[(k0 + 1) * rs + col0..][..NR].reinterpret_cast();
-                for ((o, &x0), &x1) in dst.iter_mut().zip(r0).zip(r1) {
-                    *o = u32::from(x0) | (u32::from(x1) << 16);
-                }
+                interleave(
+                    &b.data[k0 * rs + col0..][..NR],
+                    &b.data[(k0 + 1) * rs + col0..][..NR],
+                    dst,
+                );
             }
             done = full;
         } else if cols == NR && rs == 1 {

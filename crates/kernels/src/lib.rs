@@ -62,7 +62,11 @@
 //!
 //! None of the arithmetic is contracted into FMA (Rust never does that on its own), so
 //! building with wider vectors (`RUSTFLAGS="-C target-cpu=native"`) changes the speed, not
-//! the bits.
+//! the bits. The same holds at run time: with `std` on x86-64, the LSTM and softmax row
+//! kernels, the bf16 cast and the bf16 product's packing are compiled a second time for
+//! AVX-512 (F, BW, DQ, VL), and that twin runs where the CPU has it (Intel Skylake-SP and
+//! later Xeons, AMD Zen 4 and Zen 5); a plain build for the x86-64 baseline gets the
+//! 512-bit loops without `target-cpu`.
 //!
 //! Reductions inside a row use a fixed order of interleaved lanes. The `par` module
 //! (feature `rayon`) splits work over rows or fixed blocks only, so its results equal the

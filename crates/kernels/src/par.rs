@@ -258,6 +258,18 @@ pub fn f32_to_bf16_scaled(src: &[f32], scale: f32, dst: &mut [bf16]) -> Result<b
     f32_to_half_scaled(src, scale, dst)
 }
 
+/// Parallel [`crate::f32_to_bf16`] (fixed blocks).
+///
+/// # Errors
+/// As the serial kernel.
+pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) -> Result<()> {
+    check_len("dst", dst.len(), src.len())?;
+    src.par_chunks(PAR_BLOCK)
+        .zip(dst.par_chunks_mut(PAR_BLOCK))
+        .for_each(|(s, d)| crate::precision::bf16_from_f32_block(s, d));
+    Ok(())
+}
+
 /// Parallel [`crate::f16_to_f32_unscaled`] (fixed blocks).
 ///
 /// # Errors

@@ -59,7 +59,7 @@ wide_twin! {
     /// even, by adding `0x7fff` plus the kept low bit (so that the loop has no branch
     /// and vectorises).
     #[inline(never)]
-    fn bf16_from_f32_block(src: &[f32], dst: &mut [bf16]) = bf16_from_f32_block_body;
+    pub(crate) fn bf16_from_f32_block(src: &[f32], dst: &mut [bf16]) = bf16_from_f32_block_body;
 }
 
 #[inline(always)]
@@ -116,6 +116,18 @@ where
 pub fn f32_to_f16_scaled(src: &[f32], scale: f32, dst: &mut [f16]) -> Result<bool> {
     check_len("dst", dst.len(), src.len())?;
     Ok(f32_to_half_scaled_block(src, scale, dst))
+}
+
+/// `dst[i] = bf16(src[i])`, rounded to nearest even (NaN stays NaN): the cast of matrix
+/// product operands, without a scale or a non-finite flag (the same bits as
+/// [`f32_to_bf16_scaled`] with scale 1, in one pass).
+///
+/// # Errors
+/// `ShapeMismatch` naming `dst` when `dst.len() != src.len()`.
+pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) -> Result<()> {
+    check_len("dst", dst.len(), src.len())?;
+    bf16_from_f32_block(src, dst);
+    Ok(())
 }
 
 /// `dst[i] = bf16(src[i] * scale)`, rounded to nearest even; returns `Ok(true)` when any

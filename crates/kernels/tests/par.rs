@@ -332,3 +332,20 @@ fn gemm_bf16_par_equals_serial_on_every_path_this_cpu_has() {
         }
     }
 }
+
+#[test]
+fn the_plain_bf16_cast_in_parallel_equals_the_serial_one() {
+    let src = random(51, 3 * PAR_BLOCK + 17, 1e3);
+    let mut serial = vec![bf16::ZERO; src.len()];
+    k::f32_to_bf16(&src, &mut serial).unwrap();
+    on_pools(|| {
+        let mut parallel = vec![bf16::ZERO; src.len()];
+        par::f32_to_bf16(&src, &mut parallel).unwrap();
+        assert_eq!(bits16(&parallel), bits16(&serial));
+        assert!(par::f32_to_bf16(&src, &mut parallel[1..]).is_err());
+    });
+}
+
+fn bits16(x: &[bf16]) -> Vec<u16> {
+    x.iter().map(|v| v.to_bits()).collect()
+}

@@ -216,4 +216,17 @@ fn bf16_cast_gives_halfs_bits_for_every_kind_of_f32() {
             x.to_bits()
         );
     }
+    // The plain cast (no scale) converts each value itself.
+    let mut plain = vec![bf16::ZERO; src.len()];
+    ringtrain_kernels::f32_to_bf16(&src, &mut plain).unwrap();
+    for (&x, g) in src.iter().zip(&plain) {
+        let want = bf16::from_f32(x);
+        assert_eq!(
+            g.to_bits(),
+            want.to_bits(),
+            "f32 bits {:#010x}",
+            x.to_bits()
+        );
+    }
+    assert!(ringtrain_kernels::f32_to_bf16(&src, &mut plain[1..]).is_err());
 }

@@ -198,11 +198,11 @@ fn key(buf: &[f32]) -> (usize, usize) {
     (buf.as_ptr() as usize, buf.len())
 }
 
-fn cast_into(src: &[f32], dst: &mut [bf16], parallel: bool) -> kernels::Result<bool> {
+fn cast_into(src: &[f32], dst: &mut [bf16], parallel: bool) -> kernels::Result<()> {
     if parallel {
-        kernels::par::f32_to_bf16_scaled(src, 1.0, dst)
+        kernels::par::f32_to_bf16(src, dst)
     } else {
-        kernels::f32_to_bf16_scaled(src, 1.0, dst)
+        kernels::f32_to_bf16(src, dst)
     }
 }
 
