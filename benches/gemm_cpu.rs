@@ -137,6 +137,66 @@ fn operands(s: &Shape) -> (Vec<f32>, Vec<f32>) {
     (a, b)
 }
 
+/// A table of GFLOP/s: a baseline's and ours, with 1 and 2 threads, per shape, with the
+/// ratio ours / baseline, ending with the geometric means of the ratios.
+struct Table {
+    sum_log_ratio: [f64; 2],
+    rows: usize,
+}
+
+impl Table {
+    /// Prints the header: the baseline's and our column names.
+    fn new(baseline: &str, ours: &str) -> Table {
+        println!(
+            "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8} {:>8} {:>6} | {:>8} {:>8} {:>6}",
+            "product",
+            "op",
+            "M",
+            "N",
+            "K",
+            format!("{baseline} 1t"),
+            format!("{ours} 1t"),
+            "ratio",
+            format!("{baseline} 2t"),
+            format!("{ours} 2t"),
+            "ratio"
+        );
+        Table {
+            sum_log_ratio: [0.0; 2],
+            rows: 0,
+        }
+    }
+
+    /// Prints the row of `s`: (baseline, ours) GFLOP/s with 1 and with 2 threads.
+    fn row(&mut self, s: &Shape, figures: [(f64, f64); 2]) {
+        for (sum, (baseline, ours)) in self.sum_log_ratio.iter_mut().zip(figures) {
+            *sum += (ours / baseline).ln();
+        }
+        self.rows += 1;
+        let [(b1, o1), (b2, o2)] = figures;
+        println!(
+            "{:<32} {:>4} {:>5} {:>5} {:>5} | {b1:>8.1} {o1:>8.1} {:>6.2} | {b2:>8.1} {o2:>8.1} {:>6.2}",
+            s.what,
+            s.layout.name(),
+            s.m,
+            s.n,
+            s.k,
+            o1 / b1,
+            o2 / b2
+        );
+    }
+
+    /// Prints the geometric means of the ratios, named `what`.
+    fn geometric_means(&self, what: &str) {
+        let n = self.rows.max(1) as f64;
+        println!(
+            "geometric mean ratio {what}: 1 thread {:.2}, 2 threads {:.2}",
+            (self.sum_log_ratio[0] / n).exp(),
+            (self.sum_log_ratio[1] / n).exp()
+        );
+    }
+}
+
 /// Median seconds per call over repeated runs filling about `budget`.
 fn time_it(budget: Duration, mut f: impl FnMut()) -> f64 {
     f();
@@ -222,11 +282,7 @@ fn main() {
         }
     };
     println!("gemm_cpu: GFLOP/s (baseline = matrixmultiply 0.3, ours = gemm 0.19), ratio = gemm / matrixmultiply");
-    println!(
-        "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8} {:>8} {:>6} | {:>8} {:>8} {:>6}",
-        "product", "op", "M", "N", "K", "mm 1t", "gemm 1t", "ratio", "mm 2t", "gemm 2t", "ratio"
-    );
-    let mut sum_log_ratio = [0.0f64; 2];
+    let mut table = Table::new("mm", "gemm");
     for s in &shapes {
         let (a, bm) = operands(s);
         let mut c1 = vec![0.0f32; s.m * s.n];
@@ -256,30 +312,11 @@ fn main() {
                 (tm, tg)
             });
             let (gm, gg) = (flop / tm * 1e-9, flop / tg * 1e-9);
-            sum_log_ratio[threads - 1] += (gg / gm).ln();
             row.push((gm, gg));
         }
-        println!(
-            "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8.1} {:>8.1} {:>6.2} | {:>8.1} {:>8.1} {:>6.2}",
-            s.what,
-            s.layout.name(),
-            s.m,
-            s.n,
-            s.k,
-            row[0].0,
-            row[0].1,
-            row[0].1 / row[0].0,
-            row[1].0,
-            row[1].1,
-            row[1].1 / row[1].0
-        );
+        table.row(s, [(row[0].0, row[0].1), (row[1].0, row[1].1)]);
     }
-    let n = shapes.len() as f64;
-    println!(
-        "geometric mean ratio gemm / matrixmultiply: 1 thread {:.2}, 2 threads {:.2}",
-        (sum_log_ratio[0] / n).exp(),
-        (sum_log_ratio[1] / n).exp()
-    );
+    table.geometric_means("gemm / matrixmultiply");
     bf16_table(&shapes, budget, &pool2);
 }
 
@@ -374,48 +411,12 @@ fn torch_table(
         "gemm_cpu bf16: GFLOP/s (baseline = torch.mm bf16, ours = ringtrain bf16 path `{}`), ratio = ours / torch",
         path.name()
     );
-    println!(
-        "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8} {:>8} {:>6} | {:>8} {:>8} {:>6}",
-        "product",
-        "op",
-        "M",
-        "N",
-        "K",
-        "torch 1t",
-        "ours 1t",
-        "ratio",
-        "torch 2t",
-        "ours 2t",
-        "ratio"
-    );
-    let mut sum_log_ratio = [0.0f64; 2];
+    let mut table = Table::new("torch", "ours");
     for (i, s) in shapes.iter().enumerate() {
         let (t, o) = ([torch[0][i], torch[1][i]], ours[i]);
-        for threads in 0..2 {
-            sum_log_ratio[threads] += (o[threads] / t[threads]).ln();
-        }
-        println!(
-            "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8.1} {:>8.1} {:>6.2} | {:>8.1} {:>8.1} {:>6.2}",
-            s.what,
-            s.layout.name(),
-            s.m,
-            s.n,
-            s.k,
-            t[0],
-            o[0],
-            o[0] / t[0],
-            t[1],
-            o[1],
-            o[1] / t[1]
-        );
+        table.row(s, [(t[0], o[0]), (t[1], o[1])]);
     }
-    let n = shapes.len() as f64;
-    println!(
-        "geometric mean ratio ours ({}) / torch.mm bf16: 1 thread {:.2}, 2 threads {:.2}",
-        path.name(),
-        (sum_log_ratio[0] / n).exp(),
-        (sum_log_ratio[1] / n).exp()
-    );
+    table.geometric_means(&format!("ours ({}) / torch.mm bf16", path.name()));
 }
 
 /// [`bf16_table`] for one path; returns its GFLOP/s per shape with 1 and 2 threads.
@@ -433,12 +434,8 @@ fn bf16_path_table(
         "gemm_cpu bf16: GFLOP/s (baseline = gemm 0.19 f32, ours = ringtrain bf16 path `{}`), ratio = bf16 / f32",
         path.name()
     );
-    println!(
-        "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8} {:>8} {:>6} | {:>8} {:>8} {:>6}",
-        "product", "op", "M", "N", "K", "f32 1t", "bf16 1t", "ratio", "f32 2t", "bf16 2t", "ratio"
-    );
+    let mut table = Table::new("f32", "bf16");
     let mut figures = Vec::with_capacity(shapes.len());
-    let mut sum_log_ratio = [0.0f64; 2];
     for s in shapes {
         let (a, bm) = operands(s);
         let a16: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
@@ -498,31 +495,11 @@ fn bf16_path_table(
                 (t32, t16)
             });
             let (g32, g16) = (flop / t32 * 1e-9, flop / t16 * 1e-9);
-            sum_log_ratio[threads - 1] += (g16 / g32).ln();
             row.push((g32, g16));
         }
         figures.push([row[0].1, row[1].1]);
-        println!(
-            "{:<32} {:>4} {:>5} {:>5} {:>5} | {:>8.1} {:>8.1} {:>6.2} | {:>8.1} {:>8.1} {:>6.2}",
-            s.what,
-            s.layout.name(),
-            s.m,
-            s.n,
-            s.k,
-            row[0].0,
-            row[0].1,
-            row[0].1 / row[0].0,
-            row[1].0,
-            row[1].1,
-            row[1].1 / row[1].0
-        );
+        table.row(s, [(row[0].0, row[0].1), (row[1].0, row[1].1)]);
     }
-    let n = shapes.len() as f64;
-    println!(
-        "geometric mean ratio bf16 ({}) / f32: 1 thread {:.2}, 2 threads {:.2}",
-        path.name(),
-        (sum_log_ratio[0] / n).exp(),
-        (sum_log_ratio[1] / n).exp()
-    );
+    table.geometric_means(&format!("bf16 ({}) / f32", path.name()));
     figures
 }

@@ -798,58 +798,47 @@ wide_twin! {
         nc: usize,
         pairs: usize,
         out: &mut [u32],
-    ) = pack_b_body;
-}
-
-#[inline(always)]
-fn pack_b_body(
-    b: &MatRef<'_>,
-    pc: usize,
-    kc: usize,
-    jc: usize,
-    nc: usize,
-    pairs: usize,
-    out: &mut [u32],
-) {
-    let (rs, cs) = (b.row_stride, b.col_stride);
-    // Pairs with both of their k inside the block.
-    let full = kc / 2;
-    for (q, j0) in (0..nc).step_by(NR).enumerate() {
-        let panel = &mut out[q * pairs * NR..(q + 1) * pairs * NR];
-        let (col0, cols) = (jc + j0, NR.min(nc - j0));
-        let mut done = 0;
-        if cols == NR && cs == 1 {
-            for (p, dst) in panel.chunks_exact_mut(NR).take(full).enumerate() {
-                let k0 = pc + 2 * p;
-                interleave(
-                    &b.data[k0 * rs + col0..][..NR],
-                    &b.data[(k0 + 1) * rs + col0..][..NR],
-                    dst,
-                );
-            }
-            done = full;
-        } else if cols == NR && rs == 1 {
-            // Each column's k run is contiguous: read it in order (the panel, NR words
-            // per pair, stays in L1 while its columns are written).
-            for j in 0..NR {
-                let column = &b.data[(col0 + j) * cs + pc..][..2 * full];
-                for (p, two) in column.chunks_exact(2).enumerate() {
-                    panel[p * NR + j] = pair(two[0], two[1]);
+    ) {
+        let (rs, cs) = (b.row_stride, b.col_stride);
+        // Pairs with both of their k inside the block.
+        let full = kc / 2;
+        for (q, j0) in (0..nc).step_by(NR).enumerate() {
+            let panel = &mut out[q * pairs * NR..(q + 1) * pairs * NR];
+            let (col0, cols) = (jc + j0, NR.min(nc - j0));
+            let mut done = 0;
+            if cols == NR && cs == 1 {
+                for (p, dst) in panel.chunks_exact_mut(NR).take(full).enumerate() {
+                    let k0 = pc + 2 * p;
+                    interleave(
+                        &b.data[k0 * rs + col0..][..NR],
+                        &b.data[(k0 + 1) * rs + col0..][..NR],
+                        dst,
+                    );
                 }
+                done = full;
+            } else if cols == NR && rs == 1 {
+                // Each column's k run is contiguous: read it in order (the panel, NR words
+                // per pair, stays in L1 while its columns are written).
+                for j in 0..NR {
+                    let column = &b.data[(col0 + j) * cs + pc..][..2 * full];
+                    for (p, two) in column.chunks_exact(2).enumerate() {
+                        panel[p * NR + j] = pair(two[0], two[1]);
+                    }
+                }
+                done = full;
             }
-            done = full;
-        }
-        let at = |kk: usize, j: usize| {
-            if j < cols && kk < pc + kc {
-                b.data[kk * rs + (col0 + j) * cs]
-            } else {
-                bf16::ZERO
-            }
-        };
-        for p in done..pairs {
-            let k0 = pc + 2 * p;
-            for j in 0..NR {
-                panel[p * NR + j] = pair(at(k0, j), at(k0 + 1, j));
+            let at = |kk: usize, j: usize| {
+                if j < cols && kk < pc + kc {
+                    b.data[kk * rs + (col0 + j) * cs]
+                } else {
+                    bf16::ZERO
+                }
+            };
+            for p in done..pairs {
+                let k0 = pc + 2 * p;
+                for j in 0..NR {
+                    panel[p * NR + j] = pair(at(k0, j), at(k0 + 1, j));
+                }
             }
         }
     }
@@ -870,80 +859,69 @@ wide_twin! {
         kc: usize,
         kernel: Kernel,
         out: &mut [u32],
-    ) = pack_a_body;
-}
-
-#[inline(always)]
-fn pack_a_body(
-    a: &MatRef<'_>,
-    ic: usize,
-    mc: usize,
-    pc: usize,
-    kc: usize,
-    kernel: Kernel,
-    out: &mut [u32],
-) {
-    let (rows, step) = (kernel.rows, kernel.step);
-    let (rs, cs) = (a.row_stride, a.col_stride);
-    let pairs = kc.div_ceil(2).next_multiple_of(step);
-    let full = kc / 2;
-    let run = kernel.run(pairs);
-    let slot = |p: usize, i: usize| (p - p % run) * rows + i * run + p % run;
-    for (q, i0) in (0..mc).step_by(rows).enumerate() {
-        let panel = &mut out[q * pairs * rows..(q + 1) * pairs * rows];
-        let (row0, live) = (ic + i0, rows.min(mc - i0));
-        let mut done = 0;
-        if live == rows && cs == 1 && run == pairs {
-            // Rows whole in the panel, and contiguous in A: a copy, row by row.
-            for i in 0..rows {
-                let src = a.data[(row0 + i) * rs + pc..][..2 * full].reinterpret_cast();
-                let dst = &mut panel[i * pairs..i * pairs + full];
-                for (d, two) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                    *d = u32::from(two[0]) | (u32::from(two[1]) << 16);
+    ) {
+        let (rows, step) = (kernel.rows, kernel.step);
+        let (rs, cs) = (a.row_stride, a.col_stride);
+        let pairs = kc.div_ceil(2).next_multiple_of(step);
+        let full = kc / 2;
+        let run = kernel.run(pairs);
+        let slot = |p: usize, i: usize| (p - p % run) * rows + i * run + p % run;
+        for (q, i0) in (0..mc).step_by(rows).enumerate() {
+            let panel = &mut out[q * pairs * rows..(q + 1) * pairs * rows];
+            let (row0, live) = (ic + i0, rows.min(mc - i0));
+            let mut done = 0;
+            if live == rows && cs == 1 && run == pairs {
+                // Rows whole in the panel, and contiguous in A: a copy, row by row.
+                for i in 0..rows {
+                    let src = a.data[(row0 + i) * rs + pc..][..2 * full].reinterpret_cast();
+                    let dst = &mut panel[i * pairs..i * pairs + full];
+                    for (d, two) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                        *d = u32::from(two[0]) | (u32::from(two[1]) << 16);
+                    }
                 }
+                done = full;
+            } else if live == rows && cs == 1 {
+                // Each row's k run is contiguous: read the rows side by side, so that the
+                // panel is written in order.
+                let src: [&[bf16]; AMX_MR] = core::array::from_fn(|i| {
+                    if i < rows {
+                        &a.data[(row0 + i) * rs + pc..][..2 * full]
+                    } else {
+                        &[]
+                    }
+                });
+                for p in 0..full {
+                    let base = slot(p, 0);
+                    for (i, row) in src[..rows].iter().enumerate() {
+                        panel[base + i * run] = pair(row[2 * p], row[2 * p + 1]);
+                    }
+                }
+                done = full;
+            } else if live == rows && rs == 1 {
+                for p in 0..full {
+                    let k0 = pc + 2 * p;
+                    let r0 = &a.data[k0 * cs + row0..][..rows];
+                    let r1 = &a.data[(k0 + 1) * cs + row0..][..rows];
+                    let base = slot(p, 0);
+                    for (i, (&x0, &x1)) in r0.iter().zip(r1).enumerate() {
+                        panel[base + i * run] = pair(x0, x1);
+                    }
+                }
+                done = full;
             }
-            done = full;
-        } else if live == rows && cs == 1 {
-            // Each row's k run is contiguous: read the rows side by side, so that the
-            // panel is written in order.
-            let src: [&[bf16]; AMX_MR] = core::array::from_fn(|i| {
-                if i < rows {
-                    &a.data[(row0 + i) * rs + pc..][..2 * full]
+            let at = |i: usize, kk: usize| {
+                if i < live && kk < pc + kc {
+                    a.data[(row0 + i) * rs + kk * cs]
                 } else {
-                    &[]
+                    bf16::ZERO
                 }
-            });
-            for p in 0..full {
-                let base = slot(p, 0);
-                for (i, row) in src[..rows].iter().enumerate() {
-                    panel[base + i * run] = pair(row[2 * p], row[2 * p + 1]);
-                }
-            }
-            done = full;
-        } else if live == rows && rs == 1 {
-            for p in 0..full {
+            };
+            for p in done..pairs {
                 let k0 = pc + 2 * p;
-                let r0 = &a.data[k0 * cs + row0..][..rows];
-                let r1 = &a.data[(k0 + 1) * cs + row0..][..rows];
                 let base = slot(p, 0);
-                for (i, (&x0, &x1)) in r0.iter().zip(r1).enumerate() {
-                    panel[base + i * run] = pair(x0, x1);
+                for i in 0..rows {
+                    panel[base + i * run] = pair(at(i, k0), at(i, k0 + 1));
                 }
-            }
-            done = full;
-        }
-        let at = |i: usize, kk: usize| {
-            if i < live && kk < pc + kc {
-                a.data[(row0 + i) * rs + kk * cs]
-            } else {
-                bf16::ZERO
-            }
-        };
-        for p in done..pairs {
-            let k0 = pc + 2 * p;
-            let base = slot(p, 0);
-            for i in 0..rows {
-                panel[base + i * run] = pair(at(i, k0), at(i, k0 + 1));
             }
         }
     }

@@ -169,22 +169,12 @@ wide_twin! {
         c: &mut [f32],
         h: &mut [f32],
         act: &mut [f32],
-    ) = forward_row_body;
-}
-
-#[inline(always)]
-fn forward_row_body(
-    gates: &[f32],
-    bias: &[f32],
-    c_prev: &[f32],
-    c: &mut [f32],
-    h: &mut [f32],
-    act: &mut [f32],
-) {
-    for ((a, &g), &b) in act.iter_mut().zip(gates).zip(bias) {
-        *a = g + b;
+    ) {
+        for ((a, &g), &b) in act.iter_mut().zip(gates).zip(bias) {
+            *a = g + b;
+        }
+        activate_row(act, c_prev, c, h);
     }
-    activate_row(act, c_prev, c, h);
 }
 
 wide_twin! {
@@ -198,23 +188,12 @@ wide_twin! {
         c: &mut [f32],
         h: &mut [f32],
         act: &mut [f32],
-    ) = forward_step_row_body;
-}
-
-#[inline(always)]
-fn forward_step_row_body(
-    input_proj: &[f32],
-    recurrent: &[f32],
-    bias: &[f32],
-    c_prev: &[f32],
-    c: &mut [f32],
-    h: &mut [f32],
-    act: &mut [f32],
-) {
-    for (((a, &x), &r), &b) in act.iter_mut().zip(input_proj).zip(recurrent).zip(bias) {
-        *a = (x + r) + b;
+    ) {
+        for (((a, &x), &r), &b) in act.iter_mut().zip(input_proj).zip(recurrent).zip(bias) {
+            *a = (x + r) + b;
+        }
+        activate_row(act, c_prev, c, h);
     }
-    activate_row(act, c_prev, c, h);
 }
 
 wide_twin! {
@@ -229,41 +208,30 @@ wide_twin! {
         dc: &[f32],
         dgates: &mut [f32],
         dc_prev: &mut [f32],
-    ) = backward_row_body;
-}
-
-#[inline(always)]
-fn backward_row_body(
-    act: &[f32],
-    c_prev: &[f32],
-    c: &[f32],
-    dh: &[f32],
-    dc: &[f32],
-    dgates: &mut [f32],
-    dc_prev: &mut [f32],
-) {
-    let hidden = c.len();
-    let (act_i, rest) = act.split_at(hidden);
-    let (act_f, rest) = rest.split_at(hidden);
-    let (act_g, act_o) = rest.split_at(hidden);
-    let act_o = &act_o[..hidden];
-    let (d_i, rest) = dgates.split_at_mut(hidden);
-    let (d_f, rest) = rest.split_at_mut(hidden);
-    let (d_g, d_o) = rest.split_at_mut(hidden);
-    let d_o = &mut d_o[..hidden];
-    let c_prev = &c_prev[..hidden];
-    let dh = &dh[..hidden];
-    let dc = &dc[..hidden];
-    let dc_prev = &mut dc_prev[..hidden];
-    for j in 0..hidden {
-        let (i, f, g, o) = (act_i[j], act_f[j], act_g[j], act_o[j]);
-        let tanh_c = tanh(c[j]);
-        let dc_total = dc[j] + dh[j] * o * (1.0 - tanh_c * tanh_c);
-        d_i[j] = dc_total * g * (i * (1.0 - i));
-        d_f[j] = dc_total * c_prev[j] * (f * (1.0 - f));
-        d_g[j] = dc_total * i * (1.0 - g * g);
-        d_o[j] = dh[j] * tanh_c * (o * (1.0 - o));
-        dc_prev[j] = dc_total * f;
+    ) {
+        let hidden = c.len();
+        let (act_i, rest) = act.split_at(hidden);
+        let (act_f, rest) = rest.split_at(hidden);
+        let (act_g, act_o) = rest.split_at(hidden);
+        let act_o = &act_o[..hidden];
+        let (d_i, rest) = dgates.split_at_mut(hidden);
+        let (d_f, rest) = rest.split_at_mut(hidden);
+        let (d_g, d_o) = rest.split_at_mut(hidden);
+        let d_o = &mut d_o[..hidden];
+        let c_prev = &c_prev[..hidden];
+        let dh = &dh[..hidden];
+        let dc = &dc[..hidden];
+        let dc_prev = &mut dc_prev[..hidden];
+        for j in 0..hidden {
+            let (i, f, g, o) = (act_i[j], act_f[j], act_g[j], act_o[j]);
+            let tanh_c = tanh(c[j]);
+            let dc_total = dc[j] + dh[j] * o * (1.0 - tanh_c * tanh_c);
+            d_i[j] = dc_total * g * (i * (1.0 - i));
+            d_f[j] = dc_total * c_prev[j] * (f * (1.0 - f));
+            d_g[j] = dc_total * i * (1.0 - g * g);
+            d_o[j] = dh[j] * tanh_c * (o * (1.0 - o));
+            dc_prev[j] = dc_total * f;
+        }
     }
 }
 

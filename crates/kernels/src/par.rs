@@ -431,25 +431,11 @@ pub fn gemm_bf16(
             // SAFETY: as in `rows`.
             unsafe { rows(kernel, a, &packed, c, ldc, accumulate, part) };
         }
-        Split::Cols(part) => (0..b.cols())
-            .into_par_iter()
-            .step_by(part)
-            .for_each(|start| {
-                let end = (start + part).min(b.cols());
-                // SAFETY: `check` found `c` long enough for the whole product; the tasks'
-                // column ranges are disjoint, and the exclusive borrow of `c` keeps every
-                // other access out until they all end.
-                unsafe {
-                    drive_raw(
-                        kernel,
-                        a,
-                        BSource::View(b.col_range(start, end)),
-                        c.at(start),
-                        ldc,
-                        accumulate,
-                    )
-                }
-            }),
+        // SAFETY: as in `cols`.
+        Split::Cols(part) => unsafe {
+            let b_cols = |start, end| BSource::View(b.col_range(start, end));
+            cols(kernel, a, b.cols(), b_cols, c, ldc, accumulate, part)
+        },
     }
     Ok(())
 }
@@ -485,24 +471,12 @@ pub fn gemm_bf16_packed(
         },
         // SAFETY: as in `rows`.
         Split::Rows(part) => unsafe { rows(kernel, a, b, c, ldc, accumulate, part) },
-        Split::Cols(part) => (0..b.cols())
-            .into_par_iter()
-            .step_by(part)
-            .for_each(|start| {
-                let end = (start + part).min(b.cols());
-                // SAFETY: as in `gemm_bf16` (`part`, hence `start`, is a multiple of NR, as a
-                // packed range must start).
-                unsafe {
-                    drive_raw(
-                        kernel,
-                        a,
-                        BSource::Packed(b, start..end),
-                        c.at(start),
-                        ldc,
-                        accumulate,
-                    )
-                }
-            }),
+        // SAFETY: as in `cols` (`part`, hence a task's first column, is a multiple of NR,
+        // as a packed range must start).
+        Split::Cols(part) => unsafe {
+            let b_cols = |start, end| BSource::Packed(b, start..end);
+            cols(kernel, a, b.cols(), b_cols, c, ldc, accumulate, part)
+        },
     }
     Ok(())
 }
@@ -556,6 +530,34 @@ pub fn pack_b(
                 pack_b(b, block.pc, block.kc, jc, nc, block.pairs, panel);
             });
     })
+}
+
+/// Columns of C split into tasks of `part` columns, the task of columns `start..end`
+/// reading `b(start, end)`.
+///
+/// # Safety
+/// `c` holds the whole `a.rows() × n` product with row stride `ldc`, which nothing else
+/// reads or writes until this returns; `b(start, end)` is those columns of B, packed for
+/// `kernel`'s path if packed.
+#[allow(clippy::too_many_arguments)]
+unsafe fn cols<'b>(
+    kernel: crate::gemm_bf16::Kernel,
+    a: crate::gemm_bf16::MatRef<'_>,
+    n: usize,
+    b: impl Fn(usize, usize) -> crate::gemm_bf16::BSource<'b> + Sync,
+    c: SendPtr,
+    ldc: usize,
+    accumulate: bool,
+    part: usize,
+) {
+    use crate::gemm_bf16::drive_raw;
+
+    (0..n).into_par_iter().step_by(part).for_each(|start| {
+        let end = (start + part).min(n);
+        // SAFETY: the tasks' column ranges are disjoint and inside C (the caller's
+        // contract).
+        unsafe { drive_raw(kernel, a, b(start, end), c.at(start), ldc, accumulate) }
+    });
 }
 
 /// Rows of C split into tasks of `part` rows, every task reading the one packed B.

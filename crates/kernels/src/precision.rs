@@ -59,17 +59,14 @@ wide_twin! {
     /// even, by adding `0x7fff` plus the kept low bit (so that the loop has no branch
     /// and vectorises).
     #[inline(never)]
-    pub(crate) fn bf16_from_f32_block(src: &[f32], dst: &mut [bf16]) = bf16_from_f32_block_body;
-}
-
-#[inline(always)]
-fn bf16_from_f32_block_body(src: &[f32], dst: &mut [bf16]) {
-    for (d, &x) in dst.iter_mut().zip(src) {
-        let x = x.to_bits();
-        let nan = x & 0x7fff_ffff > F32_EXP_MASK;
-        let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
-        let quiet = (x >> 16) | 0x0040;
-        *d = bf16::from_bits(if nan { quiet } else { rounded } as u16);
+    pub(crate) fn bf16_from_f32_block(src: &[f32], dst: &mut [bf16]) {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            let x = x.to_bits();
+            let nan = x & 0x7fff_ffff > F32_EXP_MASK;
+            let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+            let quiet = (x >> 16) | 0x0040;
+            *d = bf16::from_bits(if nan { quiet } else { rounded } as u16);
+        }
     }
 }
 

@@ -119,14 +119,11 @@ wide_twin! {
     /// `(loss, lse)` of one row with the two-pass algorithm. `label` must be in range
     /// unless `weight == 0.0`.
     #[inline]
-    pub(crate) fn forward_row(row: &[f32], label: u32, weight: f32) -> (f32, f32) = forward_row_body;
-}
-
-#[inline(always)]
-fn forward_row_body(row: &[f32], label: u32, weight: f32) -> (f32, f32) {
-    let max = row_max(row);
-    let lse = max + libm::logf(row_sum_exp(row, max));
-    (row_loss(row, label, weight, lse), lse)
+    pub(crate) fn forward_row(row: &[f32], label: u32, weight: f32) -> (f32, f32) {
+        let max = row_max(row);
+        let lse = max + libm::logf(row_sum_exp(row, max));
+        (row_loss(row, label, weight, lse), lse)
+    }
 }
 
 #[inline(always)]
@@ -152,54 +149,48 @@ fn online_update(m: &mut f32, s: &mut f32, x: f32) {
 wide_twin! {
     /// `(loss, lse)` of one row in a single pass with the online recurrence.
     #[inline]
-    pub(crate) fn forward_row_online(row: &[f32], label: u32, weight: f32) -> (f32, f32) = forward_row_online_body;
-}
-
-#[inline(always)]
-fn forward_row_online_body(row: &[f32], label: u32, weight: f32) -> (f32, f32) {
-    // f32::MIN rather than -inf keeps `x - m` finite-or-(-inf) for every x, so the
-    // recurrence never forms inf - inf.
-    let mut maxes = [f32::MIN; LANES];
-    let mut sums = [0.0f32; LANES];
-    let chunks = row.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for ((m, s), &x) in maxes.iter_mut().zip(sums.iter_mut()).zip(chunk) {
+    pub(crate) fn forward_row_online(row: &[f32], label: u32, weight: f32) -> (f32, f32) {
+        // f32::MIN rather than -inf keeps `x - m` finite-or-(-inf) for every x, so the
+        // recurrence never forms inf - inf.
+        let mut maxes = [f32::MIN; LANES];
+        let mut sums = [0.0f32; LANES];
+        let chunks = row.chunks_exact(LANES);
+        let tail = chunks.remainder();
+        for chunk in chunks {
+            for ((m, s), &x) in maxes.iter_mut().zip(sums.iter_mut()).zip(chunk) {
+                online_update(m, s, x);
+            }
+        }
+        for ((m, s), &x) in maxes.iter_mut().zip(sums.iter_mut()).zip(tail) {
             online_update(m, s, x);
         }
+        let max = maxes.iter().fold(f32::MIN, |a, &b| a.max(b));
+        let sum: f32 = maxes
+            .iter()
+            .zip(&sums)
+            .map(|(&m, &s)| s * exp(m - max))
+            .sum();
+        let lse = max + libm::logf(sum);
+        (row_loss(row, label, weight, lse), lse)
     }
-    for ((m, s), &x) in maxes.iter_mut().zip(sums.iter_mut()).zip(tail) {
-        online_update(m, s, x);
-    }
-    let max = maxes.iter().fold(f32::MIN, |a, &b| a.max(b));
-    let sum: f32 = maxes
-        .iter()
-        .zip(&sums)
-        .map(|(&m, &s)| s * exp(m - max))
-        .sum();
-    let lse = max + libm::logf(sum);
-    (row_loss(row, label, weight, lse), lse)
 }
 
 wide_twin! {
     /// Gradient of one row, in place. `label` must be in range unless `weight == 0.0`.
     #[inline]
-    pub(crate) fn backward_row(row: &mut [f32], lse: f32, label: u32, weight: f32, scale: f32) = backward_row_body;
-}
-
-#[inline(always)]
-fn backward_row_body(row: &mut [f32], lse: f32, label: u32, weight: f32, scale: f32) {
-    if weight == 0.0 {
-        row.fill(0.0);
-        return;
+    pub(crate) fn backward_row(row: &mut [f32], lse: f32, label: u32, weight: f32, scale: f32) {
+        if weight == 0.0 {
+            row.fill(0.0);
+            return;
+        }
+        let k = scale * weight;
+        let label = label as usize;
+        let at_label = row[label];
+        for x in row.iter_mut() {
+            *x = exp(*x - lse) * k;
+        }
+        row[label] = (exp(at_label - lse) - 1.0) * k;
     }
-    let k = scale * weight;
-    let label = label as usize;
-    let at_label = row[label];
-    for x in row.iter_mut() {
-        *x = exp(*x - lse) * k;
-    }
-    row[label] = (exp(at_label - lse) - 1.0) * k;
 }
 
 /// Validates a forward call, then writes `(loss, lse)` of every row with `row_fn`.

@@ -11,26 +11,33 @@
 #[cfg(all(feature = "std", target_arch = "x86_64"))]
 #[inline]
 pub(crate) fn has_avx512() -> bool {
+    #[cfg(test)]
+    if tests::BASELINE_ONLY.with(|b| b.get()) {
+        return false;
+    }
     std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw")
         && std::arch::is_x86_feature_detected!("avx512dq")
         && std::arch::is_x86_feature_detected!("avx512vl")
 }
 
-/// `fn $name(args) -> R` that runs `$body(args)`, compiled for AVX-512 where the CPU has
-/// it. `$body` must be `#[inline(always)]` so that it is compiled into each twin.
+/// `fn $name(args) -> R { body }`, its body compiled twice: for the baseline, and for
+/// AVX-512, which runs where the CPU has it.
 macro_rules! wide_twin {
     (
         $(#[$meta:meta])*
-        $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:ident;
+        $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block
     ) => {
         $(#[$meta])*
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+
             #[cfg(all(feature = "std", target_arch = "x86_64"))]
             {
                 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl")]
                 fn wide($($arg: $ty),*) $(-> $ret)? {
-                    $body($($arg),*)
+                    body($($arg),*)
                 }
                 if $crate::wide::has_avx512() {
                     // SAFETY: the CPU has every feature `wide` is compiled for (checked
@@ -38,9 +45,147 @@ macro_rules! wide_twin {
                     return unsafe { wide($($arg),*) };
                 }
             }
-            $body($($arg),*)
+            body($($arg),*)
         }
     };
 }
 
 pub(crate) use wide_twin;
+
+#[cfg(all(test, feature = "std", target_arch = "x86_64"))]
+mod tests {
+    extern crate alloc;
+    use alloc::vec;
+    use alloc::vec::Vec;
+    use core::cell::Cell;
+
+    use half::bf16;
+
+    use crate::gemm_bf16::{gemm_bf16, Bf16Path, MatRef};
+
+    std::thread_local! {
+        /// Set: this thread's kernels take the baseline twin even where AVX-512 is.
+        pub(super) static BASELINE_ONLY: Cell<bool> = const { Cell::new(false) };
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 20_001) as f32 / 1000.0 - 10.0
+            })
+            .collect()
+    }
+
+    /// Every kernel with a twin, on inputs that reach every branch of its row loop; the
+    /// outputs as bits.
+    fn outputs() -> Vec<Vec<u32>> {
+        let (batch, hidden, vocab) = (3, 37, 70);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut out = Vec::new();
+        // LSTM pointwise: forward (whole sequence and one step), backward.
+        let gates = values(batch * 4 * hidden, 1);
+        let bias = values(4 * hidden, 2);
+        let c_prev = values(batch * hidden, 3);
+        let (mut c, mut h, mut act) = (
+            vec![0.0; batch * hidden],
+            vec![0.0; batch * hidden],
+            vec![0.0; batch * 4 * hidden],
+        );
+        crate::lstm_pointwise_forward(
+            &gates, &bias, &c_prev, &mut c, &mut h, &mut act, batch, hidden,
+        )
+        .unwrap();
+        out.extend([bits(&c), bits(&h), bits(&act)]);
+        let recurrent = values(batch * 4 * hidden, 4);
+        crate::lstm_pointwise_forward_step(
+            &gates, &recurrent, &bias, &c_prev, &mut c, &mut h, &mut act, 0, 1, batch, hidden,
+        )
+        .unwrap();
+        out.extend([bits(&c), bits(&h), bits(&act)]);
+        let (dh, dc) = (values(batch * hidden, 5), values(batch * hidden, 6));
+        let (mut dgates, mut dc_prev) = (vec![0.0; batch * 4 * hidden], vec![0.0; batch * hidden]);
+        crate::lstm_pointwise_backward(
+            &act,
+            &c_prev,
+            &c,
+            &dh,
+            &dc,
+            &mut dgates,
+            &mut dc_prev,
+            batch,
+            hidden,
+        )
+        .unwrap();
+        out.extend([bits(&dgates), bits(&dc_prev)]);
+        // Softmax cross-entropy: both forwards, then the backward (one padded row).
+        let logits = values(batch * vocab, 7);
+        let (labels, mask) = ([5u32, 69, 0], [1.0f32, 1.0, 0.0]);
+        let (mut loss, mut lse) = (vec![0.0; batch], vec![0.0; batch]);
+        crate::softmax_xent_forward(&logits, &labels, &mask, &mut loss, &mut lse, batch, vocab)
+            .unwrap();
+        out.extend([bits(&loss), bits(&lse)]);
+        let (mut loss2, mut lse2) = (vec![0.0; batch], vec![0.0; batch]);
+        crate::softmax_xent_forward_online(
+            &logits, &labels, &mask, &mut loss2, &mut lse2, batch, vocab,
+        )
+        .unwrap();
+        out.extend([bits(&loss2), bits(&lse2)]);
+        let mut grad = logits.clone();
+        crate::softmax_xent_backward(&mut grad, &lse, &labels, &mask, 0.5, batch, vocab).unwrap();
+        out.push(bits(&grad));
+        // The bf16 cast, and bf16 products in the three layouts (their packing has twins).
+        let wide = values(4099, 8);
+        let mut cast = vec![bf16::ZERO; wide.len()];
+        crate::f32_to_bf16(&wide, &mut cast).unwrap();
+        out.push(cast.iter().map(|x| u32::from(x.to_bits())).collect());
+        let (m, n, k) = (41, 70, 45);
+        let a: Vec<bf16> = values(m * k, 9).into_iter().map(bf16::from_f32).collect();
+        let b: Vec<bf16> = values(k * n, 10).into_iter().map(bf16::from_f32).collect();
+        let views = [
+            (
+                MatRef::row_major(&a, m, k).unwrap(),
+                MatRef::row_major(&b, k, n).unwrap(),
+            ),
+            (
+                MatRef::row_major(&a, m, k).unwrap(),
+                MatRef::row_major(&b, n, k).unwrap().t(),
+            ),
+            (
+                MatRef::row_major(&a, k, m).unwrap().t(),
+                MatRef::row_major(&b, k, n).unwrap(),
+            ),
+        ];
+        for (av, bv) in views {
+            let mut prod = vec![0.0f32; m * n];
+            gemm_bf16(Bf16Path::detect(), av, bv, &mut prod, n, false).unwrap();
+            out.push(bits(&prod));
+        }
+        out
+    }
+
+    #[test]
+    fn both_twins_give_the_same_bits() {
+        let twin = outputs();
+        BASELINE_ONLY.with(|b| b.set(true));
+        let baseline = outputs();
+        BASELINE_ONLY.with(|b| b.set(false));
+        assert!(
+            !twin.iter().all(|o| o.iter().all(|&x| x == 0)),
+            "outputs were written"
+        );
+        for (i, (t, b)) in twin.iter().zip(&baseline).enumerate() {
+            assert_eq!(t, b, "output {i}");
+        }
+        if super::has_avx512() {
+            std::println!("wide twins: the AVX-512 twin ran, and gave the baseline's bits");
+        } else {
+            std::println!(
+                "wide twins: SKIPPED (this CPU has no AVX-512 F/BW/DQ/VL: only the baseline ran)"
+            );
+        }
+    }
+}
