@@ -964,6 +964,11 @@ fn pipeline_params(runs: &[StageRun], stages: usize) -> Vec<f32> {
 /// The tiny RNNLM of the pipeline tests: 4 units, windows of 3, `batch` examples per
 /// replica, Adam with clipping, 2 micro-batches under 1F1B.
 fn tiny_pipelined_lm(batch: usize) -> TrainConfig {
+    tiny_pipelined_lm_with(batch, OptimizerKind::Adam)
+}
+
+/// [`tiny_pipelined_lm`] with `optimizer`.
+fn tiny_pipelined_lm_with(batch: usize, optimizer: OptimizerKind) -> TrainConfig {
     use ringtrain::train::config::PipelineSchedule;
     clipped(
         &with(&config(ModelKind::Rnnlm, VariableUpdate::Replicated), |c| {
@@ -974,7 +979,7 @@ fn tiny_pipelined_lm(batch: usize) -> TrainConfig {
             c.exchange.micro_batches = 2;
             c.exchange.pipeline_schedule = PipelineSchedule::OneFOneB;
         }),
-        OptimizerKind::Adam,
+        optimizer,
     )
 }
 
@@ -984,12 +989,21 @@ fn tiny_pipelined_lm(batch: usize) -> TrainConfig {
 /// step (and soon overflows f16), the GPU pipeline (reducing overlapped with backward, and
 /// after it) skips an overflowed step on every rank and grows the scale exactly as the
 /// CPU pipeline's host scale does, writes the same scale into its checkpoint, holds it on
-/// every rank's device, and ends with the CPU pipeline's parameters.
+/// every rank's device, and ends with the CPU pipeline's parameters; with Adam and with
+/// SGD.
 #[test]
 fn a_gpu_pipeline_with_replicas_keeps_the_f16_loss_scale_on_the_device_like_the_cpu_one() {
+    for optimizer in [OptimizerKind::Adam, OptimizerKind::Sgd] {
+        f16_pipeline_keeps_the_loss_scale_on_the_device(optimizer);
+    }
+}
+
+/// [`a_gpu_pipeline_with_replicas_keeps_the_f16_loss_scale_on_the_device_like_the_cpu_one`]
+/// with `optimizer`.
+fn f16_pipeline_keeps_the_loss_scale_on_the_device(optimizer: OptimizerKind) {
     use ringtrain::train::{Checkpoint, LossScaler};
     let dir = tempfile::tempdir().expect("a temporary directory");
-    let base = with(&tiny_pipelined_lm(2), |c| {
+    let base = with(&tiny_pipelined_lm_with(2, optimizer), |c| {
         c.exchange.fp16_gradients = true;
         c.run.warmup_batches = 0;
     });
@@ -1027,7 +1041,7 @@ fn a_gpu_pipeline_with_replicas_keeps_the_f16_loss_scale_on_the_device_like_the_
     let scaler = cpu_scaler.expect("an f16 run checkpoints its loss scale");
     assert!(
         (1..3).contains(&scaler.skipped_steps),
-        "the cpu pipeline should skip one or two of its 3 steps: {scaler:?}"
+        "{optimizer}: the cpu pipeline should skip one or two of its 3 steps: {scaler:?}"
     );
     assert!(cpu.iter().all(|r| r.device_scale.is_none()));
     let cpu_params = pipeline_params(&cpu, 2);
@@ -1036,25 +1050,25 @@ fn a_gpu_pipeline_with_replicas_keeps_the_f16_loss_scale_on_the_device_like_the_
         assert_eq!(
             gpu_scaler,
             Some(scaler),
-            "{overlap}: the checkpoints' loss scales differ"
+            "{optimizer} {overlap}: the checkpoints' loss scales differ"
         );
         for (rank, run) in gpu.iter().enumerate() {
             assert_eq!(
                 run.device_scale,
                 Some(scaler),
-                "{overlap}: rank {rank}'s device does not hold the loss scale"
+                "{optimizer} {overlap}: rank {rank}'s device does not hold the loss scale"
             );
         }
         let (g, c) = (&gpu[0].report, &cpu[0].report);
         assert_eq!(
             (g.skipped_steps, g.loss_scale),
             (c.skipped_steps, c.loss_scale),
-            "{overlap}"
+            "{optimizer} {overlap}"
         );
         let d = max_diff(&pipeline_params(&gpu, 2), &cpu_params);
         assert!(
             d <= BACKEND_TOLERANCE,
-            "{overlap}: the GPU and CPU pipelines differ by {d:e}"
+            "{optimizer} {overlap}: the GPU and CPU pipelines differ by {d:e}"
         );
     }
 }
