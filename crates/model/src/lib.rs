@@ -95,8 +95,8 @@ pub mod stage;
 
 pub use backend::{
     view, view_mut, Backend, Bf16Casts, Binary, CheckedIds, CheckedTargets, CpuBackend,
-    CudaBackend, GemmPrecision, InPlace, Layout, LstmBackwardStep, LstmForwardStep, Staged, Unary,
-    View, ViewMut,
+    CudaBackend, Executor, GemmPrecision, InPlace, Layout, LstmBackwardStep, LstmForwardStep,
+    Staged, Unary, View, ViewMut,
 };
 pub use error::{Error, Result};
 pub use lstm::LstmImpl;

@@ -196,7 +196,9 @@ macro_rules! impl_model {
                 let start = self.backend.launches();
                 let staged = self.stage(batch)?;
                 self.backend.begin_pass(&self.params);
-                let result = self.forward(&staged);
+                let executor = self.backend.executor();
+                let this = &mut *self;
+                let result = executor.run(move || this.forward(&staged));
                 self.backend.end_pass();
                 let (loss_sum, tokens) = result?;
                 Ok(StepStats {
@@ -214,9 +216,17 @@ macro_rules! impl_model {
                 let staged = self.stage(batch)?;
                 // The parameters stay unchanged until end_pass (backward writes gradients).
                 self.backend.begin_pass(&self.params);
-                let result = self
-                    .forward(&staged)
-                    .and_then(|loss| self.backward(&staged, on_grads_ready).map(|()| loss));
+                // Forward calls back into nothing: it runs where the backend's operations
+                // run fastest. Backward hands gradient ranges to the caller as they finish,
+                // on the caller's thread.
+                let executor = self.backend.executor();
+                let this = &mut *self;
+                let (forward, staged) = executor.run(move || {
+                    let loss = this.forward(&staged);
+                    (loss, staged)
+                });
+                let result =
+                    forward.and_then(|loss| self.backward(&staged, on_grads_ready).map(|()| loss));
                 self.backend.end_pass();
                 let (loss_sum, tokens) = result?;
                 Ok(StepStats {

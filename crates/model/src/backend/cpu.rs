@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use rayon::ThreadPool;
 use ringtrain_kernels as kernels;
@@ -30,8 +30,8 @@ use ringtrain_kernels::gemm_bf16::{Bf16Path, MatRef, PackedB};
 
 use super::operands::{self, arg, GemmMatrix};
 use super::{
-    Backend, Binary, CheckedIds, CheckedTargets, GemmPrecision, InPlace, Layout, LstmBackwardStep,
-    LstmForwardStep, Staged, Unary, View, ViewMut,
+    Backend, Binary, CheckedIds, CheckedTargets, Executor, GemmPrecision, InPlace, Layout,
+    LstmBackwardStep, LstmForwardStep, Staged, Unary, View, ViewMut,
 };
 use crate::error::{Error, Result};
 
@@ -92,7 +92,7 @@ impl Staged for CpuTargets {
 /// (bit-identical to the serial ones) and multi-threaded GEMMs inside it.
 pub struct CpuBackend {
     threads: usize,
-    pool: Option<ThreadPool>,
+    pool: Option<Arc<ThreadPool>>,
     launches: AtomicU64,
     precision: GemmPrecision,
     cast_where_produced: bool,
@@ -336,7 +336,7 @@ impl CpuBackend {
                     threads,
                     reason: e.to_string(),
                 })?;
-            Some(pool)
+            Some(Arc::new(pool))
         } else {
             None
         };
@@ -487,6 +487,10 @@ impl Backend for CpuBackend {
 
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn executor(&self) -> Executor {
+        self.pool.clone().map(Executor::on).unwrap_or_default()
     }
 
     fn zeros(&self, len: usize) -> Result<Vec<f32>> {

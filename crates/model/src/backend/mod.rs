@@ -49,6 +49,28 @@ pub use layout::{view, view_mut, Layout, View, ViewMut};
 
 use crate::error::{batch_error, Error, Result};
 
+/// Where a stretch of a backend's operations runs ([`Backend::executor`]): on the CPU
+/// backend's thread pool, so that each operation starts its parallel work on the thread it
+/// is already on instead of handing it to the pool and sleeping until it is done (two
+/// context switches per operation, hundreds per pass); elsewhere on the calling thread.
+#[derive(Debug, Clone, Default)]
+pub struct Executor(Option<std::sync::Arc<rayon::ThreadPool>>);
+
+impl Executor {
+    /// An executor that runs on `pool`.
+    pub(crate) fn on(pool: std::sync::Arc<rayon::ThreadPool>) -> Self {
+        Executor(Some(pool))
+    }
+
+    /// Runs `f` there, and returns what it returns.
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.0 {
+            Some(pool) => pool.install(f),
+            None => f(),
+        }
+    }
+}
+
 /// Element type of the matrix-product operands of a backend (the CUDA backend's
 /// `with_precision`; the CPU backend multiplies in f32).
 #[derive(
@@ -319,6 +341,11 @@ pub trait Backend: Send {
     fn begin_pass(&self, _params: &Self::Buffer) {}
     /// Ends the pass [`Backend::begin_pass`] started; derived values are stale from now on.
     fn end_pass(&self) {}
+    /// Where this backend's operations run fastest, for a stretch of them that calls back
+    /// into nothing else (a forward pass). Default: the calling thread.
+    fn executor(&self) -> Executor {
+        Executor::default()
+    }
 
     /// Stages checked ids for the embedding operations of a pass (the CUDA backend uploads
     /// them, with the grouping its scatter needs, into a pooled device buffer that goes back
