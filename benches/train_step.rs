@@ -38,13 +38,23 @@ struct Figures {
     peak_rss_bytes: f64,
 }
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+/// The count after `name`, `default` when the flag is absent, at least `min`; a missing,
+/// unreadable or too small value stops the benchmark before anything runs.
+fn arg(name: &str, default: usize, min: usize) -> usize {
+    let Some(value) = text_arg(name) else {
+        if std::env::args().any(|a| a == name) {
+            eprintln!("error: {name} needs a value (a whole number, at least {min})");
+            std::process::exit(2);
+        }
+        return default;
+    };
+    match value.parse::<usize>() {
+        Ok(n) if n >= min => n,
+        _ => {
+            eprintln!("error: {name} {value}: expected a whole number, at least {min}");
+            std::process::exit(2);
+        }
+    }
 }
 
 fn torch_run(warmup: usize, timed: usize, precision: &str) -> Result<Figures, String> {
@@ -246,9 +256,9 @@ const RUNS: [&str; 4] = [
 ];
 
 fn main() {
-    let warmup = arg("--warmup-batches", 10);
-    let timed = arg("--timed-batches", 20);
-    let rounds = arg("--rounds", 3).max(1);
+    let warmup = arg("--warmup-batches", 10, 0);
+    let timed = arg("--timed-batches", 20, 1);
+    let rounds = arg("--rounds", 3, 1);
     if let Some(precision) = text_arg("--only-ringtrain") {
         if let Err(e) = only_ringtrain(&precision, warmup, timed) {
             eprintln!("error: {e}");
