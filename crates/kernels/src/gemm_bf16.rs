@@ -259,12 +259,20 @@ impl Bf16Path {
     pub const ALL: [Bf16Path; 3] = [Bf16Path::Portable, Bf16Path::Avx512Bf16, Bf16Path::Amx];
 }
 
-/// A micro-kernel: `pairs` k-pairs (a multiple of its [`Kernel::step`]) of a packed A panel
-/// (`pairs * rows` words) and B panel (`pairs * NR` words), accumulated into the
+/// A micro-kernel: `pairs` k-pairs (a multiple of its [`Kernel::step`]) of an A panel
+/// (`rows` rows of `pairs` words, row `i` at `a + i * lda`: a packed panel, or a row-major
+/// A read in place) and a packed B panel (`pairs * NR` words), accumulated into the
 /// `rows × NR` block of C at `c` with row stride `ldc` floats; with `zero` the block's
 /// old values are not read and the sums start at +0.0 (the same bits as a block of zeros).
-type MicroKernel =
-    unsafe fn(pairs: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, zero: bool);
+type MicroKernel = unsafe fn(
+    pairs: usize,
+    a: *const u32,
+    lda: usize,
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    zero: bool,
+);
 
 /// What runs on the driver's thread before the first micro-kernel call of a product, and
 /// after the last.
@@ -276,10 +284,8 @@ pub(crate) struct Kernel {
     run: MicroKernel,
     /// Rows of C per call (rows of an A panel).
     rows: usize,
-    /// k-pairs per step: the packs are zero-padded to a multiple of it. An A panel holds,
-    /// run after run, its rows one after the other, each run long: a step for the AMX
-    /// kernel (a tile row), the whole panel for the vector kernels (each row whole, so
-    /// that a row-major A packs by copying rows); see [`Kernel::run`].
+    /// k-pairs per step: the packs are zero-padded to a multiple of it (a tile row of the
+    /// AMX kernel).
     step: usize,
     /// Called on the driver's thread before its first micro-kernel call and after its
     /// last (the AMX tile configuration, loaded once per product rather than per call).
@@ -294,15 +300,6 @@ const PORTABLE: Kernel = Kernel {
 };
 
 impl Kernel {
-    /// k-pairs of an A panel's row runs, in a panel of `pairs` pairs.
-    fn run(&self, pairs: usize) -> usize {
-        if self.step == 1 {
-            pairs
-        } else {
-            self.step
-        }
-    }
-
     const fn vector(run: MicroKernel) -> Self {
         Kernel {
             run,
@@ -695,27 +692,53 @@ pub(crate) unsafe fn drive_raw(
             };
             // The first block of k starts from zero unless the product accumulates.
             let zero = !accumulate && pc == 0;
+            let direct = direct_a(&a, pc, kc, kernel);
             for ic in (0..m).step_by(MC) {
                 let mc = MC.min(m - ic);
-                pack_a(&a, ic, mc, pc, kc, kernel, &mut a_pack);
+                // Rows `ic..ic + in_place` are read in place, the others packed.
+                let in_place = if direct.is_some() { mc - mc % rows } else { 0 };
+                if in_place < mc {
+                    pack_a(
+                        &a,
+                        ic + in_place,
+                        mc - in_place,
+                        pc,
+                        kc,
+                        kernel,
+                        &mut a_pack,
+                    );
+                }
                 for jr in (0..nc).step_by(NR) {
                     let nr = NR.min(nc - jr);
                     let b_panel = &panels[(first_panel + jr / NR) * pairs * NR..][..pairs * NR];
                     for ir in (0..mc).step_by(rows) {
                         let mr = rows.min(mc - ir);
-                        let a_panel = &a_pack[(ir / rows) * pairs * rows..][..pairs * rows];
+                        let (a_panel, lda) = match direct {
+                            // SAFETY: rows `ic + ir..ic + ir + rows` of A are inside it (a
+                            // full panel), and each holds `kc = 2 * pairs` elements from
+                            // column `pc`, where `top` points (`direct_a`).
+                            Some((top, lda)) if ir < in_place => {
+                                (unsafe { top.add((ic + ir) * lda) }, lda)
+                            }
+                            _ => {
+                                let q = (ir - in_place) / rows;
+                                (a_pack[q * pairs * rows..][..pairs * rows].as_ptr(), pairs)
+                            }
+                        };
                         // SAFETY: (ic + ir, jc - first + jr) is inside C.
                         let block = unsafe { c.add((ic + ir) * ldc + jc - first + jr) };
                         if mr == rows && nr == NR {
-                            // SAFETY: the panels hold `pairs * rows` and `pairs * NR` words
-                            // (the slices above), `pairs` is a multiple of the kernel's step,
-                            // and the `rows × NR` block of C at `block` is inside C (a
-                            // full block); `kernel` is the portable one, a software model,
-                            // or one whose CPU features were checked when it was chosen.
+                            // SAFETY: the A panel holds `rows` rows of `pairs` words `lda`
+                            // apart, the B panel `pairs * NR` words (above), `pairs` is a
+                            // multiple of the kernel's step, and the `rows × NR` block of C
+                            // at `block` is inside C (a full block); `kernel` is the
+                            // portable one, a software model, or one whose CPU features
+                            // were checked when it was chosen.
                             unsafe {
                                 (kernel.run)(
                                     pairs,
-                                    a_panel.as_ptr(),
+                                    a_panel,
+                                    lda,
                                     b_panel.as_ptr(),
                                     block,
                                     ldc,
@@ -739,7 +762,8 @@ pub(crate) unsafe fn drive_raw(
                         unsafe {
                             (kernel.run)(
                                 pairs,
-                                a_panel.as_ptr(),
+                                a_panel,
+                                lda,
                                 b_panel.as_ptr(),
                                 edge.as_mut_ptr(),
                                 NR,
@@ -846,11 +870,11 @@ wide_twin! {
 
 wide_twin! {
     /// Packs A's rows `ic..ic + mc`, columns `pc..pc + kc` into panels of `kernel.rows`
-    /// rows, zero-padded to a multiple of `kernel.step` pairs: panel `q`, pair `p`, row `i`
-    /// at `(q * pairs + p - p % run) * rows + i * run + p % run` with `run` =
-    /// [`Kernel::run`] (for the vector kernels, whose runs are whole rows,
-    /// `q * pairs * rows + i * pairs + p`). Full panels of an A with unit column stride (NN, NT) or
-    /// unit row stride (A stored transposed, TN) are copied along memory.
+    /// rows, zero-padded to a multiple of `kernel.step` pairs: panel `q`, row `i`, pair
+    /// `p` at `(q * rows + i) * pairs + p`, so that each row is whole, as in a row-major A
+    /// (which the driver reads in place where it can, see [`direct_a`]). Full panels of
+    /// an A with unit column stride (NN, NT) or unit row stride (A stored transposed, TN)
+    /// are copied along memory.
     fn pack_a(
         a: &MatRef<'_>,
         ic: usize,
@@ -860,18 +884,16 @@ wide_twin! {
         kernel: Kernel,
         out: &mut [u32],
     ) {
-        let (rows, step) = (kernel.rows, kernel.step);
+        let rows = kernel.rows;
         let (rs, cs) = (a.row_stride, a.col_stride);
-        let pairs = kc.div_ceil(2).next_multiple_of(step);
+        let pairs = kc.div_ceil(2).next_multiple_of(kernel.step);
         let full = kc / 2;
-        let run = kernel.run(pairs);
-        let slot = |p: usize, i: usize| (p - p % run) * rows + i * run + p % run;
         for (q, i0) in (0..mc).step_by(rows).enumerate() {
             let panel = &mut out[q * pairs * rows..(q + 1) * pairs * rows];
             let (row0, live) = (ic + i0, rows.min(mc - i0));
             let mut done = 0;
-            if live == rows && cs == 1 && run == pairs {
-                // Rows whole in the panel, and contiguous in A: a copy, row by row.
+            if live == rows && cs == 1 {
+                // Each row contiguous in A: a copy, row by row.
                 for i in 0..rows {
                     let src = a.data[(row0 + i) * rs + pc..][..2 * full].reinterpret_cast();
                     let dst = &mut panel[i * pairs..i * pairs + full];
@@ -880,31 +902,14 @@ wide_twin! {
                     }
                 }
                 done = full;
-            } else if live == rows && cs == 1 {
-                // Each row's k run is contiguous: read the rows side by side, so that the
-                // panel is written in order.
-                let src: [&[bf16]; AMX_MR] = core::array::from_fn(|i| {
-                    if i < rows {
-                        &a.data[(row0 + i) * rs + pc..][..2 * full]
-                    } else {
-                        &[]
-                    }
-                });
-                for p in 0..full {
-                    let base = slot(p, 0);
-                    for (i, row) in src[..rows].iter().enumerate() {
-                        panel[base + i * run] = pair(row[2 * p], row[2 * p + 1]);
-                    }
-                }
-                done = full;
             } else if live == rows && rs == 1 {
+                // Each k's rows contiguous in A: read them in order.
                 for p in 0..full {
                     let k0 = pc + 2 * p;
                     let r0 = &a.data[k0 * cs + row0..][..rows];
                     let r1 = &a.data[(k0 + 1) * cs + row0..][..rows];
-                    let base = slot(p, 0);
                     for (i, (&x0, &x1)) in r0.iter().zip(r1).enumerate() {
-                        panel[base + i * run] = pair(x0, x1);
+                        panel[i * pairs + p] = pair(x0, x1);
                     }
                 }
                 done = full;
@@ -918,13 +923,25 @@ wide_twin! {
             };
             for p in done..pairs {
                 let k0 = pc + 2 * p;
-                let base = slot(p, 0);
                 for i in 0..rows {
-                    panel[base + i * run] = pair(at(i, k0), at(i, k0 + 1));
+                    panel[i * pairs + p] = pair(at(i, k0), at(i, k0 + 1));
                 }
             }
         }
     }
+}
+
+/// A's block of columns `pc..pc + kc` as the micro-kernel's A rows in place, `(first
+/// word, words between rows)`, when A is row-major there with every row starting on a
+/// pair (4-byte aligned) and `kc` is whole steps of pairs (no padding); else `None`, and
+/// the block is packed.
+fn direct_a(a: &MatRef<'_>, pc: usize, kc: usize, kernel: Kernel) -> Option<(*const u32, usize)> {
+    let whole = kc.is_multiple_of(2) && (kc / 2).is_multiple_of(kernel.step);
+    let aligned = (a.data.as_ptr() as usize).is_multiple_of(4)
+        && a.row_stride.is_multiple_of(2)
+        && pc.is_multiple_of(2);
+    (a.col_stride == 1 && whole && aligned && a.rows > 0)
+        .then(|| (a.data[pc..].as_ptr().cast::<u32>(), a.row_stride / 2))
 }
 
 #[inline]
@@ -936,11 +953,13 @@ fn widen(bits: u32) -> f32 {
 /// product and sum rounded to f32 (the widened f32 product, in order of `k`).
 ///
 /// # Safety
-/// `a` holds `pairs * MR` words, `b` `pairs * NR` words, and `MR` rows of `NR` floats at
-/// `c + i * ldc` (`ldc >= NR`) are readable and writable.
+/// `MR` rows of `pairs` words at `a + i * lda` (`lda >= pairs`) and `pairs * NR` words at
+/// `b` are readable, and `MR` rows of `NR` floats at `c + i * ldc` (`ldc >= NR`) are
+/// readable and writable.
 unsafe fn portable_kernel(
     pairs: usize,
     a: *const u32,
+    lda: usize,
     b: *const u32,
     c: *mut f32,
     ldc: usize,
@@ -949,7 +968,7 @@ unsafe fn portable_kernel(
     // SAFETY: the caller guarantees these lengths.
     let (a, b) = unsafe {
         (
-            core::slice::from_raw_parts(a, pairs * MR),
+            core::slice::from_raw_parts(a, (MR - 1) * lda + pairs),
             core::slice::from_raw_parts(b, pairs * NR),
         )
     };
@@ -968,7 +987,7 @@ unsafe fn portable_kernel(
             b1[j] = widen(w >> 16);
         }
         for i in 0..MR {
-            let w = a[i * pairs + p];
+            let w = a[i * lda + p];
             let (a0, a1) = (widen(w & 0xffff), widen(w >> 16));
             let row = &mut tile[i * NR..(i + 1) * NR];
             for ((acc, &x0), &x1) in row.iter_mut().zip(&b0).zip(&b1) {
@@ -992,6 +1011,7 @@ macro_rules! vector_kernel {
         unsafe fn $name(
             pairs: usize,
             a: *const u32,
+            lda: usize,
             b: *const u32,
             c: *mut f32,
             ldc: usize,
@@ -999,9 +1019,9 @@ macro_rules! vector_kernel {
         ) {
             use $ops as ops;
             use $crate::gemm_bf16::{MR, NR};
-            // SAFETY (whole body): the caller guarantees `a` holds `pairs * MR` words, `b`
-            // `pairs * NR` words, and that `MR` rows of `NR` floats at `c + i * ldc` are
-            // readable and writable; every offset below is inside.
+            // SAFETY (whole body): the caller guarantees `MR` rows of `pairs` words at
+            // `a + i * lda`, `pairs * NR` words at `b`, and that `MR` rows of `NR` floats
+            // at `c + i * ldc` are readable and writable; every offset below is inside.
             unsafe {
                 let mut acc = [[ops::zero(); 2]; MR];
                 if !zero {
@@ -1014,7 +1034,7 @@ macro_rules! vector_kernel {
                     let b0 = ops::load_pairs(b.add(p * NR));
                     let b1 = ops::load_pairs(b.add(p * NR + 16));
                     for (i, row) in acc.iter_mut().enumerate() {
-                        let w = ops::broadcast(*a.add(i * pairs + p));
+                        let w = ops::broadcast(*a.add(i * lda + p));
                         row[0] = ops::dot(row[0], w, b0);
                         row[1] = ops::dot(row[1], w, b1);
                     }
@@ -1108,33 +1128,35 @@ static ZERO_ROW: ZeroRow = ZeroRow([0; 64]);
 /// The AMX micro-kernel's body, written once for the hardware (`$ops::Tiles` = the tile
 /// instructions through `asm!`) and for the software model of the same instructions, as
 /// `vector_kernel!` is. The tiles are configured with [`TILE_CONFIG`] (on the hardware once
-/// per product, by the kernel's session; the model takes it on each call). C's `AMX_MR × NR` block is tiles 0 (rows 0–15, columns 0–15), 1
-/// (rows 0–15, columns 16–31), 2 and 3 (rows 16–31); each step of 16 k-pairs loads the
-/// step's two A tiles (4: rows 0–15, 5: rows 16–31) and two B tiles (6: columns 0–15, 7:
-/// columns 16–31), then `C[r][c] += A[r] · B[c]`.
+/// per product, by the kernel's session; the model takes it on each call). C's
+/// `AMX_MR × NR` block is tiles 0 (rows 0–15, columns 0–15), 1 (rows 0–15, columns
+/// 16–31), 2 and 3 (rows 16–31); each step of 16 k-pairs loads the step's two A tiles (4:
+/// rows 0–15, 5: rows 16–31, each row 16 pairs of its A row, `lda` words apart) and two B
+/// tiles (6: columns 0–15, 7: columns 16–31), then `C[r][c] += A[r] · B[c]`.
 macro_rules! amx_kernel {
     ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
         $(#[$attr])*
         unsafe fn $name(
             pairs: usize,
             a: *const u32,
+            lda: usize,
             b: *const u32,
             c: *mut f32,
             ldc: usize,
             zero: bool,
         ) {
             use $ops as ops;
-            use $crate::gemm_bf16::{AMX_MR, AMX_PAIRS, NR, ZERO_ROW};
-            // Bytes between rows: of C, of a B panel (NR words), and of an A step
-            // (AMX_PAIRS words).
+            use $crate::gemm_bf16::{AMX_PAIRS, NR, ZERO_ROW};
+            // Bytes between rows: of C, of A, and of a B panel (NR words).
             let c_row = ldc * 4;
+            let a_row = lda * 4;
             const B_ROW: usize = NR * 4;
-            const A_ROW: usize = AMX_PAIRS * 4;
             // SAFETY (whole body): the caller guarantees `pairs` is a multiple of AMX_PAIRS,
-            // `a` holds `pairs * AMX_MR` words, `b` `pairs * NR` words, and that `AMX_MR`
-            // rows of `NR` floats at `c + i * ldc` are readable and writable; every tile
-            // below reads or writes 16 rows of 64 bytes inside them (or, for a block that
-            // starts from zero, the 64 zero bytes of ZERO_ROW 16 times, with stride 0).
+            // `AMX_MR` rows of `pairs` words at `a + i * lda`, `pairs * NR` words at `b`,
+            // and that `AMX_MR` rows of `NR` floats at `c + i * ldc` are readable and
+            // writable; every tile below reads or writes 16 rows of 64 bytes inside them
+            // (or, for a block that starts from zero, the 64 zero bytes of ZERO_ROW 16
+            // times, with stride 0).
             unsafe {
                 let mut t = ops::Tiles::configured(&$crate::gemm_bf16::TILE_CONFIG);
                 let c = c.cast::<u8>();
@@ -1151,10 +1173,10 @@ macro_rules! amx_kernel {
                     t.load::<3>(c.add(16 * c_row + 64), c_row);
                 }
                 for s in 0..pairs / AMX_PAIRS {
-                    let a_step = a.add(s * AMX_PAIRS * AMX_MR).cast::<u8>();
+                    let a_step = a.add(s * AMX_PAIRS).cast::<u8>();
                     let b_step = b.add(s * AMX_PAIRS * NR).cast::<u8>();
-                    t.load::<4>(a_step, A_ROW);
-                    t.load::<5>(a_step.add(16 * A_ROW), A_ROW);
+                    t.load::<4>(a_step, a_row);
+                    t.load::<5>(a_step.add(16 * a_row), a_row);
                     t.load::<6>(b_step, B_ROW);
                     t.load::<7>(b_step.add(64), B_ROW);
                     t.dot::<0, 4, 6>();
@@ -1632,6 +1654,65 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// `a` copied into a fresh buffer at an element offset that puts its first element on
+    /// a 4-byte boundary (`aligned`) or off one; the buffer and the offset.
+    fn placed(a: &[bf16], aligned: bool) -> (Vec<bf16>, usize) {
+        let mut store = vec![bf16::ZERO; a.len() + 1];
+        let on_boundary = (store.as_ptr() as usize).is_multiple_of(4);
+        let offset = usize::from(on_boundary != aligned);
+        store[offset..offset + a.len()].copy_from_slice(a);
+        (store, offset)
+    }
+
+    #[test]
+    fn an_a_read_in_place_gives_the_bits_of_the_same_a_packed() {
+        // k even and whole AMX steps in every block, so that every kernel may read A in
+        // place; m past a whole number of panels, so that the last rows are packed even
+        // then.
+        let (m, n, k) = (MC + AMX_MR + 9, NR + 5, KC + 4 * AMX_PAIRS);
+        let a_data = values(m * k, 5);
+        let b_data = values(k * n, 6);
+        let b = MatRef::row_major(&b_data, k, n).unwrap();
+        let mut kernels = vec![
+            ("portable", PORTABLE),
+            ("vector model", Kernel::vector(modelled_vector_kernel)),
+            ("AMX model", Kernel::amx(modelled_amx_kernel, None)),
+        ];
+        for path in Bf16Path::runnable() {
+            kernels.push((path.name(), kernel_for(path).unwrap()));
+        }
+        let (in_place, at) = placed(&a_data, true);
+        let (packed, packed_at) = placed(&a_data, false);
+        let a = MatRef::row_major(&in_place[at..], m, k).unwrap();
+        let a_packed = MatRef::row_major(&packed[packed_at..], m, k).unwrap();
+        for (name, kernel) in kernels {
+            assert!(
+                direct_a(&a, 0, KC, kernel).is_some(),
+                "{name}: read in place"
+            );
+            assert!(
+                direct_a(&a_packed, 0, KC, kernel).is_none(),
+                "{name}: packed"
+            );
+            for accumulate in [false, true] {
+                let mut want = vec![0.25f32; m * n];
+                drive(kernel, a_packed, b, &mut want, n, accumulate).unwrap();
+                let mut got = vec![0.25f32; m * n];
+                drive(kernel, a, b, &mut got, n, accumulate).unwrap();
+                let bits = |c: &[f32]| c.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{name}, accumulate {accumulate}");
+            }
+        }
+        // Neither an odd row stride nor an odd k block is read in place.
+        let odd_rows = MatRef::strided(&in_place[at..], m, k - 1, k - 1, 1).unwrap();
+        assert!(direct_a(&odd_rows, 0, KC, PORTABLE).is_none());
+        assert!(direct_a(&a, 0, KC - 1, PORTABLE).is_none());
+        // A k block of pairs that is not whole AMX steps is packed on that path only.
+        let amx = Kernel::amx(modelled_amx_kernel, None);
+        assert!(direct_a(&a, 0, 2 * AMX_PAIRS + 2, amx).is_none());
+        assert!(direct_a(&a, 0, 2 * AMX_PAIRS + 2, PORTABLE).is_some());
     }
 
     #[test]
