@@ -24,37 +24,96 @@ fn check_non_negative(arg: &'static str, value: f32) -> Result<()> {
     }
 }
 
+/// How an update reads each gradient `g`: as `g * self.0 * self.1`, each product rounded
+/// to f32 — the bits of scaling the gradients by `self.0` and then by `self.1` before the
+/// update (averaging over the examples, then clipping to a global norm), without the
+/// passes over memory that scaling them first takes. [`GradScale::ONE`] reads them as they
+/// are.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GradScale(pub f32, pub f32);
+
+impl GradScale {
+    /// Gradients as they are.
+    pub const ONE: GradScale = GradScale(1.0, 1.0);
+
+    #[inline(always)]
+    fn of(self, g: f32) -> f32 {
+        g * self.0 * self.1
+    }
+
+    /// `Err(InvalidValue)` naming `grad_scale` unless both factors are finite and `>= 0`.
+    pub(crate) fn check(self) -> Result<()> {
+        check_non_negative("grad_scale", self.0)?;
+        check_non_negative("grad_scale", self.1)
+    }
+}
+
 /// `p -= lr * (g + weight_decay * p)` (plain SGD with L2 weight decay).
 ///
 /// # Errors
 /// `ShapeMismatch` naming `grads` when its length differs from `params`;
 /// `InvalidValue` naming `lr` or `weight_decay` when it is negative or not finite.
 pub fn sgd_step(params: &mut [f32], grads: &[f32], lr: f32, weight_decay: f32) -> Result<()> {
-    check_sgd(params, grads, lr, weight_decay)?;
-    sgd_block(params, grads, lr, weight_decay);
+    sgd_step_scaled(params, grads, lr, weight_decay, GradScale::ONE)
+}
+
+/// [`sgd_step`] on the gradients read through `scale`.
+///
+/// # Errors
+/// As [`sgd_step`], and `InvalidValue` naming `grad_scale` when a factor is negative or
+/// not finite.
+pub fn sgd_step_scaled(
+    params: &mut [f32],
+    grads: &[f32],
+    lr: f32,
+    weight_decay: f32,
+    scale: GradScale,
+) -> Result<()> {
+    check_sgd(params, grads, lr, weight_decay, scale)?;
+    sgd_block(params, grads, lr, weight_decay, scale);
     Ok(())
 }
 
-/// Argument checks of [`sgd_step`] and its parallel twin.
+/// Argument checks of [`sgd_step_scaled`] and its parallel twin.
 #[inline]
-pub(crate) fn check_sgd(params: &[f32], grads: &[f32], lr: f32, weight_decay: f32) -> Result<()> {
+pub(crate) fn check_sgd(
+    params: &[f32],
+    grads: &[f32],
+    lr: f32,
+    weight_decay: f32,
+    scale: GradScale,
+) -> Result<()> {
     check_len("grads", grads.len(), params.len())?;
     check_non_negative("lr", lr)?;
-    check_non_negative("weight_decay", weight_decay)
+    check_non_negative("weight_decay", weight_decay)?;
+    scale.check()
 }
 
 #[inline]
-pub(crate) fn sgd_block(params: &mut [f32], grads: &[f32], lr: f32, weight_decay: f32) {
+pub(crate) fn sgd_block(
+    params: &mut [f32],
+    grads: &[f32],
+    lr: f32,
+    weight_decay: f32,
+    scale: GradScale,
+) {
     if weight_decay == 0.0 {
-        sgd_block_inner::<false>(params, grads, lr, weight_decay);
+        sgd_block_inner::<false>(params, grads, lr, weight_decay, scale);
     } else {
-        sgd_block_inner::<true>(params, grads, lr, weight_decay);
+        sgd_block_inner::<true>(params, grads, lr, weight_decay, scale);
     }
 }
 
 #[inline(always)]
-fn sgd_block_inner<const DECAY: bool>(params: &mut [f32], grads: &[f32], lr: f32, wd: f32) {
+fn sgd_block_inner<const DECAY: bool>(
+    params: &mut [f32],
+    grads: &[f32],
+    lr: f32,
+    wd: f32,
+    scale: GradScale,
+) {
     for (p, &g) in params.iter_mut().zip(grads) {
+        let g = scale.of(g);
         let d = if DECAY { g + wd * *p } else { g };
         *p -= lr * d;
     }
@@ -198,6 +257,8 @@ pub(crate) struct AdamStep {
     l2: f32,
     /// `1 - lr * weight_decay` applied to the weights first (AdamW); 1 for Adam.
     decoupled_decay: f32,
+    /// How each gradient is read.
+    scale: GradScale,
 }
 
 impl AdamStep {
@@ -254,6 +315,7 @@ impl AdamStep {
             eps,
             l2,
             decoupled_decay,
+            scale: GradScale::ONE,
         })
     }
 
@@ -284,6 +346,7 @@ impl AdamStep {
             if DECOUPLED {
                 *p *= s.decoupled_decay;
             }
+            let g = s.scale.of(g);
             let g = if L2 { g + s.l2 * *p } else { g };
             *m = s.beta1 * *m + s.one_minus_beta1 * g;
             *v = s.beta2 * *v + s.one_minus_beta2 * g * g;
@@ -296,6 +359,7 @@ impl AdamStep {
 /// Argument checks shared by Adam and AdamW and their parallel twins; `hyper` is
 /// `[lr, beta1, beta2, eps, weight_decay]`. Returns the step's coefficients.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn check_adam(
     params: &[f32],
     grads: &[f32],
@@ -304,12 +368,15 @@ pub(crate) fn check_adam(
     hyper: [f32; 5],
     step: u32,
     decoupled: bool,
+    scale: GradScale,
 ) -> Result<AdamStep> {
     check_len("grads", grads.len(), params.len())?;
     check_len("m", m.len(), params.len())?;
     check_len("v", v.len(), params.len())?;
+    scale.check()?;
     let [lr, beta1, beta2, eps, weight_decay] = hyper;
-    AdamStep::new(lr, beta1, beta2, eps, weight_decay, step, decoupled)
+    let s = AdamStep::new(lr, beta1, beta2, eps, weight_decay, step, decoupled)?;
+    Ok(AdamStep { scale, ..s })
 }
 
 /// PyTorch Adam (L2 weight decay added to the gradient); `step` is 1-based:
@@ -333,8 +400,33 @@ pub fn adam_step(
     weight_decay: f32,
     step: u32,
 ) -> Result<()> {
-    let hyper = [lr, beta1, beta2, eps, weight_decay];
-    let s = check_adam(params, grads, m, v, hyper, step, false)?;
+    adam_step_scaled(
+        params,
+        grads,
+        m,
+        v,
+        [lr, beta1, beta2, eps, weight_decay],
+        step,
+        GradScale::ONE,
+    )
+}
+
+/// [`adam_step`] on the gradients read through `scale`; `hyper` is `[lr, beta1, beta2,
+/// eps, weight_decay]`.
+///
+/// # Errors
+/// As [`adam_step`], and `InvalidValue` naming `grad_scale` when a factor is negative or
+/// not finite.
+pub fn adam_step_scaled(
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    hyper: [f32; 5],
+    step: u32,
+    scale: GradScale,
+) -> Result<()> {
+    let s = check_adam(params, grads, m, v, hyper, step, false, scale)?;
     s.apply(params, grads, m, v);
     Ok(())
 }
@@ -358,28 +450,50 @@ pub fn adamw_step(
     step: u32,
 ) -> Result<()> {
     let hyper = [lr, beta1, beta2, eps, weight_decay];
-    let s = check_adam(params, grads, m, v, hyper, step, true)?;
+    let s = check_adam(params, grads, m, v, hyper, step, true, GradScale::ONE)?;
     s.apply(params, grads, m, v);
     Ok(())
 }
 
-/// Sum of squares, accumulated in f64 in four interleaved lanes (a fixed order, so the
-/// result does not depend on anything but the input).
+/// Elements per block of [`sum_of_squares_scaled`]: the serial and the parallel sums
+/// both add the blocks' sums in order, so they give the same bits.
+pub const SQUARES_BLOCK: usize = 1 << 14;
+
+/// Sum of squares in f64 (see [`sum_of_squares_scaled`]).
 pub fn sum_of_squares(x: &[f32]) -> f64 {
-    let mut lanes = [0.0f64; 4];
-    let chunks = x.chunks_exact(4);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for (lane, &v) in lanes.iter_mut().zip(chunk) {
-            let v = f64::from(v);
+    sum_of_squares_scaled(x, 1.0)
+}
+
+/// `Σ (x[i] * scale)²`: each product rounded to f32 (the bits of scaling `x` first), then
+/// squared and summed in f64, in eight interleaved lanes per block of [`SQUARES_BLOCK`]
+/// elements and the blocks' sums in order — a fixed order, so the result depends on
+/// nothing but the input. It is finite exactly when every `x[i] * scale` is (no f32
+/// squared overflows f64), so one pass gives the norm and the overflow test.
+pub fn sum_of_squares_scaled(x: &[f32], scale: f32) -> f64 {
+    x.chunks(SQUARES_BLOCK)
+        .map(|block| squares_block(block, scale))
+        .sum()
+}
+
+crate::wide::wide_twin! {
+    /// One block of [`sum_of_squares_scaled`].
+    pub(crate) fn squares_block(x: &[f32], scale: f32) -> f64 {
+        let mut lanes = [0.0f64; 8];
+        let chunks = x.chunks_exact(8);
+        let tail = chunks.remainder();
+        for chunk in chunks {
+            for (lane, &v) in lanes.iter_mut().zip(chunk) {
+                let v = f64::from(v * scale);
+                *lane += v * v;
+            }
+        }
+        for (lane, &v) in lanes.iter_mut().zip(tail) {
+            let v = f64::from(v * scale);
             *lane += v * v;
         }
+        ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+            + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
     }
-    for (lane, &v) in lanes.iter_mut().zip(tail) {
-        let v = f64::from(v);
-        *lane += v * v;
-    }
-    (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
 }
 
 /// PyTorch `clip_grad_norm_`'s factor: `min(1, max_norm / (total_norm + 1e-6))`, computed

@@ -217,6 +217,36 @@ pub fn softmax_xent_backward(
     Ok(())
 }
 
+/// Parallel [`crate::softmax_xent_backward_bf16`] (over rows).
+///
+/// # Errors
+/// As the serial kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn softmax_xent_backward_bf16(
+    logits: &mut [f32],
+    lse: &[f32],
+    labels: &[u32],
+    mask: &[f32],
+    scale: f32,
+    rows: usize,
+    vocab: usize,
+    out: &mut [bf16],
+) -> Result<()> {
+    softmax::check_backward(logits, lse, labels, mask, rows, vocab)?;
+    check_len("out", out.len(), logits.len())?;
+    logits
+        .par_chunks_exact_mut(vocab)
+        .zip(out.par_chunks_exact_mut(vocab))
+        .zip(lse.par_iter())
+        .zip(labels.par_iter())
+        .zip(mask.par_iter())
+        .for_each(|((((row, out), &lse), &label), &weight)| {
+            softmax::backward_row(row, lse, label, weight, scale);
+            precision::bf16_from_f32_block(row, out);
+        });
+    Ok(())
+}
+
 /// Parallel cast of f32 to a 16-bit float (fixed blocks; the flag is an OR over blocks).
 fn f32_to_half_scaled<H: HalfFloat>(src: &[f32], scale: f32, dst: &mut [H]) -> Result<bool>
 where
@@ -309,12 +339,35 @@ pub fn scale_f32(buf: &mut [f32], factor: f32) {
 /// # Errors
 /// As the serial kernel.
 pub fn sgd_step(params: &mut [f32], grads: &[f32], lr: f32, weight_decay: f32) -> Result<()> {
-    optim::check_sgd(params, grads, lr, weight_decay)?;
+    sgd_step_scaled(params, grads, lr, weight_decay, optim::GradScale::ONE)
+}
+
+/// Parallel [`crate::sgd_step_scaled`] (fixed blocks).
+///
+/// # Errors
+/// As the serial kernel.
+pub fn sgd_step_scaled(
+    params: &mut [f32],
+    grads: &[f32],
+    lr: f32,
+    weight_decay: f32,
+    scale: optim::GradScale,
+) -> Result<()> {
+    optim::check_sgd(params, grads, lr, weight_decay, scale)?;
     params
         .par_chunks_mut(PAR_BLOCK)
         .zip(grads.par_chunks(PAR_BLOCK))
-        .for_each(|(p, g)| optim::sgd_block(p, g, lr, weight_decay));
+        .for_each(|(p, g)| optim::sgd_block(p, g, lr, weight_decay, scale));
     Ok(())
+}
+
+/// Parallel [`crate::sum_of_squares_scaled`] (its blocks, summed in the same order).
+pub fn sum_of_squares_scaled(x: &[f32], scale: f32) -> f64 {
+    let blocks: std::vec::Vec<f64> = x
+        .par_chunks(optim::SQUARES_BLOCK)
+        .map(|block| optim::squares_block(block, scale))
+        .collect();
+    blocks.into_iter().sum()
 }
 
 /// Parallel [`crate::sgd_momentum_step`] (fixed blocks).
@@ -361,8 +414,31 @@ pub fn adam_step(
     weight_decay: f32,
     step: u32,
 ) -> Result<()> {
-    let hyper = [lr, beta1, beta2, eps, weight_decay];
-    let s = optim::check_adam(params, grads, m, v, hyper, step, false)?;
+    adam_step_scaled(
+        params,
+        grads,
+        m,
+        v,
+        [lr, beta1, beta2, eps, weight_decay],
+        step,
+        optim::GradScale::ONE,
+    )
+}
+
+/// Parallel [`crate::adam_step_scaled`] (fixed blocks).
+///
+/// # Errors
+/// As the serial kernel.
+pub fn adam_step_scaled(
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    hyper: [f32; 5],
+    step: u32,
+    scale: optim::GradScale,
+) -> Result<()> {
+    let s = optim::check_adam(params, grads, m, v, hyper, step, false, scale)?;
     adam_par(&s, params, grads, m, v);
     Ok(())
 }
@@ -385,7 +461,16 @@ pub fn adamw_step(
     step: u32,
 ) -> Result<()> {
     let hyper = [lr, beta1, beta2, eps, weight_decay];
-    let s = optim::check_adam(params, grads, m, v, hyper, step, true)?;
+    let s = optim::check_adam(
+        params,
+        grads,
+        m,
+        v,
+        hyper,
+        step,
+        true,
+        optim::GradScale::ONE,
+    )?;
     adam_par(&s, params, grads, m, v);
     Ok(())
 }

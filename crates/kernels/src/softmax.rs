@@ -8,6 +8,8 @@
 //! Every row is reduced in the same fixed order (eight interleaved lanes, then the lanes
 //! in order, then the tail), so the serial and the parallel kernels agree bit for bit.
 
+use half::bf16;
+
 use crate::error::{check_len, checked_product, Error, Result, Value};
 use crate::vector_math::exp;
 use crate::wide::wide_twin;
@@ -295,6 +297,39 @@ pub fn softmax_xent_backward(
         .zip(mask);
     for (((row, &lse), &label), &weight) in it {
         backward_row(row, lse, label, weight, scale);
+    }
+    Ok(())
+}
+
+/// [`softmax_xent_backward`], also writing the gradient cast to bf16 into `out` (the bits
+/// of [`crate::f32_to_bf16`]), each row while it is still in cache: the operand of the
+/// products that read the gradient in bf16, without a pass over it of its own.
+///
+/// # Errors
+/// As [`softmax_xent_backward`], and `ShapeMismatch` naming `out` when its length is not
+/// the logits'; nothing is written on error.
+#[allow(clippy::too_many_arguments)]
+pub fn softmax_xent_backward_bf16(
+    logits: &mut [f32],
+    lse: &[f32],
+    labels: &[u32],
+    mask: &[f32],
+    scale: f32,
+    rows: usize,
+    vocab: usize,
+    out: &mut [bf16],
+) -> Result<()> {
+    check_backward(logits, lse, labels, mask, rows, vocab)?;
+    check_len("out", out.len(), logits.len())?;
+    let it = logits
+        .chunks_exact_mut(vocab)
+        .zip(out.chunks_exact_mut(vocab))
+        .zip(lse)
+        .zip(labels)
+        .zip(mask);
+    for ((((row, out), &lse), &label), &weight) in it {
+        backward_row(row, lse, label, weight, scale);
+        crate::precision::bf16_from_f32_block(row, out);
     }
     Ok(())
 }

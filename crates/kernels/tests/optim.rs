@@ -2,8 +2,9 @@
 //! global-norm clipping.
 
 use ringtrain_kernels::{
-    adam_step, adamw_step, clip_by_global_norm, clip_factor, sgd_momentum_step, sgd_step,
-    sum_of_squares, Error,
+    adam_step, adam_step_scaled, adamw_step, clip_by_global_norm, clip_factor, scale_f32,
+    sgd_momentum_step, sgd_step, sgd_step_scaled, sum_of_squares, sum_of_squares_scaled, Error,
+    GradScale, SQUARES_BLOCK,
 };
 
 const P0: [f32; 4] = [0.5, -1.25, 2.0, 0.0];
@@ -286,4 +287,95 @@ fn clipping_follows_clip_grad_norm() {
     let x: Vec<f32> = (1..=7).map(|n| n as f32).collect();
     assert_eq!(sum_of_squares(&x), 140.0);
     assert_eq!(sum_of_squares(&[]), 0.0);
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn updates_through_a_grad_scale_give_the_bits_of_scaling_the_gradients_first() {
+    let n = 1000;
+    let grads: Vec<f32> = (0..n)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+        .collect();
+    let p0: Vec<f32> = (0..n)
+        .map(|i| ((i * 17 % 89) as f32 - 44.0) * 0.01)
+        .collect();
+    let scale = GradScale(1.0 / 3.0, 0.7);
+    let mut scaled = grads.clone();
+    scale_f32(&mut scaled, scale.0);
+    scale_f32(&mut scaled, scale.1);
+
+    let (mut want, mut got) = (p0.clone(), p0.clone());
+    sgd_step(&mut want, &scaled, 0.1, 1e-3).unwrap();
+    sgd_step_scaled(&mut got, &grads, 0.1, 1e-3, scale).unwrap();
+    assert_eq!(bits(&got), bits(&want));
+
+    let hyper = [1e-3, 0.9, 0.999, 1e-8, 1e-2];
+    let (mut want, mut mw, mut vw) = (p0.clone(), grads.clone(), vec![0.01; n]);
+    let [lr, b1, b2, eps, wd] = hyper;
+    adam_step(&mut want, &scaled, &mut mw, &mut vw, lr, b1, b2, eps, wd, 4).unwrap();
+    let (mut got, mut mg, mut vg) = (p0.clone(), grads.clone(), vec![0.01; n]);
+    adam_step_scaled(&mut got, &grads, &mut mg, &mut vg, hyper, 4, scale).unwrap();
+    assert_eq!(
+        (bits(&got), bits(&mg), bits(&vg)),
+        (bits(&want), bits(&mw), bits(&vw))
+    );
+
+    // The norm of the scaled gradients, in one pass: the same bits as after scaling.
+    assert_eq!(
+        sum_of_squares_scaled(&grads, scale.0).to_bits(),
+        sum_of_squares(&{
+            let mut g = grads.clone();
+            scale_f32(&mut g, scale.0);
+            g
+        })
+        .to_bits()
+    );
+
+    // A factor that is negative or not finite is named before anything is written.
+    for bad in [GradScale(-1.0, 1.0), GradScale(1.0, f32::NAN)] {
+        let mut p = p0.clone();
+        let err = sgd_step_scaled(&mut p, &grads, 0.1, 0.0, bad).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidValue {
+                    name: "grad_scale",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+        let err = adam_step_scaled(&mut p, &grads, &mut m, &mut v, hyper, 1, bad).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidValue {
+                    name: "grad_scale",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(bits(&p), bits(&p0));
+    }
+}
+
+#[test]
+fn the_sum_of_squares_is_finite_exactly_when_every_scaled_element_is() {
+    let mut x = vec![f32::MAX; 2 * SQUARES_BLOCK + 3];
+    assert!(
+        sum_of_squares_scaled(&x, 1.0).is_finite(),
+        "f32::MAX squared fits in f64"
+    );
+    for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+        x[SQUARES_BLOCK + 1] = bad;
+        assert!(!sum_of_squares_scaled(&x, 0.5).is_finite(), "{bad}");
+    }
+    // A finite element that the scale takes past f32's range is not finite either, as
+    // it would not be after scaling first.
+    assert!(!sum_of_squares_scaled(&[f32::MAX], 4.0).is_finite());
 }

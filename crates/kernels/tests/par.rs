@@ -107,6 +107,18 @@ fn check_softmax(rows: usize, vocab: usize, seed: u64) {
         par::softmax_xent_backward(&mut grad2, &serial.1, &labels, &mask, 0.125, rows, vocab)
             .unwrap();
         assert_eq!(bits(&grad), bits(&grad2));
+        let mut grad3 = logits.clone();
+        let mut cast = vec![k::bf16::ZERO; grad3.len()];
+        let (l, m, n) = (&labels, &mask, rows);
+        par::softmax_xent_backward_bf16(&mut grad3, &serial.1, l, m, 0.125, n, vocab, &mut cast)
+            .unwrap();
+        assert_eq!(bits(&grad), bits(&grad3));
+        let mut want = vec![k::bf16::ZERO; grad.len()];
+        k::f32_to_bf16(&grad, &mut want).unwrap();
+        assert!(cast
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
     });
 }
 
@@ -147,6 +159,14 @@ fn check_elementwise(len: usize, seed: u64) {
         &mut adam, &grads, &mut m, &mut v, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 3,
     )
     .unwrap();
+    let scale = k::GradScale(0.3, 0.9);
+    let squares = k::sum_of_squares_scaled(&src, 0.75);
+    let mut sgd_scaled = p0.clone();
+    k::sgd_step_scaled(&mut sgd_scaled, &grads, 0.1, 1e-3, scale).unwrap();
+    let mut adam_scaled = p0.clone();
+    let (mut ms, mut vs) = (grads.clone(), vec![0.01; len]);
+    let hyper = [1e-3, 0.9, 0.999, 1e-8, 1e-2];
+    k::adam_step_scaled(&mut adam_scaled, &grads, &mut ms, &mut vs, hyper, 3, scale).unwrap();
     let mut adamw = p0.clone();
     let (mut mw, mut vw) = (grads.clone(), vec![0.01; len]);
     k::adamw_step(
@@ -194,6 +214,21 @@ fn check_elementwise(len: usize, seed: u64) {
         .unwrap();
         assert_eq!(bits(&adamw), bits(&p));
         assert_eq!((bits(&mw), bits(&vw)), (bits(&m2), bits(&v2)));
+
+        let par_squares = par::sum_of_squares_scaled(&src, 0.75);
+        assert_eq!(
+            squares.to_bits(),
+            par_squares.to_bits(),
+            "{squares} {par_squares}"
+        );
+        assert_eq!(squares.is_finite(), len <= 5, "the NaN is seen");
+        let mut p = p0.clone();
+        par::sgd_step_scaled(&mut p, &grads, 0.1, 1e-3, scale).unwrap();
+        assert_eq!(bits(&sgd_scaled), bits(&p));
+        let (mut p, mut m2, mut v2) = (p0.clone(), grads.clone(), vec![0.01; len]);
+        par::adam_step_scaled(&mut p, &grads, &mut m2, &mut v2, hyper, 3, scale).unwrap();
+        assert_eq!(bits(&adam_scaled), bits(&p));
+        assert_eq!((bits(&ms), bits(&vs)), (bits(&m2), bits(&v2)));
     });
 }
 

@@ -4,7 +4,8 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain_kernels::{
-    softmax_xent_backward, softmax_xent_forward, softmax_xent_forward_online, Error,
+    bf16, f32_to_bf16, softmax_xent_backward, softmax_xent_backward_bf16, softmax_xent_forward,
+    softmax_xent_forward_online, Error,
 };
 
 type Forward = fn(
@@ -213,6 +214,53 @@ fn backward_matches_f64_formula() {
             );
         }
     }
+}
+
+#[test]
+fn the_backward_that_casts_to_bf16_gives_the_bits_of_the_backward_then_the_cast() {
+    let b = batch(11, 9, 301, 9.0);
+    let (_, lse) = run(softmax_xent_forward, &b);
+    let mut want = b.logits.clone();
+    softmax_xent_backward(&mut want, &lse, &b.labels, &b.mask, 0.5, b.rows, b.vocab).unwrap();
+    let mut want_bf16 = vec![bf16::ZERO; want.len()];
+    f32_to_bf16(&want, &mut want_bf16).unwrap();
+    let mut got = b.logits.clone();
+    let mut got_bf16 = vec![bf16::from_f32(7.0); got.len()];
+    softmax_xent_backward_bf16(
+        &mut got,
+        &lse,
+        &b.labels,
+        &b.mask,
+        0.5,
+        b.rows,
+        b.vocab,
+        &mut got_bf16,
+    )
+    .unwrap();
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got), bits(&want));
+    let bits16 = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits16(&got_bf16), bits16(&want_bf16));
+    // An `out` of the wrong length is named, and nothing is written.
+    let mut untouched = b.logits.clone();
+    let mut short = vec![bf16::ZERO; untouched.len() - 1];
+    let err = softmax_xent_backward_bf16(
+        &mut untouched,
+        &lse,
+        &b.labels,
+        &b.mask,
+        0.5,
+        b.rows,
+        b.vocab,
+        &mut short,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, Error::ShapeMismatch { arg: "out", .. }),
+        "{err}"
+    );
+    assert_eq!(bits(&untouched), bits(&b.logits));
+    assert!(short.iter().all(|v| v.to_bits() == 0));
 }
 
 #[test]

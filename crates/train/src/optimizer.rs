@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use ringtrain_kernels::GradScale;
 use serde::{Deserialize, Serialize};
 
 use crate::config::OptimizerKind;
@@ -120,6 +121,17 @@ impl Optimizer {
         params: &mut [f32],
         grads: &[f32],
     ) -> Result<()> {
+        self.apply_scaled(range, params, grads, GradScale::ONE)
+    }
+
+    /// [`Optimizer::apply_range`] on the gradients read through `scale`.
+    fn apply_scaled(
+        &mut self,
+        range: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        scale: GradScale,
+    ) -> Result<()> {
         if range.end > self.len || params.len() != range.len() || grads.len() != range.len() {
             return Err(Error::Internal(format!(
                 "optimizer range {range:?} with {} params / {} grads does not fit {} elements",
@@ -129,18 +141,17 @@ impl Optimizer {
             )));
         }
         match &mut self.state {
-            OptimizerState::Sgd => ringtrain_kernels::par::sgd_step(params, grads, self.lr, 0.0)?,
-            OptimizerState::Adam { m, v, step } => ringtrain_kernels::par::adam_step(
+            OptimizerState::Sgd => {
+                ringtrain_kernels::par::sgd_step_scaled(params, grads, self.lr, 0.0, scale)?
+            }
+            OptimizerState::Adam { m, v, step } => ringtrain_kernels::par::adam_step_scaled(
                 params,
                 grads,
                 &mut m[range.clone()],
                 &mut v[range],
-                self.lr,
-                ADAM_BETA1,
-                ADAM_BETA2,
-                ADAM_EPS,
-                0.0,
+                [self.lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, 0.0],
                 (*step).max(1),
+                scale,
             )?,
         }
         Ok(())
@@ -148,9 +159,20 @@ impl Optimizer {
 
     /// One full update of every parameter.
     pub fn step(&mut self, params: &mut [f32], grads: &[f32]) -> Result<()> {
+        self.step_scaled(params, grads, GradScale::ONE)
+    }
+
+    /// One full update of every parameter from the gradients read through `scale` (the
+    /// bits of scaling them first, without the passes over them).
+    pub fn step_scaled(
+        &mut self,
+        params: &mut [f32],
+        grads: &[f32],
+        scale: GradScale,
+    ) -> Result<()> {
         self.begin_step();
         let n = params.len();
-        self.apply_range(0..n, params, grads)
+        self.apply_scaled(0..n, params, grads, scale)
     }
 }
 

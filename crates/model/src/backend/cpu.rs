@@ -248,27 +248,44 @@ impl Bf16Operands {
     /// Casts `range` of `buf`, just written by a producer, into the buffer's bf16 copy (in
     /// a pass; outside one the range is only marked written).
     fn produce(&mut self, buf: &[f32], range: Range<usize>, parallel: bool) -> Result<()> {
-        if self.pass.is_none() || range.is_empty() {
+        let src = &buf[range.clone()];
+        if !self.produce_with(key(buf), range.clone(), |dst| cast_into(src, dst, parallel))? {
             self.written(buf, &range);
-            return Ok(());
         }
+        Ok(())
+    }
+
+    /// Has `fill` write the bf16 copy of `range` of the buffer `buf` (its [`key`]): a
+    /// producer that casts its output as it writes it, instead of a pass over it after.
+    /// Returns false, without calling `fill`, outside a pass or for an empty range (the
+    /// caller then marks the range written).
+    fn produce_with(
+        &mut self,
+        buf: (usize, usize),
+        range: Range<usize>,
+        fill: impl FnOnce(&mut [bf16]) -> kernels::Result<()>,
+    ) -> Result<bool> {
+        if self.pass.is_none() || range.is_empty() {
+            return Ok(false);
+        }
+        let len = buf.1;
         let spare = &mut self.spare;
-        let p = self.produced.entry(key(buf)).or_insert_with(|| Produced {
+        let p = self.produced.entry(buf).or_insert_with(|| Produced {
             // The storage of a copy of the same length in the last pass, if any.
-            data: match spare.iter().position(|d| d.len() == buf.len()) {
+            data: match spare.iter().position(|d| d.len() == len) {
                 Some(i) => spare.swap_remove(i),
                 None => Vec::new(),
             },
             valid: Vec::new(),
         });
-        if p.data.len() != buf.len() {
-            p.data.resize(buf.len(), bf16::ZERO);
+        if p.data.len() != len {
+            p.data.resize(len, bf16::ZERO);
         }
         p.remove(&range);
-        cast_into(&buf[range.clone()], &mut p.data[range.clone()], parallel)?;
+        fill(&mut p.data[range.clone()])?;
         self.casts.where_produced += range.len() as u64;
         p.add(range);
-        Ok(())
+        Ok(true)
     }
 
     /// Drops every produced copy, keeping its storage for the next pass (and only that:
@@ -922,18 +939,35 @@ impl Backend for CpuBackend {
             [arg(self, "softmax lse", &lse)],
         )?;
         self.launched();
-        let l_range = l.clone();
-        let (grad, lse) = (&mut logits.buf[l], &lse.buf[ls]);
+        let buf = key(logits.buf);
+        let (grad, lse) = (&mut logits.buf[l.clone()], &lse.buf[ls]);
         let (labels, mask) = (&targets.labels[..], &targets.mask[..]);
-        self.run(move |parallel| {
+        // The logits' gradient feeds the output projection's two products: in bf16, each
+        // row is cast as it is written.
+        if self.precision == GemmPrecision::Bf16 && self.cast_where_produced {
+            let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
+            let cast = ops.produce_with(buf, l.clone(), |out| {
+                self.run(|parallel| {
+                    let f = if parallel {
+                        kernels::par::softmax_xent_backward_bf16
+                    } else {
+                        kernels::softmax_xent_backward_bf16
+                    };
+                    f(&mut *grad, lse, labels, mask, scale, rows, vocab, out)
+                })
+            })?;
+            if cast {
+                return Ok(());
+            }
+        }
+        self.run(|parallel| {
             if parallel {
                 kernels::par::softmax_xent_backward(grad, lse, labels, mask, scale, rows, vocab)
             } else {
                 kernels::softmax_xent_backward(grad, lse, labels, mask, scale, rows, vocab)
             }
         })?;
-        // The logits' gradient feeds the output projection's two products.
-        self.produced(logits.buf, l_range)
+        self.produced(logits.buf, l)
     }
 
     fn sum(&self, src: View<'_, Vec<f32>>) -> Result<f64> {

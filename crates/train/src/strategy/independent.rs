@@ -73,26 +73,26 @@ impl Independent {
         } = inputs;
         let start = Instant::now();
         let wire = self.ctx.wire;
-        let overflow = match wire {
+        let wire_overflow = match wire {
             // f16 gradients: round them through f16 as the wire would, catching overflow.
             Wire::F16 { scale } => {
                 let (half, overflow) = to_wire_f16(grads, scale)?;
                 ringtrain_kernels::par::f16_to_f32_unscaled(&half, 1.0, grads)?;
                 overflow
             }
-            Wire::F32 => ringtrain_kernels::has_non_finite_f32(grads),
+            Wire::F32 => false,
         };
-        local.overflow = f64::from(u8::from(overflow));
-        let mut grad_norm = 0.0;
-        if !overflow {
+        let grad_norm = if wire_overflow {
+            None
+        } else {
             let correction = correction_factor(wire, local.examples);
-            grad_norm =
-                update_replica(params, grads, correction, self.max_gradient_norm, optimizer)?;
-        }
+            update_replica(params, grads, correction, self.max_gradient_norm, optimizer)?
+        };
+        local.overflow = f64::from(u8::from(grad_norm.is_none()));
         Ok(StepOutcome {
             stats: local,
-            skipped: overflow,
-            grad_norm,
+            skipped: grad_norm.is_none(),
+            grad_norm: grad_norm.unwrap_or(0.0),
             communication_seconds: 0.0,
             optimizer_seconds: start.elapsed().as_secs_f64(),
         })

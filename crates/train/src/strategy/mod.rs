@@ -26,6 +26,7 @@ use std::ops::Range;
 
 use half::f16;
 use ringtrain_collective::Communicator;
+use ringtrain_kernels::GradScale;
 
 use crate::config::{ValidatedConfig, VariableUpdate};
 use crate::control::Control;
@@ -383,26 +384,29 @@ impl Strategy {
 
 /// The shared tail of a step once every replica holds the summed gradient: divide by
 /// the examples (and undo the wire scale), clip to the global norm, apply the optimizer.
-/// Returns the norm before clipping.
+/// Returns the norm before clipping, or `None` (and nothing updated) when a gradient is
+/// not finite: the step is skipped. One pass over the gradients takes the norm and the
+/// overflow test; the optimizer reads them through the correction and the clipping
+/// factor, which leave the gradients as they were.
 pub(crate) fn update_replica(
     params: &mut [f32],
-    grads: &mut [f32],
+    grads: &[f32],
     correction: f32,
     max_gradient_norm: f32,
     optimizer: &mut Optimizer,
-) -> Result<f64> {
-    if correction != 1.0 {
-        ringtrain_kernels::par::scale_f32(grads, correction);
+) -> Result<Option<f64>> {
+    let squares = ringtrain_kernels::par::sum_of_squares_scaled(grads, correction);
+    if !squares.is_finite() {
+        return Ok(None);
     }
-    let norm = ringtrain_kernels::sum_of_squares(grads).sqrt();
-    if max_gradient_norm > 0.0 {
-        let factor = ringtrain_kernels::clip_factor(norm, max_gradient_norm);
-        if factor != 1.0 {
-            ringtrain_kernels::par::scale_f32(grads, factor);
-        }
-    }
-    optimizer.step(params, grads)?;
-    Ok(norm)
+    let norm = squares.sqrt();
+    let clip = if max_gradient_norm > 0.0 {
+        ringtrain_kernels::clip_factor(norm, max_gradient_norm)
+    } else {
+        1.0
+    };
+    optimizer.step_scaled(params, grads, GradScale(correction, clip))?;
+    Ok(Some(norm))
 }
 
 /// Factor that turns summed gradients carrying `wire`'s scale into gradients averaged

@@ -408,18 +408,18 @@ impl Replicated {
         let stats = local.summed(control)?;
         let communication_seconds = comm_start.elapsed().as_secs_f64();
         let opt_start = Instant::now();
-        // Every replica holds the same bits, so this test agrees everywhere.
-        let overflow = stats.overflow > 0.0 || ringtrain_kernels::has_non_finite_f32(grads);
-        let mut grad_norm = 0.0;
-        if !overflow {
+        // Every replica holds the same bits, so the test of a finite norm agrees
+        // everywhere.
+        let grad_norm = if stats.overflow > 0.0 {
+            None
+        } else {
             let correction = correction_factor(wire, stats.examples);
-            grad_norm =
-                update_replica(params, grads, correction, self.max_gradient_norm, optimizer)?;
-        }
+            update_replica(params, grads, correction, self.max_gradient_norm, optimizer)?
+        };
         Ok(StepOutcome {
             stats,
-            skipped: overflow,
-            grad_norm,
+            skipped: grad_norm.is_none(),
+            grad_norm: grad_norm.unwrap_or(0.0),
             communication_seconds,
             optimizer_seconds: opt_start.elapsed().as_secs_f64(),
         })
