@@ -216,17 +216,17 @@ macro_rules! impl_model {
                 let staged = self.stage(batch)?;
                 // The parameters stay unchanged until end_pass (backward writes gradients).
                 self.backend.begin_pass(&self.params);
-                // Forward calls back into nothing: it runs where the backend's operations
-                // run fastest. Backward hands gradient ranges to the caller as they finish,
-                // on the caller's thread.
+                // The pass runs where the backend's operations run fastest; backward hands
+                // gradient ranges to the caller as they finish, on the caller's thread.
                 let executor = self.backend.executor();
                 let this = &mut *self;
-                let (forward, staged) = executor.run(move || {
-                    let loss = this.forward(&staged);
-                    (loss, staged)
-                });
-                let result =
-                    forward.and_then(|loss| self.backward(&staged, on_grads_ready).map(|()| loss));
+                let result = executor.run_calling_back(
+                    move |on_ready| {
+                        let loss = this.forward(&staged)?;
+                        this.backward(&staged, on_ready).map(|()| loss)
+                    },
+                    on_grads_ready,
+                );
                 self.backend.end_pass();
                 let (loss_sum, tokens) = result?;
                 Ok(StepStats {

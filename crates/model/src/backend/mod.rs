@@ -47,6 +47,9 @@ pub use cuda::CudaBackend;
 pub use cuda::{CudaIds, CudaTargets};
 pub use layout::{view, view_mut, Layout, View, ViewMut};
 
+use std::ops::Range;
+use std::sync::mpsc;
+
 use crate::error::{batch_error, Error, Result};
 
 /// Where a stretch of a backend's operations runs ([`Backend::executor`]): on the CPU
@@ -68,6 +71,51 @@ impl Executor {
             Some(pool) => pool.install(f),
             None => f(),
         }
+    }
+
+    /// Runs `work` there, handing it a callback that runs `on_call` on this thread (the
+    /// caller's, which may hold what must not move, a communicator) and returns when
+    /// `on_call` has: two thread switches per call, where running `work` here would cost
+    /// two per operation. Returns what `work` returns; a panic in `work` reaches the
+    /// caller.
+    pub fn run_calling_back<R: Send, Buf: Sync>(
+        &self,
+        work: impl FnOnce(&mut dyn FnMut(Range<usize>, &Buf)) -> R + Send,
+        on_call: &mut dyn FnMut(Range<usize>, &Buf),
+    ) -> R {
+        let Some(pool) = &self.0 else {
+            return work(on_call);
+        };
+        /// A buffer lent to the caller's thread for one call.
+        struct Lent<Buf>(*const Buf);
+        // SAFETY: the pointer is read on the caller's thread only while the pool thread
+        // that lent it waits for the call to end, keeping the borrow alive and the buffer
+        // unchanged; `Buf: Sync` lets another thread read it.
+        unsafe impl<Buf: Sync> Send for Lent<Buf> {}
+
+        let (to_caller, calls) = mpsc::channel::<(Range<usize>, Lent<Buf>)>();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let mut result = None;
+        let out = &mut result;
+        pool.in_place_scope(|scope| {
+            scope.spawn(move |_| {
+                let mut call = |range: Range<usize>, buf: &Buf| {
+                    // The caller gone (it panicked) answers nothing: carry on.
+                    if to_caller.send((range, Lent(buf))).is_ok() {
+                        let _ = done_rx.recv();
+                    }
+                };
+                *out = Some(work(&mut call));
+            });
+            // Until the work ends and drops its sender.
+            for (range, lent) in calls {
+                // SAFETY: see `Lent`: the sender waits on `done_rx` until this call ends.
+                on_call(range, unsafe { &*lent.0 });
+                let _ = done_tx.send(());
+            }
+        });
+        // The scope re-raises a panic of the work, so a result is here.
+        result.expect("the work ran to its end")
     }
 }
 
@@ -315,7 +363,7 @@ pub trait Staged {
 /// operations a training step needs on it (see the module docs for views and staging).
 pub trait Backend: Send {
     /// A buffer of f32 elements in the backend's memory.
-    type Buffer: Send;
+    type Buffer: Send + Sync;
     /// Token ids staged for a pass: what the embedding operations read.
     type Ids: Staged + Send;
     /// Softmax labels and mask weights staged for a pass.
@@ -464,5 +512,84 @@ fn invalid_view(name: &'static str, value: impl ToString, reason: impl Into<Stri
         name,
         value: value.to_string(),
         reason: reason.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::thread::ThreadId;
+
+    /// Runs a work that fills a buffer in three parts and calls back after each, on
+    /// `executor`; returns the calls seen (range, the values then, the thread), the
+    /// work's thread and its result.
+    fn three_calls(
+        executor: &Executor,
+    ) -> (Vec<(Range<usize>, Vec<f32>, ThreadId)>, ThreadId, u32) {
+        let mut seen = Vec::new();
+        let mut worker = None;
+        let worker_id = &mut worker;
+        let result = executor.run_calling_back(
+            move |call| {
+                *worker_id = Some(std::thread::current().id());
+                let mut buf = vec![0.0f32; 6];
+                for part in 0..3 {
+                    buf[2 * part] = part as f32 + 1.0;
+                    buf[2 * part + 1] = -(part as f32) - 1.0;
+                    call(2 * part..2 * part + 2, &buf);
+                }
+                7u32
+            },
+            &mut |range: Range<usize>, buf: &Vec<f32>| {
+                seen.push((range, buf.clone(), std::thread::current().id()));
+            },
+        );
+        (seen, worker.expect("the work ran"), result)
+    }
+
+    #[test]
+    fn a_work_on_the_pool_calls_back_on_the_callers_thread_in_order() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        let here = std::thread::current().id();
+        for (executor, on_pool) in [
+            (Executor::on(Arc::new(pool)), true),
+            (Executor::default(), false),
+        ] {
+            let (seen, worker, result) = three_calls(&executor);
+            assert_eq!(result, 7);
+            assert_eq!(worker != here, on_pool, "where the work ran");
+            let ranges: Vec<_> = seen.iter().map(|(r, _, _)| r.clone()).collect();
+            assert_eq!(ranges, [0..2, 2..4, 4..6]);
+            // Each call sees the buffer as it was when the work called: no later part.
+            assert_eq!(seen[0].1, [1.0, -1.0, 0.0, 0.0, 0.0, 0.0]);
+            assert_eq!(seen[2].1, [1.0, -1.0, 2.0, -2.0, 3.0, -3.0]);
+            assert!(seen.iter().all(|(_, _, thread)| *thread == here));
+        }
+    }
+
+    #[test]
+    fn a_panic_in_a_work_on_the_pool_reaches_the_caller() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        let executor = Executor::on(Arc::new(pool));
+        let mut calls = 0;
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            executor.run_calling_back(
+                |call| {
+                    call(0..1, &vec![1.0f32]);
+                    panic!("the work failed");
+                },
+                &mut |_: Range<usize>, _: &Vec<f32>| calls += 1,
+            )
+        }));
+        let message = caught.expect_err("the panic reaches the caller");
+        assert_eq!(message.downcast_ref::<&str>(), Some(&"the work failed"));
+        assert_eq!(calls, 1);
     }
 }
