@@ -217,33 +217,49 @@ pub fn softmax_xent_backward(
     Ok(())
 }
 
-/// Parallel [`crate::softmax_xent_backward_bf16`] (over rows).
+/// Parallel [`crate::softmax_xent_forward_backward`] (over rows).
 ///
 /// # Errors
 /// As the serial kernel.
 #[allow(clippy::too_many_arguments)]
-pub fn softmax_xent_backward_bf16(
+pub fn softmax_xent_forward_backward(
     logits: &mut [f32],
-    lse: &[f32],
     labels: &[u32],
     mask: &[f32],
+    loss: &mut [f32],
+    lse: &mut [f32],
     scale: f32,
     rows: usize,
     vocab: usize,
-    out: &mut [bf16],
+    bf16_copy: Option<&mut [bf16]>,
 ) -> Result<()> {
-    softmax::check_backward(logits, lse, labels, mask, rows, vocab)?;
-    check_len("out", out.len(), logits.len())?;
-    logits
+    softmax::check_forward_backward(
+        logits,
+        labels,
+        mask,
+        loss,
+        lse,
+        rows,
+        vocab,
+        bf16_copy.as_deref(),
+    )?;
+    let rows_of = logits
         .par_chunks_exact_mut(vocab)
-        .zip(out.par_chunks_exact_mut(vocab))
-        .zip(lse.par_iter())
-        .zip(labels.par_iter())
-        .zip(mask.par_iter())
-        .for_each(|((((row, out), &lse), &label), &weight)| {
-            softmax::backward_row(row, lse, label, weight, scale);
-            precision::bf16_from_f32_block(row, out);
-        });
+        .zip(labels.par_iter().zip(mask.par_iter()))
+        .zip(loss.par_iter_mut().zip(lse.par_iter_mut()));
+    let row = |((row, (&label, &weight)), (loss, lse)): (_, (&mut f32, &mut f32))| {
+        let row: &mut [f32] = row;
+        (*loss, *lse) = softmax::forward_backward_row(row, label, weight, scale);
+        row
+    };
+    match bf16_copy {
+        Some(copy) => rows_of
+            .zip(copy.par_chunks_exact_mut(vocab))
+            .for_each(|(r, out)| precision::bf16_from_f32_block(row(r), out)),
+        None => rows_of.for_each(|r| {
+            row(r);
+        }),
+    }
     Ok(())
 }
 

@@ -301,35 +301,112 @@ pub fn softmax_xent_backward(
     Ok(())
 }
 
-/// [`softmax_xent_backward`], also writing the gradient cast to bf16 into `out` (the bits
-/// of [`crate::f32_to_bf16`]), each row while it is still in cache: the operand of the
-/// products that read the gradient in bf16, without a pass over it of its own.
+/// [`softmax_xent_forward`] and then [`softmax_xent_backward`] with `scale`, in one
+/// kernel: each row is read from memory once, and each exponential taken once (kept in
+/// the row, then scaled by `scale * mask[r] / sum`). `loss` and `lse` get the forward's
+/// bits; the gradient that replaces the logits is within a few ulp of the backward's
+/// (`exp(x - lse)` there against `exp(x - max) / sum` here). With `bf16_copy`, each
+/// gradient row is also cast to bf16 there while it is in cache (the bits of
+/// [`crate::f32_to_bf16`]): the operand of products that read the gradient in bf16.
 ///
 /// # Errors
-/// As [`softmax_xent_backward`], and `ShapeMismatch` naming `out` when its length is not
-/// the logits'; nothing is written on error.
+/// As [`softmax_xent_forward`], and `ShapeMismatch` naming `bf16_copy` when its length
+/// is not the logits'; nothing is written on error.
 #[allow(clippy::too_many_arguments)]
-pub fn softmax_xent_backward_bf16(
+pub fn softmax_xent_forward_backward(
     logits: &mut [f32],
-    lse: &[f32],
     labels: &[u32],
     mask: &[f32],
+    loss: &mut [f32],
+    lse: &mut [f32],
     scale: f32,
     rows: usize,
     vocab: usize,
-    out: &mut [bf16],
+    bf16_copy: Option<&mut [bf16]>,
 ) -> Result<()> {
-    check_backward(logits, lse, labels, mask, rows, vocab)?;
-    check_len("out", out.len(), logits.len())?;
+    check_forward_backward(
+        logits,
+        labels,
+        mask,
+        loss,
+        lse,
+        rows,
+        vocab,
+        bf16_copy.as_deref(),
+    )?;
+    let mut copy = bf16_copy.map(|c| c.chunks_exact_mut(vocab));
     let it = logits
         .chunks_exact_mut(vocab)
-        .zip(out.chunks_exact_mut(vocab))
-        .zip(lse)
-        .zip(labels)
-        .zip(mask);
-    for ((((row, out), &lse), &label), &weight) in it {
-        backward_row(row, lse, label, weight, scale);
-        crate::precision::bf16_from_f32_block(row, out);
+        .zip(labels.iter().zip(mask))
+        .zip(loss.iter_mut().zip(lse.iter_mut()));
+    for ((row, (&label, &weight)), (loss, lse)) in it {
+        (*loss, *lse) = forward_backward_row(row, label, weight, scale);
+        if let Some(out) = copy.as_mut().and_then(|c| c.next()) {
+            crate::precision::bf16_from_f32_block(row, out);
+        }
     }
     Ok(())
+}
+
+/// Argument checks of [`softmax_xent_forward_backward`] and its parallel twin.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_forward_backward(
+    logits: &[f32],
+    labels: &[u32],
+    mask: &[f32],
+    loss: &[f32],
+    lse: &[f32],
+    rows: usize,
+    vocab: usize,
+    bf16_copy: Option<&[bf16]>,
+) -> Result<()> {
+    check_forward(logits, labels, mask, loss, lse, rows, vocab)?;
+    match bf16_copy {
+        Some(c) => check_len("bf16_copy", c.len(), logits.len()),
+        None => Ok(()),
+    }
+}
+
+wide_twin! {
+    /// One row of [`softmax_xent_forward_backward`]: `(loss, lse)` as [`forward_row`]
+    /// gives them, and the row replaced by its gradient. `label` must be in range unless
+    /// `weight == 0.0`.
+    #[inline]
+    pub(crate) fn forward_backward_row(
+        row: &mut [f32],
+        label: u32,
+        weight: f32,
+        scale: f32,
+    ) -> (f32, f32) {
+        let max = row_max(row);
+        let at_label = if weight == 0.0 { 0.0 } else { row[label as usize] };
+        // The sum of `row_sum_exp`, lane by lane in the same order, keeping each term.
+        let mut lanes = [0.0f32; LANES];
+        let mut chunks = row.chunks_exact_mut(LANES);
+        for chunk in chunks.by_ref() {
+            for (lane, x) in lanes.iter_mut().zip(chunk) {
+                *x = exp(*x - max);
+                *lane += *x;
+            }
+        }
+        for (lane, x) in lanes.iter_mut().zip(chunks.into_remainder()) {
+            *x = exp(*x - max);
+            *lane += *x;
+        }
+        let sum: f32 = lanes.iter().sum();
+        let lse = max + libm::logf(sum);
+        if weight == 0.0 {
+            row.fill(0.0);
+            return (0.0, lse);
+        }
+        let k = scale * weight;
+        let label = label as usize;
+        let e_label = row[label];
+        let factor = k / sum;
+        for x in row.iter_mut() {
+            *x *= factor;
+        }
+        row[label] = (e_label / sum - 1.0) * k;
+        (weight * (lse - at_label), lse)
+    }
 }

@@ -81,6 +81,18 @@ fn check_lstm(batch: usize, hidden: usize, seed: u64) {
     });
 }
 
+type FusedSoftmax = fn(
+    &mut [f32],
+    &[u32],
+    &[f32],
+    &mut [f32],
+    &mut [f32],
+    f32,
+    usize,
+    usize,
+    Option<&mut [k::bf16]>,
+) -> k::Result<()>;
+
 type SoftmaxForward =
     fn(&[f32], &[u32], &[f32], &mut [f32], &mut [f32], usize, usize) -> k::Result<()>;
 
@@ -107,18 +119,25 @@ fn check_softmax(rows: usize, vocab: usize, seed: u64) {
         par::softmax_xent_backward(&mut grad2, &serial.1, &labels, &mask, 0.125, rows, vocab)
             .unwrap();
         assert_eq!(bits(&grad), bits(&grad2));
-        let mut grad3 = logits.clone();
-        let mut cast = vec![k::bf16::ZERO; grad3.len()];
-        let (l, m, n) = (&labels, &mask, rows);
-        par::softmax_xent_backward_bf16(&mut grad3, &serial.1, l, m, 0.125, n, vocab, &mut cast)
-            .unwrap();
-        assert_eq!(bits(&grad), bits(&grad3));
-        let mut want = vec![k::bf16::ZERO; grad.len()];
-        k::f32_to_bf16(&grad, &mut want).unwrap();
-        assert!(cast
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        for with_copy in [false, true] {
+            let run_fused = |fused: FusedSoftmax| {
+                let mut grad = logits.clone();
+                let (mut loss, mut lse) = (vec![0.0; rows], vec![0.0; rows]);
+                let mut copy = vec![k::bf16::ZERO; grad.len()];
+                let out = with_copy.then_some(&mut copy[..]);
+                let (l, m) = (&labels, &mask);
+                fused(
+                    &mut grad, l, m, &mut loss, &mut lse, 0.125, rows, vocab, out,
+                )
+                .unwrap();
+                let copy: Vec<u16> = copy.iter().map(|c| c.to_bits()).collect();
+                (bits(&grad), bits(&loss), bits(&lse), copy)
+            };
+            assert_eq!(
+                run_fused(k::softmax_xent_forward_backward),
+                run_fused(par::softmax_xent_forward_backward)
+            );
+        }
     });
 }
 

@@ -4,7 +4,7 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain_kernels::{
-    bf16, f32_to_bf16, softmax_xent_backward, softmax_xent_backward_bf16, softmax_xent_forward,
+    bf16, f32_to_bf16, softmax_xent_backward, softmax_xent_forward, softmax_xent_forward_backward,
     softmax_xent_forward_online, Error,
 };
 
@@ -217,50 +217,90 @@ fn backward_matches_f64_formula() {
 }
 
 #[test]
-fn the_backward_that_casts_to_bf16_gives_the_bits_of_the_backward_then_the_cast() {
-    let b = batch(11, 9, 301, 9.0);
-    let (_, lse) = run(softmax_xent_forward, &b);
+fn the_fused_forward_backward_gives_the_forwards_bits_and_the_backwards_gradient() {
+    // Rows masked out (every fourth), labels at both ends, logits of a wide spread.
+    let mut b = batch(11, 9, 301, 30.0);
+    b.labels[0] = 0;
+    b.labels[1] = 300;
+    let scale = 0.5;
+    let (want_loss, want_lse) = run(softmax_xent_forward, &b);
     let mut want = b.logits.clone();
-    softmax_xent_backward(&mut want, &lse, &b.labels, &b.mask, 0.5, b.rows, b.vocab).unwrap();
-    let mut want_bf16 = vec![bf16::ZERO; want.len()];
-    f32_to_bf16(&want, &mut want_bf16).unwrap();
-    let mut got = b.logits.clone();
-    let mut got_bf16 = vec![bf16::from_f32(7.0); got.len()];
-    softmax_xent_backward_bf16(
-        &mut got,
-        &lse,
-        &b.labels,
-        &b.mask,
-        0.5,
-        b.rows,
-        b.vocab,
-        &mut got_bf16,
+    softmax_xent_backward(
+        &mut want, &want_lse, &b.labels, &b.mask, scale, b.rows, b.vocab,
     )
     .unwrap();
     let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&got), bits(&want));
-    let bits16 = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits16(&got_bf16), bits16(&want_bf16));
-    // An `out` of the wrong length is named, and nothing is written.
+    for with_copy in [false, true] {
+        let mut got = b.logits.clone();
+        let (mut loss, mut lse) = (vec![0.0; b.rows], vec![0.0; b.rows]);
+        let mut copy = vec![bf16::from_f32(7.0); got.len()];
+        softmax_xent_forward_backward(
+            &mut got,
+            &b.labels,
+            &b.mask,
+            &mut loss,
+            &mut lse,
+            scale,
+            b.rows,
+            b.vocab,
+            with_copy.then_some(&mut copy[..]),
+        )
+        .unwrap();
+        assert_eq!(
+            (bits(&loss), bits(&lse)),
+            (bits(&want_loss), bits(&want_lse))
+        );
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            // A few ulp of the larger of the two terms (p·k and k at the label).
+            let bound = 4.0 * f32::EPSILON * (w.abs() + scale) + 1e-30;
+            assert!((g - w).abs() <= bound, "element {i}: {g} against {w}");
+        }
+        // Masked rows are exactly zero, as the backward leaves them.
+        assert!(got[3 * b.vocab..4 * b.vocab]
+            .iter()
+            .all(|&g| g.to_bits() == 0));
+        if with_copy {
+            let mut cast = vec![bf16::ZERO; got.len()];
+            f32_to_bf16(&got, &mut cast).unwrap();
+            assert!(copy
+                .iter()
+                .zip(&cast)
+                .all(|(a, c)| a.to_bits() == c.to_bits()));
+        } else {
+            assert!(
+                copy.iter().all(|c| c.to_f32() == 7.0),
+                "no copy asked, none written"
+            );
+        }
+    }
+    // A copy of the wrong length is named, and nothing is written.
     let mut untouched = b.logits.clone();
+    let (mut loss, mut lse) = (vec![0.0; b.rows], vec![0.0; b.rows]);
     let mut short = vec![bf16::ZERO; untouched.len() - 1];
-    let err = softmax_xent_backward_bf16(
+    let err = softmax_xent_forward_backward(
         &mut untouched,
-        &lse,
         &b.labels,
         &b.mask,
-        0.5,
+        &mut loss,
+        &mut lse,
+        scale,
         b.rows,
         b.vocab,
-        &mut short,
+        Some(&mut short),
     )
     .unwrap_err();
     assert!(
-        matches!(err, Error::ShapeMismatch { arg: "out", .. }),
+        matches!(
+            err,
+            Error::ShapeMismatch {
+                arg: "bf16_copy",
+                ..
+            }
+        ),
         "{err}"
     );
     assert_eq!(bits(&untouched), bits(&b.logits));
-    assert!(short.iter().all(|v| v.to_bits() == 0));
+    assert!(loss.iter().chain(&lse).all(|&x| x == 0.0));
 }
 
 #[test]

@@ -123,6 +123,8 @@ pub(crate) struct ProjectionWork<Buf> {
     logits: Buf,
     loss: Buf,
     lse: Buf,
+    /// The logits hold their gradient already (a forward that differentiated).
+    holds_gradient: bool,
 }
 
 impl<Buf> ProjectionWork<Buf> {
@@ -139,6 +141,7 @@ impl<Buf> ProjectionWork<Buf> {
             logits: be.zeros(logits)?,
             loss: be.zeros(loss)?,
             lse: be.zeros(lse)?,
+            holds_gradient: false,
         })
     }
 }
@@ -164,7 +167,8 @@ impl Projection {
     }
 
     /// Logits of `h` (`[rows, hidden]`, one row per target), the loss rows and their sum:
-    /// 3 launches.
+    /// 3 launches. With `differentiate` (a backward follows), the loss's gradient
+    /// replaces the logits in the same pass over them, and backward starts from it.
     pub(crate) fn forward<B: Backend>(
         &self,
         be: &B,
@@ -172,26 +176,36 @@ impl Projection {
         h: View<'_, B::Buffer>,
         targets: &B::Targets,
         work: &mut ProjectionWork<B::Buffer>,
+        differentiate: bool,
     ) -> Result<f64> {
         let rows = targets.rows();
         let (logits, per_row) = (
             Layout::matrix(0, rows, self.vocab),
             Layout::contiguous(0, rows),
         );
+        work.holds_gradient = false;
         be.gemm(
             h,
             view(params, self.matrix()),
             view_mut(&mut work.logits, logits),
             false,
         )?;
-        be.softmax_xent_forward(
-            view(&work.logits, logits),
-            targets,
+        let (loss, lse) = (
             view_mut(&mut work.loss, per_row),
             view_mut(&mut work.lse, per_row),
-        )?;
+        );
+        if differentiate {
+            let logits = view_mut(&mut work.logits, logits);
+            be.softmax_xent_forward_backward(logits, targets, loss, lse, Self::LOSS_SCALE)?;
+            work.holds_gradient = true;
+        } else {
+            be.softmax_xent_forward(view(&work.logits, logits), targets, loss, lse)?;
+        }
         be.sum(view(&work.loss, per_row))
     }
+
+    /// The scale of the softmax gradient: that of the summed loss.
+    const LOSS_SCALE: f32 = 1.0;
 
     /// Gradient of the summed loss: softmax backward in place, `dW = Hᵀ·dLogits` (then
     /// `on_ready`), `dH = dLogits·Wᵀ` into `dh`: 3 launches.
@@ -209,12 +223,14 @@ impl Projection {
     ) -> Result<()> {
         let rows = targets.rows();
         let logits = Layout::matrix(0, rows, self.vocab);
-        be.softmax_xent_backward(
-            view_mut(&mut work.logits, logits),
-            view(&work.lse, Layout::contiguous(0, rows)),
-            targets,
-            1.0,
-        )?;
+        if !std::mem::take(&mut work.holds_gradient) {
+            be.softmax_xent_backward(
+                view_mut(&mut work.logits, logits),
+                view(&work.lse, Layout::contiguous(0, rows)),
+                targets,
+                Self::LOSS_SCALE,
+            )?;
+        }
         be.gemm(
             h.t(),
             view(&work.logits, logits),

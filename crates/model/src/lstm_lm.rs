@@ -165,7 +165,8 @@ impl LstmLm {
     /// starting from `init(l)`, zeros when `None`) and, with the projection, returns the
     /// summed loss of its logits against `targets`. The first unit reads the output of
     /// the unit before it where that unit left it in `w` (a pipeline stage puts its
-    /// neighbour's activations there).
+    /// neighbour's activations there). With `differentiate` (a backward follows), the
+    /// projection leaves the loss's gradient in place of its logits.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward_units<'a, B: Backend>(
         &self,
@@ -179,6 +180,7 @@ impl LstmLm {
         w: &mut LstmLmWork<B::Buffer>,
         init: impl Fn(usize) -> Option<InitState<'a, B::Buffer>>,
         units: Range<usize>,
+        differentiate: bool,
     ) -> Result<Option<f64>>
     where
         B::Buffer: 'a,
@@ -228,6 +230,7 @@ impl LstmLm {
                 view(&w.layers[top].hiddens, h),
                 targets,
                 &mut w.head,
+                differentiate,
             )
             .map(Some)
     }

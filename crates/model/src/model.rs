@@ -198,7 +198,7 @@ macro_rules! impl_model {
                 self.backend.begin_pass(&self.params);
                 let executor = self.backend.executor();
                 let this = &mut *self;
-                let result = executor.run(move || this.forward(&staged));
+                let result = executor.run(move || this.forward(&staged, false));
                 self.backend.end_pass();
                 let (loss_sum, tokens) = result?;
                 Ok(StepStats {
@@ -222,7 +222,7 @@ macro_rules! impl_model {
                 let this = &mut *self;
                 let result = executor.run_calling_back(
                     move |on_ready| {
-                        let loss = this.forward(&staged)?;
+                        let loss = this.forward(&staged, true)?;
                         this.backward(&staged, on_ready).map(|()| loss)
                     },
                     on_grads_ready,

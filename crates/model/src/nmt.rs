@@ -534,8 +534,8 @@ impl<B: Backend> NmtModel<B> {
     }
 
     /// Forward pass; returns (loss sum, tokens).
-    fn forward(&mut self, b: &StagedNmt<B>) -> Result<(f64, f64)> {
-        let loss = self.forward_units(b, 0..self.unit_count())?;
+    fn forward(&mut self, b: &StagedNmt<B>, differentiate: bool) -> Result<(f64, f64)> {
+        let loss = self.forward_units(b, 0..self.unit_count(), differentiate)?;
         Ok((loss.unwrap_or(0.0), b.tokens))
     }
 
@@ -554,13 +554,18 @@ impl<B: Backend> NmtModel<B> {
     /// Forward over `units`; the loss when they hold the projection. A decoder layer
     /// whose encoder layer is not among them reads the encoder's final state where the
     /// encoder would have left it in the work (a pipeline stage puts it there).
-    fn forward_units(&mut self, b: &StagedNmt<B>, units: Range<usize>) -> Result<Option<f64>> {
+    fn forward_units(
+        &mut self,
+        b: &StagedNmt<B>,
+        units: Range<usize>,
+        differentiate: bool,
+    ) -> Result<Option<f64>> {
         self.ensure_work(b)?;
         let Some(w) = self.work.as_mut() else {
             return Ok(None);
         };
         if !units.contains(&0) {
-            return self.forward_decoder(b, units);
+            return self.forward_decoder(b, units, differentiate);
         }
         let be = &self.backend;
         let imp = self.config.lstm;
@@ -604,11 +609,16 @@ impl<B: Backend> NmtModel<B> {
                 )?;
             }
         }
-        self.forward_decoder(b, units)
+        self.forward_decoder(b, units, differentiate)
     }
 
     /// The decoder part of [`Self::forward_units`].
-    fn forward_decoder(&mut self, b: &StagedNmt<B>, units: Range<usize>) -> Result<Option<f64>> {
+    fn forward_decoder(
+        &mut self,
+        b: &StagedNmt<B>,
+        units: Range<usize>,
+        differentiate: bool,
+    ) -> Result<Option<f64>> {
         let Some(w) = self.work.as_mut() else {
             return Ok(None);
         };
@@ -638,6 +648,7 @@ impl<B: Backend> NmtModel<B> {
                 })
             },
             Self::decoder_units(&units),
+            differentiate,
         )
     }
 
@@ -919,7 +930,8 @@ impl<B: Backend> PipelineModel for NmtModel<B> {
             if units.start > 0 {
                 m.move_boundary(&staged, units.start, false, Some(input), &mut Vec::new())?;
             }
-            let loss = m.forward_units(&staged, units.clone())?;
+            // A stage's backward follows.
+            let loss = m.forward_units(&staged, units.clone(), true)?;
             if units.end < n {
                 m.move_boundary(&staged, units.end, false, None, output)?;
             }

@@ -318,15 +318,21 @@ impl<B: Backend> RnnLm<B> {
         Ok(())
     }
 
-    fn forward(&mut self, b: &StagedLm<B>) -> Result<(f64, f64)> {
+    fn forward(&mut self, b: &StagedLm<B>, differentiate: bool) -> Result<(f64, f64)> {
         let all = 0..self.net.unit_count();
-        let loss = self.forward_units(b, all)?;
+        let loss = self.forward_units(b, all, differentiate)?;
         Ok((loss.unwrap_or(0.0), b.tokens))
     }
 
     /// Forward over the network's `units` (see [`LstmLm::unit_count`]); the loss when
-    /// they hold the projection. The carried state of the units' layers moves on.
-    fn forward_units(&mut self, b: &StagedLm<B>, units: Range<usize>) -> Result<Option<f64>> {
+    /// they hold the projection. The carried state of the units' layers moves on. With
+    /// `differentiate`, a backward follows (see [`LstmLm::forward_units`]).
+    fn forward_units(
+        &mut self,
+        b: &StagedLm<B>,
+        units: Range<usize>,
+        differentiate: bool,
+    ) -> Result<Option<f64>> {
         self.ensure_work(b)?;
         let Some(w) = self.work.as_mut() else {
             return Ok(None);
@@ -354,6 +360,7 @@ impl<B: Backend> RnnLm<B> {
                 })
             },
             units.clone(),
+            differentiate,
         )?;
         // The final state of every layer becomes the next window's initial state; backward
         // reads the initial state from the layer's own workspace, so it can be replaced now.
@@ -410,7 +417,8 @@ impl<B: Backend> RnnLm<B> {
             check_boundary("pipeline activations", input.len(), len)?;
             BoundaryReader::new(input).read_into(&self.backend, buf, offset, len)?;
         }
-        let loss = self.forward_units(b, units.clone())?;
+        // A stage's backward follows.
+        let loss = self.forward_units(b, units.clone(), true)?;
         if units.end < self.net.unit_count() {
             if let Some(w) = self.work.as_ref() {
                 let (buf, offset, len) =

@@ -939,27 +939,8 @@ impl Backend for CpuBackend {
             [arg(self, "softmax lse", &lse)],
         )?;
         self.launched();
-        let buf = key(logits.buf);
         let (grad, lse) = (&mut logits.buf[l.clone()], &lse.buf[ls]);
         let (labels, mask) = (&targets.labels[..], &targets.mask[..]);
-        // The logits' gradient feeds the output projection's two products: in bf16, each
-        // row is cast as it is written.
-        if self.precision == GemmPrecision::Bf16 && self.cast_where_produced {
-            let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
-            let cast = ops.produce_with(buf, l.clone(), |out| {
-                self.run(|parallel| {
-                    let f = if parallel {
-                        kernels::par::softmax_xent_backward_bf16
-                    } else {
-                        kernels::softmax_xent_backward_bf16
-                    };
-                    f(&mut *grad, lse, labels, mask, scale, rows, vocab, out)
-                })
-            })?;
-            if cast {
-                return Ok(());
-            }
-        }
         self.run(|parallel| {
             if parallel {
                 kernels::par::softmax_xent_backward(grad, lse, labels, mask, scale, rows, vocab)
@@ -967,6 +948,59 @@ impl Backend for CpuBackend {
                 kernels::softmax_xent_backward(grad, lse, labels, mask, scale, rows, vocab)
             }
         })?;
+        // The logits' gradient feeds the output projection's two products.
+        self.produced(logits.buf, l)
+    }
+
+    fn softmax_xent_forward_backward(
+        &self,
+        logits: ViewMut<'_, Vec<f32>>,
+        targets: &CpuTargets,
+        loss: ViewMut<'_, Vec<f32>>,
+        lse: ViewMut<'_, Vec<f32>>,
+        scale: f32,
+    ) -> Result<()> {
+        let operands::SoftmaxRanges {
+            logits: l,
+            per_row: [lo, ls],
+            rows,
+            vocab,
+        } = operands::softmax(
+            arg(self, "softmax logits", &logits),
+            targets,
+            [
+                arg(self, "softmax loss", &loss),
+                arg(self, "softmax lse", &lse),
+            ],
+        )?;
+        self.launched();
+        self.written(loss.buf, &lo);
+        self.written(lse.buf, &ls);
+        let buf = key(logits.buf);
+        let grad = &mut logits.buf[l.clone()];
+        let (loss, lse) = (&mut loss.buf[lo], &mut lse.buf[ls]);
+        let (labels, mask) = (&targets.labels[..], &targets.mask[..]);
+        let mut fused = |copy: Option<&mut [bf16]>| {
+            self.run(|parallel| {
+                let f = if parallel {
+                    kernels::par::softmax_xent_forward_backward
+                } else {
+                    kernels::softmax_xent_forward_backward
+                };
+                f(
+                    &mut *grad, labels, mask, &mut *loss, &mut *lse, scale, rows, vocab, copy,
+                )
+            })
+        };
+        // The logits' gradient feeds the output projection's two products: in bf16 (in a
+        // pass), each row is cast as it is written.
+        if self.precision == GemmPrecision::Bf16 && self.cast_where_produced {
+            let mut ops = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
+            if ops.produce_with(buf, l.clone(), |copy| fused(Some(copy)))? {
+                return Ok(());
+            }
+        }
+        fused(None)?;
         self.produced(logits.buf, l)
     }
 

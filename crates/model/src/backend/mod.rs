@@ -502,6 +502,21 @@ pub trait Backend: Send {
         targets: &Self::Targets,
         scale: f32,
     ) -> Result<()>;
+    /// [`Backend::softmax_xent_forward`], then [`Backend::softmax_xent_backward`] with
+    /// `scale` (the logits become their gradient), in one pass over the logits where the
+    /// backend has one (the CPU's); the gradient may differ from the two operations' by a
+    /// few ulp.
+    fn softmax_xent_forward_backward(
+        &self,
+        logits: ViewMut<'_, Self::Buffer>,
+        targets: &Self::Targets,
+        loss: ViewMut<'_, Self::Buffer>,
+        mut lse: ViewMut<'_, Self::Buffer>,
+        scale: f32,
+    ) -> Result<()> {
+        self.softmax_xent_forward(logits.as_view(), targets, loss, lse.reborrow())?;
+        self.softmax_xent_backward(logits, lse.as_view(), targets, scale)
+    }
     /// Sum of a contiguous `src`, accumulated in f64.
     fn sum(&self, src: View<'_, Self::Buffer>) -> Result<f64>;
 }
