@@ -335,31 +335,22 @@ fn updates_through_a_grad_scale_give_the_bits_of_scaling_the_gradients_first() {
     );
 
     // A factor that is negative or not finite is named before anything is written.
+    let names_grad_scale = |err: Error| {
+        matches!(
+            err,
+            Error::InvalidValue {
+                name: "grad_scale",
+                ..
+            }
+        )
+    };
     for bad in [GradScale(-1.0, 1.0), GradScale(1.0, f32::NAN)] {
         let mut p = p0.clone();
         let err = sgd_step_scaled(&mut p, &grads, 0.1, 0.0, bad).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::InvalidValue {
-                    name: "grad_scale",
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(names_grad_scale(err), "sgd, {bad:?}");
         let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
         let err = adam_step_scaled(&mut p, &grads, &mut m, &mut v, hyper, 1, bad).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::InvalidValue {
-                    name: "grad_scale",
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(names_grad_scale(err), "adam, {bad:?}");
         assert_eq!(bits(&p), bits(&p0));
     }
 }

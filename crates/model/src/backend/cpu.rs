@@ -426,6 +426,30 @@ impl CpuBackend {
         self.run(|parallel| ops.produce(buf, range, parallel))
     }
 
+    /// The checked operands of a softmax forward (`logits` as [`arg`] gives them), as one
+    /// launch whose loss and lse rows are written.
+    fn softmax_forward_operands(
+        &self,
+        logits: operands::Arg,
+        targets: &CpuTargets,
+        loss: &ViewMut<'_, Vec<f32>>,
+        lse: &ViewMut<'_, Vec<f32>>,
+    ) -> Result<operands::SoftmaxRanges<2>> {
+        let ranges = operands::softmax(
+            logits,
+            targets,
+            [
+                arg(self, "softmax loss", loss),
+                arg(self, "softmax lse", lse),
+            ],
+        )?;
+        self.launched();
+        let [lo, ls] = &ranges.per_row;
+        self.written(loss.buf, lo);
+        self.written(lse.buf, ls);
+        Ok(ranges)
+    }
+
     /// The bf16 path the matrix products take (`None` in f32).
     pub fn bf16_path(&self) -> Option<Bf16Path> {
         (self.precision == GemmPrecision::Bf16).then(Bf16Path::detect)
@@ -898,17 +922,12 @@ impl Backend for CpuBackend {
             per_row: [lo, ls],
             rows,
             vocab,
-        } = operands::softmax(
+        } = self.softmax_forward_operands(
             arg(self, "softmax logits", &logits),
             targets,
-            [
-                arg(self, "softmax loss", &loss),
-                arg(self, "softmax lse", &lse),
-            ],
+            &loss,
+            &lse,
         )?;
-        self.launched();
-        self.written(loss.buf, &lo);
-        self.written(lse.buf, &ls);
         let (logits, loss, lse) = (&logits.buf[l], &mut loss.buf[lo], &mut lse.buf[ls]);
         let (labels, mask) = (&targets.labels[..], &targets.mask[..]);
         self.run(move |parallel| {
@@ -965,17 +984,12 @@ impl Backend for CpuBackend {
             per_row: [lo, ls],
             rows,
             vocab,
-        } = operands::softmax(
+        } = self.softmax_forward_operands(
             arg(self, "softmax logits", &logits),
             targets,
-            [
-                arg(self, "softmax loss", &loss),
-                arg(self, "softmax lse", &lse),
-            ],
+            &loss,
+            &lse,
         )?;
-        self.launched();
-        self.written(loss.buf, &lo);
-        self.written(lse.buf, &ls);
         let buf = key(logits.buf);
         let grad = &mut logits.buf[l.clone()];
         let (loss, lse) = (&mut loss.buf[lo], &mut lse.buf[ls]);
