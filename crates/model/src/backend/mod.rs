@@ -536,12 +536,12 @@ mod tests {
     use std::sync::Arc;
     use std::thread::ThreadId;
 
+    /// One call back: the range, the buffer's values then, and the thread it ran on.
+    type Call = (Range<usize>, Vec<f32>, ThreadId);
+
     /// Runs a work that fills a buffer in three parts and calls back after each, on
-    /// `executor`; returns the calls seen (range, the values then, the thread), the
-    /// work's thread and its result.
-    fn three_calls(
-        executor: &Executor,
-    ) -> (Vec<(Range<usize>, Vec<f32>, ThreadId)>, ThreadId, u32) {
+    /// `executor`; returns the calls seen, the work's thread and its result.
+    fn three_calls(executor: &Executor) -> (Vec<Call>, ThreadId, u32) {
         let mut seen = Vec::new();
         let mut worker = None;
         let worker_id = &mut worker;
