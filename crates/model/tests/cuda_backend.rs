@@ -487,7 +487,11 @@ fn small_lm(lstm: LstmImpl) -> LmConfig {
     }
 }
 
-/// Compares losses, launch counts and every gradient tensor of one pass.
+/// The launches of a training pass's softmax on the CUDA backend beyond the CPU's: the CPU
+/// takes its forward and backward in one kernel, the CUDA backend in two launches.
+const CUDA_SOFTMAX_LAUNCHES_BEYOND_CPU: u64 = 1;
+
+/// Compares losses, launch counts and every gradient tensor of one training pass.
 fn compare_pass(
     what: &str,
     cpu_stats: ringtrain_model::StepStats,
@@ -505,8 +509,10 @@ fn compare_pass(
     );
     assert_eq!(cpu_stats.tokens, gpu_stats.tokens, "{what}: tokens");
     assert_eq!(
-        cpu_stats.launches, gpu_stats.launches,
-        "{what}: launches per batch"
+        cpu_stats.launches + CUDA_SOFTMAX_LAUNCHES_BEYOND_CPU,
+        gpu_stats.launches,
+        "{what}: launches per batch (the same operations; a training pass's softmax is one \
+         CPU kernel and two CUDA launches)"
     );
     for e in layout.entries() {
         let (c, g) = (&cpu_grads[e.range()], &gpu_grads[e.range()]);
