@@ -4,8 +4,10 @@
 //! Every operation (everything but [`Backend::zeros`], [`Backend::upload`],
 //! [`Backend::download`] and the staging calls) counts as one launch in
 //! [`Backend::launches`]: on a GPU each is one kernel launch (a few are two, see the CUDA
-//! backend), on the CPU one call into a kernel or GEMM routine. The models report the
-//! launches a batch issued in [`crate::StepStats::launches`].
+//! backend), on the CPU one call into a kernel or GEMM routine.
+//! [`Backend::softmax_xent_forward_backward`] is one on the CPU and two (its forward and
+//! its backward) on a backend that takes the trait's default, the CUDA backend. The models
+//! report the launches a batch issued in [`crate::StepStats::launches`].
 //!
 //! # Operands are views
 //!
