@@ -9,7 +9,9 @@
 //! can run, the path the backend takes named) against the `gemm` crate's f32 product, and
 //! the ratio bf16 / f32; last, the backend's path against `torch.mm` in bf16 at the same
 //! shapes and layouts (`benches/torch_mm_cpu.py`; run scripts/bench-setup first if torch
-//! is missing, else that table says why it was not measured), and the ratio ours / torch.
+//! is missing, else that table says why it was not measured), and the ratio ours / torch;
+//! and, for the `avx512-bf16` path, the same figures against the instruction's own peak (a
+//! loop of independent `VDPBF16PS` on registers) with the ratio ours / peak.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -345,6 +347,99 @@ fn bf16_table(shapes: &[Shape], budget: Duration, pool2: &rayon::ThreadPool) {
         }
     }
     torch_table(detected, shapes, &ours, budget);
+    peak_table(detected, shapes, &ours, budget, pool2);
+}
+
+/// The backend's path (its figures in `ours`) against the peak of the instruction it is
+/// built on, where that peak is measured: `VDPBF16PS` for `avx512-bf16`.
+fn peak_table(
+    path: ringtrain_kernels::gemm_bf16::Bf16Path,
+    shapes: &[Shape],
+    ours: &[[f64; 2]],
+    budget: Duration,
+    pool2: &rayon::ThreadPool,
+) {
+    use ringtrain_kernels::gemm_bf16::Bf16Path;
+
+    println!();
+    let peak = match (path, dpbf16_peak(budget, pool2)) {
+        (Bf16Path::Avx512Bf16, Some(peak)) => peak,
+        _ => {
+            println!(
+                "gemm_cpu bf16 against the instruction's peak: measured for path `avx512-bf16` only (this CPU takes `{}`)",
+                path.name()
+            );
+            return;
+        }
+    };
+    println!(
+        "gemm_cpu bf16: GFLOP/s (baseline = VDPBF16PS peak, 24 independent instructions on registers: {:.1} on 1 thread, {:.1} on 2; ours = path `{}`), ratio = ours / peak",
+        peak[0],
+        peak[1],
+        path.name()
+    );
+    let mut table = Table::new("peak", "ours");
+    for (s, o) in shapes.iter().zip(ours) {
+        table.row(s, [(peak[0], o[0]), (peak[1], o[1])]);
+    }
+    table.geometric_means("ours / VDPBF16PS peak");
+}
+
+/// GFLOP/s of `VDPBF16PS` at its peak on 1 and on 2 threads: a loop of 24 independent
+/// instructions on registers (no memory traffic), the ceiling of the `avx512-bf16` path;
+/// `None` where the CPU lacks the instruction.
+fn dpbf16_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<[f64; 2]> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm512_add_ps, _mm512_reduce_add_ps, _mm512_setzero_ps};
+        use std::arch::x86_64::{_mm512_cvtne2ps_pbh, _mm512_dpbf16_ps, _mm512_set1_ps};
+
+        /// `rounds` rounds of 24 independent `VDPBF16PS`; the sum of the accumulators.
+        ///
+        /// # Safety
+        /// The CPU has AVX-512 F and BF16.
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        unsafe fn dot_loop(rounds: usize) -> f32 {
+            let ones = _mm512_set1_ps(1.0);
+            let (a, b) = (
+                _mm512_cvtne2ps_pbh(ones, ones),
+                _mm512_cvtne2ps_pbh(ones, ones),
+            );
+            let mut acc = [_mm512_setzero_ps(); 24];
+            for _ in 0..rounds {
+                for x in acc.iter_mut() {
+                    *x = _mm512_dpbf16_ps(*x, a, b);
+                }
+            }
+            let sum = acc
+                .iter()
+                .fold(_mm512_setzero_ps(), |s, &x| _mm512_add_ps(s, x));
+            _mm512_reduce_add_ps(sum)
+        }
+
+        if !(std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bf16"))
+        {
+            return None;
+        }
+        const ROUNDS: usize = 1 << 16;
+        // 24 instructions of 16 lanes, each two multiply-adds.
+        let flops = (ROUNDS * 24 * 16 * 4) as f64;
+        // SAFETY: the CPU has the features `dot_loop` is compiled for (checked above).
+        let run = || black_box(unsafe { dot_loop(black_box(ROUNDS)) });
+        let one = time_it(budget, || {
+            run();
+        });
+        let two = time_it(budget, || {
+            pool2.broadcast(|_| run());
+        });
+        Some([flops / one / 1e9, 2.0 * flops / two / 1e9])
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (budget, pool2);
+        None
+    }
 }
 
 /// GFLOP/s of `torch.mm` in bf16 at `shapes` on `threads` threads

@@ -137,6 +137,27 @@ mod tests {
         let mut grad = logits.clone();
         crate::softmax_xent_backward(&mut grad, &lse, &labels, &mask, 0.5, batch, vocab).unwrap();
         out.push(bits(&grad));
+        // The fused forward and backward, with its bf16 copy.
+        let mut fused = logits.clone();
+        let mut copy = vec![bf16::ZERO; fused.len()];
+        crate::softmax_xent_forward_backward(
+            &mut fused,
+            &labels,
+            &mask,
+            &mut loss2,
+            &mut lse2,
+            0.5,
+            batch,
+            vocab,
+            Some(&mut copy),
+        )
+        .unwrap();
+        out.extend([bits(&fused), bits(&loss2), bits(&lse2)]);
+        out.push(copy.iter().map(|x| u32::from(x.to_bits())).collect());
+        // The scaled sum of squares (its block loop has a twin), tail included.
+        let squares = crate::sum_of_squares_scaled(&values(4099, 11), 0.3);
+        let squares = squares.to_bits();
+        out.push(vec![squares as u32, (squares >> 32) as u32]);
         // The bf16 cast, and bf16 products in the three layouts (their packing has twins).
         let wide = values(4099, 8);
         let mut cast = vec![bf16::ZERO; wide.len()];

@@ -124,8 +124,9 @@ impl Optimizer {
         self.apply_scaled(range, params, grads, GradScale::ONE)
     }
 
-    /// [`Optimizer::apply_range`] on the gradients read through `scale`.
-    fn apply_scaled(
+    /// [`Optimizer::apply_range`] on the gradients read through `scale` (the bits of
+    /// scaling them first, without the passes over them).
+    pub fn apply_scaled(
         &mut self,
         range: Range<usize>,
         params: &mut [f32],

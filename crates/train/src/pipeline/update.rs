@@ -5,6 +5,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use ringtrain_collective::Communicator;
+use ringtrain_kernels::GradScale;
 
 use super::StageInfo;
 use crate::config::ValidatedConfig;
@@ -180,23 +181,23 @@ impl PipelineUpdate {
             return Ok(outcome);
         }
         let update = Instant::now();
+        // The norm of the averaged gradients, and the update reading them through the
+        // averaging and clipping factors (see `update_replica`).
         let correction = correction_factor(self.ctx.wire, stats.examples);
-        if correction != 1.0 {
-            ringtrain_kernels::par::scale_f32(g, correction);
-        }
         // Every replica of a stage holds the same gradients: count them once.
-        let mut squares = [ringtrain_kernels::sum_of_squares(g) / self.replica_count as f64];
+        let mut squares = [ringtrain_kernels::par::sum_of_squares_scaled(g, correction)
+            / self.replica_count as f64];
         control.sum(&mut squares)?;
         let norm = squares[0].sqrt();
-        if self.max_gradient_norm > 0.0 {
-            let factor = ringtrain_kernels::clip_factor(norm, self.max_gradient_norm);
-            if factor != 1.0 {
-                ringtrain_kernels::par::scale_f32(g, factor);
-            }
-        }
+        let clip = if self.max_gradient_norm > 0.0 {
+            ringtrain_kernels::clip_factor(norm, self.max_gradient_norm)
+        } else {
+            1.0
+        };
         optimizer.begin_step();
         // The stage's optimizer state covers its own range only.
-        optimizer.apply_range(0..own.len(), &mut params[own], g)?;
+        let scale = GradScale(correction, clip);
+        optimizer.apply_scaled(0..own.len(), &mut params[own], g, scale)?;
         outcome.grad_norm = norm;
         outcome.optimizer_seconds = update.elapsed().as_secs_f64();
         Ok(outcome)

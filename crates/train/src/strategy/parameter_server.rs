@@ -19,6 +19,7 @@
 use std::time::Instant;
 
 use ringtrain_collective::{AllReduceOptions, Communicator};
+use ringtrain_kernels::GradScale;
 
 use super::{
     correction_factor, to_wire_f16, StepContext, StepInputs, StepOutcome, StepStats, Wire,
@@ -220,12 +221,15 @@ impl ParameterServer {
             };
             optimizer.begin_step();
             if let Some(s) = my_server {
-                ringtrain_kernels::par::scale_f32(&mut my_grads, correction * clip);
+                // The update reads the gradients through the averaging and clipping
+                // factors (one product: the norm above is of the unscaled sums).
+                let scale = GradScale(correction * clip, 1.0);
                 let mut at = 0;
                 for &t in &self.owned[s] {
                     let r = self.specs[t].range.clone();
                     let n = r.len();
-                    optimizer.apply_range(r.clone(), &mut params[r], &my_grads[at..at + n])?;
+                    let g = &my_grads[at..at + n];
+                    optimizer.apply_scaled(r.clone(), &mut params[r], g, scale)?;
                     at += n;
                 }
             }
