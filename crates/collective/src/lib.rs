@@ -104,6 +104,7 @@ mod mpi_transport;
 mod negotiation;
 mod options;
 mod packing;
+mod pieces;
 pub mod stall;
 mod subgroup;
 pub mod timeline;
@@ -114,6 +115,7 @@ pub use half;
 
 pub use communicator::{
     ring_chunk_range, Communicator, DEFAULT_AUTO_THRESHOLD_BYTES, DEFAULT_SEGMENT_BYTES,
+    MIN_IN_PLACE_PIECE_BYTES,
 };
 pub use dtype::{DType, Element, Tensor, TensorMut};
 pub use error::{Error, Result};

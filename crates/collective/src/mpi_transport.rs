@@ -7,15 +7,17 @@ use half::{bf16, f16};
 use std::ffi::{c_int, c_void};
 
 use mpi::collective::{CommunicatorCollectives as _, SystemOperation, UnsafeUserOperation};
+use mpi::datatype::{MutView, UserDatatype, View};
 use mpi::environment::Universe;
 use mpi::point_to_point::{Destination, MatchedReceiveVec as _, Source, Status};
 use mpi::request::{Request, Scope};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
-use mpi::Threading;
+use mpi::{Address, Count, Threading};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::options::ReduceOp;
+use crate::pieces;
 use crate::stall::{StallWatch, Wait, STALL_EXIT_CODE};
 use crate::transport::{check_all_to_all_len, segment_count, segment_range, NodeRank, Transport};
 
@@ -39,6 +41,7 @@ pub struct MpiTransport {
     // before MPI_Finalize.
     comm: Comm,
     nan_ops: NanOps,
+    layouts: LayoutCache,
     watch: StallWatch,
     universe: Arc<Universe>,
     rank: usize,
@@ -89,6 +92,7 @@ impl MpiTransport {
         MpiTransport {
             comm: Comm(comm),
             nan_ops: NanOps::create(),
+            layouts: LayoutCache::default(),
             watch,
             universe,
             rank,
@@ -116,31 +120,37 @@ impl MpiTransport {
         &self,
         requests: Vec<(usize, Request<'a, D, S>)>,
     ) -> Vec<Status> {
-        let mut pending: Vec<(usize, Option<Request<'a, D, S>>)> =
+        let mut slots: Vec<(usize, Option<Request<'a, D, S>>)> =
             requests.into_iter().map(|(p, r)| (p, Some(r))).collect();
-        let mut statuses: Vec<Option<Status>> = vec![None; pending.len()];
+        let mut pending: Vec<(usize, &mut dyn Pending)> = slots
+            .iter_mut()
+            .map(|(p, r)| (*p, r as &mut dyn Pending))
+            .collect();
+        self.complete_any(&mut pending)
+    }
+
+    /// [`MpiTransport::complete`] for requests of different buffer types (a message in
+    /// pieces goes through a datatype view, one piece as its bytes).
+    fn complete_any<'p>(&self, requests: &mut [(usize, &mut (dyn Pending + 'p))]) -> Vec<Status> {
+        let mut statuses: Vec<Option<Status>> = vec![None; requests.len()];
         let mut wait = Wait::new(&self.watch, self.rank);
         loop {
             let mut open = 0;
-            for (k, (_, slot)) in pending.iter_mut().enumerate() {
-                if let Some(req) = slot.take() {
-                    match req.test() {
-                        Ok(status) => statuses[k] = Some(status),
-                        Err(req) => {
-                            *slot = Some(req);
-                            open += 1;
-                        }
-                    }
+            for ((_, request), status) in requests.iter_mut().zip(&mut statuses) {
+                if status.is_none() {
+                    *status = request.poll();
+                    open += usize::from(status.is_none());
                 }
             }
             if open == 0 {
                 return statuses.into_iter().flatten().collect();
             }
             let peers = || {
-                pending
+                requests
                     .iter()
-                    .filter(|(p, r)| r.is_some() && *p != usize::MAX)
-                    .map(|(p, _)| *p)
+                    .zip(&statuses)
+                    .filter(|((p, _), s)| s.is_none() && *p != usize::MAX)
+                    .map(|((p, _), _)| *p)
                     .collect()
             };
             if let Err(e) = wait.pause(peers) {
@@ -201,6 +211,187 @@ impl MpiTransport {
 }
 
 use mpi::datatype::Equivalence;
+
+/// A request still to be completed, whatever its buffer's type.
+trait Pending {
+    /// The request's status once it has completed.
+    fn poll(&mut self) -> Option<Status>;
+}
+
+impl<'a, D: ?Sized, S: Scope<'a>> Pending for Option<Request<'a, D, S>> {
+    fn poll(&mut self) -> Option<Status> {
+        match self.take()?.test() {
+            Ok(status) => Some(status),
+            Err(request) => {
+                *self = Some(request);
+                None
+            }
+        }
+    }
+}
+
+/// A committed MPI datatype shared by the layout cache and the messages in flight.
+struct SharedDatatype(UserDatatype);
+
+// SAFETY: an MPI datatype handle is an opaque reference into the MPI library, valid on
+// every thread of the process (MPI is initialised with `MPI_THREAD_MULTIPLE`). After its
+// commit it is only read (concurrent messages may use one datatype), and it is freed once,
+// when the last `Arc` of it is dropped.
+unsafe impl Send for SharedDatatype {}
+// SAFETY: as for `Send`: nothing mutates a committed datatype until it is freed.
+unsafe impl Sync for SharedDatatype {}
+
+/// A message's pieces as MPI sees them: each piece's displacement from the first piece
+/// and its length in bytes.
+type Layout = Vec<(Address, Count)>;
+
+/// The datatypes of the last layouts sent or received in pieces, most recent first: a
+/// group reduced step after step moves the same layouts every step, and building and
+/// committing a datatype of a thousand blocks costs more than moving their bytes.
+#[derive(Default)]
+struct LayoutCache(std::sync::Mutex<std::collections::VecDeque<(Layout, Arc<SharedDatatype>)>>);
+
+/// At most this many layouts are kept ([`LayoutCache`]): a ring step of a large group
+/// sends one per pipeline segment.
+const LAYOUT_CACHE_ENTRIES: usize = 64;
+
+/// At most this many blocks in all the layouts kept (each costs MPI a few dozen bytes).
+const LAYOUT_CACHE_BLOCKS: usize = 1 << 20;
+
+impl LayoutCache {
+    /// The datatype that makes the byte pieces at `pieces` (address, length; none empty)
+    /// one MPI message: `None` for no piece or one (sent as its bytes), else their blocks
+    /// at their addresses relative to the first piece's (`MPI_Type_create_hindexed` of
+    /// `MPI_BYTE`), committed, or the one committed for the same layout before.
+    fn datatype(
+        &self,
+        rank: usize,
+        pieces: impl ExactSizeIterator<Item = (*const u8, usize)>,
+    ) -> Result<Option<Arc<SharedDatatype>>> {
+        if pieces.len() < 2 {
+            return Ok(None);
+        }
+        let mut layout = Layout::with_capacity(pieces.len());
+        let mut base = None;
+        for (at, len) in pieces {
+            let at = at as Address;
+            let base = *base.get_or_insert(at);
+            let len = Count::try_from(len).map_err(|_| Error::Transport {
+                rank,
+                detail: format!(
+                    "a message piece of {len} bytes exceeds MPI's limit of {MAX_MESSAGE_BYTES}: split the tensor (gradient_repacking does)"
+                ),
+            })?;
+            layout.push((at.wrapping_sub(base), len));
+        }
+        let mut cache = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = cache.iter().position(|(kept, _)| *kept == layout) {
+            let hit = cache.remove(k).expect("the position is in the cache");
+            let datatype = Arc::clone(&hit.1);
+            cache.push_front(hit);
+            return Ok(Some(datatype));
+        }
+        let (lengths, displacements): (Vec<Count>, Vec<Address>) =
+            layout.iter().map(|&(at, len)| (len, at)).unzip();
+        let datatype = Arc::new(SharedDatatype(UserDatatype::heterogeneous_indexed(
+            &lengths,
+            &displacements,
+            &u8::equivalent_datatype(),
+        )));
+        cache.push_front((layout, Arc::clone(&datatype)));
+        let mut blocks: usize = cache.iter().map(|(l, _)| l.len()).sum();
+        while cache.len() > LAYOUT_CACHE_ENTRIES
+            || (blocks > LAYOUT_CACHE_BLOCKS && cache.len() > 1)
+        {
+            if let Some((dropped, _)) = cache.pop_back() {
+                blocks -= dropped.len();
+            }
+        }
+        Ok(Some(datatype))
+    }
+}
+
+/// A message to send as MPI is handed it: its bytes, or a datatype view over its pieces.
+enum Outgoing<'d, 'b> {
+    Bytes(&'b [u8]),
+    Pieces(View<'d, 'b, UserDatatype, [u8]>),
+}
+
+impl<'d, 'b> Outgoing<'d, 'b> {
+    /// `pieces` (none empty) under the datatype [`LayoutCache::datatype`] made of them.
+    fn new(pieces: &[&'b [u8]], datatype: Option<&'d UserDatatype>) -> Self {
+        match datatype {
+            // SAFETY: the datatype's blocks are exactly the bytes of `pieces`, at their
+            // addresses relative to the first piece's; every piece is borrowed for 'b, as
+            // long as the view, and a send only reads them.
+            Some(datatype) => {
+                Outgoing::Pieces(unsafe { View::with_count_and_datatype(pieces[0], 1, datatype) })
+            }
+            None => Outgoing::Bytes(pieces.first().copied().unwrap_or(&[])),
+        }
+    }
+
+    fn post<'a: 's, 's, Sc: Scope<'a> + 's>(
+        &'a self,
+        dst: &impl Destination,
+        scope: Sc,
+    ) -> Box<dyn Pending + 's> {
+        match self {
+            Outgoing::Bytes(bytes) => Box::new(Some(dst.immediate_send(scope, *bytes))),
+            Outgoing::Pieces(view) => Box::new(Some(dst.immediate_send(scope, view))),
+        }
+    }
+}
+
+/// A message to receive as MPI is handed it: its bytes, or a datatype view over its
+/// pieces.
+enum Incoming<'d, 'b> {
+    Bytes(&'b mut [u8]),
+    Pieces(MutView<'d, 'b, UserDatatype, [u8]>),
+}
+
+impl<'d, 'b> Incoming<'d, 'b> {
+    /// `pieces` (none empty) under the datatype [`LayoutCache::datatype`] made of them.
+    fn new(pieces: &'b mut [&mut [u8]], datatype: Option<&'d UserDatatype>) -> Self {
+        match (datatype, pieces) {
+            // SAFETY: the datatype's blocks are exactly the bytes of `pieces`, at their
+            // addresses relative to the first piece's; every piece is borrowed mutably
+            // for 'b, as long as the view, so nothing else reads or writes them while the
+            // receive does.
+            (Some(datatype), [first, ..]) => Incoming::Pieces(unsafe {
+                MutView::with_count_and_datatype(&mut **first, 1, datatype)
+            }),
+            (_, [first, ..]) => Incoming::Bytes(first),
+            (_, []) => Incoming::Bytes(&mut []),
+        }
+    }
+
+    fn post<'a: 's, 's, Sc: Scope<'a> + 's>(
+        &'a mut self,
+        src: &impl Source,
+        scope: Sc,
+    ) -> Box<dyn Pending + 's> {
+        match self {
+            Incoming::Bytes(bytes) => {
+                Box::new(Some(src.immediate_receive_into(scope, &mut **bytes)))
+            }
+            Incoming::Pieces(view) => Box::new(Some(src.immediate_receive_into(scope, view))),
+        }
+    }
+}
+
+/// The pieces of `pieces` with bytes in them, with their addresses and lengths.
+fn nonempty<'b>(pieces: &[&'b [u8]]) -> pieces::Bytes<'b> {
+    pieces.iter().copied().filter(|p| !p.is_empty()).collect()
+}
+
+fn addresses<P: AsRef<[u8]>>(
+    pieces: &[P],
+) -> impl ExactSizeIterator<Item = (*const u8, usize)> + '_ {
+    pieces
+        .iter()
+        .map(|p| (p.as_ref().as_ptr(), p.as_ref().len()))
+}
 
 /// Min and max as user-defined MPI operations that propagate NaN like the other
 /// algorithms do (`MPI_MIN` and `MPI_MAX` are C comparisons, which drop a NaN whenever
@@ -343,6 +534,74 @@ impl Transport for MpiTransport {
         self.check_status(status, peer, len)
     }
 
+    /// Several pieces go as one message through a datatype of their blocks, from where
+    /// they lie.
+    fn send_pieces(&self, peer: usize, data: &[&[u8]]) -> Result<()> {
+        let data = nonempty(data);
+        self.check(peer, pieces::total(&data))?;
+        let datatype = self.layouts.datatype(self.rank, addresses(&data))?;
+        let message = Outgoing::new(&data, datatype.as_deref().map(|d| &d.0));
+        let dst = self.world().process_at_rank(peer as i32);
+        mpi::request::scope(|scope| {
+            self.complete_any(&mut [(peer, &mut *message.post(&dst, scope))]);
+        });
+        Ok(())
+    }
+
+    /// Several pieces are received as one message through a datatype of their blocks,
+    /// where they lie.
+    fn recv_pieces(&self, peer: usize, buf: &mut [&mut [u8]]) -> Result<()> {
+        let mut buf: pieces::BytesMut = buf
+            .iter_mut()
+            .map(|p| &mut **p)
+            .filter(|p| !p.is_empty())
+            .collect();
+        let len = pieces::total(&buf);
+        self.check(peer, len)?;
+        let datatype = self.layouts.datatype(self.rank, addresses(&buf))?;
+        let mut message = Incoming::new(&mut buf, datatype.as_deref().map(|d| &d.0));
+        let src = self.world().process_at_rank(peer as i32);
+        let status = mpi::request::scope(|scope| {
+            self.complete_any(&mut [(peer, &mut *message.post(&src, scope))])[0]
+        });
+        self.check_status(status, peer, len)
+    }
+
+    /// Each direction's pieces go as one message through a datatype of their blocks,
+    /// from and into where they lie.
+    fn sendrecv_pieces(
+        &self,
+        to: usize,
+        send: &[&[u8]],
+        from: usize,
+        recv: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let send = nonempty(send);
+        let mut recv: pieces::BytesMut = recv
+            .iter_mut()
+            .map(|p| &mut **p)
+            .filter(|p| !p.is_empty())
+            .collect();
+        let len = pieces::total(&recv);
+        self.check(to, pieces::total(&send))?;
+        self.check(from, len)?;
+        let send_type = self.layouts.datatype(self.rank, addresses(&send))?;
+        let recv_type = self.layouts.datatype(self.rank, addresses(&recv))?;
+        let outgoing = Outgoing::new(&send, send_type.as_deref().map(|d| &d.0));
+        let mut incoming = Incoming::new(&mut recv, recv_type.as_deref().map(|d| &d.0));
+        let world = self.world();
+        let (dst, src) = (
+            world.process_at_rank(to as i32),
+            world.process_at_rank(from as i32),
+        );
+        let status = mpi::request::scope(|scope| {
+            let mut rreq = incoming.post(&src, scope);
+            let mut sreq = outgoing.post(&dst, scope);
+            self.complete_any(&mut [(from, &mut *rreq), (to, &mut *sreq)])[0]
+        });
+        self.check_status(status, from, len)
+    }
+
     fn duplicate(&self) -> Result<Box<dyn Transport>> {
         Ok(Box::new(Self::over(
             self.world().duplicate(),
@@ -427,6 +686,67 @@ impl Transport for MpiTransport {
         Ok(())
     }
 
+    /// As [`MpiTransport::all_to_all_into`], each message of several pieces through a
+    /// datatype of their blocks, from and into where they lie.
+    fn all_to_all_pieces(&self, sends: &[&[&[u8]]], recvs: &mut [&mut [&mut [u8]]]) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        check_all_to_all_len(r, n, sends.len(), recvs.len())?;
+        let sends: Vec<pieces::Bytes> = sends.iter().map(|s| nonempty(s)).collect();
+        let mut recvs: Vec<pieces::BytesMut> = recvs
+            .iter_mut()
+            .map(|p| {
+                p.iter_mut()
+                    .map(|p| &mut **p)
+                    .filter(|p| !p.is_empty())
+                    .collect()
+            })
+            .collect();
+        let expected: Vec<usize> = recvs.iter().map(|p| pieces::total(p)).collect();
+        for peer in (0..n).filter(|&p| p != r) {
+            self.check(peer, pieces::total(&sends[peer]).max(expected[peer]))?;
+        }
+        let send_types = (0..n)
+            .map(|p| self.layouts.datatype(self.rank, addresses(&sends[p])))
+            .collect::<Result<Vec<_>>>()?;
+        let recv_types = (0..n)
+            .map(|p| self.layouts.datatype(self.rank, addresses(&recvs[p])))
+            .collect::<Result<Vec<_>>>()?;
+        let outgoing: Vec<Outgoing> = sends
+            .iter()
+            .zip(&send_types)
+            .map(|(s, t)| Outgoing::new(s, t.as_deref().map(|d| &d.0)))
+            .collect();
+        let mut incoming: Vec<Incoming> = recvs
+            .iter_mut()
+            .zip(&recv_types)
+            .map(|(p, t)| Incoming::new(p, t.as_deref().map(|d| &d.0)))
+            .collect();
+        let world = self.world();
+        let statuses = mpi::request::scope(|scope| {
+            let mut requests: Vec<(usize, Box<dyn Pending + '_>)> = Vec::with_capacity(2 * (n - 1));
+            for (peer, message) in incoming.iter_mut().enumerate() {
+                if peer != r {
+                    let src = world.process_at_rank(peer as i32);
+                    requests.push((peer, message.post(&src, scope)));
+                }
+            }
+            for k in 1..n {
+                let peer = (r + k) % n;
+                let dst = world.process_at_rank(peer as i32);
+                requests.push((peer, outgoing[peer].post(&dst, scope)));
+            }
+            let mut pending: Vec<(usize, &mut (dyn Pending + '_))> =
+                requests.iter_mut().map(|(p, q)| (*p, &mut **q)).collect();
+            self.complete_any(&mut pending)
+        });
+        // The receives come first, in peer order without this rank.
+        for (k, status) in statuses.into_iter().take(n - 1).enumerate() {
+            let peer = if k < r { k } else { k + 1 };
+            self.check_status(status, peer, expected[peer])?;
+        }
+        Ok(())
+    }
+
     /// A non-blocking send, then a receive of unknown length (matched probe).
     fn sendrecv_vec(&self, to: usize, send: &[u8], from: usize) -> Result<Vec<u8>> {
         self.check(to, send.len())?;
@@ -457,22 +777,24 @@ impl Transport for MpiTransport {
     }
 
     /// Non-blocking segments: segment k is received and sent while segment k - 1 is
-    /// handed to `on_segment`.
+    /// handed to `on_segment`. A segment of several pieces goes as one message through a
+    /// datatype of their blocks.
     fn sendrecv_pipelined(
         &self,
         to: usize,
-        send: &[u8],
+        send: &[&[u8]],
         from: usize,
         recv: &mut [u8],
         segment_bytes: usize,
         on_segment: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
     ) -> Result<()> {
-        self.check(to, send.len())?;
+        let send_len = pieces::total(send);
+        self.check(to, send_len)?;
         self.check(from, recv.len())?;
         let world = self.world();
         let dst = world.process_at_rank(to as i32);
         let src = world.process_at_rank(from as i32);
-        let sends = segment_count(send.len(), segment_bytes);
+        let sends = segment_count(send_len, segment_bytes);
         let recvs = segment_count(recv.len(), segment_bytes);
         let mut previous: Option<std::ops::Range<usize>> = None;
         for k in 0..sends.max(recvs) {
@@ -483,28 +805,37 @@ impl Transport for MpiTransport {
             };
             let (done, rest) = recv.split_at_mut(r.start);
             let incoming = &mut rest[..r.len()];
-            let outgoing = if k < sends {
-                Some(&send[segment_range(send.len(), segment_bytes, k)])
+            let outgoing_pieces = if k < sends {
+                nonempty(&pieces::window(
+                    send,
+                    segment_range(send_len, segment_bytes, k),
+                ))
             } else {
-                None
+                pieces::Bytes::new()
             };
+            let outgoing_type = self
+                .layouts
+                .datatype(self.rank, addresses(&outgoing_pieces))?;
+            let outgoing = Outgoing::new(&outgoing_pieces, outgoing_type.as_deref().map(|d| &d.0));
             let result = mpi::request::scope(|scope| {
-                let rreq = (k < recvs).then(|| src.immediate_receive_into(scope, &mut *incoming));
-                let sreq = outgoing.map(|o| dst.immediate_send(scope, o));
+                let mut rreq = (k < recvs).then(|| {
+                    Box::new(Some(src.immediate_receive_into(scope, &mut *incoming)))
+                        as Box<dyn Pending>
+                });
+                let mut sreq = (k < sends).then(|| outgoing.post(&dst, scope));
                 let processed = match previous.take() {
                     Some(p) => on_segment(p.start, &done[p]),
                     None => Ok(()),
                 };
-                let mut requests = Vec::with_capacity(2);
-                let has_recv = rreq.is_some();
-                if let Some(q) = rreq {
+                let mut requests: Vec<(usize, &mut dyn Pending)> = Vec::with_capacity(2);
+                if let Some(q) = rreq.as_deref_mut() {
                     requests.push((from, q));
                 }
-                if let Some(q) = sreq {
+                if let Some(q) = sreq.as_deref_mut() {
                     requests.push((to, q));
                 }
-                let statuses = self.complete(requests);
-                let status = has_recv.then(|| statuses[0]);
+                let statuses = self.complete_any(&mut requests);
+                let status = (k < recvs).then(|| statuses[0]);
                 (processed, status)
             });
             let (processed, status) = result;

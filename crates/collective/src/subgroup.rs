@@ -112,10 +112,26 @@ impl Transport for SubgroupTransport {
         out[r] = data.to_vec();
         Ok(out)
     }
+    fn send_pieces(&self, peer: usize, data: &[&[u8]]) -> Result<()> {
+        self.inner.send_pieces(self.parent(peer)?, data)
+    }
+    fn recv_pieces(&self, peer: usize, buf: &mut [&mut [u8]]) -> Result<()> {
+        self.inner.recv_pieces(self.parent(peer)?, buf)
+    }
+    fn sendrecv_pieces(
+        &self,
+        to: usize,
+        send: &[&[u8]],
+        from: usize,
+        recv: &mut [&mut [u8]],
+    ) -> Result<()> {
+        self.inner
+            .sendrecv_pieces(self.parent(to)?, send, self.parent(from)?, recv)
+    }
     fn sendrecv_pipelined(
         &self,
         to: usize,
-        send: &[u8],
+        send: &[&[u8]],
         from: usize,
         recv: &mut [u8],
         segment_bytes: usize,

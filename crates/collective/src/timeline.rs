@@ -12,7 +12,9 @@
 //!   (`{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}`).
 //!
 //! The fusion engine records, per tensor row, the phases `queued`, `copy_in`,
-//! `all_reduce` and `copy_out`, and `negotiate` on a row of its own, either into a sink
+//! `all_reduce` and `copy_out` (a fused group reduced where its tensors lie has no
+//! copies: its `all_reduce` says `"in_place": true`), and `negotiate` on a row of its
+//! own, either into a sink
 //! it is given ([`crate::FusionConfig::events`]) or into its own, written per rank to
 //! [`crate::FusionConfig::timeline`] (`name.json` becomes `name.rank<R>.json`).
 //!

@@ -11,6 +11,7 @@ use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::options::ReduceOp;
+use crate::pieces;
 use crate::stall::{StallWatch, Wait};
 
 /// Point-to-point byte transport between `size` ranks.
@@ -37,6 +38,63 @@ pub trait Transport: Send {
 
     /// Receives one message of any length from `peer`.
     fn recv_vec(&self, peer: usize) -> Result<Vec<u8>>;
+
+    /// [`Transport::send`] of the message `data`'s pieces make up, in order
+    /// ([`crate::pieces`]). This default copies several pieces into one buffer;
+    /// transports that can send from the pieces where they lie override it.
+    fn send_pieces(&self, peer: usize, data: &[&[u8]]) -> Result<()> {
+        match data {
+            [] => self.send(peer, &[]),
+            [one] => self.send(peer, one),
+            _ => self.send(peer, &pieces::gather(data)),
+        }
+    }
+
+    /// [`Transport::recv`] into the message `buf`'s pieces make up, in order. This default
+    /// receives several pieces into one buffer and copies them out.
+    fn recv_pieces(&self, peer: usize, buf: &mut [&mut [u8]]) -> Result<()> {
+        match buf {
+            [] => self.recv(peer, &mut []),
+            [one] => self.recv(peer, one),
+            _ => {
+                let mut all = vec![0u8; pieces::total(buf)];
+                self.recv(peer, &mut all)?;
+                pieces::copy_to_pieces(buf, 0, &all);
+                Ok(())
+            }
+        }
+    }
+
+    /// [`Transport::sendrecv`] of messages laid out in pieces: `send`'s pieces go to `to`
+    /// as one message, and the message from `from` fills `recv`'s pieces in order. This
+    /// default goes through one buffer each way where there are several pieces.
+    fn sendrecv_pieces(
+        &self,
+        to: usize,
+        send: &[&[u8]],
+        from: usize,
+        recv: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let joined;
+        let send: &[u8] = match send {
+            [] => &[],
+            [one] => one,
+            _ => {
+                joined = pieces::gather(send);
+                &joined
+            }
+        };
+        match recv {
+            [] => self.sendrecv(to, send, from, &mut []),
+            [one] => self.sendrecv(to, send, from, one),
+            _ => {
+                let mut all = vec![0u8; pieces::total(recv)];
+                self.sendrecv(to, send, from, &mut all)?;
+                pieces::copy_to_pieces(recv, 0, &all);
+                Ok(())
+            }
+        }
+    }
 
     /// Sends `send` to `to` while receiving one message of any length from `from`,
     /// without deadlocking when the two ranks call it towards each other at once (a
@@ -115,13 +173,55 @@ pub trait Transport: Send {
         Ok(())
     }
 
-    /// Like [`Transport::sendrecv`], but moves the data in segments of `segment_bytes`
-    /// and calls `on_segment(byte_offset, bytes)` for every received segment, in order,
-    /// while later segments are still in flight where the transport allows it.
+    /// [`Transport::all_to_all_into`] of messages laid out in pieces: `sends[p]`'s pieces
+    /// go to rank `p` as one message, and the message from `p` fills `recvs[p]`'s pieces
+    /// in order. This default goes through one buffer per message of several pieces.
+    fn all_to_all_pieces(&self, sends: &[&[&[u8]]], recvs: &mut [&mut [&mut [u8]]]) -> Result<()> {
+        let joined: Vec<std::borrow::Cow<'_, [u8]>> = sends
+            .iter()
+            .map(|s| match s {
+                [] => std::borrow::Cow::Borrowed(&[][..]),
+                [one] => std::borrow::Cow::Borrowed(*one),
+                _ => std::borrow::Cow::Owned(pieces::gather(s)),
+            })
+            .collect();
+        let mut staged: Vec<Vec<u8>> = recvs
+            .iter()
+            .map(|r| {
+                if r.len() > 1 {
+                    vec![0u8; pieces::total(r)]
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        let send_refs: Vec<&[u8]> = joined.iter().map(|s| &**s).collect();
+        let mut recv_refs: Vec<&mut [u8]> = recvs
+            .iter_mut()
+            .zip(&mut staged)
+            .map(|(r, staged)| match r {
+                [] => &mut [][..],
+                [one] => &mut **one,
+                _ => staged.as_mut_slice(),
+            })
+            .collect();
+        self.all_to_all_into(&send_refs, &mut recv_refs)?;
+        for (r, staged) in recvs.iter_mut().zip(&staged) {
+            if r.len() > 1 {
+                pieces::copy_to_pieces(r, 0, staged);
+            }
+        }
+        Ok(())
+    }
+
+    /// Like [`Transport::sendrecv_pieces`] with one piece to receive into, but moves the
+    /// data in segments of `segment_bytes` and calls `on_segment(byte_offset, bytes)` for
+    /// every received segment, in order, while later segments are still in flight where
+    /// the transport allows it.
     fn sendrecv_pipelined(
         &self,
         to: usize,
-        send: &[u8],
+        send: &[&[u8]],
         from: usize,
         recv: &mut [u8],
         segment_bytes: usize,
@@ -130,11 +230,13 @@ pub trait Transport: Send {
         // The number of messages each way depends only on that direction's length, so
         // both ends of every link agree on it. This default needs buffered sends (as the
         // local transport has); transports whose sends block override it.
-        let sends = segment_count(send.len(), segment_bytes);
+        let send_len = pieces::total(send);
+        let sends = segment_count(send_len, segment_bytes);
         let recvs = segment_count(recv.len(), segment_bytes);
         for k in 0..sends.max(recvs) {
             if k < sends {
-                self.send(to, &send[segment_range(send.len(), segment_bytes, k)])?;
+                let segment = segment_range(send_len, segment_bytes, k);
+                self.send_pieces(to, &pieces::window(send, segment))?;
             }
             if k < recvs {
                 let r = segment_range(recv.len(), segment_bytes, k);

@@ -183,6 +183,76 @@ fn check_all_reduce<T: Element>(
     Ok(())
 }
 
+/// The pieces `cuts` (element offsets, any order, any value) make of `len` elements, or
+/// pieces of 7 elements when `tiny` (small enough to be copied into one buffer).
+fn piece_lengths(len: usize, cuts: &[usize], tiny: bool) -> Vec<usize> {
+    if tiny {
+        let mut lens = vec![7; len / 7];
+        lens.push(len % 7);
+        return lens;
+    }
+    let mut at: Vec<usize> = cuts.iter().map(|c| c % (len + 1)).collect();
+    at.push(0);
+    at.push(len);
+    at.sort_unstable();
+    at.windows(2).map(|w| w[1] - w[0]).collect()
+}
+
+/// `all_reduce_pieces` over pieces of `lens` gives every rank the exact result for small
+/// integers, and for inputs whose sums depend on their order the bits `all_reduce` gives
+/// the same elements in one buffer, with the same options and segment size.
+fn check_pieces<T: Element>(
+    size: usize,
+    lens: &[usize],
+    opts: AllReduceOptions,
+    segment: usize,
+    salt: usize,
+) -> Result<(), TestCaseError> {
+    let len: usize = lens.iter().sum();
+    let split = |input: &[T]| -> Vec<Vec<T>> {
+        let mut at = 0;
+        lens.iter()
+            .map(|&n| {
+                at += n;
+                input[at - n..at].to_vec()
+            })
+            .collect()
+    };
+    let outs = Communicator::run_local(size, |mut comm| -> Result<_, Error> {
+        comm.set_segment_bytes(segment);
+        let r = comm.rank();
+        let mut reduce = |input: &[T]| -> Result<Vec<T>, Error> {
+            let mut owned = split(input);
+            let mut pieces: Vec<&mut [T]> = owned.iter_mut().map(|v| v.as_mut_slice()).collect();
+            comm.all_reduce_pieces(&mut pieces, &opts)?;
+            Ok(owned.concat())
+        };
+        let small: Vec<T> = (0..len).map(|i| T::from_f64(input(r, i, salt))).collect();
+        let small = reduce(&small)?;
+        let odd: Vec<T> = (0..len)
+            .map(|i| T::from_f64(order_sensitive_input(r, i + salt)))
+            .collect();
+        let joined = reduce(&odd)?;
+        let mut whole = odd;
+        comm.all_reduce(&mut whole, &opts)?;
+        Ok((small, joined, whole))
+    })
+    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let want = expected::<T>(&opts, size, len, salt);
+    for (rank, out) in outs.into_iter().enumerate() {
+        let (small, joined, whole) = out.map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let case = format!("rank {rank}: {} {opts:?}, pieces {lens:?}", T::NAME);
+        prop_assert_eq!(bits(&small), bits(&want), "{}: not the exact result", &case);
+        prop_assert_eq!(
+            bits(&joined),
+            bits(&whole),
+            "{}: not one buffer's bits",
+            &case
+        );
+    }
+    Ok(())
+}
+
 fn ops() -> impl Strategy<Value = ReduceOp> {
     prop_oneof![
         Just(ReduceOp::Sum),
@@ -303,6 +373,35 @@ proptest! {
             DType::F64 => check_non_finite::<f64>(size, len, op, algorithm, segment, salt)?,
             DType::F16 => check_non_finite::<f16>(size, len, op, algorithm, segment, salt)?,
             DType::BF16 => check_non_finite::<bf16>(size, len, op, algorithm, segment, salt)?,
+        }
+    }
+
+    #[test]
+    fn all_reduce_in_pieces_gives_the_bits_of_one_buffer(
+        size in 1usize..=6,
+        len in lengths(),
+        cuts in proptest::collection::vec(0usize..=5000, 0..8),
+        tiny in proptest::bool::weighted(0.2),
+        dtype in proptest::sample::select(DType::ALL.to_vec()),
+        op in ops(),
+        algorithm in algorithms(),
+        segment in prop_oneof![Just(8usize), 16usize..2048, Just(256 * 1024)],
+        prescale in prop_oneof![Just(1.0f64), Just(2.0)],
+        postscale in prop_oneof![Just(1.0f64), Just(0.5)],
+        compression in prop_oneof![
+            3 => Just(WireCompression::None),
+            1 => Just(WireCompression::F16),
+            1 => Just(WireCompression::Bf16)
+        ],
+        salt in 0usize..7,
+    ) {
+        let lens = piece_lengths(len, &cuts, tiny);
+        let opts = AllReduceOptions { op, algorithm, prescale, postscale, compression };
+        match dtype {
+            DType::F32 => check_pieces::<f32>(size, &lens, opts, segment, salt)?,
+            DType::F64 => check_pieces::<f64>(size, &lens, opts, segment, salt)?,
+            DType::F16 => check_pieces::<f16>(size, &lens, opts, segment, salt)?,
+            DType::BF16 => check_pieces::<bf16>(size, &lens, opts, segment, salt)?,
         }
     }
 
@@ -645,6 +744,74 @@ fn fusion_timeline_is_chrome_trace_json_with_every_phase() {
             );
         }
         assert!(events.iter().all(|e| e["pid"] == rank));
+    }
+}
+
+/// Tensors of at least `MIN_IN_PLACE_PIECE_BYTES` are fused without the fusion buffer
+/// (where `auto` takes an algorithm that reduces in place):
+/// reduced where they lie, their rows show one `all_reduce` marked `in_place` and no
+/// copies. Small ones go through the fusion buffer. Both give the bits of one
+/// all-reduce of the tensors laid end to end.
+#[test]
+fn large_tensors_are_fused_in_place_with_the_fusion_buffers_bits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("trace.json");
+    let config = FusionConfig {
+        timeline: Some(path.clone()),
+        ..FusionConfig::default()
+    };
+    // Above the pieces' minimum, and together past the sizes `auto` reduces directly.
+    let large = 8 * ringtrain_collective::MIN_IN_PLACE_PIECE_BYTES;
+    let outs = Communicator::run_local(3, |comm| -> Result<(), Error> {
+        let r = comm.rank();
+        let mut other = comm.duplicate()?;
+        let engine = FusionEngine::start(comm, config.clone())?;
+        for (group, n, len) in [("small", 4, 64), ("large", 3, large)] {
+            let names = TensorNames::new((0..n).map(|k| format!("{group}{k}")));
+            let tensors: Vec<Vec<f32>> = (0..n)
+                .map(|k| {
+                    (0..len)
+                        .map(|i| order_sensitive_input(r, i + len * k) as f32)
+                        .collect()
+                })
+                .collect();
+            let mut one_buffer = tensors.concat();
+            let out = engine.submit_group(&names, tensors)?.wait()?;
+            other.all_reduce(&mut one_buffer, &AllReduceOptions::default())?;
+            let got: Vec<f32> = out
+                .into_iter()
+                .map(|t| t.into_vec::<f32>())
+                .collect::<Result<Vec<_>, _>>()?
+                .concat();
+            assert_eq!(bits(&got), bits(&one_buffer), "rank {r}, {group} tensors");
+        }
+        engine.shutdown()?;
+        Ok(())
+    })
+    .expect("run");
+    for (rank, out) in outs.into_iter().enumerate() {
+        out.expect("rank");
+        let file = ringtrain_collective::timeline_path_for_rank(&path, rank);
+        let text = std::fs::read_to_string(&file).expect("timeline written");
+        let json: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+        let spans: Vec<&serde_json::Value> = json["traceEvents"]
+            .as_array()
+            .expect("traceEvents")
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .collect();
+        let count = |name: &str, in_place: bool| {
+            spans
+                .iter()
+                .filter(|e| e["name"] == name && (e["args"]["in_place"] == true) == in_place)
+                .count()
+        };
+        // The small group is copied (four tensors, each way); the large one is reduced
+        // in place: three rows, no copies.
+        assert_eq!(count("copy_in", false), 4, "rank {rank}");
+        assert_eq!(count("copy_out", false), 4, "rank {rank}");
+        assert_eq!(count("all_reduce", false), 4, "rank {rank}");
+        assert_eq!(count("all_reduce", true), 3, "rank {rank}");
     }
 }
 

@@ -5,25 +5,35 @@
 use super::*;
 
 /// A cached group that every rank reduced in the last cycle and reduces again in the
-/// next without a negotiation round: the next cycle of every rank is an all-reduce of its
-/// fused tensors plus one check slot per ring chunk, in which each rank votes for the
-/// group (it submitted the same group again) or against (it submitted anything else,
-/// shuts down, or waits for another tensor). Only a vote of every rank for it delivers
-/// the sums; any vote against ends it on every rank at once (every rank sees the same
-/// reduced slots), and the cycles go on with rounds. An armed engine's background thread
-/// makes no idle round until the engine has been idle for [`MAX_ARMED_IDLE`] (or a
-/// quarter of the stall timeout); its idle round then is a vote against, so that a rank
-/// waiting in the armed reduction for an idle one goes on to the general path, whose
-/// stall checks name the missing ranks and tensors.
+/// next without a negotiation round: the next cycle of every rank is a vote, in which each
+/// rank votes for the group (it submitted the same group again) or against (it submitted
+/// anything else, shuts down, or waits for another tensor), and the group's reduction when
+/// every rank voted for it. Any vote against ends it on every rank at once (every rank
+/// sees the same reduced votes), and the cycles go on with rounds. An armed engine's
+/// background thread makes no idle round until the engine has been idle for
+/// [`MAX_ARMED_IDLE`] (or a quarter of the stall timeout); its idle round then is a vote
+/// against, so that a rank waiting in the armed reduction for an idle one goes on to the
+/// general path, whose stall checks name the missing ranks and tensors.
+///
+/// The votes travel in one of two ways ([`Votes`]), both giving the general path's bits:
+/// - a group whose reduction carries the votes exactly is copied into the fusion buffer
+///   with a vote slot after each ring chunk, and the votes are reduced with it: one
+///   reduction, no round. This where the group is at most [`MAX_SLOT_VOTE_BYTES`], or
+///   the communicator would copy it into one buffer anyway (direct and scatter-gather,
+///   small tensors: [`Communicator::reduces_in_place`]);
+/// - a larger group that the communicator reduces where its tensors lie
+///   ([`Communicator::all_reduce_pieces`]), or one with scaling or wire compression, is
+///   reduced after a vote of its own, a reduction of one element: the copies into and
+///   out of the fusion buffer would cost more than that round. The vote comes first so
+///   that nothing is written when it fails.
 ///
 /// The slots are placed one after each ring chunk of the fused tensors, so that every
 /// element stays in its chunk and is summed in the order it would be without them (the
 /// other algorithms' orders do not depend on an element's place), and the algorithm is
-/// the one chosen for the tensors' own size: the sums are the general path's bits. A vote
-/// is a value whose reduction is exact under every operation without scaling or wire
-/// compression (which are not armed): for a sum, average or maximum 0 for and 1 against,
-/// so that the slot stays 0 only when every rank voted for; for a minimum 1 for and 0
-/// against.
+/// the one chosen for the tensors' own size. A vote in a slot is a value whose reduction
+/// is exact under every operation without scaling or wire compression: for a sum,
+/// average or maximum 0 for and 1 against, so that the slot stays 0 only when every rank
+/// voted for; for a minimum 1 for and 0 against.
 #[derive(Debug)]
 pub(super) struct Armed {
     /// The group's names (kept, so that their address stays theirs).
@@ -37,8 +47,19 @@ pub(super) struct Armed {
     pub(super) len: usize,
     /// The options with the algorithm resolved for the tensors' own size.
     pub(super) options: AllReduceOptions,
+    /// How the ranks vote for it.
+    pub(super) votes: Votes,
     /// When it was armed or last reduced.
     pub(super) since: Instant,
+}
+
+/// How the ranks vote for an armed group ([`Armed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Votes {
+    /// In a slot after each ring chunk of the group copied into the fusion buffer.
+    InSlots,
+    /// In a reduction of their own before the group's, which is reduced in place.
+    First,
 }
 
 /// How long an armed engine stays idle before its background thread votes against the
@@ -47,9 +68,12 @@ pub(super) struct Armed {
 /// before the stall timeout (a quarter of it where that is shorter) would report it.
 pub(super) const MAX_ARMED_IDLE: Duration = Duration::from_secs(1);
 
-/// The largest cached group reduced without rounds: above it a round costs little next
-/// to the reduction, and an armed vote against costs a reduction of this size.
-pub(super) const MAX_ARMED_BYTES: usize = 1 << 20;
+/// The largest armed group whose votes travel in slots of its own reduction: above it,
+/// copying the group into the fusion buffer and back costs more than a vote of its own
+/// before a reduction in place (measured at 2 to 4 ranks over shared memory, where a
+/// one-element all-reduce takes a few microseconds and copying 64 KiB in and out about as
+/// long).
+pub(super) const MAX_SLOT_VOTE_BYTES: usize = 64 << 10;
 
 impl Engine {
     /// `(id, index)` of every tensor of `names` in id order (the order a round's
@@ -122,22 +146,8 @@ impl Engine {
         tensors: &mut [Tensor],
         order: &[(u32, u32)],
     ) -> Result<()> {
-        let total: usize = tensors.iter().map(Tensor::len).sum();
-        let fused = fusion_buffer::<T>(&mut self.buffer, total);
-        let mut at = 0;
-        for &(_, index) in order {
-            let src = typed::<T>(&mut tensors[index as usize])?;
-            fused[at..at + src.len()].copy_from_slice(src);
-            at += src.len();
-        }
-        comm.all_reduce(fused, &self.config.options)?;
-        let mut at = 0;
-        for &(_, index) in order {
-            let dst = typed::<T>(&mut tensors[index as usize])?;
-            let n = dst.len();
-            dst.copy_from_slice(&fused[at..at + n]);
-            at += n;
-        }
+        let mut pieces = pieces_in_order::<T>(tensors, order)?;
+        comm.all_reduce_pieces(&mut pieces, &self.config.options)?;
         #[cfg(test)]
         {
             self.cached_steps += 1;
@@ -145,9 +155,11 @@ impl Engine {
         Ok(())
     }
 
-    /// The armed state a cached-group step of `tensors` (in `order`) asks for, if its
-    /// reduction can carry the votes exactly: no scaling, no wire compression, one of our
-    /// algorithms whose order of additions the slots keep, at most [`MAX_ARMED_BYTES`].
+    /// The armed state a cached-group step of `tensors` (in `order`) asks for: votes in
+    /// slots where its reduction carries them exactly (no scaling, no wire compression,
+    /// one of our algorithms, whose order of additions the slots keep) and either it is
+    /// at most [`MAX_SLOT_VOTE_BYTES`] or the communicator reduces it in one buffer
+    /// anyway ([`Communicator::reduces_in_place`]); else a vote first.
     pub(super) fn armable(
         &self,
         comm: &Communicator,
@@ -171,13 +183,22 @@ impl Engine {
                     | crate::Algorithm::Direct
                     | crate::Algorithm::ScatterGather
             );
-        (exact && comm.size() > 1 && len > 0 && bytes <= MAX_ARMED_BYTES).then_some(Armed {
+        // Where the communicator reduces the group in one buffer anyway, the fusion buffer
+        // with slots costs no more copies than a buffer without.
+        let in_place = comm.reduces_in_place(dtype, &opts, tensors.len(), bytes);
+        let votes = if exact && (!in_place || bytes <= MAX_SLOT_VOTE_BYTES) {
+            Votes::InSlots
+        } else {
+            Votes::First
+        };
+        (comm.size() > 1 && len > 0).then_some(Armed {
             names: names.clone(),
             lens: tensors.iter().map(Tensor::len).collect(),
             order,
             dtype,
             len,
             options: AllReduceOptions { algorithm, ..opts },
+            votes,
             since: Instant::now(),
         })
     }
@@ -227,6 +248,42 @@ impl Engine {
         &mut self,
         comm: &mut Communicator,
         armed: &Armed,
+        tensors: Option<&mut [Tensor]>,
+    ) -> Result<bool> {
+        match armed.votes {
+            Votes::InSlots => self.armed_round_in_slots::<T>(comm, armed, tensors),
+            Votes::First => self.armed_round_voting_first::<T>(comm, armed, tensors),
+        }
+    }
+
+    /// [`Votes::First`]: every rank's vote (0 for, 1 against) reduced by its maximum, then,
+    /// when all were for, the group reduced where its tensors lie.
+    fn armed_round_voting_first<T: Element>(
+        &mut self,
+        comm: &mut Communicator,
+        armed: &Armed,
+        tensors: Option<&mut [Tensor]>,
+    ) -> Result<bool> {
+        let mut vote = [if tensors.is_some() { 0.0f32 } else { 1.0 }];
+        comm.all_reduce(&mut vote, &AllReduceOptions::with_op(crate::ReduceOp::Max))?;
+        let Some(tensors) = tensors.filter(|_| vote[0] == 0.0) else {
+            return Ok(false);
+        };
+        let mut pieces = pieces_in_order::<T>(tensors, &armed.order)?;
+        comm.all_reduce_pieces(&mut pieces, &armed.options)?;
+        #[cfg(test)]
+        {
+            self.cached_steps += 1;
+        }
+        Ok(true)
+    }
+
+    /// [`Votes::InSlots`]: the group copied into the fusion buffer with a vote after each
+    /// ring chunk, reduced, and copied back when every slot says all were for it.
+    fn armed_round_in_slots<T: Element>(
+        &mut self,
+        comm: &mut Communicator,
+        armed: &Armed,
         mut tensors: Option<&mut [Tensor]>,
     ) -> Result<bool> {
         let (n, len) = (comm.size(), armed.len);
@@ -270,6 +327,22 @@ impl Engine {
         }
         Ok(true)
     }
+}
+
+/// Each tensor's elements, in `order` (`(id, index)`: the order the general path fuses
+/// them in).
+fn pieces_in_order<'t, T: Element>(
+    tensors: &'t mut [Tensor],
+    order: &[(u32, u32)],
+) -> Result<Vec<&'t mut [T]>> {
+    let mut by_index = tensors
+        .iter_mut()
+        .map(|t| typed::<T>(t).map(Some))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(order
+        .iter()
+        .filter_map(|&(_, index)| by_index[index as usize].take())
+        .collect())
 }
 
 /// The ring chunk (of `len` elements over `n` ranks) that element `at` lies in.

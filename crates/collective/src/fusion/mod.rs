@@ -1669,6 +1669,9 @@ impl Engine {
             return Ok(());
         }
         let total: usize = group.iter().map(|(_, p)| p.tensor.len()).sum();
+        if comm.reduces_in_place(T::DTYPE, &opts, group.len(), total * T::BYTES) {
+            return self.reduce_group_in_place::<T>(comm, group, total);
+        }
         let fused = fusion_buffer::<T>(&mut self.buffer, total);
         // Per-tensor timestamps only when a timeline is written: they cost more than
         // copying a small tensor.
@@ -1720,6 +1723,37 @@ impl Engine {
                     copy_out[k].1,
                     serde_json::json!({}),
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Engine::reduce_group`] of a group the communicator reduces where its tensors
+    /// lie ([`Communicator::reduces_in_place`]): the same order and the same bits as
+    /// through the fusion buffer, without the copies in and out.
+    fn reduce_group_in_place<T: Element>(
+        &mut self,
+        comm: &mut Communicator,
+        group: &mut [(u32, Pending)],
+        total: usize,
+    ) -> Result<()> {
+        let mut pieces = group
+            .iter_mut()
+            .map(|(_, p)| typed_mut::<T>(&mut p.tensor))
+            .collect::<Result<Vec<_>>>()?;
+        let start = Instant::now();
+        comm.all_reduce_pieces(&mut pieces, &self.config.options)?;
+        let end = Instant::now();
+        if self.timeline.enabled() {
+            let args = serde_json::json!({
+                "fused_tensors": group.len(),
+                "fused_bytes": total * T::BYTES,
+                "in_place": true,
+            });
+            for (id, _) in group.iter() {
+                let name = self.table.name(*id);
+                self.timeline
+                    .phase(name, "all_reduce", start, end, args.clone());
             }
         }
         Ok(())

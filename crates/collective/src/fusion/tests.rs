@@ -1,4 +1,4 @@
-use super::cached::chunk_of;
+use super::cached::{chunk_of, Votes, MAX_SLOT_VOTE_BYTES};
 use super::*;
 
 /// The engine's counters: (tensors accepted by group id, cached-group steps, rounds,
@@ -51,45 +51,76 @@ fn odd_values(rank: usize, k: usize, len: usize) -> Vec<f32> {
         .collect()
 }
 
+/// The armed group's way of voting, if the engine is armed.
+fn votes(engine: &FusionEngine) -> Option<Votes> {
+    match &*engine.core.lock() {
+        CoreState::Running(r) => r.engine.armed.as_ref().map(|a| a.votes),
+        CoreState::Ended(_) => None,
+    }
+}
+
 /// The cached-group step fuses the tensors in the order the general path does (by id,
 /// not by their place in the group), and the armed step keeps every element in its
-/// ring chunk, so their results are the general path's bit for bit, at 2 to 4 ranks
-/// over a ring (whose order of additions depends on an element's place in the
-/// buffer) with every operation, and each other algorithm.
+/// ring chunk or reduces the tensors where they lie in that order, so their results are
+/// the general path's bit for bit, at 2 to 4 ranks over a ring (whose order of additions
+/// depends on an element's place in the buffer) with every operation, and each other
+/// algorithm; for small groups (votes in slots) and large ones (votes first, reduced in
+/// place where the algorithm allows), with and without scaling.
 #[test]
 fn a_cached_group_step_gives_the_general_paths_bits() {
+    use crate::{Algorithm, ReduceOp};
     let cases = [
-        (crate::Algorithm::Ring, crate::ReduceOp::Sum),
-        (crate::Algorithm::Ring, crate::ReduceOp::Average),
-        (crate::Algorithm::Ring, crate::ReduceOp::Min),
-        (crate::Algorithm::Ring, crate::ReduceOp::Max),
-        (crate::Algorithm::RecursiveDoubling, crate::ReduceOp::Sum),
-        (crate::Algorithm::HalvingDoubling, crate::ReduceOp::Sum),
-        (crate::Algorithm::Direct, crate::ReduceOp::Sum),
-        (crate::Algorithm::ScatterGather, crate::ReduceOp::Sum),
-        (crate::Algorithm::ScatterGather, crate::ReduceOp::Min),
-        (crate::Algorithm::Auto, crate::ReduceOp::Max),
+        (Algorithm::Ring, ReduceOp::Sum, 1.0),
+        (Algorithm::Ring, ReduceOp::Average, 1.0),
+        (Algorithm::Ring, ReduceOp::Min, 1.0),
+        (Algorithm::Ring, ReduceOp::Max, 1.0),
+        (Algorithm::Ring, ReduceOp::Sum, 0.5),
+        (Algorithm::RecursiveDoubling, ReduceOp::Sum, 1.0),
+        (Algorithm::HalvingDoubling, ReduceOp::Sum, 1.0),
+        (Algorithm::Direct, ReduceOp::Sum, 1.0),
+        (Algorithm::ScatterGather, ReduceOp::Sum, 1.0),
+        (Algorithm::ScatterGather, ReduceOp::Min, 1.0),
+        (Algorithm::Auto, ReduceOp::Max, 1.0),
     ];
-    for size in [2, 3, 4] {
-        for (algorithm, op) in cases {
+    for (size, scale) in [(2, 1), (3, 1), (4, 1), (2, 600), (3, 600)] {
+        for (algorithm, op, prescale) in cases {
+            let options = AllReduceOptions {
+                prescale,
+                ..AllReduceOptions::with_op(op).algorithm(algorithm)
+            };
             let config = FusionConfig {
-                options: AllReduceOptions::with_op(op).algorithm(algorithm),
+                options,
                 ..FusionConfig::default()
+            };
+            let lens = [5usize, 1, 17, 0, 9, 33, 2].map(|n| n * scale);
+            let bytes = lens.iter().sum::<usize>() * 4;
+            let in_place = matches!(
+                algorithm,
+                Algorithm::Ring
+                    | Algorithm::RecursiveDoubling
+                    | Algorithm::HalvingDoubling
+                    | Algorithm::ScatterGather
+                    | Algorithm::Auto
+            ) && bytes >= lens.len() * crate::MIN_IN_PLACE_PIECE_BYTES;
+            let want_votes = if prescale == 1.0 && (!in_place || bytes <= MAX_SLOT_VOTE_BYTES) {
+                Votes::InSlots
+            } else {
+                Votes::First
             };
             let outs = Communicator::run_local(size, |comm| -> Result<(usize, usize)> {
                 let r = comm.rank();
                 let engine = FusionEngine::start(comm, config.clone())?;
-                let lens = [5usize, 1, 17, 0, 9, 33, 2];
                 let names: Vec<String> = (0..lens.len()).map(|k| format!("g{k}")).collect();
                 // Registered in this order: ids 0, 1, 2, ...
+                // Submitted as one group, so that one cycle fuses them all whatever the
+                // background thread's timing (tensors submitted one by one may be split
+                // over two cycles, whose sums differ in their last bits).
+                let all = TensorNames::new(&names);
                 let mut general = Vec::new();
                 for _ in 0..2 {
-                    let handles = names
-                        .iter()
-                        .enumerate()
-                        .map(|(k, n)| engine.submit(n, odd_values(r, k, lens[k])))
-                        .collect::<Result<Vec<_>>>()?;
-                    general = engine.synchronize(handles)?;
+                    let tensors: Vec<Vec<f32>> =
+                        (0..lens.len()).map(|k| odd_values(r, k, lens[k])).collect();
+                    general = engine.submit_group(&all, tensors)?.wait()?;
                 }
                 // The group lists them in another order.
                 let order = [4usize, 0, 6, 2, 5, 1, 3];
@@ -115,6 +146,11 @@ fn a_cached_group_step_gives_the_general_paths_bits() {
                     }
                 }
                 let (_, cached, _, armed) = counters(&engine);
+                assert_eq!(
+                    votes(&engine),
+                    Some(want_votes),
+                    "{algorithm} {op:?} x{prescale}, {size} ranks, {bytes} bytes"
+                );
                 engine.shutdown()?;
                 Ok((cached, armed))
             })
@@ -125,7 +161,7 @@ fn a_cached_group_step_gives_the_general_paths_bits() {
                 assert_eq!(
                     out.expect("rank"),
                     (2, 1),
-                    "{algorithm} {op:?}, {size} ranks: (cached steps, armed rounds)"
+                    "{algorithm} {op:?} x{prescale}, {size} ranks, {bytes} bytes: (cached steps, armed rounds)"
                 );
             }
         }
@@ -191,29 +227,40 @@ fn a_rank_that_submits_another_group_fails_the_missing_tensor_on_every_rank() {
 /// While armed, a rank that submits the group's tensors one by one votes against the
 /// armed reduction; every rank still gets the sums (through rounds) and, once the group
 /// comes from every rank again, is armed again.
+///
+/// With votes in slots (small tensors) and votes first (tensors reduced where they lie,
+/// which a vote against must leave as they were).
 #[test]
 fn single_submissions_on_one_rank_end_the_armed_group_and_still_reduce() {
+    for (scale, want_votes) in [(1, Votes::InSlots), (10_000, Votes::First)] {
+        single_submissions_end_the_armed_group(scale, want_votes);
+    }
+}
+
+fn single_submissions_end_the_armed_group(scale: usize, want_votes: Votes) {
     let outs = Communicator::run_local(3, |comm| -> Result<(usize, usize)> {
         let r = comm.rank();
         let engine = FusionEngine::start(comm, FusionConfig::default())?;
         let names = TensorNames::new(["a", "b"]);
+        let (a, b) = (3 * scale, 5 * scale);
         let step = |single: bool| -> Result<()> {
             let out = if single {
                 let handles = vec![
-                    engine.submit("a", vec![r as f32; 3])?,
-                    engine.submit("b", vec![1.0f32; 5])?,
+                    engine.submit("a", vec![r as f32; a])?,
+                    engine.submit("b", vec![1.0f32; b])?,
                 ];
                 engine.synchronize(handles)?
             } else {
-                engine.all_reduce_group(&names, vec![vec![r as f32; 3], vec![1.0f32; 5]])?
+                engine.all_reduce_group(&names, vec![vec![r as f32; a], vec![1.0f32; b]])?
             };
-            assert_eq!(out[0].clone().into_vec::<f32>()?, vec![3.0; 3]);
-            assert_eq!(out[1].clone().into_vec::<f32>()?, vec![3.0; 5]);
+            assert_eq!(out[0].clone().into_vec::<f32>()?, vec![3.0; a]);
+            assert_eq!(out[1].clone().into_vec::<f32>()?, vec![3.0; b]);
             Ok(())
         };
         for _ in 0..4 {
             step(false)?;
         }
+        assert_eq!(votes(&engine), Some(want_votes), "rank {r}, x{scale}");
         let (_, cached, _, armed) = counters(&engine);
         step(r == 1)?;
         for _ in 0..3 {
@@ -228,7 +275,7 @@ fn single_submissions_on_one_rank_end_the_armed_group_and_still_reduce() {
         // The vote against (one armed reduction), then: ranks 0 and 2 a cached step
         // with its round, and all three a cached step that arms again and two armed.
         let want = if r == 1 { (3, 3) } else { (4, 3) };
-        assert_eq!(out.expect("rank"), want, "rank {r}");
+        assert_eq!(out.expect("rank"), want, "rank {r}, x{scale}");
     }
 }
 

@@ -1,0 +1,285 @@
+//! Messages laid out in pieces.
+//!
+//! A message may be the concatenation of several slices instead of one buffer: the tensors
+//! of a fused group where they lie, with the armed group's vote slots between them
+//! ([`crate::fusion`]). The collectives carve such a message by element ranges
+//! ([`carve`]) and reduce into its pieces; the transports send and receive a list of byte
+//! pieces as one message ([`crate::Transport::sendrecv_pieces`]), MPI without copying them
+//! into one buffer first. One piece is the plain contiguous message, so the collectives
+//! are written once, over pieces.
+
+use std::ops::Range;
+
+use smallvec::SmallVec;
+
+use crate::communicator::reduce_into;
+use crate::dtype::Element;
+use crate::error::Result;
+use crate::options::ReduceOp;
+
+/// Elements (or bytes) in all of `pieces`.
+pub(crate) fn total<T, P: AsRef<[T]>>(pieces: &[P]) -> usize {
+    pieces.iter().map(|p| p.as_ref().len()).sum()
+}
+
+/// Pieces of a message, as [`carve`] gives them: most carved ranges lie in one or two.
+pub(crate) type Carved<'s, T> = SmallVec<[&'s mut [T]; 2]>;
+
+/// The sub-slices of `pieces` (read as one message) that cover each of `ranges`, which
+/// must be disjoint and lie within the message. Each range gets its pieces in order; an
+/// empty range gets none.
+pub(crate) fn carve<'s, T, const K: usize>(
+    pieces: &'s mut [&mut [T]],
+    ranges: [Range<usize>; K],
+) -> [Carved<'s, T>; K] {
+    let mut out: [Carved<'s, T>; K] = std::array::from_fn(|_| SmallVec::new());
+    carve_into(pieces, &ranges, &mut out);
+    out
+}
+
+/// [`carve`] for any number of ranges.
+pub(crate) fn carve_many<'s, T>(
+    pieces: &'s mut [&mut [T]],
+    ranges: &[Range<usize>],
+) -> Vec<Carved<'s, T>> {
+    let mut out: Vec<Carved<'s, T>> = ranges.iter().map(|_| SmallVec::new()).collect();
+    carve_into(pieces, ranges, &mut out);
+    out
+}
+
+fn carve_into<'s, T>(
+    pieces: &'s mut [&mut [T]],
+    ranges: &[Range<usize>],
+    out: &mut [Carved<'s, T>],
+) {
+    let mut order: SmallVec<[usize; 4]> = (0..ranges.len()).collect();
+    order.sort_unstable_by_key(|&k| ranges[k].start);
+    debug_assert!(
+        order
+            .iter()
+            .filter(|&&k| !ranges[k].is_empty())
+            .collect::<SmallVec<[_; 4]>>()
+            .windows(2)
+            .all(|w| ranges[*w[0]].end <= ranges[*w[1]].start),
+        "carved ranges overlap: {ranges:?}"
+    );
+    let mut at = 0;
+    for piece in pieces.iter_mut() {
+        let mut rest: &'s mut [T] = piece;
+        // `rest` starts at element `cursor` of the message.
+        let mut cursor = at;
+        at += rest.len();
+        for &k in &order {
+            let (start, end) = (ranges[k].start.max(cursor), ranges[k].end.min(at));
+            if start >= end {
+                continue;
+            }
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - cursor);
+            let (piece, tail) = tail.split_at_mut(end - start);
+            out[k].push(piece);
+            rest = tail;
+            cursor = end;
+        }
+    }
+    debug_assert!(
+        ranges
+            .iter()
+            .zip(out.iter())
+            .all(|(r, o)| total(o) == r.len()),
+        "a carved range lies past the message's {at} elements: {ranges:?}"
+    );
+}
+
+/// Byte views of a message's pieces.
+pub(crate) type Bytes<'a> = SmallVec<[&'a [u8]; 2]>;
+
+/// Writable byte views of a message's pieces.
+pub(crate) type BytesMut<'a> = SmallVec<[&'a mut [u8]; 2]>;
+
+/// The bytes of each piece.
+pub(crate) fn as_bytes<'a, T: bytemuck::Pod>(pieces: &'a [&mut [T]]) -> Bytes<'a> {
+    pieces.iter().map(|p| bytemuck::cast_slice(p)).collect()
+}
+
+/// The bytes of each piece, to write.
+pub(crate) fn as_bytes_mut<'a, T: bytemuck::Pod>(pieces: &'a mut [&mut [T]]) -> BytesMut<'a> {
+    pieces
+        .iter_mut()
+        .map(|p| bytemuck::cast_slice_mut(p))
+        .collect()
+}
+
+/// The sub-slices of `pieces` (read as one message) that cover `range`.
+pub(crate) fn window<'a>(pieces: &[&'a [u8]], range: Range<usize>) -> Bytes<'a> {
+    let mut out = Bytes::new();
+    let mut at = 0;
+    for piece in pieces {
+        let (start, end) = (range.start.max(at), range.end.min(at + piece.len()));
+        if start < end {
+            out.push(&piece[start - at..end - at]);
+        }
+        at += piece.len();
+    }
+    out
+}
+
+/// `pieces` copied into one buffer.
+pub(crate) fn gather(pieces: &[&[u8]]) -> Vec<u8> {
+    pieces.concat()
+}
+
+/// Copies `src` into `dst`'s pieces from element `offset` of the message they make up.
+pub(crate) fn copy_to_pieces<T: Copy>(dst: &mut [&mut [T]], offset: usize, src: &[T]) {
+    let mut src = src;
+    let mut skip = offset;
+    for piece in dst.iter_mut() {
+        if src.is_empty() {
+            return;
+        }
+        if skip >= piece.len() {
+            skip -= piece.len();
+            continue;
+        }
+        let n = (piece.len() - skip).min(src.len());
+        piece[skip..skip + n].copy_from_slice(&src[..n]);
+        src = &src[n..];
+        skip = 0;
+    }
+}
+
+/// Copies the message `src`'s pieces make up into `dst`, which is as long.
+pub(crate) fn copy_from_pieces<T: Copy>(dst: &mut [T], src: &[&mut [T]]) {
+    let mut at = 0;
+    for piece in src {
+        dst[at..at + piece.len()].copy_from_slice(piece);
+        at += piece.len();
+    }
+}
+
+/// `acc[i] = acc[i] (op) src[i]` for the elements of `acc`'s message from `offset`, as
+/// [`reduce_into`] on one buffer gives them.
+pub(crate) fn reduce_into_pieces<T: Element>(
+    op: ReduceOp,
+    acc: &mut [&mut [T]],
+    offset: usize,
+    src: &[T],
+) -> Result<()> {
+    let mut src = src;
+    let mut skip = offset;
+    for piece in acc.iter_mut() {
+        if src.is_empty() {
+            break;
+        }
+        if skip >= piece.len() {
+            skip -= piece.len();
+            continue;
+        }
+        let n = (piece.len() - skip).min(src.len());
+        reduce_into(op, &mut piece[skip..skip + n], &src[..n])?;
+        src = &src[n..];
+        skip = 0;
+    }
+    Ok(())
+}
+
+/// `acc[i] = acc[i] (op) src[i]` where `src` is the message of its pieces, as long as
+/// `acc`.
+pub(crate) fn reduce_pieces_into<T: Element>(
+    op: ReduceOp,
+    acc: &mut [T],
+    src: &[&mut [T]],
+) -> Result<()> {
+    let mut at = 0;
+    for piece in src {
+        reduce_into(op, &mut acc[at..at + piece.len()], piece)?;
+        at += piece.len();
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(lens: &[usize]) -> Vec<Vec<u32>> {
+        let mut next = 0;
+        lens.iter()
+            .map(|&n| {
+                let v: Vec<u32> = (next..next + n as u32).collect();
+                next += n as u32;
+                v
+            })
+            .collect()
+    }
+
+    #[test]
+    fn carved_ranges_hold_exactly_their_elements_in_order() {
+        let lens = [3usize, 0, 5, 1, 7];
+        let len: usize = lens.iter().sum();
+        for a in 0..=len {
+            for b in a..=len {
+                for c in b..=len {
+                    let mut owned = message(&lens);
+                    let mut pieces: Vec<&mut [u32]> =
+                        owned.iter_mut().map(|v| v.as_mut_slice()).collect();
+                    // Given out of order: the second range first.
+                    let [second, first] = carve(&mut pieces, [b..c, a..b]);
+                    let flat = |v: &Carved<'_, u32>| -> Vec<u32> {
+                        v.iter().flat_map(|p| p.iter().copied()).collect()
+                    };
+                    assert_eq!(flat(&first), (a as u32..b as u32).collect::<Vec<_>>());
+                    assert_eq!(flat(&second), (b as u32..c as u32).collect::<Vec<_>>());
+                    assert!(first.iter().chain(&second).all(|p| !p.is_empty()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn copies_and_reductions_at_an_offset_reach_the_right_elements() {
+        let lens = [2usize, 0, 3, 4];
+        let len: usize = lens.iter().sum();
+        for offset in 0..=len {
+            for n in 0..=len - offset {
+                let mut owned = message(&lens);
+                let mut pieces: Vec<&mut [u32]> =
+                    owned.iter_mut().map(|v| v.as_mut_slice()).collect();
+                let src: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
+                copy_to_pieces(&mut pieces, offset, &src);
+                let mut flat = vec![0u32; len];
+                copy_from_pieces(&mut flat, &pieces);
+                let mut expected: Vec<u32> = (0..len as u32).collect();
+                expected[offset..offset + n].copy_from_slice(&src);
+                assert_eq!(flat, expected, "offset {offset}, {n} elements");
+            }
+        }
+        let mut owned: Vec<Vec<f32>> = vec![vec![1.0, 2.0], vec![], vec![3.0, 4.0, 5.0]];
+        let mut pieces: Vec<&mut [f32]> = owned.iter_mut().map(|v| v.as_mut_slice()).collect();
+        reduce_into_pieces(ReduceOp::Sum, &mut pieces, 1, &[10.0, 20.0, 30.0]).unwrap();
+        assert_eq!(owned, vec![vec![1.0, 12.0], vec![], vec![23.0, 34.0, 5.0]]);
+        let mut pieces: Vec<&mut [f32]> = owned.iter_mut().map(|v| v.as_mut_slice()).collect();
+        let mut acc = vec![1.0f32; 5];
+        reduce_pieces_into(ReduceOp::Max, &mut acc, &pieces).unwrap();
+        assert_eq!(acc, vec![1.0, 12.0, 23.0, 34.0, 5.0]);
+        let bytes = as_bytes_mut(&mut pieces);
+        assert_eq!(
+            bytes.iter().map(|b| b.len()).collect::<Vec<_>>(),
+            [8, 0, 12]
+        );
+    }
+
+    #[test]
+    fn a_window_of_byte_pieces_is_that_range_of_their_concatenation() {
+        let owned: Vec<Vec<u8>> = vec![vec![0, 1, 2], vec![], vec![3], vec![4, 5, 6, 7]];
+        let pieces: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
+        let all = gather(&pieces);
+        assert_eq!(all, (0..8).collect::<Vec<u8>>());
+        for a in 0..=all.len() {
+            for b in a..=all.len() {
+                let w = window(&pieces, a..b);
+                assert_eq!(gather(&w), all[a..b].to_vec(), "{a}..{b}");
+                assert!(w.iter().all(|p| !p.is_empty()));
+            }
+        }
+    }
+}
