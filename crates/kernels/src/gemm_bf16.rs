@@ -29,6 +29,14 @@
 //! - [`Bf16Path::Avx512Bf16`]: `VDPBF16PS`, which multiplies pairs of bf16 and adds both
 //!   products to an f32 lane. CPUs with AVX-512 BF16: Intel Cooper Lake, Sapphire Rapids
 //!   and later Xeons (where AMX cannot be used), AMD Zen 4 and Zen 5.
+//! - [`Bf16Path::Avx2Fma`]: the operands widened to f32 in registers (a shift or a mask
+//!   per word of two bf16) and f32 fused multiply-adds on 256-bit vectors. CPUs with AVX2
+//!   and FMA but no bf16 instruction: Intel Haswell to Ice Lake and their Xeons, AMD Zen 1
+//!   to Zen 3. It has no bf16 arithmetic to gain from, so it runs at about the speed of an
+//!   f32 product (a smaller B pack is all bf16 saves here), but not at the portable
+//!   path's speed, which is several times slower. A product of two bf16 is exact in f32,
+//!   so each fused multiply-add rounds exactly where the portable path's add does: it
+//!   gives the portable path's bits whenever no product is subnormal or overflows.
 //! - [`Bf16Path::Portable`]: every other CPU (and `no_std` builds, which cannot ask the
 //!   CPU). It gives the same bits as the f32 product of the operands widened to f32, each
 //!   element accumulated in order of `k` with one rounding per multiply and per add.
@@ -51,7 +59,8 @@
 //!
 //! Every path shares one driver (the classic Goto layout): B is packed into panels of
 //! [`NR`] columns times [`KC`] rows, as pairs of consecutive `k` in one 32-bit word, A into
-//! panels of [`MR`] rows, and a micro-kernel keeps an `MR × NR` block of C in registers
+//! panels of [`MR`] rows ([`AVX2_MR`] on the AVX2 path, [`AMX_MR`] on AMX), and a
+//! micro-kernel keeps an `MR × NR` block of C in registers
 //! while it walks `k`, reading and writing C in place (a block at an edge of C goes
 //! through a small buffer, and the first block of `k` of a product that does not
 //! accumulate starts from zero instead of reading C). Edges are zero-padded in the packs,
@@ -87,6 +96,9 @@ use crate::wide::wide_twin;
 pub const MR: usize = 8;
 /// Rows of C the AMX micro-kernel computes at once (two tiles of 16 rows).
 pub const AMX_MR: usize = 32;
+/// Rows of C the AVX2 micro-kernel computes at once: 4 rows × 16 columns of sums (8
+/// vectors of 8 f32) and the widened B pair row (4 vectors) fit its 16 vector registers.
+pub const AVX2_MR: usize = 4;
 /// k-pairs per step of the AMX micro-kernel (one tile row of 64 bytes).
 pub const AMX_PAIRS: usize = 16;
 /// Columns of C a micro-kernel computes at once (two 16-lane f32 vectors).
@@ -101,7 +113,10 @@ pub const NC: usize = 2048;
 // The packs are sized for MC × KC / 2 and NC × KC / 2 words: the padding to AMX steps
 // must not grow them, and A panels must tile MC exactly.
 const _: () = assert!(
-    (KC / 2).is_multiple_of(AMX_PAIRS) && MC.is_multiple_of(AMX_MR) && MC.is_multiple_of(MR)
+    (KC / 2).is_multiple_of(AMX_PAIRS)
+        && MC.is_multiple_of(AMX_MR)
+        && MC.is_multiple_of(MR)
+        && MC.is_multiple_of(AVX2_MR)
 );
 
 /// A read-only strided view of a bf16 matrix: element `(r, c)` is
@@ -202,6 +217,9 @@ impl<'a> MatRef<'a> {
 pub enum Bf16Path {
     /// Plain f32 arithmetic on the widened operands (every CPU).
     Portable,
+    /// f32 fused multiply-adds of the operands widened in registers, on 256-bit vectors
+    /// (AVX2 and FMA).
+    Avx2Fma,
     /// `VDPBF16PS` on 512-bit vectors (AVX-512 F and BF16).
     Avx512Bf16,
     /// `TDPBF16PS` on AMX tile registers (AMX-TILE and AMX-BF16, on Linux).
@@ -215,6 +233,8 @@ impl Bf16Path {
             Bf16Path::Amx
         } else if Bf16Path::Avx512Bf16.available() {
             Bf16Path::Avx512Bf16
+        } else if Bf16Path::Avx2Fma.available() {
+            Bf16Path::Avx2Fma
         } else {
             Bf16Path::Portable
         }
@@ -232,6 +252,7 @@ impl Bf16Path {
     pub fn available(self) -> bool {
         match self {
             Bf16Path::Portable => true,
+            Bf16Path::Avx2Fma => avx2::available(),
             Bf16Path::Avx512Bf16 => avx512::available(),
             Bf16Path::Amx => amx::available(),
         }
@@ -241,22 +262,29 @@ impl Bf16Path {
     pub fn unavailable_reason(self) -> Option<&'static str> {
         (!self.available()).then_some(match self {
             Bf16Path::Portable => "",
+            Bf16Path::Avx2Fma => avx2::MISSING,
             Bf16Path::Avx512Bf16 => avx512::MISSING,
             Bf16Path::Amx => amx::missing(),
         })
     }
 
-    /// The name (`portable`, `avx512-bf16`, `amx-bf16`).
+    /// The name (`portable`, `avx2-fma`, `avx512-bf16`, `amx-bf16`).
     pub fn name(self) -> &'static str {
         match self {
             Bf16Path::Portable => "portable",
+            Bf16Path::Avx2Fma => "avx2-fma",
             Bf16Path::Avx512Bf16 => "avx512-bf16",
             Bf16Path::Amx => "amx-bf16",
         }
     }
 
-    /// Every path, the portable one first.
-    pub const ALL: [Bf16Path; 3] = [Bf16Path::Portable, Bf16Path::Avx512Bf16, Bf16Path::Amx];
+    /// Every path, the portable one first, then from the slowest to the fastest.
+    pub const ALL: [Bf16Path; 4] = [
+        Bf16Path::Portable,
+        Bf16Path::Avx2Fma,
+        Bf16Path::Avx512Bf16,
+        Bf16Path::Amx,
+    ];
 }
 
 /// A micro-kernel: `pairs` k-pairs (a multiple of its [`Kernel::step`]) of an A panel
@@ -309,6 +337,15 @@ impl Kernel {
         }
     }
 
+    const fn avx2(run: MicroKernel) -> Self {
+        Kernel {
+            run,
+            rows: AVX2_MR,
+            step: 1,
+            session: None,
+        }
+    }
+
     const fn amx(run: MicroKernel, session: Option<Session>) -> Self {
         Kernel {
             run,
@@ -323,6 +360,7 @@ impl Kernel {
 pub(crate) fn kernel_for(path: Bf16Path) -> Result<Kernel> {
     let kernel = match path {
         Bf16Path::Portable => Some(PORTABLE),
+        Bf16Path::Avx2Fma => avx2::kernel().map(Kernel::avx2),
         Bf16Path::Avx512Bf16 => avx512::kernel().map(Kernel::vector),
         Bf16Path::Amx => amx::kernel(),
     };
@@ -331,6 +369,7 @@ pub(crate) fn kernel_for(path: Bf16Path) -> Result<Kernel> {
         value: Value::Count(path as usize),
         reason: match path {
             Bf16Path::Amx => "this CPU (or OS) cannot run AMX-BF16: use Bf16Path::detect()",
+            Bf16Path::Avx2Fma => "this CPU lacks AVX2 and FMA: use Bf16Path::detect()",
             _ => "this CPU lacks AVX-512 BF16: use Bf16Path::detect()",
         },
     })
@@ -353,8 +392,8 @@ pub fn gemm_bf16(
     drive(kernel, a, b, c, ldc, accumulate)
 }
 
-/// [`gemm_bf16`] as `path` computes it, with the path's instructions (`VDPBF16PS`,
-/// `TDPBF16PS` and the tile loads and stores) modelled in software, on any CPU. It runs
+/// [`gemm_bf16`] as `path` computes it, with the path's instructions (`VFMADD231PS`,
+/// `VDPBF16PS`, `TDPBF16PS` and the tile loads and stores) modelled in software, on any CPU. It runs
 /// the same driver, packing and tile walking as the hardware path, so it tests them on
 /// CPUs without the instructions; it is slow, and meant for tests.
 ///
@@ -371,6 +410,7 @@ pub fn gemm_bf16_modelled(
 ) -> Result<()> {
     let kernel = match path {
         Bf16Path::Portable => PORTABLE,
+        Bf16Path::Avx2Fma => Kernel::avx2(modelled_avx2_kernel),
         Bf16Path::Avx512Bf16 => Kernel::vector(modelled_vector_kernel),
         // The model's tiles are configured by each call (as LDTILECFG leaves them: every
         // tile the kernel reads is loaded first), so it needs no session.
@@ -1100,6 +1140,106 @@ vector_kernel!(
     model_ops
 );
 
+/// The AVX2 micro-kernel's body over 8-lane vectors, written once for the hardware (`$ops`
+/// = the intrinsics) and for a software model of the same instructions, as
+/// `vector_kernel!` is. It computes the `AVX2_MR × NR` block of C as two halves of 16
+/// columns; for each pair of `k` it widens the half's B words into the even (`k`) and odd
+/// (`k + 1`) operands once for the four rows, and each sum takes the even product, then the
+/// odd one, by a fused multiply-add: the order of the portable kernel.
+macro_rules! avx2_kernel {
+    ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
+        $(#[$attr])*
+        unsafe fn $name(
+            pairs: usize,
+            a: *const u32,
+            lda: usize,
+            b: *const u32,
+            c: *mut f32,
+            ldc: usize,
+            zero: bool,
+        ) {
+            use $ops as ops;
+            use $crate::gemm_bf16::{AVX2_MR, NR};
+            // SAFETY (whole body): the caller guarantees `AVX2_MR` rows of `pairs` words at
+            // `a + i * lda`, `pairs * NR` words at `b`, and that `AVX2_MR` rows of `NR`
+            // floats at `c + i * ldc` are readable and writable; every offset below is
+            // inside.
+            unsafe {
+                for half in [0, NR / 2] {
+                    let mut acc = [[ops::zero(); 2]; AVX2_MR];
+                    if !zero {
+                        for (i, row) in acc.iter_mut().enumerate() {
+                            row[0] = ops::load(c.add(i * ldc + half));
+                            row[1] = ops::load(c.add(i * ldc + half + 8));
+                        }
+                    }
+                    for p in 0..pairs {
+                        let w0 = ops::load_words(b.add(p * NR + half));
+                        let w1 = ops::load_words(b.add(p * NR + half + 8));
+                        let (even0, odd0) = (ops::even(w0), ops::odd(w0));
+                        let (even1, odd1) = (ops::even(w1), ops::odd(w1));
+                        for (i, row) in acc.iter_mut().enumerate() {
+                            let w = ops::splat(*a.add(i * lda + p));
+                            let (even, odd) = (ops::even(w), ops::odd(w));
+                            row[0] = ops::fma(even, even0, row[0]);
+                            row[0] = ops::fma(odd, odd0, row[0]);
+                            row[1] = ops::fma(even, even1, row[1]);
+                            row[1] = ops::fma(odd, odd1, row[1]);
+                        }
+                    }
+                    for (i, row) in acc.iter().enumerate() {
+                        ops::store(c.add(i * ldc + half), row[0]);
+                        ops::store(c.add(i * ldc + half + 8), row[1]);
+                    }
+                }
+            }
+        }
+    };
+}
+
+/// A software model of the AVX2 operations the AVX2 kernel uses, lane by lane: the
+/// widening is a shift or a mask of each word, and `VFMADD231PS` one rounding (to nearest
+/// even) of the exact `a · b + c`, subnormals kept (MXCSR's defaults).
+#[allow(dead_code)]
+mod model_avx2_ops {
+    pub type F32x8 = [f32; 8];
+    pub type Words = [u32; 8];
+
+    pub fn zero() -> F32x8 {
+        [0.0; 8]
+    }
+    pub unsafe fn load(p: *const f32) -> F32x8 {
+        // SAFETY: the caller guarantees 8 readable floats.
+        unsafe { core::ptr::read_unaligned(p as *const F32x8) }
+    }
+    pub unsafe fn store(p: *mut f32, v: F32x8) {
+        // SAFETY: the caller guarantees 8 writable floats.
+        unsafe { core::ptr::write_unaligned(p as *mut F32x8, v) }
+    }
+    pub unsafe fn load_words(p: *const u32) -> Words {
+        // SAFETY: the caller guarantees 8 readable words.
+        unsafe { core::ptr::read_unaligned(p as *const Words) }
+    }
+    pub fn splat(w: u32) -> Words {
+        [w; 8]
+    }
+    pub fn even(w: Words) -> F32x8 {
+        w.map(|x| f32::from_bits(x << 16))
+    }
+    pub fn odd(w: Words) -> F32x8 {
+        w.map(|x| f32::from_bits(x & 0xffff_0000))
+    }
+    pub fn fma(a: F32x8, b: F32x8, acc: F32x8) -> F32x8 {
+        core::array::from_fn(|l| libm::fmaf(a[l], b[l], acc[l]))
+    }
+}
+
+avx2_kernel!(
+    /// The AVX2 kernel on the software model.
+    fn modelled_avx2_kernel,
+    model_avx2_ops
+);
+
 /// The tile configuration the AMX kernel loads (`LDTILECFG`'s 64-byte block): palette 1,
 /// tiles 0 to 7 of 16 rows × 64 bytes (tiles 0–3: C as 16 × 16 f32; 4, 5: A as 16 rows
 /// × 16 pairs; 6, 7: B as 16 pairs × 16 columns), every other byte zero as the format
@@ -1520,6 +1660,96 @@ mod amx {
 }
 
 #[cfg(all(feature = "std", target_arch = "x86_64"))]
+mod avx2 {
+    use super::MicroKernel;
+
+    pub const MISSING: &str = "the CPU has no AVX2 and FMA (Intel Haswell, AMD Zen and later)";
+
+    pub fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+
+    pub fn kernel() -> Option<MicroKernel> {
+        available().then_some(avx2_kernel as MicroKernel)
+    }
+
+    /// The AVX2 and FMA operations the AVX2 kernel uses.
+    mod hw_ops {
+        use core::arch::x86_64::*;
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn zero() -> __m256 {
+            _mm256_setzero_ps()
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn load(p: *const f32) -> __m256 {
+            // SAFETY: the caller guarantees 8 readable floats.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn store(p: *mut f32, v: __m256) {
+            // SAFETY: the caller guarantees 8 writable floats.
+            unsafe { _mm256_storeu_ps(p, v) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn load_words(p: *const u32) -> __m256i {
+            // SAFETY: the caller guarantees 8 readable words.
+            unsafe { _mm256_loadu_si256(p.cast()) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn splat(w: u32) -> __m256i {
+            _mm256_set1_epi32(w as i32)
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn even(w: __m256i) -> __m256 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn odd(w: __m256i) -> __m256 {
+            _mm256_castsi256_ps(_mm256_and_si256(
+                w,
+                _mm256_set1_epi32(0xffff_0000_u32 as i32),
+            ))
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn fma(a: __m256, b: __m256, acc: __m256) -> __m256 {
+            _mm256_fmadd_ps(a, b, acc)
+        }
+    }
+
+    avx2_kernel!(
+        /// The AVX2 micro-kernel.
+        #[target_feature(enable = "avx2,fma")]
+        fn avx2_kernel,
+        hw_ops
+    );
+}
+
+#[cfg(not(all(feature = "std", target_arch = "x86_64")))]
+mod avx2 {
+    use super::MicroKernel;
+
+    pub const MISSING: &str =
+        "AVX2 and FMA need an x86-64 CPU and the `std` feature to detect them";
+
+    pub fn available() -> bool {
+        false
+    }
+
+    pub fn kernel() -> Option<MicroKernel> {
+        None
+    }
+}
+
+#[cfg(all(feature = "std", target_arch = "x86_64"))]
 mod avx512 {
     use super::MicroKernel;
 
@@ -1678,6 +1908,7 @@ mod tests {
         let mut kernels = vec![
             ("portable", PORTABLE),
             ("vector model", Kernel::vector(modelled_vector_kernel)),
+            ("AVX2 model", Kernel::avx2(modelled_avx2_kernel)),
             ("AMX model", Kernel::amx(modelled_amx_kernel, None)),
         ];
         for path in Bf16Path::runnable() {

@@ -1,7 +1,8 @@
-//! Row kernels compiled twice: for the baseline x86-64 the crate builds for, and for
-//! AVX-512, taken at run time where the CPU has it (with `std`, which can ask).
+//! Row kernels compiled three times: for the baseline x86-64 the crate builds for, for
+//! AVX2 and for AVX-512, the widest the CPU has taken at run time (with `std`, which can
+//! ask).
 //!
-//! The twin runs the same source with wider vectors. The row kernels use no fused
+//! The twins run the same source with wider vectors. The row kernels use no fused
 //! multiply-add and no reassociation (Rust never contracts or reorders float arithmetic on
 //! its own), and their lane sums keep their fixed lane count, so both twins give the same
 //! bits on every input; the tests of each kernel hold for whichever twin the CPU takes.
@@ -12,7 +13,7 @@
 #[inline]
 pub(crate) fn has_avx512() -> bool {
     #[cfg(test)]
-    if tests::BASELINE_ONLY.with(|b| b.get()) {
+    if tests::WIDEST.with(|w| w.get()) < tests::Twin::Avx512 {
         return false;
     }
     std::arch::is_x86_feature_detected!("avx512f")
@@ -21,8 +22,19 @@ pub(crate) fn has_avx512() -> bool {
         && std::arch::is_x86_feature_detected!("avx512vl")
 }
 
-/// `fn $name(args) -> R { body }`, its body compiled twice: for the baseline, and for
-/// AVX-512, which runs where the CPU has it.
+/// Whether this CPU runs the AVX2 twins (AVX2; cached by the standard library).
+#[cfg(all(feature = "std", target_arch = "x86_64"))]
+#[inline]
+pub(crate) fn has_avx2() -> bool {
+    #[cfg(test)]
+    if tests::WIDEST.with(|w| w.get()) < tests::Twin::Avx2 {
+        return false;
+    }
+    std::arch::is_x86_feature_detected!("avx2")
+}
+
+/// `fn $name(args) -> R { body }`, its body compiled three times: for the baseline, for
+/// AVX2 and for AVX-512; the widest the CPU has runs.
 macro_rules! wide_twin {
     (
         $(#[$meta:meta])*
@@ -39,10 +51,19 @@ macro_rules! wide_twin {
                 fn wide($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }
+                #[target_feature(enable = "avx2")]
+                fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    body($($arg),*)
+                }
                 if $crate::wide::has_avx512() {
                     // SAFETY: the CPU has every feature `wide` is compiled for (checked
                     // just above).
                     return unsafe { wide($($arg),*) };
+                }
+                if $crate::wide::has_avx2() {
+                    // SAFETY: the CPU has AVX2, which `avx2` is compiled for (checked just
+                    // above).
+                    return unsafe { avx2($($arg),*) };
                 }
             }
             body($($arg),*)
@@ -63,9 +84,17 @@ mod tests {
 
     use crate::gemm_bf16::{gemm_bf16, Bf16Path, MatRef};
 
+    /// The twins, narrowest first.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+    pub(super) enum Twin {
+        Baseline,
+        Avx2,
+        Avx512,
+    }
+
     std::thread_local! {
-        /// Set: this thread's kernels take the baseline twin even where AVX-512 is.
-        pub(super) static BASELINE_ONLY: Cell<bool> = const { Cell::new(false) };
+        /// The widest twin this thread's kernels may take (the CPU permitting).
+        pub(super) static WIDEST: Cell<Twin> = const { Cell::new(Twin::Avx512) };
     }
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -188,25 +217,34 @@ mod tests {
         out
     }
 
+    /// The outputs with kernels that take at most `widest`.
+    fn outputs_up_to(widest: Twin) -> Vec<Vec<u32>> {
+        WIDEST.with(|w| w.set(widest));
+        let out = outputs();
+        WIDEST.with(|w| w.set(Twin::Avx512));
+        out
+    }
+
     #[test]
-    fn both_twins_give_the_same_bits() {
-        let twin = outputs();
-        BASELINE_ONLY.with(|b| b.set(true));
-        let baseline = outputs();
-        BASELINE_ONLY.with(|b| b.set(false));
+    fn every_twin_gives_the_same_bits() {
+        let baseline = outputs_up_to(Twin::Baseline);
         assert!(
-            !twin.iter().all(|o| o.iter().all(|&x| x == 0)),
+            !baseline.iter().all(|o| o.iter().all(|&x| x == 0)),
             "outputs were written"
         );
-        for (i, (t, b)) in twin.iter().zip(&baseline).enumerate() {
-            assert_eq!(t, b, "output {i}");
-        }
-        if super::has_avx512() {
-            std::println!("wide twins: the AVX-512 twin ran, and gave the baseline's bits");
-        } else {
-            std::println!(
-                "wide twins: SKIPPED (this CPU has no AVX-512 F/BW/DQ/VL: only the baseline ran)"
-            );
+        for (twin, runs) in [
+            (Twin::Avx2, super::has_avx2()),
+            (Twin::Avx512, super::has_avx512()),
+        ] {
+            if !runs {
+                std::println!("wide twins: {twin:?} SKIPPED (this CPU lacks it)");
+                continue;
+            }
+            let wide = outputs_up_to(twin);
+            for (i, (t, b)) in wide.iter().zip(&baseline).enumerate() {
+                assert_eq!(t, b, "{twin:?} output {i}");
+            }
+            std::println!("wide twins: the {twin:?} twin ran, and gave the baseline's bits");
         }
     }
 }

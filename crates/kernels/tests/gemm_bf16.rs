@@ -5,14 +5,14 @@
 //! A path the CPU lacks is reported as skipped, with the reason, by
 //! `every_path_this_cpu_lacks_is_reported_with_the_reason` (run it with `--show-output` to
 //! see the report; `scripts/test` does); the portable path is always tested, and so are
-//! the software models of the AVX-512 BF16 and AMX instructions, which run those paths'
-//! packing and tile walking on any CPU.
+//! the software models of the AVX2, AVX-512 BF16 and AMX instructions, which run those
+//! paths' packing and tile walking on any CPU.
 
 use proptest::prelude::*;
 use ringtrain_kernels::bf16;
 use ringtrain_kernels::gemm_bf16::{
     gemm_bf16, gemm_bf16_modelled, gemm_bf16_packed, Bf16Path, MatRef, PackedB, AMX_MR, AMX_PAIRS,
-    KC, MC, MR, NC, NR,
+    AVX2_MR, KC, MC, MR, NC, NR,
 };
 
 /// A way to compute the product: a path on this CPU (B packed by the product, or ahead),
@@ -49,16 +49,16 @@ impl Runner {
     }
 }
 
+/// The paths with instructions of their own, which have software models.
+const MODELLED: [Bf16Path; 3] = [Bf16Path::Avx2Fma, Bf16Path::Avx512Bf16, Bf16Path::Amx];
+
 /// The paths this CPU can run (B packed by the product and ahead), and the models of the
-/// vector and AMX paths.
+/// AVX2, AVX-512 and AMX paths.
 fn runnable() -> Vec<Runner> {
     Bf16Path::runnable()
         .into_iter()
         .flat_map(|p| [Runner::Hardware(p), Runner::Packed(p)])
-        .chain([
-            Runner::Model(Bf16Path::Avx512Bf16),
-            Runner::Model(Bf16Path::Amx),
-        ])
+        .chain(MODELLED.map(Runner::Model))
         .collect()
 }
 
@@ -158,7 +158,7 @@ fn every_path_this_cpu_lacks_is_reported_with_the_reason() {
             Some(why) => println!("bf16 GEMM path {}: SKIPPED: {why}", path.name()),
         }
     }
-    for path in [Bf16Path::Avx512Bf16, Bf16Path::Amx] {
+    for path in MODELLED {
         println!(
             "bf16 GEMM path {} (software model of its instructions): tested",
             path.name()
@@ -170,9 +170,14 @@ fn every_path_this_cpu_lacks_is_reported_with_the_reason() {
     );
     assert!(Bf16Path::detect().available());
     // The fastest path the CPU has is the one chosen.
-    let fastest = [Bf16Path::Amx, Bf16Path::Avx512Bf16, Bf16Path::Portable]
-        .into_iter()
-        .find(|p| p.available());
+    let fastest = [
+        Bf16Path::Amx,
+        Bf16Path::Avx512Bf16,
+        Bf16Path::Avx2Fma,
+        Bf16Path::Portable,
+    ]
+    .into_iter()
+    .find(|p| p.available());
     assert_eq!(Some(Bf16Path::detect()), fastest);
     assert_eq!(
         Bf16Path::runnable(),
@@ -189,7 +194,8 @@ fn each_model_adds_in_the_order_its_instruction_does() {
     // Row 0 of A holds pairs (big, 1), row 1 pairs (1, big), one AMX step deep; B is ones
     // and C starts at -16 big. A 1 added next to a multiple of big is lost, so the result
     // shows the order of the additions:
-    // - portable, in order of k: row 0 ends on big - big + 1 = 1, row 1 on 0;
+    // - portable, in order of k: row 0 ends on big - big + 1 = 1, row 1 on 0; so does
+    //   AVX2, whose fused multiply-adds take the same order;
     // - VDPBF16PS adds the odd product of each pair first: row 0 ends on 0, row 1 on 1;
     // - TDPBF16PS sums the even and the odd products apart and adds their sum to C:
     //   16 big + 16 rounds to 16 big, so both rows end on 0.
@@ -211,6 +217,7 @@ fn each_model_adds_in_the_order_its_instruction_does() {
     let start = -(AMX_PAIRS as f32) * big.to_f32();
     for (path, want) in [
         (Bf16Path::Portable, [1.0, 0.0]),
+        (Bf16Path::Avx2Fma, [1.0, 0.0]),
         (Bf16Path::Avx512Bf16, [0.0, 1.0]),
         (Bf16Path::Amx, [0.0, 0.0]),
     ] {
@@ -225,6 +232,8 @@ fn every_path_is_within_the_accumulation_bound_across_every_block_edge() {
     for path in runnable() {
         for &(m, n, k) in &[
             (MR + 1, NR + 1, KC + 1),
+            // AVX2: rows across its 4-row panels, columns across its 16-column halves.
+            (AVX2_MR + 3, NR / 2 + 3, 9),
             (MC + 3, 2 * NR - 1, 2 * KC + 3),
             (2, NC + 5, 7),
             // AMX: rows across its 16-row tiles and 32-row panels, k across its 32-deep
@@ -273,6 +282,56 @@ fn the_portable_path_equals_the_f32_product_of_the_widened_operands_bit_for_bit(
                 acc += a_data[kk * m + i].to_f32() * b_data[j * k + kk].to_f32();
             }
             assert_eq!(c[i * n + j].to_bits(), acc.to_bits(), "C[{i}][{j}]");
+        }
+    }
+}
+
+/// The AVX2 path's fused multiply-adds round where the portable path's adds do (a product
+/// of two bf16 is exact in f32), so with no product subnormal or overflowing it gives the
+/// portable path's bits: its model everywhere, the hardware where the CPU has it, in the
+/// three layouts and across its row panels, column halves and the k blocks.
+#[test]
+fn the_avx2_path_gives_the_portable_paths_bits() {
+    let (m, n, k) = (MC + AVX2_MR + 1, NR + NR / 2 + 3, KC + 7);
+    let mut runners = vec![Runner::Model(Bf16Path::Avx2Fma)];
+    if Bf16Path::Avx2Fma.available() {
+        runners.extend([
+            Runner::Hardware(Bf16Path::Avx2Fma),
+            Runner::Packed(Bf16Path::Avx2Fma),
+        ]);
+    }
+    let a_data = values(m * k, 21);
+    let b_data = values(k * n, 22);
+    for layout in [Layout::Nn, Layout::Nt, Layout::Tn] {
+        let (a, b) = match layout {
+            Layout::Nn => (
+                MatRef::row_major(&a_data, m, k).unwrap(),
+                MatRef::row_major(&b_data, k, n).unwrap(),
+            ),
+            Layout::Nt => (
+                MatRef::row_major(&a_data, m, k).unwrap(),
+                MatRef::row_major(&b_data, n, k).unwrap().t(),
+            ),
+            Layout::Tn => (
+                MatRef::row_major(&a_data, k, m).unwrap().t(),
+                MatRef::row_major(&b_data, k, n).unwrap(),
+            ),
+        };
+        for accumulate in [false, true] {
+            let c0: Vec<f32> = (0..m * n).map(|i| (i % 9) as f32 * 0.125 - 0.5).collect();
+            let mut want = c0.clone();
+            gemm_bf16(Bf16Path::Portable, a, b, &mut want, n, accumulate).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for runner in &runners {
+                let mut got = c0.clone();
+                runner.run(a, b, &mut got, n, accumulate).unwrap();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{} {layout:?}, accumulate {accumulate}",
+                    runner.name()
+                );
+            }
         }
     }
 }
