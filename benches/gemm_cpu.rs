@@ -10,8 +10,9 @@
 //! the ratio bf16 / f32; last, the backend's path against `torch.mm` in bf16 at the same
 //! shapes and layouts (`benches/torch_mm_cpu.py`; run scripts/bench-setup first if torch
 //! is missing, else that table says why it was not measured), and the ratio ours / torch;
-//! and, for the `avx512-bf16` path, the same figures against the instruction's own peak (a
-//! loop of independent `VDPBF16PS` on registers) with the ratio ours / peak.
+//! and, for the `avx512-bf16` and `avx2-fma` paths, the same figures against the
+//! instruction's own peak (a loop of independent `VDPBF16PS` or `VFMADD231PS` on registers)
+//! with the ratio ours / peak.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -362,18 +363,20 @@ fn peak_table(
     use ringtrain_kernels::gemm_bf16::Bf16Path;
 
     println!();
-    let peak = match (path, dpbf16_peak(budget, pool2)) {
-        (Bf16Path::Avx512Bf16, Some(peak)) => peak,
-        _ => {
-            println!(
-                "gemm_cpu bf16 against the instruction's peak: measured for path `avx512-bf16` only (this CPU takes `{}`)",
-                path.name()
-            );
-            return;
-        }
+    let (instruction, count, peak) = match path {
+        Bf16Path::Avx512Bf16 => ("VDPBF16PS", 24, dpbf16_peak(budget, pool2)),
+        Bf16Path::Avx2Fma => ("VFMADD231PS", 12, fma_peak(budget, pool2)),
+        _ => ("", 0, None),
+    };
+    let Some(peak) = peak else {
+        println!(
+            "gemm_cpu bf16 against the instruction's peak: measured for paths `avx512-bf16` and `avx2-fma` only (this CPU takes `{}`)",
+            path.name()
+        );
+        return;
     };
     println!(
-        "gemm_cpu bf16: GFLOP/s (baseline = VDPBF16PS peak, 24 independent instructions on registers: {:.1} on 1 thread, {:.1} on 2; ours = path `{}`), ratio = ours / peak",
+        "gemm_cpu bf16: GFLOP/s (baseline = {instruction} peak, {count} independent instructions on registers: {:.1} on 1 thread, {:.1} on 2; ours = path `{}`), ratio = ours / peak",
         peak[0],
         peak[1],
         path.name()
@@ -382,7 +385,64 @@ fn peak_table(
     for (s, o) in shapes.iter().zip(ours) {
         table.row(s, [(peak[0], o[0]), (peak[1], o[1])]);
     }
-    table.geometric_means("ours / VDPBF16PS peak");
+    table.geometric_means(&format!("ours / {instruction} peak"));
+}
+
+/// GFLOP/s of `VFMADD231PS` on 256-bit vectors at its peak on 1 and on 2 threads: a loop of
+/// 12 independent instructions on registers (no memory traffic; 12 of the 16 vector
+/// registers, more than the instruction's latency times its throughput), the ceiling of the
+/// `avx2-fma` path; `None` where the CPU lacks AVX2 and FMA.
+fn fma_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<[f64; 2]> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm256_add_ps, _mm256_fmadd_ps, _mm256_set1_ps};
+        use std::arch::x86_64::{_mm256_setzero_ps, _mm256_storeu_ps};
+
+        /// `rounds` rounds of 12 independent `VFMADD231PS`; a sum of the accumulators.
+        ///
+        /// # Safety
+        /// The CPU has AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn fma_loop(rounds: usize) -> f32 {
+            let (a, b) = (_mm256_set1_ps(1.0), _mm256_set1_ps(0.5));
+            let mut acc = [_mm256_setzero_ps(); 12];
+            for _ in 0..rounds {
+                for x in acc.iter_mut() {
+                    *x = _mm256_fmadd_ps(a, b, *x);
+                }
+            }
+            let sum = acc
+                .iter()
+                .fold(_mm256_setzero_ps(), |s, &x| _mm256_add_ps(s, x));
+            let mut lanes = [0.0f32; 8];
+            // SAFETY: `lanes` holds the 8 floats stored.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
+            lanes.iter().sum()
+        }
+
+        if !(std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma"))
+        {
+            return None;
+        }
+        const ROUNDS: usize = 1 << 16;
+        // 12 instructions of 8 lanes, each a multiply and an add.
+        let flops = (ROUNDS * 12 * 8 * 2) as f64;
+        // SAFETY: the CPU has the features `fma_loop` is compiled for (checked above).
+        let run = || black_box(unsafe { fma_loop(black_box(ROUNDS)) });
+        let one = time_it(budget, || {
+            run();
+        });
+        let two = time_it(budget, || {
+            pool2.broadcast(|_| run());
+        });
+        Some([flops / one / 1e9, 2.0 * flops / two / 1e9])
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (budget, pool2);
+        None
+    }
 }
 
 /// GFLOP/s of `VDPBF16PS` at its peak on 1 and on 2 threads: a loop of 24 independent

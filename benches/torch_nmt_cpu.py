@@ -21,7 +21,10 @@ the first ``--warmup-batches`` steps are not timed; words/s = words in the timed
 wall time of the timed steps.
 
 Run ``python3 benches/torch_nmt_cpu.py --json``: the last line is one JSON object with
-``words_per_sec`` for a Rust benchmark to parse.
+``words_per_sec`` for a Rust benchmark to parse. Where PyTorch cannot run the model under
+autocast bf16 on this CPU (oneDNN has a bf16 LSTM only for CPUs with bf16 instructions),
+``--precision bf16`` exits with status 3, the JSON object then being ``{"unsupported":
+reason}``.
 """
 
 import argparse
@@ -224,7 +227,21 @@ def main():
         sys.exit(f"error: --threads {args.threads}: must be at least 1")
     torch.set_num_threads(args.threads)
     autocast = torch.bfloat16 if args.precision == "bf16" else None
-    result = run_benchmark(args, torch.device("cpu"), autocast_dtype=autocast)
+    try:
+        result = run_benchmark(args, torch.device("cpu"), autocast_dtype=autocast)
+    except RuntimeError as e:
+        # oneDNN builds its bf16 LSTM only for CPUs with bf16 instructions (AVX-512 BF16,
+        # AMX); elsewhere it refuses the primitive, and this run cannot be measured.
+        if autocast is None or "could not create a primitive" not in str(e):
+            raise
+        reason = (
+            f"PyTorch {torch.__version__} cannot run this model under autocast bf16 on "
+            f"this CPU (oneDNN: {str(e).splitlines()[0]})"
+        )
+        sys.stderr.write(f"error: {reason}\n")
+        if args.json:
+            print(json.dumps({"unsupported": reason}))
+        sys.exit(3)
     result["threads"] = args.threads
     result["device"] = "cpu"
     result["precision"] = args.precision

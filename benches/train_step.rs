@@ -11,7 +11,9 @@
 //! ringtrain f32 and ringtrain `--gemm-precision bf16` (the bf16 path this CPU takes is
 //! printed). It prints words/s and peak RSS of each, the ratios, and ends with the two
 //! lines `ratio ringtrain bf16 / pytorch autocast bf16: R` and
-//! `ratio ringtrain bf16 / pytorch f32: R`.
+//! `ratio ringtrain bf16 / pytorch f32: R`. PyTorch's autocast bf16 cannot run on a CPU
+//! without bf16 instructions (oneDNN has no bf16 LSTM there): that run is then reported
+//! as not measured, with PyTorch's reason, and its ratios as `n/a`.
 //!
 //! `cargo bench --bench train_step [-- --warmup-batches N --timed-batches N --rounds R]`
 //! (3 rounds by default: the four runs one after the other, R times; each ratio is taken
@@ -57,7 +59,9 @@ fn arg(name: &str, default: usize, min: usize) -> usize {
     }
 }
 
-fn torch_run(warmup: usize, timed: usize, precision: &str) -> Result<Figures, String> {
+/// A PyTorch run's figures, or `Err(Unsupported(reason))` where PyTorch cannot run it on
+/// this CPU (autocast bf16 without bf16 instructions), or another error.
+fn torch_run(warmup: usize, timed: usize, precision: &str) -> Result<Figures, RunError> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/torch_nmt_cpu.py");
     let out = Command::new("python3")
         .args([
@@ -90,8 +94,32 @@ fn torch_run(warmup: usize, timed: usize, precision: &str) -> Result<Figures, St
         .map_err(|e| {
             format!("could not run python3 ({e}): install Python 3, then run scripts/bench-setup")
         })?;
+    if out.status.code() == Some(3) {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if let Some(reason) = stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find_map(|v| v["unsupported"].as_str().map(str::to_string))
+        {
+            return Err(RunError::Unsupported(reason));
+        }
+    }
     let v = json_line(&out, "benches/torch_nmt_cpu.py")?;
-    figures(&v)
+    Ok(figures(&v)?)
+}
+
+/// Why a run gave no figures.
+enum RunError {
+    /// The run cannot be made on this CPU (the reason); the benchmark goes on without it.
+    Unsupported(String),
+    /// Anything else, which stops the benchmark.
+    Failed(String),
+}
+
+impl From<String> for RunError {
+    fn from(e: String) -> Self {
+        RunError::Failed(e)
+    }
 }
 
 /// The last JSON line a run printed, or its error.
@@ -272,78 +300,135 @@ fn main() {
          {rounds} rounds of the four runs, one after the other (shared machines drift: the ratios \
          are taken within each round, and the medians reported)"
     );
-    let run = |what: &str, f: &dyn Fn() -> Result<Figures, String>| match f() {
-        Ok(v) => v,
-        Err(e) => {
-            eprintln!("error: {what}: {e}");
-            std::process::exit(1);
+    // The reason a run cannot be made on this CPU, once it has said so (it is not tried
+    // again in later rounds).
+    let mut unsupported: [Option<String>; 4] = Default::default();
+    let mut run = |i: usize, f: &dyn Fn() -> Result<Figures, RunError>| {
+        if unsupported[i].is_some() {
+            return None;
+        }
+        match f() {
+            Ok(v) => Some(v),
+            Err(RunError::Unsupported(why)) => {
+                println!("  {}: not measured on this CPU: {why}", RUNS[i]);
+                unsupported[i] = Some(why);
+                None
+            }
+            Err(RunError::Failed(e)) => {
+                eprintln!("error: {}: {e}", RUNS[i]);
+                std::process::exit(1);
+            }
         }
     };
-    // figures[round][run], in the order of RUNS.
-    let mut figures: Vec<[Figures; 4]> = Vec::with_capacity(rounds);
+    // figures[round][run], in the order of RUNS; `None` for a run this CPU cannot make.
+    let mut figures: Vec<[Option<Figures>; 4]> = Vec::with_capacity(rounds);
     for round in 1..=rounds {
         let round_figures = [
-            run(RUNS[0], &|| torch_run(warmup, timed, "f32")),
-            run(RUNS[1], &|| torch_run(warmup, timed, "bf16")),
-            run(RUNS[2], &|| ringtrain_run(warmup, timed, "f32")),
-            run(RUNS[3], &|| ringtrain_run(warmup, timed, "bf16")),
+            run(0, &|| torch_run(warmup, timed, "f32")),
+            run(1, &|| torch_run(warmup, timed, "bf16")),
+            run(2, &|| Ok(ringtrain_run(warmup, timed, "f32")?)),
+            run(3, &|| Ok(ringtrain_run(warmup, timed, "bf16")?)),
         ];
-        let w = round_figures.map(|f| f.words_per_sec);
+        let w = round_figures.map(|f| f.map(|f| f.words_per_sec));
+        let show = |x: Option<f64>, digits: usize| {
+            x.map_or("n/a".to_string(), |x| format!("{x:.digits$}"))
+        };
+        let over = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a / b);
         println!(
-            "  round {round}: words/s pytorch f32 {:.1}, autocast bf16 {:.1}, ringtrain f32 {:.1}, bf16 {:.1}; \
-             ratios bf16 / autocast {:.2}, bf16 / pytorch f32 {:.2}",
-            w[0],
-            w[1],
-            w[2],
-            w[3],
-            w[3] / w[1],
-            w[3] / w[0]
+            "  round {round}: words/s pytorch f32 {}, autocast bf16 {}, ringtrain f32 {}, bf16 {}; \
+             ratios bf16 / autocast {}, bf16 / pytorch f32 {}",
+            show(w[0], 1),
+            show(w[1], 1),
+            show(w[2], 1),
+            show(w[3], 1),
+            show(over(w[3], w[1]), 2),
+            show(over(w[3], w[0]), 2)
         );
         figures.push(round_figures);
     }
-    let words = |i: usize| median(figures.iter().map(|f| f[i].words_per_sec).collect());
+    let words = |i: usize| {
+        let all: Vec<f64> = figures
+            .iter()
+            .flat_map(|f| f[i])
+            .map(|f| f.words_per_sec)
+            .collect();
+        (!all.is_empty()).then(|| median(all))
+    };
     // The largest resident set of a run over the rounds.
     let rss = |i: usize| {
         figures
             .iter()
-            .map(|f| f[i].peak_rss_bytes)
-            .fold(0.0, f64::max)
+            .flat_map(|f| f[i])
+            .map(|f| f.peak_rss_bytes)
+            .reduce(f64::max)
     };
+    // The median of the ratios within each round that has both runs.
     let ratio = |ours: usize, theirs: usize| {
-        median(
-            figures
-                .iter()
-                .map(|f| f[ours].words_per_sec / f[theirs].words_per_sec)
-                .collect(),
+        let all: Vec<f64> = figures
+            .iter()
+            .filter_map(|f| Some(f[ours]?.words_per_sec / f[theirs]?.words_per_sec))
+            .collect();
+        (!all.is_empty()).then(|| median(all))
+    };
+    // A figure, or why there is none.
+    let why = |i: usize| {
+        format!(
+            "n/a ({} not measured: {})",
+            RUNS[i],
+            unsupported[i].as_deref().unwrap_or("no figures")
         )
     };
+    let missing = |ours: usize, theirs: usize| if words(ours).is_none() { ours } else { theirs };
     println!(
         "  {:<24} {:>12} {:>14}",
         "run", "words/s (median)", "peak RSS MiB (largest)"
     );
     for (i, name) in RUNS.iter().enumerate() {
-        println!(
-            "  {name:<24} {:>16.1} {:>22.1}",
-            words(i),
-            rss(i) / (1024.0 * 1024.0)
-        );
+        match (words(i), rss(i)) {
+            (Some(w), Some(r)) => {
+                println!("  {name:<24} {w:>16.1} {:>22.1}", r / (1024.0 * 1024.0))
+            }
+            _ => println!("  {name:<24} {:>16} {:>22}", "n/a", "n/a"),
+        }
     }
-    println!("  ratio ringtrain f32 / pytorch f32: {:.2}", ratio(2, 0));
-    println!("  ratio ringtrain bf16 / ringtrain f32: {:.2}", ratio(3, 2));
+    for (ours, theirs, what) in [
+        (2, 0, "ringtrain f32 / pytorch f32"),
+        (3, 2, "ringtrain bf16 / ringtrain f32"),
+    ] {
+        match ratio(ours, theirs) {
+            Some(r) => println!("  ratio {what}: {r:.2}"),
+            None => println!("  ratio {what}: {}", why(missing(ours, theirs))),
+        }
+    }
     for (ours, theirs, what) in [(2, 0, "f32"), (3, 1, "bf16")] {
-        let r = rss(ours) / rss(theirs);
-        println!(
-            "  peak RSS ringtrain / pytorch, {what}: {r:.2} (target <= 1: {})",
-            if r <= 1.0 { "met" } else { "NOT met" }
-        );
+        match rss(ours).zip(rss(theirs)) {
+            Some((a, b)) => println!(
+                "  peak RSS ringtrain / pytorch, {what}: {:.2} (target <= 1: {})",
+                a / b,
+                if a <= b { "met" } else { "NOT met" }
+            ),
+            None => println!(
+                "  peak RSS ringtrain / pytorch, {what}: {}",
+                why(missing(ours, theirs))
+            ),
+        }
     }
-    let autocast = ratio(3, 1);
-    let f32_ratio = ratio(3, 0);
+    let target = |r: Option<f64>, target: f64| r.map_or("not measured", |r| verdict(r, target));
+    let (autocast, f32_ratio) = (ratio(3, 1), ratio(3, 0));
     println!(
         "  targets: bf16 / autocast >= {TARGET_AUTOCAST} ({}), bf16 / pytorch f32 >= {TARGET_F32} ({})",
-        verdict(autocast, TARGET_AUTOCAST),
-        verdict(f32_ratio, TARGET_F32)
+        target(autocast, TARGET_AUTOCAST),
+        target(f32_ratio, TARGET_F32)
     );
-    println!("ratio ringtrain bf16 / pytorch autocast bf16: {autocast:.2}");
-    println!("ratio ringtrain bf16 / pytorch f32: {f32_ratio:.2}");
+    let line = |r: Option<f64>, ours: usize, theirs: usize| {
+        r.map_or_else(|| why(missing(ours, theirs)), |r| format!("{r:.2}"))
+    };
+    println!(
+        "ratio ringtrain bf16 / pytorch autocast bf16: {}",
+        line(autocast, 3, 1)
+    );
+    println!(
+        "ratio ringtrain bf16 / pytorch f32: {}",
+        line(f32_ratio, 3, 0)
+    );
 }

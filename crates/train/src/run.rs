@@ -2,6 +2,8 @@
 //! report.
 
 use ringtrain_collective::Communicator;
+use ringtrain_kernels::gemm_bf16::Bf16Path;
+use ringtrain_model::GemmPrecision;
 
 use crate::config::ValidatedConfig;
 use crate::device::{cpu_threads, LocalRank, LocalRankSource};
@@ -45,6 +47,13 @@ pub fn run_rank(
             local.size,
             comm.transport_name()
         ));
+        let run = &cfg.config().run;
+        if run.device == crate::DeviceKind::Cpu && run.gemm_precision == GemmPrecision::Bf16 {
+            log(&format!(
+                "ringtrain: {}",
+                bf16_path_note(Bf16Path::detect())
+            ));
+        }
     }
     // A dedicated parameter server reads no data but needs the vocabulary sizes: it
     // builds worker 0's pipeline only to learn them, and drops it at once.
@@ -119,4 +128,44 @@ pub fn run_rank(
         return Err(Error::Internal("the run measured no words".into()));
     }
     Ok(outcome)
+}
+
+/// What `--gemm-precision bf16` on the CPU does here: the bf16 matrix-product path this
+/// CPU takes, and what to expect of it where the CPU has no bf16 instruction.
+pub(crate) fn bf16_path_note(path: Bf16Path) -> String {
+    let expect = match path {
+        Bf16Path::Amx | Bf16Path::Avx512Bf16 => "bf16 instructions",
+        Bf16Path::Avx2Fma => {
+            "this CPU has no bf16 instruction: the operands are widened to f32 in registers, \
+             so the products run at about f32's speed"
+        }
+        Bf16Path::Portable => {
+            "this CPU has neither bf16 instructions nor AVX2 and FMA: the products are \
+             several times slower than in f32; --gemm-precision f32 is faster here"
+        }
+    };
+    format!(
+        "matrix products in bf16 on the `{}` path ({expect})",
+        path.name()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bf16_note_names_the_path_and_what_a_path_without_bf16_instructions_costs() {
+        for path in Bf16Path::ALL {
+            let note = bf16_path_note(path);
+            assert!(note.contains(&format!("`{}`", path.name())), "{note}");
+            let slower = note.contains("no bf16 instruction") || note.contains("neither");
+            assert_eq!(
+                slower,
+                matches!(path, Bf16Path::Avx2Fma | Bf16Path::Portable),
+                "{note}"
+            );
+        }
+        assert!(bf16_path_note(Bf16Path::Portable).contains("--gemm-precision f32"));
+    }
 }
