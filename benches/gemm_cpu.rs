@@ -388,6 +388,22 @@ fn peak_table(
     table.geometric_means(&format!("ours / {instruction} peak"));
 }
 
+/// GFLOP/s of `run`, which does `flops` each call: on one thread, and on both of `pool2`'s
+/// threads at once.
+#[cfg(target_arch = "x86_64")]
+fn one_and_two_threads(
+    budget: Duration,
+    pool2: &rayon::ThreadPool,
+    flops: f64,
+    run: impl Fn() + Sync,
+) -> [f64; 2] {
+    let one = time_it(budget, &run);
+    let two = time_it(budget, || {
+        pool2.broadcast(|_| run());
+    });
+    [flops / one / 1e9, 2.0 * flops / two / 1e9]
+}
+
 /// GFLOP/s of `VFMADD231PS` on 256-bit vectors at its peak on 1 and on 2 threads: a loop of
 /// 12 independent instructions on registers (no memory traffic; 12 of the 16 vector
 /// registers, more than the instruction's latency times its throughput), the ceiling of the
@@ -429,14 +445,10 @@ fn fma_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<[f64; 2]> {
         // 12 instructions of 8 lanes, each a multiply and an add.
         let flops = (ROUNDS * 12 * 8 * 2) as f64;
         // SAFETY: the CPU has the features `fma_loop` is compiled for (checked above).
-        let run = || black_box(unsafe { fma_loop(black_box(ROUNDS)) });
-        let one = time_it(budget, || {
-            run();
-        });
-        let two = time_it(budget, || {
-            pool2.broadcast(|_| run());
-        });
-        Some([flops / one / 1e9, 2.0 * flops / two / 1e9])
+        let run = || {
+            black_box(unsafe { fma_loop(black_box(ROUNDS)) });
+        };
+        Some(one_and_two_threads(budget, pool2, flops, run))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -486,14 +498,10 @@ fn dpbf16_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<[f64; 2]> 
         // 24 instructions of 16 lanes, each two multiply-adds.
         let flops = (ROUNDS * 24 * 16 * 4) as f64;
         // SAFETY: the CPU has the features `dot_loop` is compiled for (checked above).
-        let run = || black_box(unsafe { dot_loop(black_box(ROUNDS)) });
-        let one = time_it(budget, || {
-            run();
-        });
-        let two = time_it(budget, || {
-            pool2.broadcast(|_| run());
-        });
-        Some([flops / one / 1e9, 2.0 * flops / two / 1e9])
+        let run = || {
+            black_box(unsafe { dot_loop(black_box(ROUNDS)) });
+        };
+        Some(one_and_two_threads(budget, pool2, flops, run))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -128,23 +128,41 @@ pub(crate) fn gather(pieces: &[&[u8]]) -> Vec<u8> {
     pieces.concat()
 }
 
-/// Copies `src` into `dst`'s pieces from element `offset` of the message they make up.
-pub(crate) fn copy_to_pieces<T: Copy>(dst: &mut [&mut [T]], offset: usize, src: &[T]) {
+/// Calls `f(part of a piece, part of src)` for each run of `dst`'s pieces that the elements
+/// `offset..offset + src.len()` of the message they make up cover, in order, with the
+/// elements of `src` that land there; stops at the first error.
+fn zip_from<T, S, E>(
+    dst: &mut [&mut [T]],
+    offset: usize,
+    src: &[S],
+    mut f: impl FnMut(&mut [T], &[S]) -> core::result::Result<(), E>,
+) -> core::result::Result<(), E> {
     let mut src = src;
     let mut skip = offset;
     for piece in dst.iter_mut() {
         if src.is_empty() {
-            return;
+            break;
         }
         if skip >= piece.len() {
             skip -= piece.len();
             continue;
         }
         let n = (piece.len() - skip).min(src.len());
-        piece[skip..skip + n].copy_from_slice(&src[..n]);
+        f(&mut piece[skip..skip + n], &src[..n])?;
         src = &src[n..];
         skip = 0;
     }
+    Ok(())
+}
+
+/// Copies `src` into `dst`'s pieces from element `offset` of the message they make up.
+pub(crate) fn copy_to_pieces<T: Copy>(dst: &mut [&mut [T]], offset: usize, src: &[T]) {
+    let copied: core::result::Result<(), core::convert::Infallible> =
+        zip_from(dst, offset, src, |d, s| {
+            d.copy_from_slice(s);
+            Ok(())
+        });
+    let Ok(()) = copied;
 }
 
 /// Copies the message `src`'s pieces make up into `dst`, which is as long.
@@ -164,22 +182,7 @@ pub(crate) fn reduce_into_pieces<T: Element>(
     offset: usize,
     src: &[T],
 ) -> Result<()> {
-    let mut src = src;
-    let mut skip = offset;
-    for piece in acc.iter_mut() {
-        if src.is_empty() {
-            break;
-        }
-        if skip >= piece.len() {
-            skip -= piece.len();
-            continue;
-        }
-        let n = (piece.len() - skip).min(src.len());
-        reduce_into(op, &mut piece[skip..skip + n], &src[..n])?;
-        src = &src[n..];
-        skip = 0;
-    }
-    Ok(())
+    zip_from(acc, offset, src, |a, s| reduce_into(op, a, s))
 }
 
 /// `acc[i] = acc[i] (op) src[i]` where `src` is the message of its pieces, as long as

@@ -29,14 +29,19 @@
 //! - [`Bf16Path::Avx512Bf16`]: `VDPBF16PS`, which multiplies pairs of bf16 and adds both
 //!   products to an f32 lane. CPUs with AVX-512 BF16: Intel Cooper Lake, Sapphire Rapids
 //!   and later Xeons (where AMX cannot be used), AMD Zen 4 and Zen 5.
-//! - [`Bf16Path::Avx2Fma`]: the operands widened to f32 in registers (a shift or a mask
-//!   per word of two bf16) and f32 fused multiply-adds on 256-bit vectors. CPUs with AVX2
-//!   and FMA but no bf16 instruction: Intel Haswell to Ice Lake and their Xeons, AMD Zen 1
-//!   to Zen 3. It has no bf16 arithmetic to gain from, so it runs at about the speed of an
-//!   f32 product (a smaller B pack is all bf16 saves here), but not at the portable
-//!   path's speed, which is several times slower. A product of two bf16 is exact in f32,
-//!   so each fused multiply-add rounds exactly where the portable path's add does: it
-//!   gives the portable path's bits whenever no product is subnormal or overflows.
+//! - [`Bf16Path::Avx512Fma`]: the operands widened to f32 in registers (a shift or a mask
+//!   per word of two bf16) and f32 fused multiply-adds on 512-bit vectors, in the AVX-512
+//!   BF16 kernel's blocks. CPUs with AVX-512 F but no bf16 instruction: Intel Skylake-SP,
+//!   Cascade Lake and Ice Lake Xeons, and Intel's client CPUs with AVX-512.
+//! - [`Bf16Path::Avx2Fma`]: the same on 256-bit vectors. CPUs with AVX2 and FMA but
+//!   neither AVX-512 nor a bf16 instruction: Intel Haswell to Comet Lake, AMD Zen 1 to
+//!   Zen 3.
+//!
+//!   The two FMA paths have no bf16 arithmetic to gain from, so they run at about the
+//!   speed of an f32 product (a smaller B pack is all bf16 saves there), but not at the
+//!   portable path's speed, which is several times slower. A product of two bf16 is exact
+//!   in f32, so each fused multiply-add rounds exactly where the portable path's add does:
+//!   they give the portable path's bits whenever no product is subnormal or overflows.
 //! - [`Bf16Path::Portable`]: every other CPU (and `no_std` builds, which cannot ask the
 //!   CPU). It gives the same bits as the f32 product of the operands widened to f32, each
 //!   element accumulated in order of `k` with one rounding per multiply and per add.
@@ -220,6 +225,8 @@ pub enum Bf16Path {
     /// f32 fused multiply-adds of the operands widened in registers, on 256-bit vectors
     /// (AVX2 and FMA).
     Avx2Fma,
+    /// The same on 512-bit vectors (AVX-512 F).
+    Avx512Fma,
     /// `VDPBF16PS` on 512-bit vectors (AVX-512 F and BF16).
     Avx512Bf16,
     /// `TDPBF16PS` on AMX tile registers (AMX-TILE and AMX-BF16, on Linux).
@@ -233,6 +240,8 @@ impl Bf16Path {
             Bf16Path::Amx
         } else if Bf16Path::Avx512Bf16.available() {
             Bf16Path::Avx512Bf16
+        } else if Bf16Path::Avx512Fma.available() {
+            Bf16Path::Avx512Fma
         } else if Bf16Path::Avx2Fma.available() {
             Bf16Path::Avx2Fma
         } else {
@@ -253,6 +262,7 @@ impl Bf16Path {
         match self {
             Bf16Path::Portable => true,
             Bf16Path::Avx2Fma => avx2::available(),
+            Bf16Path::Avx512Fma => avx512::fma_available(),
             Bf16Path::Avx512Bf16 => avx512::available(),
             Bf16Path::Amx => amx::available(),
         }
@@ -263,25 +273,28 @@ impl Bf16Path {
         (!self.available()).then_some(match self {
             Bf16Path::Portable => "",
             Bf16Path::Avx2Fma => avx2::MISSING,
+            Bf16Path::Avx512Fma => avx512::MISSING_F,
             Bf16Path::Avx512Bf16 => avx512::MISSING,
             Bf16Path::Amx => amx::missing(),
         })
     }
 
-    /// The name (`portable`, `avx2-fma`, `avx512-bf16`, `amx-bf16`).
+    /// The name (`portable`, `avx2-fma`, `avx512-fma`, `avx512-bf16`, `amx-bf16`).
     pub fn name(self) -> &'static str {
         match self {
             Bf16Path::Portable => "portable",
             Bf16Path::Avx2Fma => "avx2-fma",
+            Bf16Path::Avx512Fma => "avx512-fma",
             Bf16Path::Avx512Bf16 => "avx512-bf16",
             Bf16Path::Amx => "amx-bf16",
         }
     }
 
     /// Every path, the portable one first, then from the slowest to the fastest.
-    pub const ALL: [Bf16Path; 4] = [
+    pub const ALL: [Bf16Path; 5] = [
         Bf16Path::Portable,
         Bf16Path::Avx2Fma,
+        Bf16Path::Avx512Fma,
         Bf16Path::Avx512Bf16,
         Bf16Path::Amx,
     ];
@@ -361,6 +374,7 @@ pub(crate) fn kernel_for(path: Bf16Path) -> Result<Kernel> {
     let kernel = match path {
         Bf16Path::Portable => Some(PORTABLE),
         Bf16Path::Avx2Fma => avx2::kernel().map(Kernel::avx2),
+        Bf16Path::Avx512Fma => avx512::fma_kernel().map(Kernel::vector),
         Bf16Path::Avx512Bf16 => avx512::kernel().map(Kernel::vector),
         Bf16Path::Amx => amx::kernel(),
     };
@@ -370,6 +384,7 @@ pub(crate) fn kernel_for(path: Bf16Path) -> Result<Kernel> {
         reason: match path {
             Bf16Path::Amx => "this CPU (or OS) cannot run AMX-BF16: use Bf16Path::detect()",
             Bf16Path::Avx2Fma => "this CPU lacks AVX2 and FMA: use Bf16Path::detect()",
+            Bf16Path::Avx512Fma => "this CPU lacks AVX-512 F: use Bf16Path::detect()",
             _ => "this CPU lacks AVX-512 BF16: use Bf16Path::detect()",
         },
     })
@@ -411,6 +426,7 @@ pub fn gemm_bf16_modelled(
     let kernel = match path {
         Bf16Path::Portable => PORTABLE,
         Bf16Path::Avx2Fma => Kernel::avx2(modelled_avx2_kernel),
+        Bf16Path::Avx512Fma => Kernel::vector(modelled_fma_vector_kernel),
         Bf16Path::Avx512Bf16 => Kernel::vector(modelled_vector_kernel),
         // The model's tiles are configured by each call (as LDTILECFG leaves them: every
         // tile the kernel reads is loaded first), so it needs no session.
@@ -1140,6 +1156,30 @@ vector_kernel!(
     model_ops
 );
 
+/// A software model of the AVX-512 F operations the vector kernel uses on the
+/// `avx512-fma` path, lane by lane: `dot` widens each word of two bf16 (a shift or a mask)
+/// and takes the even products, then the odd ones, each by a `VFMADD231PS` (one rounding
+/// of the exact `a · b + c`, subnormals kept).
+#[allow(dead_code)]
+mod model_fma_ops {
+    pub use super::model_ops::{broadcast, load, load_pairs, store, zero, F32x16, Pairs};
+
+    pub fn dot(acc: F32x16, a: Pairs, b: Pairs) -> F32x16 {
+        let even = |w: u32| f32::from_bits(w << 16);
+        let odd = |w: u32| f32::from_bits(w & 0xffff_0000);
+        core::array::from_fn(|l| {
+            let sum = libm::fmaf(even(a[l]), even(b[l]), acc[l]);
+            libm::fmaf(odd(a[l]), odd(b[l]), sum)
+        })
+    }
+}
+
+vector_kernel!(
+    /// The vector kernel of the `avx512-fma` path on the software model.
+    fn modelled_fma_vector_kernel,
+    model_fma_ops
+);
+
 /// The AVX2 micro-kernel's body over 8-lane vectors, written once for the hardware (`$ops`
 /// = the intrinsics) and for a software model of the same instructions, as
 /// `vector_kernel!` is. It computes the `AVX2_MR × NR` block of C as two halves of 16
@@ -1755,6 +1795,8 @@ mod avx512 {
 
     pub const MISSING: &str = "the CPU has no AVX-512 BF16 (avx512f and avx512bf16)";
 
+    pub const MISSING_F: &str = "the CPU has no AVX-512 F";
+
     pub fn available() -> bool {
         std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bf16")
@@ -1763,6 +1805,70 @@ mod avx512 {
     pub fn kernel() -> Option<MicroKernel> {
         available().then_some(avx512_kernel as MicroKernel)
     }
+
+    pub fn fma_available() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+
+    pub fn fma_kernel() -> Option<MicroKernel> {
+        fma_available().then_some(avx512_fma_kernel as MicroKernel)
+    }
+
+    /// The AVX-512 F operations the vector kernel uses on the `avx512-fma` path: as
+    /// `hw_ops`, with `dot` two fused multiply-adds of the widened operands, the even
+    /// products first (the order of the portable kernel).
+    mod hw_fma_ops {
+        use core::arch::x86_64::*;
+
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn zero() -> __m512 {
+            _mm512_setzero_ps()
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn load(p: *const f32) -> __m512 {
+            // SAFETY: the caller guarantees 16 readable floats.
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn store(p: *mut f32, v: __m512) {
+            // SAFETY: the caller guarantees 16 writable floats.
+            unsafe { _mm512_storeu_ps(p, v) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn load_pairs(p: *const u32) -> __m512i {
+            // SAFETY: the caller guarantees 16 readable words.
+            unsafe { _mm512_loadu_si512(p.cast()) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn broadcast(w: u32) -> __m512i {
+            _mm512_set1_epi32(w as i32)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn dot(acc: __m512, a: __m512i, b: __m512i) -> __m512 {
+            let mask = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+            let (a_even, b_even) = (_mm512_slli_epi32::<16>(a), _mm512_slli_epi32::<16>(b));
+            let (a_odd, b_odd) = (_mm512_and_si512(a, mask), _mm512_and_si512(b, mask));
+            let sum = _mm512_fmadd_ps(
+                _mm512_castsi512_ps(a_even),
+                _mm512_castsi512_ps(b_even),
+                acc,
+            );
+            _mm512_fmadd_ps(_mm512_castsi512_ps(a_odd), _mm512_castsi512_ps(b_odd), sum)
+        }
+    }
+
+    vector_kernel!(
+        /// The AVX-512 F micro-kernel of the `avx512-fma` path.
+        #[target_feature(enable = "avx512f")]
+        fn avx512_fma_kernel,
+        hw_fma_ops
+    );
 
     /// The AVX-512 BF16 operations the vector kernel uses.
     mod hw_ops {
@@ -1819,11 +1925,21 @@ mod avx512 {
 
     pub const MISSING: &str = "AVX-512 BF16 needs an x86-64 CPU and the `std` feature to detect it";
 
+    pub const MISSING_F: &str = "AVX-512 F needs an x86-64 CPU and the `std` feature to detect it";
+
     pub fn available() -> bool {
         false
     }
 
     pub fn kernel() -> Option<MicroKernel> {
+        None
+    }
+
+    pub fn fma_available() -> bool {
+        false
+    }
+
+    pub fn fma_kernel() -> Option<MicroKernel> {
         None
     }
 }
@@ -1908,6 +2024,10 @@ mod tests {
         let mut kernels = vec![
             ("portable", PORTABLE),
             ("vector model", Kernel::vector(modelled_vector_kernel)),
+            (
+                "AVX-512 FMA model",
+                Kernel::vector(modelled_fma_vector_kernel),
+            ),
             ("AVX2 model", Kernel::avx2(modelled_avx2_kernel)),
             ("AMX model", Kernel::amx(modelled_amx_kernel, None)),
         ];

@@ -50,7 +50,12 @@ impl Runner {
 }
 
 /// The paths with instructions of their own, which have software models.
-const MODELLED: [Bf16Path; 3] = [Bf16Path::Avx2Fma, Bf16Path::Avx512Bf16, Bf16Path::Amx];
+const MODELLED: [Bf16Path; 4] = [
+    Bf16Path::Avx2Fma,
+    Bf16Path::Avx512Fma,
+    Bf16Path::Avx512Bf16,
+    Bf16Path::Amx,
+];
 
 /// The paths this CPU can run (B packed by the product and ahead), and the models of the
 /// AVX2, AVX-512 and AMX paths.
@@ -72,6 +77,33 @@ enum Layout {
     Tn,
 }
 
+impl Layout {
+    /// A `[m, k]` and B `[k, n]` as views of `a_data` and `b_data` stored in this layout.
+    fn views<'a>(
+        self,
+        a_data: &'a [bf16],
+        b_data: &'a [bf16],
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> (MatRef<'a>, MatRef<'a>) {
+        match self {
+            Layout::Nn => (
+                MatRef::row_major(a_data, m, k).unwrap(),
+                MatRef::row_major(b_data, k, n).unwrap(),
+            ),
+            Layout::Nt => (
+                MatRef::row_major(a_data, m, k).unwrap(),
+                MatRef::row_major(b_data, n, k).unwrap().t(),
+            ),
+            Layout::Tn => (
+                MatRef::row_major(a_data, k, m).unwrap().t(),
+                MatRef::row_major(b_data, k, n).unwrap(),
+            ),
+        }
+    }
+}
+
 fn values(n: usize, seed: u64) -> Vec<bf16> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..n)
@@ -90,20 +122,7 @@ fn check(path: Runner, layout: Layout, m: usize, n: usize, k: usize, accumulate:
     let ldc = n + 3;
     let a_data = values(m * k, (m * 31 + k) as u64);
     let b_data = values(k * n, (n * 17 + k) as u64 + 7);
-    let (a, b) = match layout {
-        Layout::Nn => (
-            MatRef::row_major(&a_data, m, k).unwrap(),
-            MatRef::row_major(&b_data, k, n).unwrap(),
-        ),
-        Layout::Nt => (
-            MatRef::row_major(&a_data, m, k).unwrap(),
-            MatRef::row_major(&b_data, n, k).unwrap().t(),
-        ),
-        Layout::Tn => (
-            MatRef::row_major(&a_data, k, m).unwrap().t(),
-            MatRef::row_major(&b_data, k, n).unwrap(),
-        ),
-    };
+    let (a, b) = layout.views(&a_data, &b_data, m, n, k);
     let at = |i: usize, kk: usize| -> f64 {
         match layout {
             Layout::Tn => a_data[kk * m + i].to_f64(),
@@ -173,6 +192,7 @@ fn every_path_this_cpu_lacks_is_reported_with_the_reason() {
     let fastest = [
         Bf16Path::Amx,
         Bf16Path::Avx512Bf16,
+        Bf16Path::Avx512Fma,
         Bf16Path::Avx2Fma,
         Bf16Path::Portable,
     ]
@@ -194,8 +214,8 @@ fn each_model_adds_in_the_order_its_instruction_does() {
     // Row 0 of A holds pairs (big, 1), row 1 pairs (1, big), one AMX step deep; B is ones
     // and C starts at -16 big. A 1 added next to a multiple of big is lost, so the result
     // shows the order of the additions:
-    // - portable, in order of k: row 0 ends on big - big + 1 = 1, row 1 on 0; so does
-    //   AVX2, whose fused multiply-adds take the same order;
+    // - portable, in order of k: row 0 ends on big - big + 1 = 1, row 1 on 0; so do the
+    //   FMA paths, whose fused multiply-adds take the same order;
     // - VDPBF16PS adds the odd product of each pair first: row 0 ends on 0, row 1 on 1;
     // - TDPBF16PS sums the even and the odd products apart and adds their sum to C:
     //   16 big + 16 rounds to 16 big, so both rows end on 0.
@@ -218,6 +238,7 @@ fn each_model_adds_in_the_order_its_instruction_does() {
     for (path, want) in [
         (Bf16Path::Portable, [1.0, 0.0]),
         (Bf16Path::Avx2Fma, [1.0, 0.0]),
+        (Bf16Path::Avx512Fma, [1.0, 0.0]),
         (Bf16Path::Avx512Bf16, [0.0, 1.0]),
         (Bf16Path::Amx, [0.0, 0.0]),
     ] {
@@ -286,37 +307,24 @@ fn the_portable_path_equals_the_f32_product_of_the_widened_operands_bit_for_bit(
     }
 }
 
-/// The AVX2 path's fused multiply-adds round where the portable path's adds do (a product
-/// of two bf16 is exact in f32), so with no product subnormal or overflowing it gives the
-/// portable path's bits: its model everywhere, the hardware where the CPU has it, in the
-/// three layouts and across its row panels, column halves and the k blocks.
+/// The FMA paths' fused multiply-adds round where the portable path's adds do (a product
+/// of two bf16 is exact in f32), so with no product subnormal or overflowing they give the
+/// portable path's bits: their models everywhere, the hardware where the CPU has it, in
+/// the three layouts and across their row panels, column halves and the k blocks.
 #[test]
-fn the_avx2_path_gives_the_portable_paths_bits() {
-    let (m, n, k) = (MC + AVX2_MR + 1, NR + NR / 2 + 3, KC + 7);
-    let mut runners = vec![Runner::Model(Bf16Path::Avx2Fma)];
-    if Bf16Path::Avx2Fma.available() {
-        runners.extend([
-            Runner::Hardware(Bf16Path::Avx2Fma),
-            Runner::Packed(Bf16Path::Avx2Fma),
-        ]);
+fn the_fma_paths_give_the_portable_paths_bits() {
+    let (m, n, k) = (MC + AVX2_MR + MR + 1, NR + NR / 2 + 3, KC + 7);
+    let mut runners = Vec::new();
+    for path in [Bf16Path::Avx2Fma, Bf16Path::Avx512Fma] {
+        runners.push(Runner::Model(path));
+        if path.available() {
+            runners.extend([Runner::Hardware(path), Runner::Packed(path)]);
+        }
     }
     let a_data = values(m * k, 21);
     let b_data = values(k * n, 22);
     for layout in [Layout::Nn, Layout::Nt, Layout::Tn] {
-        let (a, b) = match layout {
-            Layout::Nn => (
-                MatRef::row_major(&a_data, m, k).unwrap(),
-                MatRef::row_major(&b_data, k, n).unwrap(),
-            ),
-            Layout::Nt => (
-                MatRef::row_major(&a_data, m, k).unwrap(),
-                MatRef::row_major(&b_data, n, k).unwrap().t(),
-            ),
-            Layout::Tn => (
-                MatRef::row_major(&a_data, k, m).unwrap().t(),
-                MatRef::row_major(&b_data, k, n).unwrap(),
-            ),
-        };
+        let (a, b) = layout.views(&a_data, &b_data, m, n, k);
         for accumulate in [false, true] {
             let c0: Vec<f32> = (0..m * n).map(|i| (i % 9) as f32 * 0.125 - 0.5).collect();
             let mut want = c0.clone();

@@ -135,7 +135,7 @@ pub fn run_rank(
 pub(crate) fn bf16_path_note(path: Bf16Path) -> String {
     let expect = match path {
         Bf16Path::Amx | Bf16Path::Avx512Bf16 => "bf16 instructions",
-        Bf16Path::Avx2Fma => {
+        Bf16Path::Avx2Fma | Bf16Path::Avx512Fma => {
             "this CPU has no bf16 instruction: the operands are widened to f32 in registers, \
              so the products run at about f32's speed"
         }
@@ -162,7 +162,10 @@ mod tests {
             let slower = note.contains("no bf16 instruction") || note.contains("neither");
             assert_eq!(
                 slower,
-                matches!(path, Bf16Path::Avx2Fma | Bf16Path::Portable),
+                matches!(
+                    path,
+                    Bf16Path::Avx2Fma | Bf16Path::Avx512Fma | Bf16Path::Portable
+                ),
                 "{note}"
             );
         }

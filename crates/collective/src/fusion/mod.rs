@@ -36,17 +36,20 @@
 //!
 //! What a fused step of N small tensors costs beyond one all-reduce of the same bytes:
 //! one negotiation round (a bit vector once every name is cached), the copy of every
-//! element into the fusion buffer and back, and a few operations per tensor (its slot,
-//! its bit, its result). A group submitted again with the same [`TensorNames`] goes by the
-//! ids its names had, without a look-up of each name; [`FusionEngine::all_reduce_group`]
-//! of such a group on an otherwise idle engine skips the queue altogether (the
-//! cached-group step: one round whose messages are compared as bytes, then the fused
-//! reduction from and back to the caller's tensors). When every rank took that step with
-//! the same group (up to 1 MiB, without scaling or wire compression), every rank is armed:
-//! the group's next step is its reduction alone, with one vote slot per ring chunk that
-//! every other cycle (another group, a changed shape, single submissions, shutdown, an
-//! idle engine) turns against it, which ends it on every rank at once and hands the step
-//! to the general path. `ringtrain bench allreduce` prints the ratio as its
+//! element into the fusion buffer and back where the tensors are not reduced where they
+//! lie ([`Communicator::all_reduce_pieces`]: tensors of at least
+//! [`crate::MIN_IN_PLACE_PIECE_BYTES`] on average, with an algorithm that carves them),
+//! and a few operations per tensor (its slot, its bit, its result). A group submitted
+//! again with the same [`TensorNames`] goes by the ids its names had, without a look-up of
+//! each name; [`FusionEngine::all_reduce_group`] of such a group on an otherwise idle
+//! engine skips the queue altogether (the cached-group step: one round whose messages are
+//! compared as bytes, then the fused reduction of the caller's tensors). When every rank
+//! took that step with the same group, every rank is armed: the group's next step has no
+//! round, only its votes, which every other cycle (another group, a changed shape, single
+//! submissions, shutdown, an idle engine) turns against it, which ends it on every rank at
+//! once and hands the step to the general path. A small group (at most 64 KiB, without
+//! scaling or wire compression) votes in one slot per ring chunk of its fused reduction; a
+//! larger one in an all-reduce of one element before its reduction in place. `ringtrain bench allreduce` prints the ratio as its
 //! `fusion_overhead` rows; see the measured rows in the docs of
 //! [`crate::algorithm_choice`].
 
