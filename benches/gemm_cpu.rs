@@ -407,7 +407,7 @@ fn one_and_two_threads(
 /// GFLOP/s of `VFMADD231PS` on 256-bit vectors at its peak on 1 and on 2 threads: a loop of
 /// 12 independent instructions on registers (no memory traffic; 12 of the 16 vector
 /// registers, more than the instruction's latency times its throughput), the ceiling of the
-/// `avx2-fma` path; `None` where the CPU lacks AVX2 and FMA.
+/// `avx2-fma` path; `None` where the CPU lacks AVX2 or FMA.
 fn fma_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<[f64; 2]> {
     #[cfg(target_arch = "x86_64")]
     {

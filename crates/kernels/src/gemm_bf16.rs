@@ -383,7 +383,7 @@ pub(crate) fn kernel_for(path: Bf16Path) -> Result<Kernel> {
         value: Value::Count(path as usize),
         reason: match path {
             Bf16Path::Amx => "this CPU (or OS) cannot run AMX-BF16: use Bf16Path::detect()",
-            Bf16Path::Avx2Fma => "this CPU lacks AVX2 and FMA: use Bf16Path::detect()",
+            Bf16Path::Avx2Fma => "this CPU lacks AVX2 or FMA: use Bf16Path::detect()",
             Bf16Path::Avx512Fma => "this CPU lacks AVX-512 F: use Bf16Path::detect()",
             _ => "this CPU lacks AVX-512 BF16: use Bf16Path::detect()",
         },
@@ -412,9 +412,10 @@ pub fn gemm_bf16(
 /// the same driver, packing and tile walking as the hardware path, so it tests them on
 /// CPUs without the instructions; it is slow, and meant for tests.
 ///
-/// The models follow the instruction set reference: subnormal bf16 inputs read as zero,
-/// subnormal results flushed to zero, round to nearest even. The portable path is its own
-/// model.
+/// The models follow the instruction set reference, rounding to nearest even: `VDPBF16PS`
+/// and `TDPBF16PS` read subnormal bf16 inputs as zero and flush subnormal results to zero;
+/// `VFMADD231PS` (the FMA paths) rounds the exact `a · b + c` once and keeps subnormals, as
+/// under MXCSR's defaults. The portable path is its own model.
 pub fn gemm_bf16_modelled(
     path: Bf16Path,
     a: MatRef<'_>,
@@ -1703,7 +1704,8 @@ mod amx {
 mod avx2 {
     use super::MicroKernel;
 
-    pub const MISSING: &str = "the CPU has no AVX2 and FMA (Intel Haswell, AMD Zen and later)";
+    pub const MISSING: &str =
+        "the CPU lacks AVX2 or FMA (Intel Haswell, AMD Zen and later have both)";
 
     pub fn available() -> bool {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")

@@ -4,7 +4,7 @@
 //!
 //! The twins run the same source with wider vectors. The row kernels use no fused
 //! multiply-add and no reassociation (Rust never contracts or reorders float arithmetic on
-//! its own), and their lane sums keep their fixed lane count, so both twins give the same
+//! its own), and their lane sums keep their fixed lane count, so every twin gives the same
 //! bits on every input; the tests of each kernel hold for whichever twin the CPU takes.
 
 /// Whether this CPU runs the AVX-512 twins (F, BW, DQ and VL; the answer is cached by
