@@ -84,13 +84,12 @@ impl ReductionUnit {
     }
 }
 
-/// A packing plan computed once from the gradient list, and the buffer it reuses.
+/// A packing plan computed once from the gradient list.
 #[derive(Debug)]
 pub struct GradientPacker {
     specs: Vec<GradientSpec>,
     config: PackingConfig,
     units: Vec<ReductionUnit>,
-    buffer: Vec<u64>,
 }
 
 impl GradientPacker {
@@ -136,7 +135,6 @@ impl GradientPacker {
             specs,
             config,
             units,
-            buffer: Vec::new(),
         })
     }
 
@@ -157,6 +155,11 @@ impl GradientPacker {
 
     /// All-reduces every gradient by the plan. `grads` must match the specs in order,
     /// dtype and length.
+    ///
+    /// Each unit is reduced where its pieces lie in the gradients, with the bits of one
+    /// all-reduce of the pieces concatenated (as tf_cnn_benchmarks' concat, all-reduce and
+    /// split give them), without copying them into a buffer of its own and back where the
+    /// algorithm reduces pieces in place ([`Communicator::all_reduce_pieces`]).
     pub fn all_reduce(
         &mut self,
         comm: &mut Communicator,
@@ -188,12 +191,10 @@ impl GradientPacker {
         }
         for unit in &self.units {
             match unit.dtype {
-                DType::F32 => reduce_unit::<f32>(comm, unit, grads, &mut self.buffer, opts)?,
-                DType::F64 => reduce_unit::<f64>(comm, unit, grads, &mut self.buffer, opts)?,
-                DType::F16 => reduce_unit::<half::f16>(comm, unit, grads, &mut self.buffer, opts)?,
-                DType::BF16 => {
-                    reduce_unit::<half::bf16>(comm, unit, grads, &mut self.buffer, opts)?
-                }
+                DType::F32 => reduce_unit::<f32>(comm, unit, grads, opts)?,
+                DType::F64 => reduce_unit::<f64>(comm, unit, grads, opts)?,
+                DType::F16 => reduce_unit::<half::f16>(comm, unit, grads, opts)?,
+                DType::BF16 => reduce_unit::<half::bf16>(comm, unit, grads, opts)?,
             }
         }
         Ok(())
@@ -212,38 +213,43 @@ fn typed<'a, T: Element>(g: &'a mut TensorMut<'_>) -> Result<&'a mut [T]> {
     })
 }
 
+/// All-reduces `unit` where its pieces lie in the gradients
+/// ([`Communicator::all_reduce_pieces`], which copies them into one buffer only where the
+/// algorithm or the pieces' sizes call for it): the bits of one all-reduce of the pieces
+/// concatenated.
 fn reduce_unit<T: Element>(
     comm: &mut Communicator,
     unit: &ReductionUnit,
     grads: &mut [TensorMut<'_>],
-    buffer: &mut Vec<u64>,
     opts: &AllReduceOptions,
 ) -> Result<()> {
-    if let [piece] = unit.pieces.as_slice() {
-        let g = typed::<T>(&mut grads[piece.grad])?;
-        return comm.all_reduce(&mut g[piece.offset..piece.offset + piece.len], opts);
-    }
-    let len = unit.len();
-    let words = (len * T::BYTES).div_ceil(8);
-    if buffer.len() < words {
-        buffer.resize(words, 0);
-    }
-    let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buffer[..words])[..len * T::BYTES];
-    let fused: &mut [T] = bytemuck::cast_slice_mut(bytes);
-    let mut at = 0;
+    // Each gradient's part of the unit as one range: a plan's pieces come in list order,
+    // and the pieces one gradient has in a unit (its packs aggregated together) follow
+    // each other.
+    let mut ranges: Vec<(usize, std::ops::Range<usize>)> = Vec::with_capacity(unit.pieces.len());
     for p in &unit.pieces {
-        let g = typed::<T>(&mut grads[p.grad])?;
-        fused[at..at + p.len].copy_from_slice(&g[p.offset..p.offset + p.len]);
-        at += p.len;
+        match ranges.last_mut() {
+            Some((grad, range)) if *grad == p.grad && range.end == p.offset => range.end += p.len,
+            _ => ranges.push((p.grad, p.offset..p.offset + p.len)),
+        }
     }
-    comm.all_reduce(fused, opts)?;
-    let mut at = 0;
-    for p in &unit.pieces {
-        let g = typed::<T>(&mut grads[p.grad])?;
-        g[p.offset..p.offset + p.len].copy_from_slice(&fused[at..at + p.len]);
-        at += p.len;
+    let mut pieces: Vec<&mut [T]> = Vec::with_capacity(ranges.len());
+    // `rest` holds the gradients from index `first` on.
+    let (mut rest, mut first) = (grads, 0);
+    for (grad, range) in ranges {
+        if grad < first {
+            return Err(Error::invalid(
+                "packing plan",
+                format!("gradient {grad} appears twice, apart, in one reduction"),
+                "plans come from GradientPacker::new, which never makes one",
+            ));
+        }
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(grad - first + 1);
+        let g = typed::<T>(&mut head[grad - first])?;
+        pieces.push(&mut g[range]);
+        (rest, first) = (tail, grad + 1);
     }
-    Ok(())
+    comm.all_reduce_pieces(&mut pieces, opts)
 }
 
 /// Concatenates the gradients of each dtype (dtypes in order of first appearance) and

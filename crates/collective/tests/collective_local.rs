@@ -507,6 +507,90 @@ proptest! {
     }
 }
 
+/// The packer reduces each unit where its pieces lie in the gradients, with the bits of
+/// the definition (the unit's pieces concatenated, all-reduced as one buffer, split back)
+/// for inputs whose sums depend on their order: gradients large enough to be reduced in
+/// place, packs that cut through them, and small gradients and packs aggregated (packs of
+/// one gradient aggregated together make one piece of it), with each algorithm.
+#[test]
+fn gradient_packing_gives_the_bits_of_concatenating_reducing_and_splitting() {
+    let lens = [5000usize, 3, 7000, 40, 2, 9000];
+    let specs: Vec<GradientSpec> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| GradientSpec::new(format!("v{i}"), DType::F32, l))
+        .collect();
+    for (repacking, agg_bytes) in [(0, 0), (4, 0), (0, 256), (40, 4096)] {
+        let config = PackingConfig {
+            gradient_repacking: repacking,
+            agg_small_grads_max_bytes: agg_bytes,
+            agg_small_grads_max_group: 4,
+        };
+        for algorithm in [
+            Algorithm::Ring,
+            Algorithm::HalvingDoubling,
+            Algorithm::ScatterGather,
+            Algorithm::Direct,
+            Algorithm::Auto,
+        ] {
+            let opts = AllReduceOptions::sum().algorithm(algorithm);
+            let outs = Communicator::run_local(3, |mut comm| -> Result<_, Error> {
+                let r = comm.rank();
+                let mut packer = GradientPacker::new(specs.clone(), config)?;
+                let grads: Vec<Vec<f32>> = lens
+                    .iter()
+                    .enumerate()
+                    .map(|(g, &l)| {
+                        (0..l)
+                            .map(|i| order_sensitive_input(r, i + 10_000 * g) as f32)
+                            .collect()
+                    })
+                    .collect();
+                let mut want = grads.clone();
+                for unit in packer.units() {
+                    let mut joined: Vec<f32> = unit
+                        .pieces
+                        .iter()
+                        .flat_map(|p| want[p.grad][p.offset..p.offset + p.len].to_vec())
+                        .collect();
+                    comm.all_reduce(&mut joined, &opts)?;
+                    let mut at = 0;
+                    for p in &unit.pieces {
+                        want[p.grad][p.offset..p.offset + p.len]
+                            .copy_from_slice(&joined[at..at + p.len]);
+                        at += p.len;
+                    }
+                }
+                let mut got = grads;
+                let mut views: Vec<TensorMut<'_>> = got
+                    .iter_mut()
+                    .map(|g| TensorMut::from(&mut g[..]))
+                    .collect();
+                packer.all_reduce(&mut comm, &mut views, &opts)?;
+                let merged = packer
+                    .units()
+                    .iter()
+                    .any(|u| u.pieces.windows(2).any(|w| w[0].grad == w[1].grad));
+                Ok((got, want, merged))
+            })
+            .expect("run");
+            for (rank, out) in outs.into_iter().enumerate() {
+                let (got, want, merged) = out.expect("rank");
+                if repacking == 40 {
+                    assert!(merged, "packs of one gradient were aggregated together");
+                }
+                for (g, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        bits(a),
+                        bits(b),
+                        "rank {rank}, gradient {g}, {algorithm}, repacking {repacking}, agg {agg_bytes}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 fn fill(t: &mut Tensor, rank: usize, salt: usize) {
     match t {
         Tensor::F32(v) => v
