@@ -380,9 +380,18 @@ impl<'d, 'b> Incoming<'d, 'b> {
     }
 }
 
-/// The pieces of `pieces` with bytes in them, with their addresses and lengths.
+/// The pieces of `pieces` with bytes in them.
 fn nonempty<'b>(pieces: &[&'b [u8]]) -> pieces::Bytes<'b> {
     pieces.iter().copied().filter(|p| !p.is_empty()).collect()
+}
+
+/// The pieces of `pieces` with bytes in them, to write.
+fn nonempty_mut<'b>(pieces: &'b mut [&mut [u8]]) -> pieces::BytesMut<'b> {
+    pieces
+        .iter_mut()
+        .map(|p| &mut **p)
+        .filter(|p| !p.is_empty())
+        .collect()
 }
 
 fn addresses<P: AsRef<[u8]>>(
@@ -551,11 +560,7 @@ impl Transport for MpiTransport {
     /// Several pieces are received as one message through a datatype of their blocks,
     /// where they lie.
     fn recv_pieces(&self, peer: usize, buf: &mut [&mut [u8]]) -> Result<()> {
-        let mut buf: pieces::BytesMut = buf
-            .iter_mut()
-            .map(|p| &mut **p)
-            .filter(|p| !p.is_empty())
-            .collect();
+        let mut buf = nonempty_mut(buf);
         let len = pieces::total(&buf);
         self.check(peer, len)?;
         let datatype = self.layouts.datatype(self.rank, addresses(&buf))?;
@@ -577,11 +582,7 @@ impl Transport for MpiTransport {
         recv: &mut [&mut [u8]],
     ) -> Result<()> {
         let send = nonempty(send);
-        let mut recv: pieces::BytesMut = recv
-            .iter_mut()
-            .map(|p| &mut **p)
-            .filter(|p| !p.is_empty())
-            .collect();
+        let mut recv = nonempty_mut(recv);
         let len = pieces::total(&recv);
         self.check(to, pieces::total(&send))?;
         self.check(from, len)?;
@@ -692,15 +693,7 @@ impl Transport for MpiTransport {
         let (n, r) = (self.size, self.rank);
         check_all_to_all_len(r, n, sends.len(), recvs.len())?;
         let sends: Vec<pieces::Bytes> = sends.iter().map(|s| nonempty(s)).collect();
-        let mut recvs: Vec<pieces::BytesMut> = recvs
-            .iter_mut()
-            .map(|p| {
-                p.iter_mut()
-                    .map(|p| &mut **p)
-                    .filter(|p| !p.is_empty())
-                    .collect()
-            })
-            .collect();
+        let mut recvs: Vec<pieces::BytesMut> = recvs.iter_mut().map(|p| nonempty_mut(p)).collect();
         let expected: Vec<usize> = recvs.iter().map(|p| pieces::total(p)).collect();
         for peer in (0..n).filter(|&p| p != r) {
             self.check(peer, pieces::total(&sends[peer]).max(expected[peer]))?;

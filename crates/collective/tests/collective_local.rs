@@ -793,14 +793,32 @@ fn fusion_stall_becomes_an_error_naming_the_missing_ranks() {
     }
 }
 
-#[test]
-fn fusion_timeline_is_chrome_trace_json_with_every_phase() {
+/// A fusion config that writes its timeline into a fresh directory (kept while the first
+/// value lives), and the timeline's path.
+fn timeline_config() -> (tempfile::TempDir, std::path::PathBuf, FusionConfig) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("trace.json");
     let config = FusionConfig {
         timeline: Some(path.clone()),
         ..FusionConfig::default()
     };
+    (dir, path, config)
+}
+
+/// The events of rank `rank`'s timeline file for `path`, checked to be JSON.
+fn timeline_events(path: &std::path::Path, rank: usize) -> Vec<serde_json::Value> {
+    let file = ringtrain_collective::timeline_path_for_rank(path, rank);
+    let text = std::fs::read_to_string(&file).expect("timeline written");
+    let mut json: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+    match json["traceEvents"].take() {
+        serde_json::Value::Array(events) => events,
+        other => panic!("traceEvents is not an array: {other}"),
+    }
+}
+
+#[test]
+fn fusion_timeline_is_chrome_trace_json_with_every_phase() {
+    let (_dir, path, config) = timeline_config();
     Communicator::run_local(2, |comm| {
         let engine = FusionEngine::start(comm, config.clone()).expect("start");
         let hs = vec![
@@ -812,10 +830,7 @@ fn fusion_timeline_is_chrome_trace_json_with_every_phase() {
     })
     .expect("run");
     for rank in 0..2 {
-        let file = ringtrain_collective::timeline_path_for_rank(&path, rank);
-        let text = std::fs::read_to_string(&file).expect("timeline written");
-        let json: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
-        let events = json["traceEvents"].as_array().expect("traceEvents");
+        let events = timeline_events(&path, rank);
         let phases: Vec<&str> = events
             .iter()
             .filter(|e| e["ph"] == "X")
@@ -838,12 +853,7 @@ fn fusion_timeline_is_chrome_trace_json_with_every_phase() {
 /// all-reduce of the tensors laid end to end.
 #[test]
 fn large_tensors_are_fused_in_place_with_the_fusion_buffers_bits() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("trace.json");
-    let config = FusionConfig {
-        timeline: Some(path.clone()),
-        ..FusionConfig::default()
-    };
+    let (_dir, path, config) = timeline_config();
     // Above the pieces' minimum, and together past the sizes `auto` reduces directly.
     let large = 8 * ringtrain_collective::MIN_IN_PLACE_PIECE_BYTES;
     let outs = Communicator::run_local(3, |comm| -> Result<(), Error> {
@@ -875,15 +885,8 @@ fn large_tensors_are_fused_in_place_with_the_fusion_buffers_bits() {
     .expect("run");
     for (rank, out) in outs.into_iter().enumerate() {
         out.expect("rank");
-        let file = ringtrain_collective::timeline_path_for_rank(&path, rank);
-        let text = std::fs::read_to_string(&file).expect("timeline written");
-        let json: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
-        let spans: Vec<&serde_json::Value> = json["traceEvents"]
-            .as_array()
-            .expect("traceEvents")
-            .iter()
-            .filter(|e| e["ph"] == "X")
-            .collect();
+        let events = timeline_events(&path, rank);
+        let spans: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
         let count = |name: &str, in_place: bool| {
             spans
                 .iter()

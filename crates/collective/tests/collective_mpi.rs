@@ -100,6 +100,17 @@ fn same_on_every_rank(comm: &mut Communicator, bytes: &[u8]) -> Result<bool, Err
     Ok(all.iter().all(|b| b == &all[0]))
 }
 
+/// Every algorithm, `MPI_Allreduce` and `auto` included.
+const ALGORITHMS: [Algorithm; 7] = [
+    Algorithm::Ring,
+    Algorithm::RecursiveDoubling,
+    Algorithm::HalvingDoubling,
+    Algorithm::Direct,
+    Algorithm::ScatterGather,
+    Algorithm::Auto,
+    Algorithm::Mpi,
+];
+
 fn check_algorithms<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
     let (r, n) = (comm.rank(), comm.size());
     for &len in &[0usize, 1, 2, 3, 5, 7, 1009, 4999, 70_001] {
@@ -109,15 +120,7 @@ fn check_algorithms<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
             ReduceOp::Min,
             ReduceOp::Max,
         ] {
-            for alg in [
-                Algorithm::Ring,
-                Algorithm::RecursiveDoubling,
-                Algorithm::HalvingDoubling,
-                Algorithm::Direct,
-                Algorithm::ScatterGather,
-                Algorithm::Auto,
-                Algorithm::Mpi,
-            ] {
+            for alg in ALGORITHMS {
                 comm.set_segment_bytes(if len % 2 == 0 { 4096 } else { 256 * 1024 });
                 let mut v: Vec<T> = (0..len).map(|i| T::from_f64(input(r, i))).collect();
                 let opts = AllReduceOptions::with_op(op).algorithm(alg);
@@ -154,15 +157,7 @@ fn check_pieces<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
         let large = [0usize, 300, 1, 0, 2000, len - 2301];
         let tiny: Vec<usize> = (0..len).step_by(17).map(|i| 17.min(len - i)).collect();
         for lens in [&large[..], &tiny[..]] {
-            for alg in [
-                Algorithm::Ring,
-                Algorithm::RecursiveDoubling,
-                Algorithm::HalvingDoubling,
-                Algorithm::Direct,
-                Algorithm::ScatterGather,
-                Algorithm::Auto,
-                Algorithm::Mpi,
-            ] {
+            for alg in ALGORITHMS {
                 comm.set_segment_bytes(if len % 2 == 0 { 256 * 1024 } else { 4096 });
                 let opts = AllReduceOptions::sum().algorithm(alg);
                 for pass in 0..2 {
@@ -272,15 +267,7 @@ fn check_non_finite<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
                     );
                 }
             };
-            for alg in [
-                Algorithm::Ring,
-                Algorithm::RecursiveDoubling,
-                Algorithm::HalvingDoubling,
-                Algorithm::Direct,
-                Algorithm::ScatterGather,
-                Algorithm::Auto,
-                Algorithm::Mpi,
-            ] {
+            for alg in ALGORITHMS {
                 let mut v = input.clone();
                 comm.all_reduce(&mut v, &AllReduceOptions::with_op(op).algorithm(alg))?;
                 check(alg.name(), &v);

@@ -1105,31 +1105,50 @@ macro_rules! vector_kernel {
     };
 }
 
+/// Lane-by-lane vector operations the software models share, for vectors of any width
+/// (each model names its own vector types, which fix the width).
+mod model_lanes {
+    pub unsafe fn load<const N: usize>(p: *const f32) -> [f32; N] {
+        // SAFETY: the caller guarantees N readable floats.
+        unsafe { core::ptr::read_unaligned(p as *const [f32; N]) }
+    }
+    pub unsafe fn store<const N: usize>(p: *mut f32, v: [f32; N]) {
+        // SAFETY: the caller guarantees N writable floats.
+        unsafe { core::ptr::write_unaligned(p as *mut [f32; N], v) }
+    }
+    pub unsafe fn load_words<const N: usize>(p: *const u32) -> [u32; N] {
+        // SAFETY: the caller guarantees N readable words.
+        unsafe { core::ptr::read_unaligned(p as *const [u32; N]) }
+    }
+    pub fn splat<const N: usize>(w: u32) -> [u32; N] {
+        [w; N]
+    }
+    /// Each word's even (low) bf16, widened.
+    pub fn even<const N: usize>(w: [u32; N]) -> [f32; N] {
+        w.map(super::widen)
+    }
+    /// Each word's odd (high) bf16, widened.
+    pub fn odd<const N: usize>(w: [u32; N]) -> [f32; N] {
+        w.map(|x| super::widen(x >> 16))
+    }
+    /// `VFMADD231PS`: `a · b + acc` in each lane, rounded once.
+    pub fn fma<const N: usize>(a: [f32; N], b: [f32; N], acc: [f32; N]) -> [f32; N] {
+        core::array::from_fn(|l| libm::fmaf(a[l], b[l], acc[l]))
+    }
+}
+
 /// A software model of the AVX-512 BF16 operations the vector kernel uses, lane by lane
 /// as the instruction set reference describes `VDPBF16PS` (the high pair first, subnormal
 /// inputs as zero, subnormal results flushed to zero).
 #[allow(dead_code)]
 mod model_ops {
+    pub use super::model_lanes::{load, load_words as load_pairs, splat as broadcast, store};
+
     pub type F32x16 = [f32; 16];
     pub type Pairs = [u32; 16];
 
     pub fn zero() -> F32x16 {
         [0.0; 16]
-    }
-    pub unsafe fn load(p: *const f32) -> F32x16 {
-        // SAFETY: the caller guarantees 16 readable floats.
-        unsafe { core::ptr::read_unaligned(p as *const F32x16) }
-    }
-    pub unsafe fn store(p: *mut f32, v: F32x16) {
-        // SAFETY: the caller guarantees 16 writable floats.
-        unsafe { core::ptr::write_unaligned(p as *mut F32x16, v) }
-    }
-    pub unsafe fn load_pairs(p: *const u32) -> Pairs {
-        // SAFETY: the caller guarantees 16 readable words.
-        unsafe { core::ptr::read_unaligned(p as *const Pairs) }
-    }
-    pub fn broadcast(w: u32) -> Pairs {
-        [w; 16]
     }
     fn daz(x: f32) -> f32 {
         if x.is_subnormal() {
@@ -1163,15 +1182,11 @@ vector_kernel!(
 /// of the exact `a · b + c`, subnormals kept).
 #[allow(dead_code)]
 mod model_fma_ops {
+    use super::model_lanes::{even, fma, odd};
     pub use super::model_ops::{broadcast, load, load_pairs, store, zero, F32x16, Pairs};
 
     pub fn dot(acc: F32x16, a: Pairs, b: Pairs) -> F32x16 {
-        let even = |w: u32| f32::from_bits(w << 16);
-        let odd = |w: u32| f32::from_bits(w & 0xffff_0000);
-        core::array::from_fn(|l| {
-            let sum = libm::fmaf(even(a[l]), even(b[l]), acc[l]);
-            libm::fmaf(odd(a[l]), odd(b[l]), sum)
-        })
+        fma(odd(a), odd(b), fma(even(a), even(b), acc))
     }
 }
 
@@ -1243,35 +1258,10 @@ macro_rules! avx2_kernel {
 /// even) of the exact `a · b + c`, subnormals kept (MXCSR's defaults).
 #[allow(dead_code)]
 mod model_avx2_ops {
-    pub type F32x8 = [f32; 8];
-    pub type Words = [u32; 8];
+    pub use super::model_lanes::{even, fma, load, load_words, odd, splat, store};
 
-    pub fn zero() -> F32x8 {
+    pub fn zero() -> [f32; 8] {
         [0.0; 8]
-    }
-    pub unsafe fn load(p: *const f32) -> F32x8 {
-        // SAFETY: the caller guarantees 8 readable floats.
-        unsafe { core::ptr::read_unaligned(p as *const F32x8) }
-    }
-    pub unsafe fn store(p: *mut f32, v: F32x8) {
-        // SAFETY: the caller guarantees 8 writable floats.
-        unsafe { core::ptr::write_unaligned(p as *mut F32x8, v) }
-    }
-    pub unsafe fn load_words(p: *const u32) -> Words {
-        // SAFETY: the caller guarantees 8 readable words.
-        unsafe { core::ptr::read_unaligned(p as *const Words) }
-    }
-    pub fn splat(w: u32) -> Words {
-        [w; 8]
-    }
-    pub fn even(w: Words) -> F32x8 {
-        w.map(|x| f32::from_bits(x << 16))
-    }
-    pub fn odd(w: Words) -> F32x8 {
-        w.map(|x| f32::from_bits(x & 0xffff_0000))
-    }
-    pub fn fma(a: F32x8, b: F32x8, acc: F32x8) -> F32x8 {
-        core::array::from_fn(|l| libm::fmaf(a[l], b[l], acc[l]))
     }
 }
 
