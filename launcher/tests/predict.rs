@@ -281,6 +281,17 @@ fn the_report_lists_every_gradient_range_once_in_backward_order() {
     let (ok, stdout, stderr) = run(&args);
     assert!(ok, "{stdout}\n{stderr}");
     let json: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    // The step's spread: 101 quantiles of the timed steps' compute, from the fastest
+    // step to the slowest.
+    let quantiles: Vec<f64> = json["per_rank"][0]["compute_quantiles"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no compute_quantiles: {json}"))
+        .iter()
+        .map(|q| q.as_f64().unwrap())
+        .collect();
+    assert_eq!(quantiles.len(), 101, "{quantiles:?}");
+    assert!(quantiles[0] > 0.0, "{quantiles:?}");
+    assert!(quantiles.windows(2).all(|w| w[0] <= w[1]), "{quantiles:?}");
     let ready = json["per_rank"][0]["gradient_ready"].as_array().unwrap();
     assert!(ready.len() > 1, "{ready:?}");
     let mut spans: Vec<(u64, u64)> = ready
@@ -421,7 +432,22 @@ fn validate_runs_calibrates_measures_and_ends_with_the_largest_error() {
     args.extend_from_slice(TINY);
     let (ok, stdout, stderr) = run(&args);
     assert!(ok, "{stdout}\n{stderr}");
-    assert!(stdout.contains("calibration: 1 rank"), "{stdout}");
+    assert!(
+        stdout.contains("calibration, median of 1 round(s): 1 rank"),
+        "{stdout}"
+    );
+    // The round's line: its calibration, and each count predicted (with the wait for
+    // the slowest rank) and measured.
+    let round = stdout
+        .lines()
+        .find(|l| l.starts_with("round 1: 1 rank "))
+        .unwrap_or_else(|| panic!("no round line: {stdout}"));
+    for n in [2, 3] {
+        assert!(
+            round.contains(&format!("; {n} ranks predicted ")) && round.contains("stragglers"),
+            "{round}"
+        );
+    }
     // The model assumed the node's cores (not the one core mpirun bound the calibration
     // rank to) and the calibration's one thread per rank, and says so.
     let cores = node_cores();

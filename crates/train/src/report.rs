@@ -69,6 +69,12 @@ pub struct RankFigures {
     /// gradients stay on the device: one rank on cuda).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gradient_ready: Vec<GradientReady>,
+    /// Its timed steps' compute (wall time less the communication wait) at the 0th,
+    /// 1st, ..., 100th percentile, seconds (see
+    /// [`crate::ThroughputSummary::compute_quantiles`]). The scaling model reads them to
+    /// tell how long a synchronised step waits for its slowest rank.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub compute_quantiles: Vec<f64>,
 }
 
 /// One pipeline stage's mean time per timed batch.

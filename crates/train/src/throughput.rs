@@ -96,6 +96,29 @@ pub fn jitter(values: &[f64]) -> f64 {
     1.4826 * median(&dev)
 }
 
+/// How many quantiles [`ThroughputSummary::compute_quantiles`] holds: the 0th, 1st, ...,
+/// 100th percentile.
+pub const COMPUTE_QUANTILES: usize = 101;
+
+/// `count` (at least 2) quantiles of `values`, evenly spaced from the smallest (0) to the
+/// largest (1), each interpolated linearly between the two sorted values around it;
+/// empty for no values.
+pub fn quantiles(values: &[f64], count: usize) -> Vec<f64> {
+    if values.is_empty() || count < 2 {
+        return Vec::new();
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let last = (v.len() - 1) as f64;
+    (0..count)
+        .map(|k| {
+            let at = k as f64 / (count - 1) as f64 * last;
+            let (lo, hi) = (at.floor() as usize, at.ceil() as usize);
+            v[lo] + (v[hi] - v[lo]) * (at - lo as f64)
+        })
+        .collect()
+}
+
 /// Mean and jitter of per-step rates.
 pub fn rate_stats(rates: &[f64]) -> RateStats {
     if rates.is_empty() {
@@ -130,6 +153,12 @@ pub struct ThroughputSummary {
     pub per_step: RateStats,
     /// Mean time per timed step for each phase.
     pub mean_breakdown: StepBreakdown,
+    /// The timed steps' own compute (wall time less the communication wait) at the
+    /// 0th, 1st, ..., 100th percentile ([`COMPUTE_QUANTILES`] values; empty before the
+    /// first timed step): how much a rank's step varies, which decides how long the
+    /// ranks of a synchronised step wait for the slowest.
+    #[serde(default)]
+    pub compute_quantiles: Vec<f64>,
     /// Loss of the last step.
     pub final_loss: f64,
 }
@@ -208,6 +237,14 @@ impl ThroughputMeter {
             words_per_sec: words_per_sec(timed_words, timed_seconds),
             per_step: self.current(),
             mean_breakdown: sum.scaled(1.0 / n),
+            compute_quantiles: quantiles(
+                &self
+                    .timed
+                    .iter()
+                    .map(|r| (r.seconds - r.breakdown.communication).max(0.0))
+                    .collect::<Vec<_>>(),
+                COMPUTE_QUANTILES,
+            ),
             final_loss: self.timed.last().map_or(f64::NAN, |r| r.loss),
         }
     }
@@ -244,6 +281,17 @@ mod tests {
     }
 
     #[test]
+    fn quantiles_run_from_the_smallest_to_the_largest_value() {
+        let q = quantiles(&[4.0, 1.0, 3.0, 2.0, 5.0], 5);
+        assert_eq!(q, vec![1.0, 2.0, 3.0, 4.0, 5.0]);
+        // Between sorted values: 1 and 2 at a quarter of the way from the first to the
+        // second of 2 values.
+        assert_eq!(quantiles(&[2.0, 1.0], 5), vec![1.0, 1.25, 1.5, 1.75, 2.0]);
+        assert_eq!(quantiles(&[7.0], 3), vec![7.0, 7.0, 7.0]);
+        assert!(quantiles(&[], 3).is_empty());
+    }
+
+    #[test]
     fn warmup_is_excluded_and_rate_is_words_over_time() {
         let mut m = ThroughputMeter::new(2);
         let b = StepBreakdown {
@@ -262,6 +310,11 @@ mod tests {
         assert!((s.per_step.mean - 200.0).abs() < 1e-9);
         assert!((s.mean_breakdown.forward - 0.1).abs() < 1e-12);
         assert_eq!(s.final_loss, 3.0);
+        // The two timed steps' compute: 0.5 and 1.5 s, the 50th percentile between.
+        assert_eq!(s.compute_quantiles.len(), COMPUTE_QUANTILES);
+        assert_eq!(s.compute_quantiles[0], 0.5);
+        assert_eq!(s.compute_quantiles[50], 1.0);
+        assert_eq!(s.compute_quantiles[100], 1.5);
         let line = format_step_line(4, s.per_step, s.final_loss);
         assert!(line.contains("words/sec: 200.0 +/- 0.0"), "{line}");
     }

@@ -73,6 +73,7 @@ pub fn profile_of(report: &RunReport, path: &Path) -> Result<Profile> {
                 .collect()
         },
         ready_measured: !rank.gradient_ready.is_empty(),
+        compute_quantiles: rank.compute_quantiles.clone(),
         boundary_bytes: batch
             * data.src_max_len as f64
             * report.config.model.num_units as f64
@@ -439,5 +440,16 @@ mod tests {
         report.parameters = 0;
         let e = profile_of(&report, &path).unwrap_err().to_string();
         assert!(e.contains("neither gradient ranges"), "{e}");
+    }
+
+    #[test]
+    fn the_steps_spread_comes_from_the_report_and_is_none_when_absent() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/predict-one-rank.json");
+        // The fixture predates the quantiles: no spread known.
+        let (profile, mut report) = read_profile(&path).expect("the fixture");
+        assert!(profile.compute_quantiles.is_empty());
+        report.per_rank[0].compute_quantiles = vec![0.001, 0.002, 0.004];
+        let profile = profile_of(&report, &path).expect("a profile");
+        assert_eq!(profile.compute_quantiles, vec![0.001, 0.002, 0.004]);
     }
 }

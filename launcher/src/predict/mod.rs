@@ -15,7 +15,8 @@
 //! - **Compute**, from a 1-rank `train --json-report`: the mean step's data wait,
 //!   forward, backward and optimizer seconds, the words per step, and `gradient_ready`:
 //!   each gradient range backward handed to the exchange, its size and when (seconds
-//!   after backward began).
+//!   after backward began); and `compute_quantiles`: the step's compute at the 0th to
+//!   100th percentile over the timed steps, how much one rank's step varies.
 //! - **Link**, either fitted to a `bench allreduce --json` table (the rows of one
 //!   algorithm, `auto` when measured, else `ring`, on 2 ranks or more; least squares of
 //!   the ring formula below on the relative error, so that small sizes fix alpha and
@@ -47,9 +48,20 @@
 //!   `2M (alpha + A/M * beta)` with A = batch x sequence length x units x 4 bytes, plus
 //!   the all-reduce of its G/K over the D replicas after backward; D replicas train.
 //!
+//! A synchronised step (every strategy but independent) also waits for its slowest
+//! rank: **stragglers** is `E[max of W draws] - mean`, W the training ranks, each rank's
+//! step drawn independently from the 1-rank run's distribution (its quantiles, linear
+//! between them: `integral of Q(u) W u^(W-1) du`); a pipeline stage's is 1/K of it. It
+//! grows with W but never past the slowest step the calibration saw less the mean; a
+//! profile without quantiles (the seeds', older reports) predicts none. On the 2-core
+//! machine of the `--validate` figures in README, the 1-rank steps of 0.8 ms spread by
+//! 0.13 ms (standard deviation) and the term came to 20–90 µs at 2 ranks, where a 2-rank
+//! timeline showed the ranks reaching the all-reduce 75–130 µs apart (median).
+//!
 //! words/s = training ranks x words per step / step; speedup = words/s / the 1-rank
 //! words/s of the profile; efficiency = speedup / N. The bottleneck is the largest term:
-//! compute, bandwidth, latency, bubble, server link, stage link, shared cores.
+//! compute, stragglers, bandwidth, latency, bubble, server link, stage link, shared
+//! cores ([`model::Terms::named`]).
 //!
 //! **Shared cores.** The model describes the machine it predicts: the cores (hardware
 //! threads) of the node its ranks share, and the threads each rank computes with. A
@@ -73,8 +85,10 @@
 //! # Limits
 //!
 //! The model knows what the report measured, the link and the node's cores; it does
-//! not know contention beyond the cores (memory bandwidth, other programs on a busy
-//! machine), the scheduler's own cost of switching ranks that share cores (they yield
+//! not know contention beyond the cores (memory bandwidth and caches shared by ranks on
+//! one node: on the 2-core machine two independent ranks computed 0–9 % slower than
+//! one alone; other programs on a busy machine), ranks whose steps vary together rather
+//! than independently, the scheduler's own cost of switching ranks that share cores (they yield
 //! in MPI while they wait), a pipeline's uneven stages (it assumes equal ones), or
 //! another framework's overheads (see [`seeds`]).
 
@@ -286,9 +300,9 @@ pub struct PredictArgs {
     /// `bench allreduce` under mpirun itself.
     #[arg(long, conflicts_with_all = ["report", "seeds"])]
     pub validate: bool,
-    /// Runs of each count --validate makes, keeping the fastest of each (the machine's
-    /// other load only slows a run down).
-    #[arg(long, default_value_t = 3, value_parser = crate::positive_count)]
+    /// Rounds --validate makes; each calibrates, measures the link and runs every count
+    /// back to back, and each row compares the median prediction with the median run.
+    #[arg(long, default_value_t = 5, value_parser = crate::positive_count)]
     pub rounds: usize,
     /// Predict the seeds' 8 x P100 tables from their 1-GPU rows and the p100-pcie link,
     /// and print the error per row.
@@ -555,11 +569,7 @@ pub fn run(args: &PredictArgs) -> Result<()> {
     println!(
         "link: {how}: alpha {:.2} us, bandwidth {:.3} GB/s",
         link.alpha * 1e6,
-        if link.beta > 0.0 {
-            1e-9 / link.beta
-        } else {
-            f64::INFINITY
-        }
+        link.bandwidth() / 1e9
     );
     println!("cores: {sharing_how}");
     if !profile.ready_measured {
@@ -576,11 +586,7 @@ pub fn run(args: &PredictArgs) -> Result<()> {
                 "  fit of `{}`: alpha {:.2} us, bandwidth {:.3} GB/s ({} rows, worst {:.0} % off)",
                 fit.algorithm,
                 fit.link.alpha * 1e6,
-                if fit.link.beta > 0.0 {
-                    1e-9 / fit.link.beta
-                } else {
-                    f64::INFINITY
-                },
+                fit.link.bandwidth() / 1e9,
                 fit.rows,
                 fit.max_relative_error * 100.0
             );
@@ -625,26 +631,10 @@ pub fn charts(rows: &[PredictedRow]) -> Vec<crate::plot::Chart> {
         let short = p.strategy.split_whitespace().next().unwrap_or_default();
         bars.push(Bar {
             label: format!("{short}, {} ranks", p.ranks),
-            parts: vec![
-                t.compute,
-                t.bandwidth,
-                t.latency,
-                t.bubble,
-                t.server_link,
-                t.stage_link,
-                t.shared_cores,
-            ],
+            parts: t.named().iter().map(|n| n.1).collect(),
         });
     }
-    let phases = [
-        "compute",
-        "bandwidth",
-        "latency",
-        "bubble",
-        "server link",
-        "stage link",
-        "shared cores",
-    ];
+    let phases = model::Terms::default().named().map(|n| n.0);
     vec![
         Chart::Speedup {
             title: "predicted speedup".to_string(),

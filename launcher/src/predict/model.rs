@@ -25,6 +25,10 @@ pub struct Profile {
     pub boundary_bytes: f64,
     /// Whether `ready` was measured (else: one range at the end of backward).
     pub ready_measured: bool,
+    /// One rank's step compute at evenly spaced quantiles from its fastest (first) to its
+    /// slowest (last) step, seconds: how much a step varies (empty: unknown, taken as
+    /// not at all).
+    pub compute_quantiles: Vec<f64>,
 }
 
 impl Profile {
@@ -48,6 +52,17 @@ pub struct Link {
     pub beta: f64,
 }
 
+impl Link {
+    /// Bytes per second, 1 / beta (infinite for beta 0).
+    pub fn bandwidth(&self) -> f64 {
+        if self.beta > 0.0 {
+            1.0 / self.beta
+        } else {
+            f64::INFINITY
+        }
+    }
+}
+
 /// Ring all-reduce of `bytes` over `n` ranks: `2(N-1)/N * bytes * beta + 2(N-1) * alpha`,
 /// returned as (bandwidth term, latency term).
 pub fn ring_all_reduce(link: Link, n: usize, bytes: f64) -> (f64, f64) {
@@ -59,6 +74,41 @@ pub fn ring_all_reduce(link: Link, n: usize, bytes: f64) -> (f64, f64) {
         2.0 * n1 / n as f64 * bytes * link.beta,
         2.0 * n1 * link.alpha,
     )
+}
+
+/// The expected largest of `n` independent draws from the distribution whose quantile
+/// function is `q` (values at evenly spaced quantiles from 0 to 1, linear between them):
+/// `integral of Q(u) n u^(n-1) du` over [0, 1], exact for that piecewise linear `Q`. With
+/// `n = 1` it is the distribution's mean. 0 for fewer than two quantiles.
+pub fn expected_largest(q: &[f64], n: usize) -> f64 {
+    if q.len() < 2 || n == 0 {
+        return 0.0;
+    }
+    let nf = n as f64;
+    let du = 1.0 / (q.len() - 1) as f64;
+    q.windows(2)
+        .enumerate()
+        .map(|(k, w)| {
+            // Q(u) = a + b u on [u0, u1].
+            let (u0, u1) = (k as f64 * du, (k + 1) as f64 * du);
+            let b = (w[1] - w[0]) / du;
+            let a = w[0] - b * u0;
+            a * (u1.powf(nf) - u0.powf(nf))
+                + b * nf / (nf + 1.0) * (u1.powf(nf + 1.0) - u0.powf(nf + 1.0))
+        })
+        .sum()
+}
+
+/// How much longer the slowest of `n` ranks computes a step than a rank does on
+/// average, when each rank's step varies independently as the quantiles `q` of one
+/// rank's steps say: `expected_largest(q, n) - expected_largest(q, 1)`. It grows with
+/// `n` and never exceeds the slowest step measured less the mean (an empirical
+/// distribution has no longer tail than what was seen).
+pub fn stragglers(q: &[f64], n: usize) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    (expected_largest(q, n) - expected_largest(q, 1)).max(0.0)
 }
 
 /// How the replicated strategy reduces.
@@ -223,8 +273,7 @@ pub struct Prediction {
     pub speedup: f64,
     /// speedup / ranks.
     pub efficiency: f64,
-    /// The largest term of the step: `compute`, `bandwidth`, `latency`, `bubble`,
-    /// `server link`, `stage link`, `shared cores`.
+    /// The largest term of the step, as [`Terms::named`] names it.
     pub bottleneck: &'static str,
     /// Every term of the step, seconds (they add up to `step_seconds`).
     pub terms: Terms,
@@ -235,6 +284,8 @@ pub struct Prediction {
 pub struct Terms {
     /// Data, forward, backward and optimizer of one rank (of one stage in a pipeline).
     pub compute: f64,
+    /// A synchronised step waits for its slowest rank: see [`stragglers`].
+    pub stragglers: f64,
     /// Bytes over the link not hidden behind backward.
     pub bandwidth: f64,
     /// Message latencies not hidden behind backward.
@@ -251,26 +302,26 @@ pub struct Terms {
 }
 
 impl Terms {
-    fn total(&self) -> f64 {
-        self.compute
-            + self.bandwidth
-            + self.latency
-            + self.bubble
-            + self.server_link
-            + self.stage_link
-            + self.shared_cores
-    }
-
-    fn largest(&self) -> &'static str {
-        let named = [
+    /// Every term with its name, in the order tables and plots list them.
+    pub fn named(&self) -> [(&'static str, f64); 8] {
+        [
             ("compute", self.compute),
+            ("stragglers", self.stragglers),
             ("bandwidth", self.bandwidth),
             ("latency", self.latency),
             ("bubble", self.bubble),
             ("server link", self.server_link),
             ("stage link", self.stage_link),
             ("shared cores", self.shared_cores),
-        ];
+        ]
+    }
+
+    fn total(&self) -> f64 {
+        self.named().iter().map(|t| t.1).sum()
+    }
+
+    fn largest(&self) -> &'static str {
+        let named = self.named();
         named
             .iter()
             .fold(named[0], |best, t| if t.1 > best.1 { *t } else { best })
@@ -432,6 +483,7 @@ pub fn predict(
         }
         Strategy::Replicated(e) => {
             t.compute = p.compute();
+            t.stragglers = stragglers(&p.compute_quantiles, n);
             let (bw, lat) = replicated_exchange(link, n, e, p.backward, &p.ready);
             t.bandwidth = bw;
             t.latency = lat;
@@ -446,6 +498,7 @@ pub fn predict(
             t.compute = p.data_wait + p.forward + p.backward + optimizer;
             t.server_link = if n > 1 { server } else { 0.0 };
             workers = n - servers.min(&n);
+            t.stragglers = stragglers(&p.compute_quantiles, workers);
         }
         Strategy::Pipeline {
             stages,
@@ -458,6 +511,8 @@ pub fn predict(
             let kf = k as f64;
             let stage = (p.forward + p.backward) / kf;
             t.compute = p.data_wait + stage + p.optimizer / kf;
+            // A stage computes 1/K of the model: its steps vary 1/K as much.
+            t.stragglers = stragglers(&p.compute_quantiles, n) / kf;
             t.bubble = stage * (kf - 1.0) / m;
             if k > 1 {
                 // Each micro-batch crosses a boundary forward and its gradient back.
@@ -529,6 +584,7 @@ mod tests {
             ready: vec![(1000.0, 0.5), (1000.0, 1.0), (1000.0, 1.5), (1000.0, 2.0)],
             boundary_bytes: 100.0,
             ready_measured: true,
+            compute_quantiles: Vec::new(),
         }
     }
 
@@ -676,6 +732,83 @@ mod tests {
         assert!(close(ind.speedup, 2.0) && ind.bottleneck == "compute");
         let ind3 = predict(&p, LINK, &Strategy::Independent, 3, two_cores);
         assert!(close(ind3.step_seconds, 6.0), "{ind3:?}");
+    }
+
+    #[test]
+    fn the_slowest_of_n_uniform_draws_by_hand() {
+        // Uniform on [0, 1] (two quantiles, linear between): the largest of n has mean
+        // n / (n + 1), whatever the spacing of the quantiles that describe it.
+        for q in [
+            vec![0.0, 1.0],
+            (0..=100).map(|k| k as f64 / 100.0).collect(),
+        ] {
+            for n in [1, 2, 3, 8, 1024] {
+                let want = n as f64 / (n as f64 + 1.0);
+                assert!(close(expected_largest(&q, n), want), "{n}: {q:?}");
+            }
+            // 2 ranks wait 2/3 - 1/2 = 1/6 for the slower.
+            assert!(close(stragglers(&q, 2), 1.0 / 6.0));
+            assert_eq!(stragglers(&q, 1), 0.0);
+        }
+        // Steps that never vary keep no rank waiting; nothing known, nothing predicted.
+        assert!(stragglers(&[2.0; 101], 1024).abs() < 1e-12);
+        assert_eq!(stragglers(&[], 8), 0.0);
+    }
+
+    #[test]
+    fn stragglers_grow_with_the_ranks_up_to_the_slowest_step_seen() {
+        // Mostly 1 s, the slowest 10 % of the steps up to 3 s.
+        let q: Vec<f64> = (0..=100)
+            .map(|k| {
+                if k <= 90 {
+                    1.0
+                } else {
+                    1.0 + (k - 90) as f64 * 0.2
+                }
+            })
+            .collect();
+        let mean = expected_largest(&q, 1);
+        let wait: Vec<f64> = [2, 3, 8, 64, 1024]
+            .iter()
+            .map(|&n| stragglers(&q, n))
+            .collect();
+        assert!(wait.windows(2).all(|w| w[0] < w[1]), "{wait:?}");
+        assert!(wait[4] <= 3.0 - mean + 1e-12 && wait[4] > 0.9 * (3.0 - mean));
+    }
+
+    #[test]
+    fn synchronised_strategies_wait_for_the_slowest_rank_and_independent_ones_do_not() {
+        let mut p = profile();
+        // One rank's steps spread uniformly over 3.5..4.5 s (mean 4 s, as `compute`).
+        p.compute_quantiles = vec![3.5, 4.5];
+        let s = Strategy::Replicated(after_backward());
+        let two = predict(&p, LINK, &s, 2, Sharing::NONE);
+        assert!(close(two.terms.stragglers, 1.0 / 6.0), "{two:?}");
+        assert!(close(two.step_seconds, 8.08 + 1.0 / 6.0), "{two:?}");
+        // The 1-rank step has no one to wait for.
+        assert_eq!(
+            predict(&p, LINK, &s, 1, Sharing::NONE).terms.stragglers,
+            0.0
+        );
+        let ind = predict(&p, LINK, &Strategy::Independent, 2, Sharing::NONE);
+        assert_eq!(ind.terms.stragglers, 0.0);
+        // Dedicated servers do not train: 3 ranks, 1 server, 2 workers to wait for.
+        let ps = Strategy::ParameterServer {
+            servers: 1,
+            f16: false,
+        };
+        assert!(close(
+            predict(&p, LINK, &ps, 3, Sharing::NONE).terms.stragglers,
+            1.0 / 6.0
+        ));
+        // A stage of two computes half the model: half the spread.
+        let pipe = Strategy::Pipeline {
+            stages: 2,
+            micro_batches: 4,
+            exchange: after_backward(),
+        };
+        let staged = predict(&p, LINK, &pipe, 2, Sharing::NONE);
+        assert!(close(staged.terms.stragglers, 1.0 / 12.0), "{staged:?}");
     }
 
     #[test]

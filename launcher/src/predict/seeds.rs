@@ -189,6 +189,8 @@ pub fn seed_profile(table: &SeedTable) -> Profile {
             .collect(),
         boundary_bytes: 0.0,
         ready_measured: false,
+        // The seeds published mean figures only.
+        compute_quantiles: Vec::new(),
     }
 }
 

@@ -1,18 +1,24 @@
 //! `ringtrain predict --validate`: calibrate on one rank here, predict the other counts,
 //! run them, and print the error per row.
 //!
-//! Steps (each under mpirun, as `sweep` runs them): the training command on one rank with
-//! `--json-report` (the profile); `bench allreduce` of the `auto` algorithm on 2 ranks,
-//! from 4 KiB to the gradient's size (the link); the prediction of every count; the
-//! training command at every count (the measurement). The command gets `--threads 1`
-//! unless it sets `--threads`; the cores the ranks share and the threads per rank are
-//! those the calibration run recorded (`--cores-per-node` overrides the cores), so that
-//! ranks sharing the cores are part of the prediction ([`super::model::Sharing`]). Every run is
-//! made `--rounds` times (default 3) and the fastest kept, as the `scaling` benchmark
-//! does: other load on the machine only ever slows a run down.
+//! Each of `--rounds` rounds (default 5) runs, under mpirun as `sweep` runs them, back to
+//! back: the training command on one rank with `--json-report` (the profile); `bench
+//! allreduce` of the `auto` algorithm on 2 ranks, from 4 KiB to the gradient's size (the
+//! link); and the training command at every count (the measurement), each predicted from
+//! that round's profile and link. A row compares the median prediction with the median
+//! measurement over the rounds. Rounds, rather than all calibrations first, because the
+//! machine moves under the runs: on a shared 2-core virtual machine the same 256 KiB
+//! all-reduce took 45 µs in one minute and 125 µs in the next, while a median set against
+//! a median drops the one round in five that other programs slowed.
+//!
+//! The command gets `--threads 1` unless it sets `--threads`; the cores the ranks share
+//! and the threads per rank are those the calibration run recorded (`--cores-per-node`
+//! overrides the cores), so that ranks sharing the cores are part of the prediction
+//! ([`super::model::Sharing`]).
 
 use std::path::{Path, PathBuf};
 
+use ringtrain_train::throughput::median;
 use ringtrain_train::RunReport;
 use serde::Serialize;
 
@@ -20,7 +26,9 @@ use super::{calibrate, model, sharing_of, strategy_of, PredictArgs};
 use crate::error::{LauncherError, Result};
 use crate::launch::{self, LaunchArgs, Machine};
 
-/// The training command when none is given: a small NMT model, a few seconds a run.
+/// The training command when none is given: a small NMT model, under a second a run on
+/// one rank, timing enough steps (500) that their spread, which the model's
+/// stragglers term reads, is measured and not guessed from a handful.
 pub const DEFAULT_COMMAND: &[&str] = &[
     "train",
     "--use-synthetic-data",
@@ -35,7 +43,7 @@ pub const DEFAULT_COMMAND: &[&str] = &[
     "--warmup-batches",
     "5",
     "--timed-batches",
-    "40",
+    "500",
 ];
 
 /// The rank counts `--validate` runs without `--np`.
@@ -124,27 +132,6 @@ fn train_report(
     Ok(report)
 }
 
-/// The fastest of `--rounds` runs of `command` on `np` ranks.
-fn fastest(
-    args: &PredictArgs,
-    exe: &Path,
-    command: &[String],
-    np: usize,
-    path: &Path,
-) -> Result<RunReport> {
-    let mut best: Option<RunReport> = None;
-    for _ in 0..args.rounds.max(1) {
-        let report = train_report(args, exe, command, np, path)?;
-        if best
-            .as_ref()
-            .is_none_or(|b| report.words_per_sec > b.words_per_sec)
-        {
-            best = Some(report);
-        }
-    }
-    best.ok_or_else(|| LauncherError::Bench("no run finished".to_string()))
-}
-
 /// The rows as markdown, ending with the line `prediction error: max X %`.
 pub fn markdown(rows: &[ValidatedRow]) -> String {
     let mut s = String::from(
@@ -193,93 +180,196 @@ pub fn run(args: &PredictArgs) -> Result<()> {
         ))
     };
 
-    eprintln!("ringtrain predict: calibrating on 1 rank");
-    let one_path = file("np1");
-    let one = fastest(args, &exe, &command, 1, &one_path)?;
-    let profile = calibrate::profile_of(&one, &one_path)?;
-
-    let bench_path = file("bench");
-    let max = (profile.gradient_bytes() as usize)
-        .max(8192)
-        .next_power_of_two();
-    eprintln!("ringtrain predict: measuring the link on 2 ranks (4 KiB to {max} bytes)");
-    let bench = vec![
-        "bench".to_string(),
-        "allreduce".to_string(),
-        "--algorithms".to_string(),
-        "auto".to_string(),
-        "--min-bytes".to_string(),
-        "4K".to_string(),
-        "--max-bytes".to_string(),
-        max.to_string(),
-        "--step-factor".to_string(),
-        "4".to_string(),
-        "--iters".to_string(),
-        "20".to_string(),
-        "--small-tensors".to_string(),
-        "0".to_string(),
-        "--fusion-tensors".to_string(),
-        "0".to_string(),
-        "--json".to_string(),
-        bench_path.display().to_string(),
-    ];
-    launch_one(args, &exe, 2, bench)?;
-    let fit = calibrate::read_link(&bench_path, Some("auto"));
-    let _ = std::fs::remove_file(&bench_path);
-    let fit = fit?;
-    // The calibration run recorded the cores of this machine, where every count runs.
-    let (sharing, _) = sharing_of(&one, args.cores_per_node, true)?;
-    let (cores, threads) = (sharing.cores, sharing.threads_per_rank);
-    let strategy = strategy_of(&one, &args.exchange);
-    println!(
-        "calibration: 1 rank {:.1} words/s, compute {:.3} ms per step ({} gradient ranges, \
-         {:.0} bytes); link `auto` on 2 ranks: alpha {:.2} us, {:.3} GB/s (worst bench row \
-         {:.0} % off the fit); {cores} cores shared by the ranks, {threads} thread(s) each \
-         (0 cores: a core per rank)",
-        one.words_per_sec,
-        profile.compute() * 1e3,
-        profile.ready.len(),
-        profile.gradient_bytes(),
-        fit.link.alpha * 1e6,
-        if fit.link.beta > 0.0 {
-            1e-9 / fit.link.beta
-        } else {
-            f64::INFINITY
-        },
-        fit.max_relative_error * 100.0
-    );
-    let mut rows = Vec::new();
-    for &n in &counts {
-        let p = model::predict(&profile, fit.link, &strategy, n, sharing);
-        eprintln!("ringtrain predict: measuring {n} ranks");
-        if sharing.oversubscribed(n) {
-            println!(
-                "note: {n} ranks x {threads} thread(s) on {cores} cores: a step runs in {} \
-                 waves of ranks (term `shared cores`)",
-                sharing.waves(n)
-            );
+    // Each round calibrates, measures the link and runs every count back to back, so
+    // that the machine's state (its other load, where its virtual cores sit) is the same
+    // for a round's prediction and its measurement.
+    let mut rounds: Vec<Round> = Vec::new();
+    let mut shape = None;
+    for round in 1..=args.rounds {
+        eprintln!(
+            "ringtrain predict: round {round} of {}: calibrating on 1 rank",
+            args.rounds
+        );
+        let one_path = file("np1");
+        let one = train_report(args, &exe, &command, 1, &one_path)?;
+        let profile = calibrate::profile_of(&one, &one_path)?;
+        let fit = measure_link(args, &exe, &profile, &file("bench"))?;
+        let (sharing, strategy) = match shape {
+            Some(s) => s,
+            None => {
+                // The calibration run recorded the cores of this machine, where every
+                // count runs.
+                let (sharing, _) = sharing_of(&one, args.cores_per_node, true)?;
+                let s = (sharing, strategy_of(&one, &args.exchange));
+                shape = Some(s);
+                for &n in &counts {
+                    if sharing.oversubscribed(n) {
+                        println!(
+                            "note: {n} ranks x {} thread(s) on {} cores: a step runs in {} \
+                             waves of ranks (term `shared cores`)",
+                            sharing.threads_per_rank,
+                            sharing.cores,
+                            sharing.waves(n)
+                        );
+                    }
+                }
+                s
+            }
+        };
+        let mut counted = Vec::new();
+        for &n in &counts {
+            eprintln!("ringtrain predict: round {round}: measuring {n} ranks");
+            let predicted = model::predict(&profile, fit.link, &strategy, n, sharing);
+            let measured = train_report(args, &exe, &command, n, &file(&format!("np{n}")))?;
+            counted.push((predicted, measured.words_per_sec));
         }
-        let measured = fastest(args, &exe, &command, n, &file(&format!("np{n}")))?;
-        rows.push(ValidatedRow {
-            ranks: n,
-            strategy: p.strategy.clone(),
-            predicted: p.words_per_sec,
-            measured: measured.words_per_sec,
-            error_percent: if measured.words_per_sec > 0.0 {
-                (p.words_per_sec - measured.words_per_sec) / measured.words_per_sec * 100.0
-            } else {
-                0.0
-            },
-            bottleneck: p.bottleneck,
-            cores,
-            threads_per_rank: threads,
-        });
+        let r = Round {
+            one: one.words_per_sec,
+            profile,
+            fit,
+            counted,
+        };
+        println!("{}", r.line(round));
+        rounds.push(r);
     }
+    let (sharing, _) = shape.ok_or_else(|| LauncherError::Bench("no round ran".to_string()))?;
+    let one: Vec<f64> = rounds.iter().map(|r| r.one).collect();
+    let compute: Vec<f64> = rounds.iter().map(|r| r.profile.compute()).collect();
+    let alpha: Vec<f64> = rounds.iter().map(|r| r.fit.link.alpha).collect();
+    let bandwidth: Vec<f64> = rounds.iter().map(|r| r.fit.link.bandwidth()).collect();
+    let first = &rounds[0].profile;
+    println!(
+        "calibration, median of {} round(s): 1 rank {:.1} words/s, compute {:.3} ms per \
+         step ({} gradient ranges, {:.0} bytes); link `auto` on 2 ranks: alpha {:.2} us, \
+         {:.3} GB/s; {} cores shared by the ranks, {} thread(s) each (0 cores: a core per \
+         rank)",
+        rounds.len(),
+        median(&one),
+        median(&compute) * 1e3,
+        first.ready.len(),
+        first.gradient_bytes(),
+        median(&alpha) * 1e6,
+        median(&bandwidth) / 1e9,
+        sharing.cores,
+        sharing.threads_per_rank,
+    );
+    let rows: Vec<ValidatedRow> = counts
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let of_count: Vec<&(model::Prediction, f64)> =
+                rounds.iter().map(|r| &r.counted[i]).collect();
+            let predicted = median(
+                &of_count
+                    .iter()
+                    .map(|c| c.0.words_per_sec)
+                    .collect::<Vec<_>>(),
+            );
+            let measured = median(&of_count.iter().map(|c| c.1).collect::<Vec<_>>());
+            // The bottleneck of the round whose prediction lies nearest the median.
+            let nearest = of_count
+                .iter()
+                .min_by(|a, b| {
+                    (a.0.words_per_sec - predicted)
+                        .abs()
+                        .total_cmp(&(b.0.words_per_sec - predicted).abs())
+                })
+                .map(|c| &c.0);
+            ValidatedRow {
+                ranks: n,
+                strategy: nearest.map(|p| p.strategy.clone()).unwrap_or_default(),
+                predicted,
+                measured,
+                error_percent: if measured > 0.0 {
+                    (predicted - measured) / measured * 100.0
+                } else {
+                    0.0
+                },
+                bottleneck: nearest.map_or("compute", |p| p.bottleneck),
+                cores: sharing.cores,
+                threads_per_rank: sharing.threads_per_rank,
+            }
+        })
+        .collect();
     if let Some(path) = &args.json {
         super::write_json(path, &rows)?;
     }
     print!("\n{}", markdown(&rows));
     Ok(())
+}
+
+/// One round: the calibration, the link, and each count's prediction and measured
+/// words/s.
+struct Round {
+    one: f64,
+    profile: model::Profile,
+    fit: calibrate::Fit,
+    counted: Vec<(model::Prediction, f64)>,
+}
+
+impl Round {
+    /// The round's line: its calibration, its link and each count's figures.
+    fn line(&self, round: usize) -> String {
+        let mut s = format!(
+            "round {round}: 1 rank {:.1} words/s, link alpha {:.2} us {:.3} GB/s",
+            self.one,
+            self.fit.link.alpha * 1e6,
+            self.fit.link.bandwidth() / 1e9
+        );
+        for (p, measured) in &self.counted {
+            s.push_str(&format!(
+                "; {} ranks predicted {:.1} (stragglers {:.0} us), measured {:.1}",
+                p.ranks,
+                p.words_per_sec,
+                p.terms.stragglers * 1e6,
+                measured
+            ));
+        }
+        s
+    }
+}
+
+/// Fits the link to `bench allreduce` of the `auto` algorithm on 2 ranks, from 4 KiB to
+/// the gradient's size.
+fn measure_link(
+    args: &PredictArgs,
+    exe: &Path,
+    profile: &model::Profile,
+    path: &Path,
+) -> Result<calibrate::Fit> {
+    let max = (profile.gradient_bytes() as usize)
+        .max(8192)
+        .next_power_of_two();
+    eprintln!("ringtrain predict: measuring the link on 2 ranks (4 KiB to {max} bytes)");
+    let mut bench: Vec<String> = [
+        "bench",
+        "allreduce",
+        "--algorithms",
+        "auto",
+        "--min-bytes",
+        "4K",
+        "--step-factor",
+        "4",
+        "--iters",
+        "20",
+        "--small-tensors",
+        "0",
+        "--fusion-tensors",
+        "0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    bench.extend([
+        "--max-bytes".to_string(),
+        max.to_string(),
+        "--json".to_string(),
+        path.display().to_string(),
+    ]);
+    launch_one(args, exe, 2, bench)?;
+    let fit = calibrate::read_link(path, Some("auto"));
+    let _ = std::fs::remove_file(path);
+    fit
 }
 
 /// Whether the command trains on cuda (`--device cuda`).

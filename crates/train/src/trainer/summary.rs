@@ -166,6 +166,7 @@ impl Session<'_> {
                     ..*r
                 })
                 .collect(),
+            compute_quantiles: meter.compute_quantiles.clone(),
             pipeline_stage: timed.stage.clone().map(|(stage, units, compute, wait)| {
                 let steps = meter.timed_batches.max(1) as f64;
                 StageFigures {
