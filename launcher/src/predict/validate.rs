@@ -8,8 +8,8 @@
 //! that round's profile and link. A row compares the median prediction with the median
 //! measurement over the rounds. Rounds, rather than all calibrations first, because the
 //! machine moves under the runs: on a shared 2-core virtual machine the same 256 KiB
-//! all-reduce took 45 µs in one minute and 125 µs in the next, while a median set against
-//! a median drops the one round in five that other programs slowed.
+//! all-reduce took 45 µs in one run and 125 µs in the next, a few seconds later; and a
+//! median set against a median drops the one round in five that other programs slowed.
 //!
 //! The command gets `--threads 1` unless it sets `--threads`; the cores the ranks share
 //! and the threads per rank are those the calibration run recorded (`--cores-per-node`
