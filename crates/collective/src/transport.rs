@@ -39,8 +39,8 @@ pub trait Transport: Send {
     /// Receives one message of any length from `peer`.
     fn recv_vec(&self, peer: usize) -> Result<Vec<u8>>;
 
-    /// [`Transport::send`] of the message `data`'s pieces make up, in order
-    /// ([`crate::pieces`]). This default copies several pieces into one buffer;
+    /// [`Transport::send`] of the message `data`'s pieces make up, in order (the
+    /// concatenation of the slices). This default copies several pieces into one buffer;
     /// transports that can send from the pieces where they lie override it.
     fn send_pieces(&self, peer: usize, data: &[&[u8]]) -> Result<()> {
         match data {
