@@ -74,6 +74,9 @@ pub struct LaunchPlan {
     pub env: Vec<(String, String)>,
     /// Why the less obvious arguments were chosen.
     pub notes: Vec<String>,
+    /// Discard the ranks' standard output, for a caller that reads their reports
+    /// instead (`predict --validate`); their standard error still shows.
+    pub quiet: bool,
 }
 
 impl LaunchPlan {
@@ -200,6 +203,7 @@ pub fn plan(args: &LaunchArgs, machine: Machine, exe: &Path) -> LaunchPlan {
         args: mpi,
         env,
         notes,
+        quiet: false,
     }
 }
 
@@ -276,6 +280,11 @@ fn run_and_forward(
         .args(&plan.args)
         .envs(plan.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .stdin(Stdio::null())
+        .stdout(if plan.quiet {
+            Stdio::null()
+        } else {
+            Stdio::inherit()
+        })
         .process_group(0)
         .spawn()
         .map_err(|source| LauncherError::Spawn {

@@ -457,6 +457,8 @@ fn validate_runs_calibrates_measures_and_ends_with_the_largest_error() {
         )),
         "{stdout}"
     );
+    // The runs' own tables stay out of the output; the rounds' lines say what they did.
+    assert!(!stdout.contains("total words/s:"), "{stdout}");
     let rows: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let rows = rows.as_array().unwrap();
     assert_eq!(rows.len(), 2, "{rows:?}");

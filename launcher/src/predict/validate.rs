@@ -113,7 +113,12 @@ fn launch_one(args: &PredictArgs, exe: &Path, np: usize, command: Vec<String>) -
         dry_run: false,
         command,
     };
-    launch::execute(&launch::plan(&launch_args, Machine::current(), exe))
+    // The runs' own tables would bury the rounds' lines: their reports say it all.
+    let plan = launch::LaunchPlan {
+        quiet: true,
+        ..launch::plan(&launch_args, Machine::current(), exe)
+    };
+    launch::execute(&plan)
 }
 
 fn train_report(
