@@ -55,7 +55,7 @@
 //! grows with W but never past the slowest step the calibration saw less the mean; a
 //! profile without quantiles (the seeds', older reports) predicts none. On the 2-core
 //! machine of the `--validate` figures in README, the 1-rank steps of 0.8 ms spread by
-//! 0.13 ms (standard deviation) and the term came to 20–90 µs at 2 ranks, where a 2-rank
+//! 0.13 ms (standard deviation) and the term came to 18–94 µs at 2 ranks, where a 2-rank
 //! timeline showed the ranks reaching the all-reduce 75–130 µs apart (median).
 //!
 //! words/s = training ranks x words per step / step; speedup = words/s / the 1-rank
