@@ -100,6 +100,7 @@ fn predict_from_a_report_and_a_bench_prints_every_strategy_and_count() {
     assert_eq!(odd.len(), 3, "a pipeline of 2 stages cannot use 3 ranks");
     let names = [
         "compute",
+        "stragglers",
         "bandwidth",
         "latency",
         "bubble",

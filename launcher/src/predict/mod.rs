@@ -51,12 +51,14 @@
 //! A synchronised step (every strategy but independent) also waits for its slowest
 //! rank: **stragglers** is `E[max of W draws] - mean`, W the training ranks, each rank's
 //! step drawn independently from the 1-rank run's distribution (its quantiles, linear
-//! between them: `integral of Q(u) W u^(W-1) du`); a pipeline stage's is 1/K of it. It
-//! grows with W but never past the slowest step the calibration saw less the mean; a
-//! profile without quantiles (the seeds', older reports) predicts none. On the 2-core
-//! machine of the `--validate` figures in README, the 1-rank steps of 0.8 ms spread by
-//! 0.13 ms (standard deviation) and the term came to 18–94 µs at 2 ranks, where a 2-rank
-//! timeline showed the ranks reaching the all-reduce 75–130 µs apart (median).
+//! between them: `integral of Q(u) W u^(W-1) du`); a pipeline stage's is 1/K of it.
+//! Ranks that run in waves on shared cores (below) wait once per wave, for the slowest
+//! of that wave. It grows with W but never past the slowest step the calibration saw
+//! less the mean; a profile without quantiles (the seeds', older reports) predicts
+//! none. On the 2-core machine of the `--validate` figures in README, the 1-rank steps
+//! of 0.8 ms spread by 0.13 ms (standard deviation) and the term came to 18–94 µs at 2
+//! ranks, where 2-rank timelines showed the slower rank 71–96 µs behind the mean of the
+//! two.
 //!
 //! words/s = training ranks x words per step / step; speedup = words/s / the 1-rank
 //! words/s of the profile; efficiency = speedup / N. The bottleneck is the largest term:
@@ -89,8 +91,11 @@
 //! one node: on the 2-core machine two independent ranks computed 0–9 % slower than
 //! one alone; other programs on a busy machine), ranks whose steps vary together rather
 //! than independently, the scheduler's own cost of switching ranks that share cores (they yield
-//! in MPI while they wait), a pipeline's uneven stages (it assumes equal ones), or
-//! another framework's overheads (see [`seeds`]).
+//! in MPI while they wait), a pipeline's uneven stages (it assumes equal ones) or how a
+//! stage's steps vary (it takes 1/K of the whole model's spread, as if the spread were
+//! spread over the layers; noise of the whole step, such as a pre-empted core, would not
+//! shrink, and independent noise per layer would shrink only as 1/sqrt(K)), or another
+//! framework's overheads (see [`seeds`]).
 
 use std::path::PathBuf;
 

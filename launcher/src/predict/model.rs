@@ -244,6 +244,20 @@ impl Sharing {
         n.div_ceil(per_wave) as f64
     }
 
+    /// How many ranks of `n` run in each wave ([`Sharing::waves`]): all of them in one
+    /// when the cores suffice; else `floor(cores / T)` a wave, the last wave the rest.
+    pub fn wave_sizes(&self, n: usize) -> Vec<usize> {
+        if !self.oversubscribed(n) {
+            return vec![n];
+        }
+        let per_wave = (self.cores / self.threads_per_rank.max(1)).max(1);
+        let mut sizes = vec![per_wave; n / per_wave];
+        if !n.is_multiple_of(per_wave) {
+            sizes.push(n % per_wave);
+        }
+        sizes
+    }
+
     /// How many times longer ranks that never wait for each other (independent
     /// replicas) compute when `n` share the cores: a plain time-share,
     /// `max(1, n T / cores) / max(1, T / cores)` (the calibration's one rank already had
@@ -476,6 +490,14 @@ pub fn predict(
     let p = profile;
     let mut t = Terms::default();
     let workers;
+    // The ranks a step waits for, and how much of one rank's spread each of them has.
+    let (waited_for, spread) = match strategy {
+        Strategy::Independent => (0, 0.0),
+        Strategy::ParameterServer { servers, .. } => (n - servers.min(&n), 1.0),
+        // A stage computes 1/K of the model: taken to vary 1/K as much (see Limits).
+        Strategy::Pipeline { stages, .. } => (n, 1.0 / (*stages).max(1) as f64),
+        Strategy::Replicated(_) => (n, 1.0),
+    };
     match strategy {
         Strategy::Independent => {
             t.compute = p.compute();
@@ -483,7 +505,6 @@ pub fn predict(
         }
         Strategy::Replicated(e) => {
             t.compute = p.compute();
-            t.stragglers = stragglers(&p.compute_quantiles, n);
             let (bw, lat) = replicated_exchange(link, n, e, p.backward, &p.ready);
             t.bandwidth = bw;
             t.latency = lat;
@@ -498,7 +519,6 @@ pub fn predict(
             t.compute = p.data_wait + p.forward + p.backward + optimizer;
             t.server_link = if n > 1 { server } else { 0.0 };
             workers = n - servers.min(&n);
-            t.stragglers = stragglers(&p.compute_quantiles, workers);
         }
         Strategy::Pipeline {
             stages,
@@ -511,8 +531,6 @@ pub fn predict(
             let kf = k as f64;
             let stage = (p.forward + p.backward) / kf;
             t.compute = p.data_wait + stage + p.optimizer / kf;
-            // A stage computes 1/K of the model: its steps vary 1/K as much.
-            t.stragglers = stragglers(&p.compute_quantiles, n) / kf;
             t.bubble = stage * (kf - 1.0) / m;
             if k > 1 {
                 // Each micro-batch crosses a boundary forward and its gradient back.
@@ -531,11 +549,17 @@ pub fn predict(
         }
     }
     // Ranks sharing the cores: independent ones time-share them; synchronised ones run
-    // the whole step, compute and reduction alike, once per wave.
+    // the whole step, compute and reduction alike, once per wave, and each wave waits
+    // for its own slowest rank.
     t.shared_cores = match strategy {
         Strategy::Independent => (sharing.time_share(n) - 1.0) * t.compute,
         _ => (sharing.waves(n) - 1.0) * t.total(),
     };
+    t.stragglers = sharing
+        .wave_sizes(waited_for)
+        .iter()
+        .map(|&w| stragglers(&p.compute_quantiles, w) * spread)
+        .sum();
     let step = t.total();
     let words_per_sec = if step > 0.0 {
         workers as f64 * p.words_per_step / step
@@ -809,6 +833,38 @@ mod tests {
         };
         let staged = predict(&p, LINK, &pipe, 2, Sharing::NONE);
         assert!(close(staged.terms.stragglers, 1.0 / 12.0), "{staged:?}");
+        // Ranks in waves on 2 cores: each wave waits for its own slowest rank, once. 3
+        // ranks: a wave of 2 and a wave of 1; 4 ranks: two waves of 2. The other waves'
+        // term repeats the rest of the step, not the waiting.
+        let two_cores = Sharing {
+            cores: 2,
+            threads_per_rank: 1,
+        };
+        let three = predict(&p, LINK, &s, 3, two_cores);
+        assert!(close(three.terms.stragglers, 1.0 / 6.0), "{three:?}");
+        let four = predict(&p, LINK, &s, 4, two_cores);
+        assert!(close(four.terms.stragglers, 2.0 / 6.0), "{four:?}");
+        let rest = four.step_seconds - four.terms.stragglers;
+        assert!(close(four.terms.shared_cores, rest / 2.0), "{four:?}");
+    }
+
+    #[test]
+    fn waves_hold_whole_ranks_the_last_one_the_rest() {
+        let on = |cores, threads_per_rank| Sharing {
+            cores,
+            threads_per_rank,
+        };
+        assert_eq!(on(2, 1).wave_sizes(2), vec![2]);
+        assert_eq!(on(2, 1).wave_sizes(3), vec![2, 1]);
+        assert_eq!(on(2, 1).wave_sizes(4), vec![2, 2]);
+        assert_eq!(on(4, 2).wave_sizes(5), vec![2, 2, 1]);
+        // One rank with more threads than cores: one at a time.
+        assert_eq!(on(2, 4).wave_sizes(3), vec![1, 1, 1]);
+        assert_eq!(Sharing::NONE.wave_sizes(1024), vec![1024]);
+        for (sharing, n) in [(on(2, 1), 3), (on(4, 2), 5), (on(2, 4), 3)] {
+            assert_eq!(sharing.wave_sizes(n).len() as f64, sharing.waves(n));
+            assert_eq!(sharing.wave_sizes(n).iter().sum::<usize>(), n);
+        }
     }
 
     #[test]
