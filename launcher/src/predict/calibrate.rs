@@ -52,6 +52,13 @@ pub fn profile_of(report: &RunReport, path: &Path) -> Result<Profile> {
             "it lists neither gradient ranges (`gradient_ready`) nor parameters; {MAKE_REPORT}"
         )));
     }
+    let q = &rank.compute_quantiles;
+    if q.iter().any(|v| !v.is_finite() || *v < 0.0) || q.windows(2).any(|w| w[0] > w[1]) {
+        return Err(bad(format!(
+            "its `compute_quantiles` are not seconds in increasing order (was it edited?); \
+             {MAKE_REPORT}"
+        )));
+    }
     let b = &report.breakdown;
     let data = &report.config.data;
     let batch = data.total_batch_size.unwrap_or(data.batch_size) as f64;
@@ -451,5 +458,18 @@ mod tests {
         report.per_rank[0].compute_quantiles = vec![0.001, 0.002, 0.004];
         let profile = profile_of(&report, &path).expect("a profile");
         assert_eq!(profile.compute_quantiles, vec![0.001, 0.002, 0.004]);
+        // Quantiles out of order, negative or not numbers are refused, naming them.
+        for bad in [
+            vec![0.002, 0.001],
+            vec![-0.001, 0.001],
+            vec![0.001, f64::NAN],
+        ] {
+            report.per_rank[0].compute_quantiles = bad;
+            let e = profile_of(&report, &path).unwrap_err().to_string();
+            assert!(
+                e.contains("--report") && e.contains("compute_quantiles"),
+                "{e}"
+            );
+        }
     }
 }
