@@ -363,12 +363,17 @@ fn peak_table(
     use ringtrain_kernels::gemm_bf16::Bf16Path;
 
     println!();
-    let (instruction, count, peak) = match path {
-        Bf16Path::Avx512Bf16 => ("VDPBF16PS", 24, dpbf16_peak(budget, pool2)),
-        Bf16Path::Avx2Fma => ("VFMADD231PS", 12, fma_peak(budget, pool2)),
-        _ => ("", 0, None),
+    let peak = match path {
+        Bf16Path::Avx512Bf16 => dpbf16_peak(budget, pool2),
+        Bf16Path::Avx2Fma => fma_peak(budget, pool2),
+        _ => None,
     };
-    let Some(peak) = peak else {
+    let Some(Peak {
+        instruction,
+        independent,
+        gflops: peak,
+    }) = peak
+    else {
         println!(
             "gemm_cpu bf16 against the instruction's peak: measured for paths `avx512-bf16` and `avx2-fma` only (this CPU takes `{}`)",
             path.name()
@@ -376,7 +381,7 @@ fn peak_table(
         return;
     };
     println!(
-        "gemm_cpu bf16: GFLOP/s (baseline = {instruction} peak, {count} independent instructions on registers: {:.1} on 1 thread, {:.1} on 2; ours = path `{}`), ratio = ours / peak",
+        "gemm_cpu bf16: GFLOP/s (baseline = {instruction} peak, {independent} independent instructions on registers: {:.1} on 1 thread, {:.1} on 2; ours = path `{}`), ratio = ours / peak",
         peak[0],
         peak[1],
         path.name()
@@ -386,6 +391,16 @@ fn peak_table(
         table.row(s, [(peak[0], o[0]), (peak[1], o[1])]);
     }
     table.geometric_means(&format!("ours / {instruction} peak"));
+}
+
+/// An instruction's peak, as a loop of independent instructions on registers reaches it.
+struct Peak {
+    /// The instruction.
+    instruction: &'static str,
+    /// How many independent instructions the loop keeps in flight.
+    independent: usize,
+    /// GFLOP/s on 1 thread and on 2.
+    gflops: [f64; 2],
 }
 
 /// GFLOP/s of `run`, which does `flops` each call: on one thread, and on both of `pool2`'s
@@ -408,20 +423,22 @@ fn one_and_two_threads(
 /// 12 independent instructions on registers (no memory traffic; 12 of the 16 vector
 /// registers, more than the instruction's latency times its throughput), the ceiling of the
 /// `avx2-fma` path; `None` where the CPU lacks AVX2 or FMA.
-fn fma_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<[f64; 2]> {
+fn fma_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<Peak> {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm256_add_ps, _mm256_fmadd_ps, _mm256_set1_ps};
         use std::arch::x86_64::{_mm256_setzero_ps, _mm256_storeu_ps};
 
-        /// `rounds` rounds of 12 independent `VFMADD231PS`; a sum of the accumulators.
+        const INDEPENDENT: usize = 12;
+
+        /// `rounds` rounds of `INDEPENDENT` `VFMADD231PS`; a sum of the accumulators.
         ///
         /// # Safety
         /// The CPU has AVX2 and FMA.
         #[target_feature(enable = "avx2,fma")]
         unsafe fn fma_loop(rounds: usize) -> f32 {
             let (a, b) = (_mm256_set1_ps(1.0), _mm256_set1_ps(0.5));
-            let mut acc = [_mm256_setzero_ps(); 12];
+            let mut acc = [_mm256_setzero_ps(); INDEPENDENT];
             for _ in 0..rounds {
                 for x in acc.iter_mut() {
                     *x = _mm256_fmadd_ps(a, b, *x);
@@ -442,13 +459,17 @@ fn fma_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<[f64; 2]> {
             return None;
         }
         const ROUNDS: usize = 1 << 16;
-        // 12 instructions of 8 lanes, each a multiply and an add.
-        let flops = (ROUNDS * 12 * 8 * 2) as f64;
+        // Instructions of 8 lanes, each a multiply and an add.
+        let flops = (ROUNDS * INDEPENDENT * 8 * 2) as f64;
         // SAFETY: the CPU has the features `fma_loop` is compiled for (checked above).
         let run = || {
             black_box(unsafe { fma_loop(black_box(ROUNDS)) });
         };
-        Some(one_and_two_threads(budget, pool2, flops, run))
+        Some(Peak {
+            instruction: "VFMADD231PS",
+            independent: INDEPENDENT,
+            gflops: one_and_two_threads(budget, pool2, flops, run),
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -460,13 +481,15 @@ fn fma_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<[f64; 2]> {
 /// GFLOP/s of `VDPBF16PS` at its peak on 1 and on 2 threads: a loop of 24 independent
 /// instructions on registers (no memory traffic), the ceiling of the `avx512-bf16` path;
 /// `None` where the CPU lacks the instruction.
-fn dpbf16_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<[f64; 2]> {
+fn dpbf16_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<Peak> {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm512_add_ps, _mm512_reduce_add_ps, _mm512_setzero_ps};
         use std::arch::x86_64::{_mm512_cvtne2ps_pbh, _mm512_dpbf16_ps, _mm512_set1_ps};
 
-        /// `rounds` rounds of 24 independent `VDPBF16PS`; the sum of the accumulators.
+        const INDEPENDENT: usize = 24;
+
+        /// `rounds` rounds of `INDEPENDENT` `VDPBF16PS`; the sum of the accumulators.
         ///
         /// # Safety
         /// The CPU has AVX-512 F and BF16.
@@ -477,7 +500,7 @@ fn dpbf16_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<[f64; 2]> 
                 _mm512_cvtne2ps_pbh(ones, ones),
                 _mm512_cvtne2ps_pbh(ones, ones),
             );
-            let mut acc = [_mm512_setzero_ps(); 24];
+            let mut acc = [_mm512_setzero_ps(); INDEPENDENT];
             for _ in 0..rounds {
                 for x in acc.iter_mut() {
                     *x = _mm512_dpbf16_ps(*x, a, b);
@@ -495,13 +518,17 @@ fn dpbf16_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<[f64; 2]> 
             return None;
         }
         const ROUNDS: usize = 1 << 16;
-        // 24 instructions of 16 lanes, each two multiply-adds.
-        let flops = (ROUNDS * 24 * 16 * 4) as f64;
+        // Instructions of 16 lanes, each two multiply-adds.
+        let flops = (ROUNDS * INDEPENDENT * 16 * 4) as f64;
         // SAFETY: the CPU has the features `dot_loop` is compiled for (checked above).
         let run = || {
             black_box(unsafe { dot_loop(black_box(ROUNDS)) });
         };
-        Some(one_and_two_threads(budget, pool2, flops, run))
+        Some(Peak {
+            instruction: "VDPBF16PS",
+            independent: INDEPENDENT,
+            gflops: one_and_two_threads(budget, pool2, flops, run),
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

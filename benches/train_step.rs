@@ -379,6 +379,10 @@ fn main() {
         )
     };
     let missing = |ours: usize, theirs: usize| if words(ours).is_none() { ours } else { theirs };
+    // A ratio with two decimals, or why there is none.
+    let line = |r: Option<f64>, ours: usize, theirs: usize| {
+        r.map_or_else(|| why(missing(ours, theirs)), |r| format!("{r:.2}"))
+    };
     println!(
         "  {:<24} {:>12} {:>14}",
         "run", "words/s (median)", "peak RSS MiB (largest)"
@@ -395,10 +399,10 @@ fn main() {
         (2, 0, "ringtrain f32 / pytorch f32"),
         (3, 2, "ringtrain bf16 / ringtrain f32"),
     ] {
-        match ratio(ours, theirs) {
-            Some(r) => println!("  ratio {what}: {r:.2}"),
-            None => println!("  ratio {what}: {}", why(missing(ours, theirs))),
-        }
+        println!(
+            "  ratio {what}: {}",
+            line(ratio(ours, theirs), ours, theirs)
+        );
     }
     for (ours, theirs, what) in [(2, 0, "f32"), (3, 1, "bf16")] {
         match rss(ours).zip(rss(theirs)) {
@@ -420,9 +424,6 @@ fn main() {
         target(autocast, TARGET_AUTOCAST),
         target(f32_ratio, TARGET_F32)
     );
-    let line = |r: Option<f64>, ours: usize, theirs: usize| {
-        r.map_or_else(|| why(missing(ours, theirs)), |r| format!("{r:.2}"))
-    };
     println!(
         "ratio ringtrain bf16 / pytorch autocast bf16: {}",
         line(autocast, 3, 1)

@@ -1806,9 +1806,10 @@ mod avx512 {
         fma_available().then_some(avx512_fma_kernel as MicroKernel)
     }
 
-    /// The AVX-512 F operations the vector kernel uses on the `avx512-fma` path: as
-    /// `hw_ops`, with `dot` two fused multiply-adds of the widened operands, the even
-    /// products first (the order of the portable kernel).
+    /// The AVX-512 F operations the vector kernel uses on the `avx512-fma` path (its
+    /// loads and stores are the `avx512-bf16` path's too), with `dot` two fused
+    /// multiply-adds of the widened operands, the even products first (the order of the
+    /// portable kernel).
     mod hw_fma_ops {
         use core::arch::x86_64::*;
 
@@ -1862,39 +1863,26 @@ mod avx512 {
         hw_fma_ops
     );
 
-    /// The AVX-512 BF16 operations the vector kernel uses.
+    /// The AVX-512 BF16 operations the vector kernel uses: `hw_fma_ops`' loads and
+    /// stores (AVX-512 F, which the kernel's features include), the pairs typed as bf16,
+    /// and `dot` one `VDPBF16PS`.
     mod hw_ops {
         use core::arch::x86_64::*;
 
-        #[inline]
-        #[target_feature(enable = "avx512f,avx512bf16")]
-        pub unsafe fn zero() -> __m512 {
-            _mm512_setzero_ps()
-        }
-        #[inline]
-        #[target_feature(enable = "avx512f,avx512bf16")]
-        pub unsafe fn load(p: *const f32) -> __m512 {
-            // SAFETY: the caller guarantees 16 readable floats.
-            unsafe { _mm512_loadu_ps(p) }
-        }
-        #[inline]
-        #[target_feature(enable = "avx512f,avx512bf16")]
-        pub unsafe fn store(p: *mut f32, v: __m512) {
-            // SAFETY: the caller guarantees 16 writable floats.
-            unsafe { _mm512_storeu_ps(p, v) }
-        }
+        pub use super::hw_fma_ops::{load, store, zero};
+
         #[inline]
         #[target_feature(enable = "avx512f,avx512bf16")]
         pub unsafe fn load_pairs(p: *const u32) -> __m512bh {
             // SAFETY: the caller guarantees 16 readable words; a vector of 32 bf16 has
             // the size and layout of a vector of 16 words.
-            unsafe { core::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p.cast())) }
+            unsafe { core::mem::transmute::<__m512i, __m512bh>(super::hw_fma_ops::load_pairs(p)) }
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx512bf16")]
         pub unsafe fn broadcast(w: u32) -> __m512bh {
             // SAFETY: the same size and layout, as above.
-            unsafe { core::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(w as i32)) }
+            unsafe { core::mem::transmute::<__m512i, __m512bh>(super::hw_fma_ops::broadcast(w)) }
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx512bf16")]
