@@ -495,6 +495,72 @@ fn validate_runs_calibrates_measures_and_ends_with_the_largest_error() {
 }
 
 #[test]
+fn a_failed_later_round_keeps_the_table_of_the_rounds_before_it_and_leaves_no_report_behind() {
+    // An mpirun that starts the first three runs (round 1 at `--np 2`: the calibration,
+    // the link, 2 ranks) and the fourth (round 2's calibration), then refuses.
+    let dir = tempfile::tempdir().unwrap();
+    let count = dir.path().join("runs");
+    let mpirun = dir.path().join("mpirun-four-times");
+    std::fs::write(
+        &mpirun,
+        format!(
+            "#!/bin/sh\nn=$(($(cat '{0}' 2>/dev/null || echo 0) + 1))\necho $n > '{0}'\n\
+             if [ $n -gt 4 ]; then echo 'refusing run '$n >&2; exit 3; fi\nexec mpirun \"$@\"\n",
+            count.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&mpirun, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let json = dir.path().join("validated.json");
+    let mut args = vec![
+        "predict",
+        "--validate",
+        "--rounds",
+        "3",
+        "--np",
+        "2",
+        "--mpirun",
+        mpirun.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+        "--",
+        "train",
+    ];
+    args.extend_from_slice(TINY);
+    let mut cmd = ringtrain();
+    cmd.args(&args).env("TMPDIR", &tmp);
+    let out = output_within(cmd, LIMIT, "ringtrain predict --validate");
+    let (stdout, stderr) = texts(&out);
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(std::fs::read_to_string(&count).unwrap().trim(), "5");
+    // Round 1's line and its table come out, named as the rounds before the failure.
+    assert!(stdout.contains("round 1: 1 rank "), "{stdout}");
+    assert!(!stdout.contains("round 2:"), "{stdout}");
+    assert!(
+        stdout.contains("from the 1 round(s) before round 2, which failed:"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("| 2 | replicated"), "{stdout}");
+    assert!(stdout.contains("prediction error: max "), "{stdout}");
+    // The error is the failed run's, and --json (rows of whole validations) is left out.
+    assert!(stderr.contains("the ranks failed"), "{stderr}");
+    assert!(
+        stderr.contains("--json not written: round 2 of 3 failed"),
+        "{stderr}"
+    );
+    assert!(!json.exists());
+    // No report of any run is left in the temporary directory.
+    let left: Vec<String> = std::fs::read_dir(&tmp)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("ringtrain-predict"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+#[test]
 fn predict_draws_the_speedup_per_strategy_and_the_terms_of_the_largest_count() {
     let dir = tempfile::tempdir().unwrap();
     let plot = dir.path().join("predict.svg");

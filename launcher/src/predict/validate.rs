@@ -15,6 +15,11 @@
 //! and the threads per rank are those the calibration run recorded (`--cores-per-node`
 //! overrides the cores), so that ranks sharing the cores are part of the prediction
 //! ([`super::model::Sharing`]).
+//!
+//! The runs' reports go to a directory of their own under the system's temporary
+//! directory, removed when the validation ends, however it ends. A round that fails after
+//! others completed ends the validation with its error, after the table of the rounds
+//! before it (which `--json` does not get: its rows are for whole validations).
 
 use std::path::{Path, PathBuf};
 
@@ -177,65 +182,34 @@ pub fn run(args: &PredictArgs) -> Result<()> {
              cores; drop --cores-per-node",
         ));
     }
-    let dir = std::env::temp_dir();
-    let file = |name: &str| -> PathBuf {
-        dir.join(format!(
-            "ringtrain-predict-{}-{name}.json",
-            std::process::id()
-        ))
-    };
+    let reports = tempfile::Builder::new()
+        .prefix("ringtrain-predict-")
+        .tempdir()
+        .map_err(|source| ringtrain_train::Error::Io {
+            action: "creating a directory for the runs' reports in",
+            path: std::env::temp_dir(),
+            source,
+        })?;
+    let file = |name: &str| -> PathBuf { reports.path().join(format!("{name}.json")) };
 
     // Each round calibrates, measures the link and runs every count back to back, so
     // that the machine's state (its other load, where its virtual cores sit) is the same
     // for a round's prediction and its measurement.
     let mut rounds: Vec<Round> = Vec::new();
     let mut shape = None;
+    let mut failed = None;
     for round in 1..=args.rounds {
-        eprintln!(
-            "ringtrain predict: round {round} of {}: calibrating on 1 rank",
-            args.rounds
-        );
-        let one_path = file("np1");
-        let one = train_report(args, &exe, &command, 1, &one_path)?;
-        let profile = calibrate::profile_of(&one, &one_path)?;
-        let fit = measure_link(args, &exe, &profile, &file("bench"))?;
-        let (sharing, strategy) = match shape {
-            Some(s) => s,
-            None => {
-                // The calibration run recorded the cores of this machine, where every
-                // count runs.
-                let (sharing, _) = sharing_of(&one, args.cores_per_node, true)?;
-                let s = (sharing, strategy_of(&one, &args.exchange));
-                shape = Some(s);
-                for &n in &counts {
-                    if sharing.oversubscribed(n) {
-                        println!(
-                            "note: {n} ranks x {} thread(s) on {} cores: a step runs in {} \
-                             waves of ranks (term `shared cores`)",
-                            sharing.threads_per_rank,
-                            sharing.cores,
-                            sharing.waves(n)
-                        );
-                    }
-                }
-                s
+        match run_round(args, &exe, &command, &counts, round, &file, &mut shape) {
+            Ok(r) => {
+                println!("{}", r.line(round));
+                rounds.push(r);
             }
-        };
-        let mut counted = Vec::new();
-        for &n in &counts {
-            eprintln!("ringtrain predict: round {round}: measuring {n} ranks");
-            let predicted = model::predict(&profile, fit.link, &strategy, n, sharing);
-            let measured = train_report(args, &exe, &command, n, &file(&format!("np{n}")))?;
-            counted.push((predicted, measured.words_per_sec));
+            Err(e) if !rounds.is_empty() => {
+                failed = Some((round, e));
+                break;
+            }
+            Err(e) => return Err(e),
         }
-        let r = Round {
-            one: one.words_per_sec,
-            profile,
-            fit,
-            counted,
-        };
-        println!("{}", r.line(round));
-        rounds.push(r);
     }
     let (sharing, _) = shape.ok_or_else(|| LauncherError::Bench("no round ran".to_string()))?;
     let one: Vec<f64> = rounds.iter().map(|r| r.one).collect();
@@ -296,11 +270,82 @@ pub fn run(args: &PredictArgs) -> Result<()> {
             }
         })
         .collect();
+    if let Some((round, e)) = failed {
+        print!(
+            "\nfrom the {} round(s) before round {round}, which failed:\n{}",
+            rounds.len(),
+            markdown(&rows)
+        );
+        if args.json.is_some() {
+            eprintln!(
+                "ringtrain predict: --json not written: round {round} of {} failed",
+                args.rounds
+            );
+        }
+        return Err(e);
+    }
     if let Some(path) = &args.json {
         super::write_json(path, &rows)?;
     }
     print!("\n{}", markdown(&rows));
     Ok(())
+}
+
+/// One round: the calibration, the link, and every count predicted and measured. The
+/// first round fixes `shape` (the cores the ranks share and the strategy), from its
+/// calibration run.
+fn run_round(
+    args: &PredictArgs,
+    exe: &Path,
+    command: &[String],
+    counts: &[usize],
+    round: usize,
+    file: &dyn Fn(&str) -> PathBuf,
+    shape: &mut Option<(model::Sharing, model::Strategy)>,
+) -> Result<Round> {
+    eprintln!(
+        "ringtrain predict: round {round} of {}: calibrating on 1 rank",
+        args.rounds
+    );
+    let one_path = file("np1");
+    let one = train_report(args, exe, command, 1, &one_path)?;
+    let profile = calibrate::profile_of(&one, &one_path)?;
+    let fit = measure_link(args, exe, &profile, &file("bench"))?;
+    let (sharing, strategy) = match shape {
+        Some(s) => *s,
+        None => {
+            // The calibration run recorded the cores of this machine, where every count
+            // runs.
+            let (sharing, _) = sharing_of(&one, args.cores_per_node, true)?;
+            let s = (sharing, strategy_of(&one, &args.exchange));
+            *shape = Some(s);
+            for &n in counts {
+                if sharing.oversubscribed(n) {
+                    println!(
+                        "note: {n} ranks x {} thread(s) on {} cores: a step runs in {} \
+                         waves of ranks (term `shared cores`)",
+                        sharing.threads_per_rank,
+                        sharing.cores,
+                        sharing.waves(n)
+                    );
+                }
+            }
+            s
+        }
+    };
+    let mut counted = Vec::new();
+    for &n in counts {
+        eprintln!("ringtrain predict: round {round}: measuring {n} ranks");
+        let predicted = model::predict(&profile, fit.link, &strategy, n, sharing);
+        let measured = train_report(args, exe, command, n, &file(&format!("np{n}")))?;
+        counted.push((predicted, measured.words_per_sec));
+    }
+    Ok(Round {
+        one: one.words_per_sec,
+        profile,
+        fit,
+        counted,
+    })
 }
 
 /// One round: the calibration, the link, and each count's prediction and measured
