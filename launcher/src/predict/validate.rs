@@ -137,9 +137,7 @@ fn train_report(
     cmd.push("--json-report".to_string());
     cmd.push(path.display().to_string());
     launch_one(args, exe, np, cmd)?;
-    let report = RunReport::read_json(path)?;
-    let _ = std::fs::remove_file(path);
-    Ok(report)
+    Ok(RunReport::read_json(path)?)
 }
 
 /// The rows as markdown, ending with the line `prediction error: max X %`.
@@ -291,8 +289,8 @@ pub fn run(args: &PredictArgs) -> Result<()> {
     Ok(())
 }
 
-/// One round: the calibration, the link, and every count predicted and measured. The
-/// first round fixes `shape` (the cores the ranks share and the strategy), from its
+/// Runs round `round`: the calibration, the link, and every count predicted and
+/// measured, each run's report in a file `file` names. The first round fixes `shape` (the cores the ranks share and the strategy), from its
 /// calibration run.
 fn run_round(
     args: &PredictArgs,
@@ -417,9 +415,7 @@ fn measure_link(
         path.display().to_string(),
     ]);
     launch_one(args, exe, 2, bench)?;
-    let fit = calibrate::read_link(path, Some("auto"));
-    let _ = std::fs::remove_file(path);
-    fit
+    calibrate::read_link(path, Some("auto"))
 }
 
 /// Whether the command trains on cuda (`--device cuda`).
