@@ -234,14 +234,7 @@ impl Sharing {
     /// ranks of T threads run `floor(cores / T)` at a time, `ceil(n / that)` waves (n
     /// when one rank alone has more threads than cores: they take turns).
     pub fn waves(&self, n: usize) -> f64 {
-        if !self.oversubscribed(n) {
-            return 1.0;
-        }
-        let per_wave = self.cores / self.threads_per_rank.max(1);
-        if per_wave == 0 {
-            return n as f64;
-        }
-        n.div_ceil(per_wave) as f64
+        self.wave_sizes(n).len() as f64
     }
 
     /// How many ranks of `n` run in each wave ([`Sharing::waves`]): all of them in one
@@ -862,7 +855,6 @@ mod tests {
         assert_eq!(on(2, 4).wave_sizes(3), vec![1, 1, 1]);
         assert_eq!(Sharing::NONE.wave_sizes(1024), vec![1024]);
         for (sharing, n) in [(on(2, 1), 3), (on(4, 2), 5), (on(2, 4), 3)] {
-            assert_eq!(sharing.wave_sizes(n).len() as f64, sharing.waves(n));
             assert_eq!(sharing.wave_sizes(n).iter().sum::<usize>(), n);
         }
     }

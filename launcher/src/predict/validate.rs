@@ -21,7 +21,7 @@
 //! others completed ends the validation with its error, after the table of the rounds
 //! before it (which `--json` does not get: its rows are for whole validations).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use ringtrain_train::throughput::median;
 use ringtrain_train::RunReport;
@@ -188,7 +188,6 @@ pub fn run(args: &PredictArgs) -> Result<()> {
             path: std::env::temp_dir(),
             source,
         })?;
-    let file = |name: &str| -> PathBuf { reports.path().join(format!("{name}.json")) };
 
     // Each round calibrates, measures the link and runs every count back to back, so
     // that the machine's state (its other load, where its virtual cores sit) is the same
@@ -197,7 +196,15 @@ pub fn run(args: &PredictArgs) -> Result<()> {
     let mut shape = None;
     let mut failed = None;
     for round in 1..=args.rounds {
-        match run_round(args, &exe, &command, &counts, round, &file, &mut shape) {
+        match run_round(
+            args,
+            &exe,
+            &command,
+            &counts,
+            round,
+            reports.path(),
+            &mut shape,
+        ) {
             Ok(r) => {
                 println!("{}", r.line(round));
                 rounds.push(r);
@@ -290,7 +297,7 @@ pub fn run(args: &PredictArgs) -> Result<()> {
 }
 
 /// Runs round `round`: the calibration, the link, and every count predicted and
-/// measured, each run's report in a file `file` names. The first round fixes `shape` (the cores the ranks share and the strategy), from its
+/// measured, each run's report a file in `dir`. The first round fixes `shape` (the cores the ranks share and the strategy), from its
 /// calibration run.
 fn run_round(
     args: &PredictArgs,
@@ -298,17 +305,17 @@ fn run_round(
     command: &[String],
     counts: &[usize],
     round: usize,
-    file: &dyn Fn(&str) -> PathBuf,
+    dir: &Path,
     shape: &mut Option<(model::Sharing, model::Strategy)>,
 ) -> Result<Round> {
     eprintln!(
         "ringtrain predict: round {round} of {}: calibrating on 1 rank",
         args.rounds
     );
-    let one_path = file("np1");
+    let one_path = dir.join("np1.json");
     let one = train_report(args, exe, command, 1, &one_path)?;
     let profile = calibrate::profile_of(&one, &one_path)?;
-    let fit = measure_link(args, exe, &profile, &file("bench"))?;
+    let fit = measure_link(args, exe, &profile, &dir.join("bench.json"))?;
     let (sharing, strategy) = match shape {
         Some(s) => *s,
         None => {
@@ -335,7 +342,7 @@ fn run_round(
     for &n in counts {
         eprintln!("ringtrain predict: round {round}: measuring {n} ranks");
         let predicted = model::predict(&profile, fit.link, &strategy, n, sharing);
-        let measured = train_report(args, exe, command, n, &file(&format!("np{n}")))?;
+        let measured = train_report(args, exe, command, n, &dir.join(format!("np{n}.json")))?;
         counted.push((predicted, measured.words_per_sec));
     }
     Ok(Round {
