@@ -49,9 +49,19 @@
 //! submissions, shutdown, an idle engine) turns against it, which ends it on every rank at
 //! once and hands the step to the general path. A small group (at most 64 KiB, without
 //! scaling or wire compression) votes in one slot per ring chunk of its fused reduction; a
-//! larger one in an all-reduce of one element before its reduction in place. `ringtrain bench allreduce` prints the ratio as its
-//! `fusion_overhead` rows; see the measured rows in the docs of
-//! [`crate::algorithm_choice`].
+//! larger one in an all-reduce of one element before its reduction in place.
+//!
+//! Single submissions get the same steps when they repeat: a step of
+//! [`FusionEngine::submit`] calls ended by a [`FusionEngine::synchronize`] of exactly
+//! their handles teaches the engine its names in order, and a later step that submits
+//! the same names in the same order is held on the submitting side (no queue entry, no
+//! look-up or allocation of a name) and synchronized as one cached group under those
+//! names. A submission out of that order, another kind of wait, or the background
+//! thread's next cycle (which comes a cycle time after the step's first submission, so
+//! that reductions still overlap a long computation) queues what was held, and the step
+//! goes on as the general path. `ringtrain bench allreduce` prints the ratio as its
+//! `fusion_overhead` rows, with `each` for single submissions and `group` for one
+//! `all_reduce_group`; see the measured rows in the docs of [`crate::algorithm_choice`].
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::path::PathBuf;
@@ -74,6 +84,8 @@ use crate::timeline::{EventSink, Timeline};
 
 mod cached;
 use cached::{Armed, MAX_ARMED_IDLE};
+mod repeated;
+use repeated::{Repeated, StepEnd};
 
 /// Default [`FusionConfig::threshold_bytes`]: the largest fusion buffer.
 pub const DEFAULT_THRESHOLD_BYTES: usize = 64 * 1024 * 1024;
@@ -596,6 +608,7 @@ impl FusionEngine {
         };
         let core = Arc::new(Core {
             state: Mutex::new(CoreState::Running(Box::new(Running { engine, comm, rx }))),
+            repeated: Mutex::new(Repeated::new(cycle_time)),
         });
         let worker_core = Arc::clone(&core);
         let worker_wake = Arc::clone(&wake);
@@ -653,13 +666,27 @@ impl FusionEngine {
     }
 
     fn submit_payload(&self, name: &str, tensor: Payload) -> Result<Handle> {
-        let ticket = self.board.ticket();
-        let stopped = || Error::EngineStopped {
-            reason: "the background thread has exited; shutdown() returns the cause".into(),
-        };
         let tx = self.tx.as_ref().ok_or_else(stopped)?;
+        let mut repeated = self.core.repeated();
+        let ticket = self.board.ticket();
+        let tensor = match tensor {
+            Payload::Owned(t) if !self.timed => match repeated.follow(name, t, ticket) {
+                Ok((name, wake)) => {
+                    drop(repeated);
+                    if wake {
+                        self.wake.queued();
+                    }
+                    return Ok(self.handle(name, ticket));
+                }
+                Err(t) => Payload::Owned(t),
+            },
+            other => other,
+        };
+        // Whatever the step held goes first, in its order.
+        send_held(tx, repeated.release())?;
         // One allocation for the name, shared by the handle and the engine.
         let name: Arc<str> = Arc::from(name);
+        repeated.record(&name, ticket);
         tx.send(Command::Submit {
             name: Arc::clone(&name),
             tensor,
@@ -667,15 +694,20 @@ impl FusionEngine {
             at: self.timed.then(Instant::now),
         })
         .map_err(|_| stopped())?;
+        drop(repeated);
         self.wake.queued();
-        Ok(Handle {
+        Ok(self.handle(name, ticket))
+    }
+
+    fn handle(&self, name: Arc<str>, ticket: u64) -> Handle {
+        Handle {
             name,
             ticket,
             board: Arc::clone(&self.board),
             core: Arc::clone(&self.core),
             waited: false,
             external: false,
-        })
+        }
     }
 
     /// Queues a group of tensors for all-reduce, `tensors[i]` under `names.get(i)`, in one
@@ -712,7 +744,11 @@ impl FusionEngine {
         if tensors.len() != names.len() || self.tx.is_none() || self.timed {
             return self.queue_group(names, tensors, false)?.wait();
         }
-        let tensors: Vec<Tensor> = tensors.into_iter().map(Into::into).collect();
+        self.reduce_group(names, tensors.into_iter().map(Into::into).collect())
+    }
+
+    /// [`FusionEngine::all_reduce_group`] of a group with a tensor per name.
+    fn reduce_group(&self, names: &TensorNames, tensors: Vec<Tensor>) -> Result<Vec<Tensor>> {
         match self.core.cached_group(names, tensors, &self.board)? {
             CachedGroup::Reduced(out) => {
                 if let Some(e) = self.take_foreign_failure() {
@@ -750,9 +786,6 @@ impl FusionEngine {
                 "pass one tensor per name, in the order of the names",
             ));
         }
-        let stopped = || Error::EngineStopped {
-            reason: "the background thread has exited; shutdown() returns the cause".into(),
-        };
         let tx = self.tx.as_ref().ok_or_else(stopped)?;
         let batch = self.board.open_batch(names.len());
         let handle = self.group_handle(batch, names);
@@ -772,7 +805,45 @@ impl FusionEngine {
     /// Waits for every handle and returns the tensors in the same order. Returns the first
     /// error instead, after waiting for all; also reports tensors that failed elsewhere
     /// which this rank never submitted.
-    pub fn synchronize(&self, handles: Vec<Handle>) -> Result<Vec<Tensor>> {
+    ///
+    /// The handles of a step that submitted the same names, in the same order, as the
+    /// last step synchronized whole (and nothing else since) are reduced as one cached
+    /// group: its tensors waited here and are fused, negotiated (by the group's bits, or
+    /// not at all once every rank has done so) and returned as
+    /// [`FusionEngine::all_reduce_group`] would (see `repeated.rs`).
+    pub fn synchronize(&self, mut handles: Vec<Handle>) -> Result<Vec<Tensor>> {
+        let tickets: Vec<u64> = handles.iter().map(|h| h.ticket).collect();
+        let end = self.core.repeated().end_step(&tickets);
+        match end {
+            StepEnd::Repeat {
+                names,
+                tensors,
+                first,
+            } => {
+                for h in &mut handles {
+                    h.waited = true;
+                }
+                let mut reduced: Vec<Option<Tensor>> = self
+                    .reduce_group(&names, tensors)?
+                    .into_iter()
+                    .map(Some)
+                    .collect();
+                let lost = || Error::EngineStopped {
+                    reason: "internal: a repeated step returned fewer tensors than it held".into(),
+                };
+                return tickets
+                    .iter()
+                    .map(|t| {
+                        let slot = reduced.get_mut((t - first) as usize);
+                        slot.and_then(Option::take).ok_or_else(lost)
+                    })
+                    .collect();
+            }
+            StepEnd::General(held) => {
+                let tx = self.tx.as_ref().ok_or_else(stopped)?;
+                send_held(tx, held)?;
+            }
+        }
         let mut out = Vec::with_capacity(handles.len());
         let mut first_err = None;
         self.core
@@ -813,6 +884,8 @@ impl FusionEngine {
 
     fn stop(&mut self) -> Result<Communicator> {
         if let Some(tx) = self.tx.take() {
+            // Held tensors are queued like every other: shutdown fails what is left.
+            let _ = send_held(&tx, self.core.repeated().release());
             // The thread may be gone already; its join result says why.
             let _ = tx.send(Command::Shutdown);
             self.wake.flush();
@@ -835,6 +908,28 @@ impl FusionEngine {
             }),
         }
     }
+}
+
+/// The error of a submission to an engine whose background thread has ended.
+fn stopped() -> Error {
+    Error::EngineStopped {
+        reason: "the background thread has exited; shutdown() returns the cause".into(),
+    }
+}
+
+/// Queues tensors a repeated step held, in their order.
+fn send_held(tx: &Sender<Command>, held: Vec<repeated::Held>) -> Result<()> {
+    for (name, tensor, ticket) in held {
+        let tensor = Payload::Owned(tensor);
+        tx.send(Command::Submit {
+            name,
+            tensor,
+            ticket,
+            at: None,
+        })
+        .map_err(|_| stopped())?;
+    }
+    Ok(())
 }
 
 impl Drop for FusionEngine {
@@ -1002,6 +1097,9 @@ struct Engine {
 /// loaded machine costs a scheduler slice each way).
 struct Core {
     state: Mutex<CoreState>,
+    /// The single submissions of a step that repeats the last one, held until its end.
+    /// Locked on its own or after `state`, never the other way round.
+    repeated: Mutex<Repeated>,
 }
 
 enum CoreState {
@@ -1027,13 +1125,26 @@ impl Core {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes the queued submissions and runs one cycle; ends the engine after the last
-    /// cycle or an error.
-    fn step(state: &mut CoreState) {
+    fn repeated(&self) -> std::sync::MutexGuard<'_, Repeated> {
+        self.repeated.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes every submission: the queue's, then the tensors a repeated step holds.
+    fn drain(&self, r: &mut Running) {
+        r.engine.drain(&r.rx);
+        for (name, tensor, ticket) in self.repeated().release() {
+            r.engine
+                .accept_one(name, Payload::Owned(tensor), Ticket::One(ticket), None);
+        }
+    }
+
+    /// Takes the submissions and runs one cycle; ends the engine after the last cycle or
+    /// an error.
+    fn step(&self, state: &mut CoreState) {
         let CoreState::Running(r) = state else {
             return;
         };
-        r.engine.drain(&r.rx);
+        self.drain(r);
         if let Some(armed) = r.engine.armed.take() {
             // Anything but the armed group itself: a vote against it ends it on every rank,
             // and this cycle goes on as a round.
@@ -1087,7 +1198,7 @@ impl Core {
         let CoreState::Running(r) = &mut *state else {
             return;
         };
-        r.engine.drain(&r.rx);
+        self.drain(r);
         let ticket = Ticket::One(ticket);
         let engine = &mut r.engine;
         let queued = engine.slots.iter_mut().flatten();
@@ -1110,7 +1221,7 @@ impl Core {
         let CoreState::Running(r) = &mut *state else {
             return Ok(CachedGroup::NotCached(tensors));
         };
-        r.engine.drain(&r.rx);
+        self.drain(r);
         if let Some(armed) = r.engine.armed.take() {
             // Every rank's next cycle is this group's reduction: with this rank's tensors
             // when it submitted the same group, else with a vote against it.
@@ -1215,7 +1326,7 @@ impl Core {
             if done() || matches!(*state, CoreState::Ended(_)) {
                 return;
             }
-            Self::step(&mut state);
+            self.step(&mut state);
         }
     }
 }
@@ -1252,7 +1363,7 @@ fn background(core: Arc<Core>, wake: Arc<Wakeup>, cycle_time: Duration) {
         if let CoreState::Running(r) = &*state {
             // A caller that waited may have done the work of this window already: no
             // round for nothing (the other ranks would have to join it).
-            if !idle_round && !r.engine.busy() && r.rx.is_empty() {
+            if !idle_round && !r.engine.busy() && r.rx.is_empty() && !core.repeated().holds() {
                 continue;
             }
             // An armed engine's next cycle is its group's reduction on every rank: its
@@ -1271,7 +1382,7 @@ fn background(core: Arc<Core>, wake: Arc<Wakeup>, cycle_time: Duration) {
                 }
             }
         }
-        Core::step(&mut state);
+        core.step(&mut state);
     }
 }
 

@@ -439,3 +439,200 @@ fn a_cached_group_step_after_the_first_takes_no_round() {
         assert_eq!(deltas[3..], [(1, 0, 1); 3], "{deltas:?}");
     }
 }
+
+/// A long cycle time: the background thread never queues what a repeated step holds
+/// before its `synchronize` (which is what these tests look at), however loaded the
+/// machine.
+fn patient() -> FusionConfig {
+    FusionConfig {
+        cycle_time: Duration::from_secs(30),
+        ..FusionConfig::default()
+    }
+}
+
+/// One step of single submissions: tensor `k` of `lens` under `names[k]` with
+/// [`odd_values`] of (rank, `k` + `salt`), in the order of `order`, synchronized in
+/// reverse order; returns the results by `k`.
+fn single_step(
+    engine: &FusionEngine,
+    names: &[&str],
+    lens: &[usize],
+    order: &[usize],
+    salt: usize,
+) -> Result<Vec<Vec<f32>>> {
+    let r = engine.rank();
+    let mut handles: Vec<(usize, Handle)> = Vec::new();
+    for &k in order {
+        let h = engine.submit(names[k], odd_values(r, k + salt, lens[k]))?;
+        handles.push((k, h));
+    }
+    handles.reverse();
+    let (ks, hs): (Vec<usize>, Vec<Handle>) = handles.into_iter().unzip();
+    let out = engine.synchronize(hs)?;
+    let mut by_k = vec![Vec::new(); names.len()];
+    for (k, t) in ks.into_iter().zip(out) {
+        by_k[k] = t.into_vec::<f32>()?;
+    }
+    Ok(by_k)
+}
+
+/// The sums of [`odd_values`] over `size` ranks, added in rank order.
+fn odd_sums(size: usize, lens: &[usize], salt: usize) -> Vec<Vec<f32>> {
+    (0..lens.len())
+        .map(|k| {
+            (0..lens[k])
+                .map(|i| (0..size).map(|r| odd_values(r, k + salt, lens[k])[i]).sum())
+                .collect()
+        })
+        .collect()
+}
+
+/// Single submissions that repeat the last synchronized step, name for name, are
+/// reduced as one cached group: the second such step registers the group, the third
+/// takes the cached-group step with its round, and every later one is an armed
+/// reduction without a round. The results are the general path's bit for bit, and
+/// come back in the order of the handles given to `synchronize`.
+#[test]
+fn a_repeated_step_of_single_submissions_becomes_an_armed_group() {
+    for size in [2, 3] {
+        let outs = Communicator::run_local(size, |comm| -> Result<()> {
+            let engine = FusionEngine::start(comm, patient())?;
+            let names = ["w0", "b0", "w1", "b1", "w2"];
+            let lens = [40, 3, 17, 1, 64];
+            let order = [0, 1, 2, 3, 4];
+            let mut deltas = Vec::new();
+            let mut results = Vec::new();
+            for _ in 0..6 {
+                let (_, cached0, rounds0, armed0) = counters(&engine);
+                results.push(single_step(&engine, &names, &lens, &order, 0)?);
+                let (_, cached1, rounds1, armed1) = counters(&engine);
+                deltas.push((cached1 - cached0, rounds1 - rounds0, armed1 - armed0));
+            }
+            // The general path (steps 1 and 2) and the cached ones give the same bits;
+            // within a few ulps of the sums added in rank order.
+            for step in &results[1..] {
+                assert_eq!(step, &results[0], "size {size}");
+            }
+            for (got, want) in results[0].iter().zip(odd_sums(size, &lens, 0)) {
+                for (g, w) in got.iter().zip(want) {
+                    assert!((g - w).abs() <= 1e-3, "{g} against {w}");
+                }
+            }
+            assert_eq!(
+                deltas[..2].iter().map(|d| d.0).sum::<usize>(),
+                0,
+                "{deltas:?}"
+            );
+            assert_eq!((deltas[2].0, deltas[2].2), (1, 0), "{deltas:?}");
+            assert_eq!(deltas[3..], [(1, 0, 1); 3], "{deltas:?}");
+            engine.shutdown()?;
+            Ok(())
+        })
+        .expect("run");
+        for out in outs {
+            out.expect("rank");
+        }
+    }
+}
+
+/// A repeated step that one rank departs from (another order, then a changed shape)
+/// goes the general path on every rank: the sums still arrive, the changed shape fails
+/// on every rank naming the tensor, and the steps after it are cached again.
+#[test]
+fn a_rank_that_departs_from_the_repeated_step_still_gets_its_sums() {
+    let outs = Communicator::run_local(3, |comm| -> Result<String> {
+        let r = comm.rank();
+        let engine = FusionEngine::start(comm, patient())?;
+        let names = ["p", "q", "s", "t"];
+        let lens = [5, 9, 2, 30];
+        let order = [0, 1, 2, 3];
+        let want = odd_sums(3, &lens, 7);
+        let close = |got: &[Vec<f32>]| {
+            got.iter()
+                .flatten()
+                .zip(want.iter().flatten())
+                .all(|(g, w)| (g - w).abs() <= 1e-3)
+        };
+        for _ in 0..4 {
+            assert!(close(&single_step(&engine, &names, &lens, &order, 7)?));
+        }
+        let swapped = if r == 1 { [0, 2, 1, 3] } else { order };
+        assert!(close(&single_step(&engine, &names, &lens, &swapped, 7)?));
+        for _ in 0..3 {
+            assert!(close(&single_step(&engine, &names, &lens, &order, 7)?));
+        }
+        let (_, cached, _, _) = counters(&engine);
+        let mut changed = lens;
+        if r == 2 {
+            changed[1] = 10;
+        }
+        let err =
+            single_step(&engine, &names, &changed, &order, 7).expect_err("the shapes of q differ");
+        for _ in 0..4 {
+            assert!(close(&single_step(&engine, &names, &lens, &order, 7)?));
+        }
+        let (_, cached_after, _, _) = counters(&engine);
+        assert!(
+            cached_after > cached,
+            "rank {r}: cached again after the mismatch"
+        );
+        engine.shutdown()?;
+        Ok(err.to_string())
+    })
+    .expect("run");
+    for out in outs {
+        let msg = out.expect("rank");
+        assert!(msg.contains("`q`") && msg.contains("10"), "{msg}");
+    }
+}
+
+/// The handles of a repeated step waited one by one, a part at a time, or some dropped
+/// unwaited: the held tensors go the general path, and every result still arrives.
+#[test]
+fn a_repeated_step_waited_in_parts_or_dropped_in_part_still_reduces() {
+    let outs = Communicator::run_local(2, |comm| -> Result<()> {
+        let r = comm.rank();
+        let engine = FusionEngine::start(comm, patient())?;
+        let names = ["a", "b", "c"];
+        let submit = |k: usize| engine.submit(names[k], vec![(r + k) as f32; 4]);
+        let want = |k: usize| vec![(1 + 2 * k) as f32; 4];
+        let whole = || -> Result<()> {
+            let hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
+            for (k, t) in engine.synchronize(hs)?.into_iter().enumerate() {
+                assert_eq!(t.into_vec::<f32>()?, want(k));
+            }
+            Ok(())
+        };
+        for _ in 0..4 {
+            whole()?;
+        }
+        // One by one.
+        let hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
+        for (k, h) in hs.into_iter().enumerate() {
+            assert_eq!(h.wait()?.into_vec::<f32>()?, want(k));
+        }
+        // A part, then the rest.
+        whole()?;
+        let mut hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
+        let last = hs.split_off(1);
+        assert_eq!(
+            engine.synchronize(hs)?[0].clone().into_vec::<f32>()?,
+            want(0)
+        );
+        let rest = engine.synchronize(last)?;
+        assert_eq!(rest[1].clone().into_vec::<f32>()?, want(2));
+        // One dropped unwaited.
+        whole()?;
+        let mut hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
+        drop(hs.remove(1));
+        let out = engine.synchronize(hs)?;
+        assert_eq!(out[1].clone().into_vec::<f32>()?, want(2));
+        whole()?;
+        engine.shutdown()?;
+        Ok(())
+    })
+    .expect("run");
+    for out in outs {
+        out.expect("rank");
+    }
+}

@@ -1,0 +1,329 @@
+//! A step of single submissions that repeats the last one: its tensors wait on the
+//! submitting side and are reduced as one cached group when the step is synchronized.
+//!
+//! A step here is what [`FusionEngine::synchronize`] ends: the tensors submitted one by
+//! one ([`FusionEngine::submit`]) since the last call, when that call waits for exactly
+//! their handles. Such a step teaches the engine its names, in the order they came
+//! ([`Repeated::learned`]). When the next step submits the same names in the same order,
+//! its tensors are held here instead of queued (no channel message, no name allocated or
+//! looked up, no board entry), and its `synchronize` hands them to the cached-group step
+//! of [`FusionEngine::all_reduce_group`] under the learned names: after two such steps
+//! (one registering the group's ids, one its negotiation round) the step is an armed
+//! reduction, with no round at all.
+//!
+//! Nothing of the general path's behaviour changes: a submission that departs from the
+//! learned order, an external tensor, a timeline, a `synchronize` or [`Handle::wait`] of
+//! other handles, or a cycle of the background thread (which runs while nobody waits, so
+//! that reductions overlap the computation that submits them) sends the held tensors on
+//! to the queue, in their order, and the step continues there.
+
+use super::*;
+
+/// The most tensors a step records: a caller that never synchronizes (it waits for each
+/// handle, or drops them) must not grow the record without bound.
+const MAX_STEP_TENSORS: usize = 1 << 16;
+
+/// The learned names and where the current step stands.
+#[derive(Debug)]
+pub(super) struct Repeated {
+    /// The names of the last step that taught one, in submission order.
+    learned: Option<TensorNames>,
+    step: Step,
+    /// When the step's first tensor came.
+    since: Instant,
+    /// The engine's cycle time.
+    cycle_time: Duration,
+    /// The last step took longer than a cycle time: the next one wakes the background
+    /// thread with its first tensor, so that a cycle queues what is held by then and
+    /// reductions overlap the rest of the step. A shorter step's `synchronize` comes
+    /// before any cycle would: waking the thread for it would only cost a wake-up.
+    long: bool,
+}
+
+#[derive(Debug, Default)]
+enum Step {
+    /// Nothing submitted since the last `synchronize`.
+    #[default]
+    Fresh,
+    /// Submitted through the queue: the names so far, and the first ticket (the tickets
+    /// so far are the ones that follow it).
+    Recording { names: Vec<Arc<str>>, first: u64 },
+    /// Following the learned names: the tensors held here, and the first ticket.
+    Following { tensors: Vec<Tensor>, first: u64 },
+    /// Neither: this step teaches nothing and holds nothing.
+    Off,
+}
+
+/// What a `synchronize` does with the step it ends.
+pub(super) enum StepEnd {
+    /// The step repeated the learned one: reduce these tensors under these names; the
+    /// handle of ticket `first + i` gets the result of tensor `i`.
+    Repeat {
+        names: TensorNames,
+        tensors: Vec<Tensor>,
+        first: u64,
+    },
+    /// Wait for the handles the general way, after queueing these held tensors.
+    General(Vec<Held>),
+}
+
+/// A held tensor on its way to the queue: its name, values and ticket.
+pub(super) type Held = (Arc<str>, Tensor, u64);
+
+impl Repeated {
+    pub(super) fn new(cycle_time: Duration) -> Repeated {
+        Repeated {
+            learned: None,
+            step: Step::Fresh,
+            since: Instant::now(),
+            cycle_time,
+            long: true,
+        }
+    }
+
+    /// Holds `tensor` when it is the next one of the learned step (and its ticket follows
+    /// the step's last); returns its name for the handle and whether to wake the
+    /// background thread (see [`Repeated::long`]), or the tensor back.
+    pub(super) fn follow(
+        &mut self,
+        name: &str,
+        tensor: Tensor,
+        ticket: u64,
+    ) -> std::result::Result<(Arc<str>, bool), Tensor> {
+        let Some(learned) = &self.learned else {
+            return Err(tensor);
+        };
+        let (at, first) = match &self.step {
+            Step::Fresh => (0, ticket),
+            Step::Following { tensors, first } => (tensors.len(), *first),
+            Step::Recording { .. } | Step::Off => return Err(tensor),
+        };
+        match learned.names.get(at) {
+            Some(next) if **next == *name && first + at as u64 == ticket => {
+                let next = Arc::clone(next);
+                match &mut self.step {
+                    Step::Following { tensors, .. } => tensors.push(tensor),
+                    step => {
+                        let mut tensors = Vec::with_capacity(learned.len());
+                        tensors.push(tensor);
+                        *step = Step::Following { tensors, first };
+                        self.since = Instant::now();
+                    }
+                }
+                Ok((next, at == 0 && self.long))
+            }
+            _ => Err(tensor),
+        }
+    }
+
+    /// Notes a submission that goes through the queue (after [`Repeated::release`], so
+    /// nothing is held).
+    pub(super) fn record(&mut self, name: &Arc<str>, ticket: u64) {
+        match &mut self.step {
+            Step::Fresh => {
+                self.step = Step::Recording {
+                    names: vec![Arc::clone(name)],
+                    first: ticket,
+                };
+                self.since = Instant::now();
+            }
+            Step::Recording { names, first }
+                if *first + names.len() as u64 == ticket && names.len() < MAX_STEP_TENSORS =>
+            {
+                names.push(Arc::clone(name));
+            }
+            step => *step = Step::Off,
+        }
+    }
+
+    /// The held tensors, in submission order, for the queue; the step then holds and
+    /// teaches nothing.
+    pub(super) fn release(&mut self) -> Vec<Held> {
+        match std::mem::replace(&mut self.step, Step::Off) {
+            Step::Following { tensors, first } => self.held(tensors, first),
+            other => {
+                self.step = other;
+                Vec::new()
+            }
+        }
+    }
+
+    fn held(&self, tensors: Vec<Tensor>, first: u64) -> Vec<Held> {
+        let names = self.learned.as_ref().map_or(&[][..], |l| &l.names[..]);
+        names
+            .iter()
+            .zip(tensors)
+            .zip(first..)
+            .map(|((name, tensor), ticket)| (Arc::clone(name), tensor, ticket))
+            .collect()
+    }
+
+    /// True while tensors are held.
+    pub(super) fn holds(&self) -> bool {
+        matches!(self.step, Step::Following { .. })
+    }
+
+    /// Ends the step at a `synchronize` of the handles with these `tickets`: a step that
+    /// repeated the learned one whole, with exactly these handles, is reduced as its
+    /// group; one that went through the queue with exactly these handles teaches its
+    /// names (at least two: a group of one is no group).
+    pub(super) fn end_step(&mut self, tickets: &[u64]) -> StepEnd {
+        let covers = |first: u64, n: usize| {
+            // Tickets are distinct (one per handle), so n of them in a range of n are all.
+            tickets.len() == n && tickets.iter().all(|t| t.wrapping_sub(first) < n as u64)
+        };
+        let step = std::mem::take(&mut self.step);
+        if !matches!(step, Step::Fresh) {
+            self.long = self.since.elapsed() > self.cycle_time;
+        }
+        match step {
+            Step::Following { tensors, first } => {
+                let learned = self.learned.as_ref().filter(|l| l.len() == tensors.len());
+                match learned {
+                    Some(names) if covers(first, tensors.len()) => StepEnd::Repeat {
+                        names: names.clone(),
+                        tensors,
+                        first,
+                    },
+                    _ => StepEnd::General(self.held(tensors, first)),
+                }
+            }
+            Step::Recording { names, first } => {
+                if names.len() >= 2 && covers(first, names.len()) {
+                    let same = self.learned.as_ref().is_some_and(|l| {
+                        l.names.len() == names.len()
+                            && l.names.iter().zip(&names).all(|(a, b)| a == b)
+                    });
+                    if !same {
+                        self.learned = Some(TensorNames {
+                            names: names.into(),
+                        });
+                    }
+                }
+                StepEnd::General(Vec::new())
+            }
+            Step::Fresh | Step::Off => StepEnd::General(Vec::new()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t() -> Tensor {
+        Tensor::from(vec![1.0f32; 2])
+    }
+
+    /// Records `names` from ticket `first` and ends the step with all their handles.
+    fn teach(rep: &mut Repeated, names: &[&str], first: u64) {
+        let tickets: Vec<u64> = (first..).take(names.len()).collect();
+        for (n, &ticket) in names.iter().zip(&tickets) {
+            rep.record(&Arc::from(*n), ticket);
+        }
+        assert!(matches!(rep.step, Step::Recording { .. }));
+        assert!(matches!(rep.end_step(&tickets), StepEnd::General(h) if h.is_empty()));
+    }
+
+    #[test]
+    fn a_step_synchronized_whole_teaches_its_names_and_the_next_one_follows_them() {
+        let mut rep = Repeated::new(Duration::from_secs(30));
+        assert!(rep.follow("a", t(), 0).is_err(), "nothing learned yet");
+        teach(&mut rep, &["a", "b", "c"], 0);
+        let learned = rep.learned.clone().expect("learned");
+        assert_eq!((learned.get(0), learned.len()), (Some("a"), 3));
+        // A step shorter than the cycle time wakes nobody.
+        let (name, wake) = rep.follow("a", t(), 10).expect("follows");
+        assert_eq!((&*name, wake), ("a", false));
+        assert!(!rep.follow("b", t(), 11).expect("follows").1);
+        assert!(rep.holds());
+        rep.follow("c", t(), 12).expect("follows");
+        match rep.end_step(&[12, 10, 11]) {
+            StepEnd::Repeat {
+                names,
+                tensors,
+                first,
+            } => {
+                assert_eq!((tensors.len(), first), (3, 10));
+                // The same names, kept as the same group (its ids stay cached).
+                assert!(Arc::ptr_eq(&names.names, &learned.names));
+            }
+            StepEnd::General(_) => panic!("a whole repeated step is one group"),
+        }
+        assert!(!rep.holds());
+        // Taught again by the same names: the group is kept, not made anew.
+        teach(&mut rep, &["a", "b", "c"], 20);
+        let again = rep.learned.as_ref().expect("learned");
+        assert!(Arc::ptr_eq(&again.names, &learned.names));
+    }
+
+    #[test]
+    fn a_departure_or_a_partial_synchronize_hands_the_held_tensors_back_in_order() {
+        let mut rep = Repeated::new(Duration::from_secs(30));
+        teach(&mut rep, &["a", "b", "c"], 0);
+        rep.follow("a", t(), 5).expect("follows");
+        rep.follow("b", t(), 6).expect("follows");
+        // Another name, a skipped ticket: not held.
+        assert!(rep.follow("x", t(), 7).is_err());
+        assert!(rep.follow("c", t(), 8).is_err());
+        let held = rep.release();
+        let got: Vec<(&str, u64)> = held.iter().map(|(n, _, k)| (&**n, *k)).collect();
+        assert_eq!(got, [("a", 5), ("b", 6)]);
+        assert!(!rep.holds() && rep.release().is_empty());
+        assert!(
+            rep.follow("c", t(), 7).is_err(),
+            "the step holds nothing more"
+        );
+        assert!(matches!(rep.end_step(&[5, 6]), StepEnd::General(h) if h.is_empty()));
+
+        // Whole, but synchronized with fewer handles (or others): back, in order.
+        for tickets in [&[10u64, 11][..], &[10, 11, 99][..]] {
+            for (n, k) in ["a", "b", "c"].into_iter().zip(10u64..) {
+                rep.follow(n, t(), k).expect("follows");
+            }
+            match rep.end_step(tickets) {
+                StepEnd::General(held) => {
+                    let ks: Vec<u64> = held.iter().map(|h| h.2).collect();
+                    assert_eq!(ks, [10, 11, 12]);
+                }
+                StepEnd::Repeat { .. } => panic!("not the step's handles"),
+            }
+        }
+    }
+
+    #[test]
+    fn only_a_whole_contiguous_step_of_two_or_more_teaches() {
+        let mut rep = Repeated::new(Duration::from_secs(30));
+        teach(&mut rep, &["solo"], 0);
+        assert!(rep.learned.is_none(), "a group of one is no group");
+        // A gap in the tickets (another submission came between).
+        rep.record(&Arc::from("a"), 0);
+        rep.record(&Arc::from("b"), 2);
+        rep.end_step(&[0, 2]);
+        assert!(rep.learned.is_none());
+        // Synchronized in part.
+        rep.record(&Arc::from("a"), 3);
+        rep.record(&Arc::from("b"), 4);
+        rep.end_step(&[3]);
+        assert!(rep.learned.is_none());
+        // Too many to record.
+        for k in 0..=MAX_STEP_TENSORS as u64 {
+            rep.record(&Arc::from("n"), 10 + k);
+        }
+        assert!(matches!(rep.step, Step::Off));
+    }
+
+    #[test]
+    fn a_step_longer_than_the_cycle_time_wakes_the_background_thread_in_the_next() {
+        let mut rep = Repeated::new(Duration::from_millis(1));
+        rep.record(&Arc::from("a"), 0);
+        rep.record(&Arc::from("b"), 1);
+        std::thread::sleep(Duration::from_millis(5));
+        rep.end_step(&[0, 1]);
+        assert!(rep.follow("a", t(), 2).expect("follows").1);
+        assert!(!rep.follow("b", t(), 3).expect("follows").1);
+        // This one ends at once: the next step wakes nobody.
+        assert!(matches!(rep.end_step(&[2, 3]), StepEnd::Repeat { .. }));
+        assert!(!rep.follow("a", t(), 4).expect("follows").1);
+    }
+}
