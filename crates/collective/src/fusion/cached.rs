@@ -294,11 +294,9 @@ impl Engine {
         let buf = fusion_buffer::<T>(&mut self.buffer, len + n);
         match tensors.as_deref_mut() {
             Some(tensors) => {
-                let mut at = 0;
+                let mut walk = PastSlots::new(len, n);
                 for &(_, index) in &armed.order {
-                    let src = typed::<T>(&mut tensors[index as usize])?;
-                    scatter_past_slots(buf, len, n, at, src);
-                    at += src.len();
+                    walk.scatter(buf, typed::<T>(&mut tensors[index as usize])?);
                 }
             }
             None => buf.fill(T::from_f64(0.0)),
@@ -315,11 +313,9 @@ impl Engine {
         let Some(tensors) = tensors else {
             return Ok(false);
         };
-        let mut at = 0;
+        let mut walk = PastSlots::new(len, n);
         for &(_, index) in &armed.order {
-            let dst = typed::<T>(&mut tensors[index as usize])?;
-            gather_past_slots(buf, len, n, at, dst);
-            at += dst.len();
+            walk.gather(buf, typed::<T>(&mut tensors[index as usize])?);
         }
         #[cfg(test)]
         {
@@ -345,49 +341,55 @@ fn pieces_in_order<'t, T: Element>(
         .collect())
 }
 
-/// The ring chunk (of `len` elements over `n` ranks) that element `at` lies in.
-pub(super) fn chunk_of(len: usize, n: usize, at: usize) -> usize {
-    let (base, extra) = (len / n, len % n);
-    let long = extra * (base + 1);
-    if at < long {
-        at / (base + 1)
-    } else {
-        extra + (at - long) / base.max(1)
-    }
+/// A walk over `len` fused elements laid out with one slot after each of the `n` ring
+/// chunks (element `at` of chunk `c` lies `c` places further on), tensor after tensor:
+/// each copy finds its chunk by the cursor, not by a division per tensor.
+pub(super) struct PastSlots {
+    /// Where each ring chunk ends (in fused elements).
+    ends: Vec<usize>,
+    /// The chunk of element `at`, once it is reached.
+    chunk: usize,
+    at: usize,
 }
 
-/// Copies `src` to elements `at..` of `len` fused elements laid out with one slot after
-/// each of the `n` ring chunks (element `i` of chunk `c` lies `c` places further on).
-pub(super) fn scatter_past_slots<T: Copy>(
-    buf: &mut [T],
-    len: usize,
-    n: usize,
-    mut at: usize,
-    mut src: &[T],
-) {
-    while !src.is_empty() {
-        let c = chunk_of(len, n, at);
-        let m = src.len().min(ring_chunk_range(len, n, c).end - at);
-        buf[at + c..at + c + m].copy_from_slice(&src[..m]);
-        at += m;
-        src = &src[m..];
+impl PastSlots {
+    pub(super) fn new(len: usize, n: usize) -> PastSlots {
+        PastSlots {
+            ends: (0..n).map(|c| ring_chunk_range(len, n, c).end).collect(),
+            chunk: 0,
+            at: 0,
+        }
     }
-}
 
-/// The inverse of [`scatter_past_slots`]: elements `at..` into `dst`.
-pub(super) fn gather_past_slots<T: Copy>(
-    buf: &[T],
-    len: usize,
-    n: usize,
-    mut at: usize,
-    dst: &mut [T],
-) {
-    let mut done = 0;
-    while done < dst.len() {
-        let c = chunk_of(len, n, at);
-        let m = (dst.len() - done).min(ring_chunk_range(len, n, c).end - at);
-        dst[done..done + m].copy_from_slice(&buf[at + c..at + c + m]);
-        at += m;
-        done += m;
+    /// The run of the next `want` (> 0) elements that lies in one chunk: its place in the
+    /// buffer and its length.
+    fn run(&mut self, want: usize) -> (usize, usize) {
+        // Empty chunks (fewer elements than ranks) end where the one before them does.
+        while self.ends[self.chunk] == self.at {
+            self.chunk += 1;
+        }
+        let m = want.min(self.ends[self.chunk] - self.at);
+        let place = self.at + self.chunk;
+        self.at += m;
+        (place, m)
+    }
+
+    /// Copies `src` to the next elements.
+    pub(super) fn scatter<T: Copy>(&mut self, buf: &mut [T], mut src: &[T]) {
+        while !src.is_empty() {
+            let (place, m) = self.run(src.len());
+            buf[place..place + m].copy_from_slice(&src[..m]);
+            src = &src[m..];
+        }
+    }
+
+    /// Copies the next elements into `dst`.
+    pub(super) fn gather<T: Copy>(&mut self, buf: &[T], dst: &mut [T]) {
+        let mut done = 0;
+        while done < dst.len() {
+            let (place, m) = self.run(dst.len() - done);
+            dst[done..done + m].copy_from_slice(&buf[place..place + m]);
+            done += m;
+        }
     }
 }

@@ -1,4 +1,4 @@
-use super::cached::{chunk_of, Votes, MAX_SLOT_VOTE_BYTES};
+use super::cached::{PastSlots, Votes, MAX_SLOT_VOTE_BYTES};
 use super::*;
 
 /// The engine's counters: (tensors accepted by group id, cached-group steps, rounds,
@@ -307,15 +307,41 @@ fn a_changed_shape_on_one_rank_ends_the_armed_group_with_a_mismatch() {
     }
 }
 
-/// Every element lies in the ring chunk `chunk_of` names.
+/// Tensors walked into the slotted buffer put every element `c` places past its own
+/// position, `c` its ring chunk, leave the slots (after each chunk) alone, and come back
+/// whole; for every split of the elements into tensors tried, empty tensors and empty
+/// chunks (fewer elements than ranks) included.
 #[test]
-fn chunk_of_agrees_with_the_ring_chunks() {
+fn a_walk_past_the_slots_keeps_every_element_in_its_ring_chunk() {
     for n in 1..9 {
         for len in 0..40 {
-            for c in 0..n {
-                for at in ring_chunk_range(len, n, c) {
-                    assert_eq!(chunk_of(len, n, at), c, "len {len}, {n} ranks, at {at}");
+            let chunk_of = |at: usize| (0..n).find(|&c| ring_chunk_range(len, n, c).contains(&at));
+            for piece in [1, 2, 3, 7, 40] {
+                let values: Vec<usize> = (0..len).map(|i| 1000 + i).collect();
+                let mut sizes: Vec<usize> = values.chunks(piece).map(<[usize]>::len).collect();
+                sizes.insert(sizes.len() / 2, 0);
+                let mut buf = vec![0usize; len + n];
+                let mut walk = PastSlots::new(len, n);
+                let mut rest = &values[..];
+                for &m in &sizes {
+                    walk.scatter(&mut buf, &rest[..m]);
+                    rest = &rest[m..];
                 }
+                for (at, v) in values.iter().enumerate() {
+                    let c = chunk_of(at).expect("in a chunk");
+                    assert_eq!(buf[at + c], *v, "len {len}, {n} ranks, at {at}");
+                }
+                for c in 0..n {
+                    assert_eq!(buf[ring_chunk_range(len, n, c).end + c], 0, "slot {c}");
+                }
+                let mut walk = PastSlots::new(len, n);
+                let mut back = Vec::new();
+                for &m in &sizes {
+                    let mut dst = vec![0usize; m];
+                    walk.gather(&buf, &mut dst);
+                    back.extend(dst);
+                }
+                assert_eq!(back, values, "len {len}, {n} ranks, pieces of {piece}");
             }
         }
     }
