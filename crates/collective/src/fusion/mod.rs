@@ -391,7 +391,6 @@ impl Board {
 pub struct Handle {
     name: Arc<str>,
     ticket: u64,
-    board: Arc<Board>,
     core: Arc<Core>,
     waited: bool,
     /// The tensor is the caller's memory ([`FusionEngine::submit_external`]).
@@ -410,14 +409,14 @@ impl Handle {
     /// the engine's cycles itself until its tensor is done): nothing this rank submits
     /// later can join a fusion this caller is already waiting for.
     pub fn wait(mut self) -> Result<Tensor> {
-        let (board, ticket) = (&self.board, self.ticket);
+        let (board, ticket) = (&self.core.board, self.ticket);
         self.core.help(|| board.is_done(ticket));
         self.take()
     }
 
     fn take(&mut self) -> Result<Tensor> {
         self.waited = true;
-        self.board.take(self.ticket, &self.name)
+        self.core.board.take(self.ticket, &self.name)
     }
 }
 
@@ -430,7 +429,7 @@ impl Drop for Handle {
                 // of its own values, so the engine never touches that memory again.
                 self.core.detach(self.ticket);
             }
-            self.board.abandon(self.ticket);
+            self.core.board.abandon(self.ticket);
         }
     }
 }
@@ -476,7 +475,6 @@ impl TensorNames {
 pub struct GroupHandle {
     batch: u64,
     names: TensorNames,
-    board: Arc<Board>,
     core: Arc<Core>,
     foreign: ForeignFailures,
     waited: bool,
@@ -489,11 +487,11 @@ impl GroupHandle {
     /// [`FusionEngine::synchronize`] reports it).
     pub fn wait(mut self) -> Result<Vec<Tensor>> {
         self.waited = true;
-        let (board, batch) = (&self.board, self.batch);
+        let (board, batch) = (&self.core.board, self.batch);
         self.core.help(|| board.batch_done(batch));
         let mut out = Vec::with_capacity(self.names.len());
         let mut first_err = None;
-        for r in self.board.take_batch(self.batch, &self.names) {
+        for r in self.core.board.take_batch(self.batch, &self.names) {
             match r {
                 Ok(t) => out.push(t),
                 Err(e) => {
@@ -516,7 +514,7 @@ impl GroupHandle {
 impl Drop for GroupHandle {
     fn drop(&mut self) {
         if !self.waited {
-            self.board.abandon_batch(self.batch);
+            self.core.board.abandon_batch(self.batch);
         }
     }
 }
@@ -532,7 +530,6 @@ pub struct FusionEngine {
     core: Arc<Core>,
     foreign: ForeignFailures,
     wake: Arc<Wakeup>,
-    board: Arc<Board>,
     /// Submissions are time-stamped only for a timeline.
     timed: bool,
     rank: usize,
@@ -609,6 +606,7 @@ impl FusionEngine {
         let core = Arc::new(Core {
             state: Mutex::new(CoreState::Running(Box::new(Running { engine, comm, rx }))),
             repeated: Mutex::new(Repeated::new(cycle_time)),
+            board,
         });
         let worker_core = Arc::clone(&core);
         let worker_wake = Arc::clone(&wake);
@@ -624,7 +622,6 @@ impl FusionEngine {
             core,
             foreign,
             wake,
-            board,
             timed,
             rank,
             size,
@@ -668,7 +665,7 @@ impl FusionEngine {
     fn submit_payload(&self, name: &str, tensor: Payload) -> Result<Handle> {
         let tx = self.tx.as_ref().ok_or_else(stopped)?;
         let mut repeated = self.core.repeated();
-        let ticket = self.board.ticket();
+        let ticket = self.core.board.ticket();
         let tensor = match tensor {
             Payload::Owned(t) if !self.timed => match repeated.follow(name, t, ticket) {
                 Ok((name, wake)) => {
@@ -703,7 +700,6 @@ impl FusionEngine {
         Handle {
             name,
             ticket,
-            board: Arc::clone(&self.board),
             core: Arc::clone(&self.core),
             waited: false,
             external: false,
@@ -749,7 +745,7 @@ impl FusionEngine {
 
     /// [`FusionEngine::all_reduce_group`] of a group with a tensor per name.
     fn reduce_group(&self, names: &TensorNames, tensors: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        match self.core.cached_group(names, tensors, &self.board)? {
+        match self.core.cached_group(names, tensors)? {
             CachedGroup::Reduced(out) => {
                 if let Some(e) = self.take_foreign_failure() {
                     return Err(e);
@@ -766,7 +762,6 @@ impl FusionEngine {
         GroupHandle {
             batch,
             names: names.clone(),
-            board: Arc::clone(&self.board),
             core: Arc::clone(&self.core),
             foreign: Arc::clone(&self.foreign),
             waited: false,
@@ -787,7 +782,7 @@ impl FusionEngine {
             ));
         }
         let tx = self.tx.as_ref().ok_or_else(stopped)?;
-        let batch = self.board.open_batch(names.len());
+        let batch = self.core.board.open_batch(names.len());
         let handle = self.group_handle(batch, names);
         tx.send(Command::SubmitGroup {
             names: names.clone(),
@@ -847,7 +842,7 @@ impl FusionEngine {
         let mut out = Vec::with_capacity(handles.len());
         let mut first_err = None;
         self.core
-            .help(|| self.board.all_done(handles.iter().map(|h| h.ticket)));
+            .help(|| self.core.board.all_done(handles.iter().map(|h| h.ticket)));
         for mut h in handles {
             match h.take() {
                 Ok(t) => out.push(t),
@@ -1100,6 +1095,8 @@ struct Core {
     /// The single submissions of a step that repeats the last one, held until its end.
     /// Locked on its own or after `state`, never the other way round.
     repeated: Mutex<Repeated>,
+    /// Where results wait for their handles (the engine posts to it too).
+    board: Arc<Board>,
 }
 
 enum CoreState {
@@ -1211,12 +1208,7 @@ impl Core {
     }
 
     /// The cached-group step of [`FusionEngine::all_reduce_group`] on the calling thread.
-    fn cached_group(
-        &self,
-        names: &TensorNames,
-        mut tensors: Vec<Tensor>,
-        board: &Arc<Board>,
-    ) -> Result<CachedGroup> {
+    fn cached_group(&self, names: &TensorNames, mut tensors: Vec<Tensor>) -> Result<CachedGroup> {
         let mut state = self.lock();
         let CoreState::Running(r) = &mut *state else {
             return Ok(CachedGroup::NotCached(tensors));
@@ -1289,7 +1281,7 @@ impl Core {
         if !whole {
             // Continues exactly as a submitted group: its tensors queued, the decisions
             // carried out, the caller then waiting on its batch.
-            let batch = board.open_batch(tensors.len());
+            let batch = self.board.open_batch(tensors.len());
             r.engine.queue_cached(batch, tensors, &order);
             let outcome = r.engine.carry_out(&mut r.comm, decisions, negotiated);
             match outcome {
