@@ -683,7 +683,11 @@ impl FusionEngine {
         send_held(tx, repeated.release())?;
         // One allocation for the name, shared by the handle and the engine.
         let name: Arc<str> = Arc::from(name);
-        repeated.record(&name, ticket);
+        match tensor {
+            Payload::Owned(_) => repeated.record(&name, ticket),
+            // The caller's memory is never held: a step with it teaches nothing.
+            Payload::External(_) => repeated.forget_step(),
+        }
         tx.send(Command::Submit {
             name: Arc::clone(&name),
             tensor,

@@ -136,6 +136,11 @@ impl Repeated {
         }
     }
 
+    /// Makes this step teach nothing (after [`Repeated::release`], so nothing is held).
+    pub(super) fn forget_step(&mut self) {
+        self.step = Step::Off;
+    }
+
     /// The held tensors, in submission order, for the queue; the step then holds and
     /// teaches nothing.
     pub(super) fn release(&mut self) -> Vec<Held> {
@@ -305,6 +310,12 @@ mod tests {
         rep.record(&Arc::from("a"), 3);
         rep.record(&Arc::from("b"), 4);
         rep.end_step(&[3]);
+        assert!(rep.learned.is_none());
+        // A step with the caller's memory in it.
+        rep.record(&Arc::from("a"), 5);
+        rep.forget_step();
+        rep.record(&Arc::from("b"), 6);
+        rep.end_step(&[5, 6]);
         assert!(rep.learned.is_none());
         // Too many to record.
         for k in 0..=MAX_STEP_TENSORS as u64 {
