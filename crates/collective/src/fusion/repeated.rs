@@ -15,7 +15,8 @@
 //! learned order, an external tensor, a timeline, a `synchronize` or [`Handle::wait`] of
 //! other handles, or a cycle of the background thread (which runs while nobody waits, so
 //! that reductions overlap the computation that submits them) sends the held tensors on
-//! to the queue, in their order, and the step continues there.
+//! to the queue, in their order, and the step continues there; a step that departed
+//! teaches its own names, when it ends as a whole.
 
 use super::*;
 
@@ -141,11 +142,17 @@ impl Repeated {
         self.step = Step::Off;
     }
 
-    /// The held tensors, in submission order, for the queue; the step then holds and
-    /// teaches nothing.
+    /// The held tensors, in submission order, for the queue; the step goes on through
+    /// the queue, recorded from its first tensor, so that a step that departs from the
+    /// learned one (a new order from then on) teaches its own names.
     pub(super) fn release(&mut self) -> Vec<Held> {
         match std::mem::replace(&mut self.step, Step::Off) {
-            Step::Following { tensors, first } => self.held(tensors, first),
+            Step::Following { tensors, first } => {
+                let held = self.held(tensors, first);
+                let names = held.iter().map(|(name, ..)| Arc::clone(name)).collect();
+                self.step = Step::Recording { names, first };
+                held
+            }
             other => {
                 self.step = other;
                 Vec::new()
@@ -275,15 +282,21 @@ mod tests {
         let got: Vec<(&str, u64)> = held.iter().map(|(n, _, k)| (&**n, *k)).collect();
         assert_eq!(got, [("a", 5), ("b", 6)]);
         assert!(!rep.holds() && rep.release().is_empty());
+        // The step goes on through the queue, recorded from its start: whole, it
+        // teaches its own names.
+        rep.record(&Arc::from("x"), 7);
         assert!(
-            rep.follow("c", t(), 7).is_err(),
+            rep.follow("c", t(), 8).is_err(),
             "the step holds nothing more"
         );
-        assert!(matches!(rep.end_step(&[5, 6]), StepEnd::General(h) if h.is_empty()));
+        assert!(matches!(rep.end_step(&[7, 5, 6]), StepEnd::General(h) if h.is_empty()));
+        let learned = rep.learned.as_ref().expect("learned");
+        let names: Vec<&str> = (0..learned.len()).filter_map(|i| learned.get(i)).collect();
+        assert_eq!(names, ["a", "b", "x"]);
 
         // Whole, but synchronized with fewer handles (or others): back, in order.
         for tickets in [&[10u64, 11][..], &[10, 11, 99][..]] {
-            for (n, k) in ["a", "b", "c"].into_iter().zip(10u64..) {
+            for (n, k) in ["a", "b", "x"].into_iter().zip(10u64..) {
                 rep.follow(n, t(), k).expect("follows");
             }
             match rep.end_step(tickets) {

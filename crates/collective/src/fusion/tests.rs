@@ -662,3 +662,43 @@ fn a_repeated_step_waited_in_parts_or_dropped_in_part_still_reduces() {
         out.expect("rank");
     }
 }
+
+/// A rank whose steps take another order from some step on, departing from the learned
+/// one after its first tensor, learns the new order from that step and holds its steps
+/// again from the next: the cached-group steps resume on every rank.
+#[test]
+fn a_rank_that_changes_its_order_for_good_learns_the_new_one() {
+    let outs = Communicator::run_local(3, |comm| -> Result<Vec<usize>> {
+        let r = comm.rank();
+        let engine = FusionEngine::start(comm, patient())?;
+        let names = ["p", "q", "s", "t"];
+        let lens = [5, 9, 2, 30];
+        let want = odd_sums(3, &lens, 3);
+        let mut cached = Vec::new();
+        for step in 0..9 {
+            let order = if r == 1 && step >= 4 {
+                [0, 2, 1, 3]
+            } else {
+                [0, 1, 2, 3]
+            };
+            let got = single_step(&engine, &names, &lens, &order, 3)?;
+            for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+                assert!(
+                    (g - w).abs() <= 1e-3,
+                    "rank {r} step {step}: {g} against {w}"
+                );
+            }
+            cached.push(counters(&engine).1);
+        }
+        engine.shutdown()?;
+        Ok(cached)
+    })
+    .expect("run");
+    for (r, out) in outs.into_iter().enumerate() {
+        let cached = out.expect("rank");
+        // Step 4 departs on rank 1 (and teaches it the new order); from step 5 on every
+        // rank holds its step again: one cached step each.
+        let last: Vec<usize> = cached[5..].windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(last, [1, 1, 1], "rank {r}: {cached:?}");
+    }
+}
