@@ -349,9 +349,16 @@ fn a_walk_past_the_slots_keeps_every_element_in_its_ring_chunk() {
 
 /// A rank that stops submitting while the others take armed cached-group steps: its
 /// engine votes against the group once idle, and the others' step ends with the
-/// general path's stall error naming it and the tensor, instead of waiting for ever.
+/// general path's stall error naming it and the tensor, instead of waiting for ever;
+/// for groups and for repeated steps of single submissions.
 #[test]
 fn a_rank_that_stops_is_named_by_the_armed_step() {
+    for single in [false, true] {
+        a_rank_that_stops(single);
+    }
+}
+
+fn a_rank_that_stops(single: bool) {
     let config = FusionConfig {
         stall_warning: Duration::from_millis(200),
         stall_error: Duration::from_millis(200),
@@ -361,20 +368,31 @@ fn a_rank_that_stops_is_named_by_the_armed_step() {
         let r = comm.rank();
         let engine = FusionEngine::start(comm, config.clone())?;
         let names = TensorNames::new(["u", "v"]);
+        let step = || -> Result<Vec<Tensor>> {
+            if single {
+                let handles = vec![
+                    engine.submit("u", vec![1.0f32; 4])?,
+                    engine.submit("v", vec![1.0f32; 4])?,
+                ];
+                engine.synchronize(handles)
+            } else {
+                engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2])
+            }
+        };
         for _ in 0..4 {
-            engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2])?;
+            step()?;
         }
         let armed = match &*engine.core.lock() {
             CoreState::Running(r) => r.engine.armed.is_some(),
             CoreState::Ended(_) => false,
         };
-        assert!(armed, "rank {r}");
+        assert!(armed, "rank {r}, single {single}");
         if r == 2 {
             std::thread::sleep(Duration::from_secs(4));
             drop(engine);
             return Ok(());
         }
-        let result = engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2]);
+        let result = step();
         drop(engine);
         result.map(|_| ())
     })
@@ -386,7 +404,7 @@ fn a_rank_that_stops_is_named_by_the_armed_step() {
             .to_string();
         assert!(
             msg.contains("`u`") && msg.contains("not on ranks [2]"),
-            "{msg}"
+            "single {single}: {msg}"
         );
     }
 }
