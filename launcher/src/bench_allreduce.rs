@@ -11,7 +11,10 @@
 //! per fusion-overhead case, `{"case": "fusion_overhead", "ranks": R, "tensors": N,
 //! "tensor_bytes": B, "ratio": X, ...}` with the two times the ratio comes from, one per
 //! way of submitting (`"submission": "each"`, one `submit` per tensor as a backward pass
-//! does, or `"group"`, one `all_reduce_group` for all of them).
+//! does, or `"group"`, one `all_reduce_group` for all of them). Both repeat the same
+//! tensors step after step, as training does, so both measure the engine's steady state:
+//! for `each` that is a repeated step of single submissions, held and reduced as one
+//! cached group (see the fusion module's docs).
 
 use std::path::PathBuf;
 
