@@ -57,9 +57,9 @@
 //! the same names in the same order is held on the submitting side (no queue entry, no
 //! look-up or allocation of a name) and synchronized as one cached group under those
 //! names. A submission out of that order, another kind of wait, or the background
-//! thread's next cycle (which comes a cycle time after the step's first submission, so
-//! that reductions still overlap a long computation) queues what was held, and the step
-//! goes on as the general path. `ringtrain bench allreduce` prints the ratio as its
+//! thread's next cycle (which the step's first submission wakes when the last step
+//! outlasted the cycle time, so that reductions still overlap a long computation)
+//! queues what was held, and the step goes on as the general path. `ringtrain bench allreduce` prints the ratio as its
 //! `fusion_overhead` rows, with `each` for single submissions and `group` for one
 //! `all_reduce_group`; see the measured rows in the docs of [`crate::algorithm_choice`].
 
@@ -807,8 +807,8 @@ impl FusionEngine {
     ///
     /// The handles of a step that submitted the same names, in the same order, as the
     /// last step synchronized whole (and nothing else since) are reduced as one cached
-    /// group: its tensors waited here and are fused, negotiated (by the group's bits, or
-    /// not at all once every rank has done so) and returned as
+    /// group: its tensors, held since they were submitted, are fused, negotiated (by the
+    /// group's bits, or not at all once every rank has done so) and returned as
     /// [`FusionEngine::all_reduce_group`] would (see `repeated.rs`).
     pub fn synchronize(&self, mut handles: Vec<Handle>) -> Result<Vec<Tensor>> {
         let tickets: Vec<u64> = handles.iter().map(|h| h.ticket).collect();
