@@ -494,6 +494,25 @@ fn patient() -> FusionConfig {
     }
 }
 
+/// Runs `body` on `size` local ranks, each with an engine of [`patient`] settings (shut
+/// down after it), and returns each rank's result; any rank's error fails the test.
+fn on_patient_engines<T: Send>(
+    size: usize,
+    body: impl Fn(&FusionEngine) -> Result<T> + Sync,
+) -> Vec<T> {
+    let outs = Communicator::run_local(size, |comm| -> Result<T> {
+        let engine = FusionEngine::start(comm, patient())?;
+        let out = body(&engine)?;
+        engine.shutdown()?;
+        Ok(out)
+    })
+    .expect("run");
+    outs.into_iter()
+        .enumerate()
+        .map(|(r, out)| out.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+        .collect()
+}
+
 /// One step of single submissions: tensor `k` of `lens` under `names[k]` with
 /// [`odd_values`] of (rank, `k` + `salt`), in the order of `order`, synchronized in
 /// reverse order; returns the results by `k`.
@@ -539,17 +558,16 @@ fn odd_sums(size: usize, lens: &[usize], salt: usize) -> Vec<Vec<f32>> {
 #[test]
 fn a_repeated_step_of_single_submissions_becomes_an_armed_group() {
     for size in [2, 3] {
-        let outs = Communicator::run_local(size, |comm| -> Result<()> {
-            let engine = FusionEngine::start(comm, patient())?;
+        on_patient_engines(size, |engine| -> Result<()> {
             let names = ["w0", "b0", "w1", "b1", "w2"];
             let lens = [40, 3, 17, 1, 64];
             let order = [0, 1, 2, 3, 4];
             let mut deltas = Vec::new();
             let mut results = Vec::new();
             for _ in 0..6 {
-                let (_, cached0, rounds0, armed0) = counters(&engine);
-                results.push(single_step(&engine, &names, &lens, &order, 0)?);
-                let (_, cached1, rounds1, armed1) = counters(&engine);
+                let (_, cached0, rounds0, armed0) = counters(engine);
+                results.push(single_step(engine, &names, &lens, &order, 0)?);
+                let (_, cached1, rounds1, armed1) = counters(engine);
                 deltas.push((cached1 - cached0, rounds1 - rounds0, armed1 - armed0));
             }
             // The general path (steps 1 and 2) and the cached ones give the same bits;
@@ -569,13 +587,8 @@ fn a_repeated_step_of_single_submissions_becomes_an_armed_group() {
             );
             assert_eq!((deltas[2].0, deltas[2].2), (1, 0), "{deltas:?}");
             assert_eq!(deltas[3..], [(1, 0, 1); 3], "{deltas:?}");
-            engine.shutdown()?;
             Ok(())
-        })
-        .expect("run");
-        for out in outs {
-            out.expect("rank");
-        }
+        });
     }
 }
 
@@ -584,9 +597,8 @@ fn a_repeated_step_of_single_submissions_becomes_an_armed_group() {
 /// on every rank naming the tensor, and the steps after it are cached again.
 #[test]
 fn a_rank_that_departs_from_the_repeated_step_still_gets_its_sums() {
-    let outs = Communicator::run_local(3, |comm| -> Result<String> {
-        let r = comm.rank();
-        let engine = FusionEngine::start(comm, patient())?;
+    let errors = on_patient_engines(3, |engine| -> Result<String> {
+        let r = engine.rank();
         let names = ["p", "q", "s", "t"];
         let lens = [5, 9, 2, 30];
         let order = [0, 1, 2, 3];
@@ -598,34 +610,31 @@ fn a_rank_that_departs_from_the_repeated_step_still_gets_its_sums() {
                 .all(|(g, w)| (g - w).abs() <= 1e-3)
         };
         for _ in 0..4 {
-            assert!(close(&single_step(&engine, &names, &lens, &order, 7)?));
+            assert!(close(&single_step(engine, &names, &lens, &order, 7)?));
         }
         let swapped = if r == 1 { [0, 2, 1, 3] } else { order };
-        assert!(close(&single_step(&engine, &names, &lens, &swapped, 7)?));
+        assert!(close(&single_step(engine, &names, &lens, &swapped, 7)?));
         for _ in 0..3 {
-            assert!(close(&single_step(&engine, &names, &lens, &order, 7)?));
+            assert!(close(&single_step(engine, &names, &lens, &order, 7)?));
         }
-        let (_, cached, _, _) = counters(&engine);
+        let (_, cached, _, _) = counters(engine);
         let mut changed = lens;
         if r == 2 {
             changed[1] = 10;
         }
         let err =
-            single_step(&engine, &names, &changed, &order, 7).expect_err("the shapes of q differ");
+            single_step(engine, &names, &changed, &order, 7).expect_err("the shapes of q differ");
         for _ in 0..4 {
-            assert!(close(&single_step(&engine, &names, &lens, &order, 7)?));
+            assert!(close(&single_step(engine, &names, &lens, &order, 7)?));
         }
-        let (_, cached_after, _, _) = counters(&engine);
+        let (_, cached_after, _, _) = counters(engine);
         assert!(
             cached_after > cached,
             "rank {r}: cached again after the mismatch"
         );
-        engine.shutdown()?;
         Ok(err.to_string())
-    })
-    .expect("run");
-    for out in outs {
-        let msg = out.expect("rank");
+    });
+    for msg in errors {
         assert!(msg.contains("`q`") && msg.contains("10"), "{msg}");
     }
 }
@@ -634,9 +643,8 @@ fn a_rank_that_departs_from_the_repeated_step_still_gets_its_sums() {
 /// unwaited: the held tensors go the general path, and every result still arrives.
 #[test]
 fn a_repeated_step_waited_in_parts_or_dropped_in_part_still_reduces() {
-    let outs = Communicator::run_local(2, |comm| -> Result<()> {
-        let r = comm.rank();
-        let engine = FusionEngine::start(comm, patient())?;
+    on_patient_engines(2, |engine| -> Result<()> {
+        let r = engine.rank();
         let names = ["a", "b", "c"];
         let submit = |k: usize| engine.submit(names[k], vec![(r + k) as f32; 4]);
         let want = |k: usize| vec![(1 + 2 * k) as f32; 4];
@@ -671,14 +679,8 @@ fn a_repeated_step_waited_in_parts_or_dropped_in_part_still_reduces() {
         drop(hs.remove(1));
         let out = engine.synchronize(hs)?;
         assert_eq!(out[1].clone().into_vec::<f32>()?, want(2));
-        whole()?;
-        engine.shutdown()?;
-        Ok(())
-    })
-    .expect("run");
-    for out in outs {
-        out.expect("rank");
-    }
+        whole()
+    });
 }
 
 /// A rank whose steps take another order from some step on, departing from the learned
@@ -686,9 +688,8 @@ fn a_repeated_step_waited_in_parts_or_dropped_in_part_still_reduces() {
 /// again from the next: the cached-group steps resume on every rank.
 #[test]
 fn a_rank_that_changes_its_order_for_good_learns_the_new_one() {
-    let outs = Communicator::run_local(3, |comm| -> Result<Vec<usize>> {
-        let r = comm.rank();
-        let engine = FusionEngine::start(comm, patient())?;
+    let cached_by_rank = on_patient_engines(3, |engine| -> Result<Vec<usize>> {
+        let r = engine.rank();
         let names = ["p", "q", "s", "t"];
         let lens = [5, 9, 2, 30];
         let want = odd_sums(3, &lens, 3);
@@ -699,21 +700,18 @@ fn a_rank_that_changes_its_order_for_good_learns_the_new_one() {
             } else {
                 [0, 1, 2, 3]
             };
-            let got = single_step(&engine, &names, &lens, &order, 3)?;
+            let got = single_step(engine, &names, &lens, &order, 3)?;
             for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
                 assert!(
                     (g - w).abs() <= 1e-3,
                     "rank {r} step {step}: {g} against {w}"
                 );
             }
-            cached.push(counters(&engine).1);
+            cached.push(counters(engine).1);
         }
-        engine.shutdown()?;
         Ok(cached)
-    })
-    .expect("run");
-    for (r, out) in outs.into_iter().enumerate() {
-        let cached = out.expect("rank");
+    });
+    for (r, cached) in cached_by_rank.into_iter().enumerate() {
         // Step 4 departs on rank 1 (and teaches it the new order); from step 5 on every
         // rank holds its step again: one cached step each.
         let last: Vec<usize> = cached[5..].windows(2).map(|w| w[1] - w[0]).collect();
