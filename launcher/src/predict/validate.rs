@@ -297,8 +297,8 @@ pub fn run(args: &PredictArgs) -> Result<()> {
 }
 
 /// Runs round `round`: the calibration, the link, and every count predicted and
-/// measured, each run's report a file in `dir`. The first round fixes `shape` (the cores the ranks share and the strategy), from its
-/// calibration run.
+/// measured, each run's report a file in `dir`. The first round fixes `shape` (the cores
+/// the ranks share and the strategy), from its calibration run.
 fn run_round(
     args: &PredictArgs,
     exe: &Path,

@@ -550,6 +550,16 @@ fn odd_sums(size: usize, lens: &[usize], salt: usize) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// True when `got` has every tensor of `want`, each as long, within 1e-3 element by
+/// element.
+fn close_to(got: &[Vec<f32>], want: &[Vec<f32>]) -> bool {
+    got.len() == want.len()
+        && got
+            .iter()
+            .zip(want)
+            .all(|(g, w)| g.len() == w.len() && g.iter().zip(w).all(|(a, b)| (a - b).abs() <= 1e-3))
+}
+
 /// Single submissions that repeat the last synchronized step, name for name, are
 /// reduced as one cached group: the second such step registers the group, the third
 /// takes the cached-group step with its round, and every later one is an armed
@@ -575,11 +585,8 @@ fn a_repeated_step_of_single_submissions_becomes_an_armed_group() {
             for step in &results[1..] {
                 assert_eq!(step, &results[0], "size {size}");
             }
-            for (got, want) in results[0].iter().zip(odd_sums(size, &lens, 0)) {
-                for (g, w) in got.iter().zip(want) {
-                    assert!((g - w).abs() <= 1e-3, "{g} against {w}");
-                }
-            }
+            let want = odd_sums(size, &lens, 0);
+            assert!(close_to(&results[0], &want), "{:?}", results[0]);
             assert_eq!(
                 deltas[..2].iter().map(|d| d.0).sum::<usize>(),
                 0,
@@ -603,12 +610,7 @@ fn a_rank_that_departs_from_the_repeated_step_still_gets_its_sums() {
         let lens = [5, 9, 2, 30];
         let order = [0, 1, 2, 3];
         let want = odd_sums(3, &lens, 7);
-        let close = |got: &[Vec<f32>]| {
-            got.iter()
-                .flatten()
-                .zip(want.iter().flatten())
-                .all(|(g, w)| (g - w).abs() <= 1e-3)
-        };
+        let close = |got: &[Vec<f32>]| close_to(got, &want);
         for _ in 0..4 {
             assert!(close(&single_step(engine, &names, &lens, &order, 7)?));
         }
@@ -701,12 +703,7 @@ fn a_rank_that_changes_its_order_for_good_learns_the_new_one() {
                 [0, 1, 2, 3]
             };
             let got = single_step(engine, &names, &lens, &order, 3)?;
-            for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
-                assert!(
-                    (g - w).abs() <= 1e-3,
-                    "rank {r} step {step}: {g} against {w}"
-                );
-            }
+            assert!(close_to(&got, &want), "rank {r} step {step}: {got:?}");
             cached.push(counters(engine).1);
         }
         Ok(cached)
