@@ -158,15 +158,25 @@ def _is_signed(ty):
     return ty.startswith("s")
 
 
+def _as_type(size, ty):
+    """How ``bits_as`` reads uint64 bits as type ``ty``: (narrow unsigned dtype or None,
+    view dtype or None)."""
+    narrow = _UINT[size] if size < 8 else None
+    if ty in _FLOAT:
+        return narrow, _FLOAT[ty]
+    if _is_signed(ty):
+        return narrow, _SINT[size]
+    return narrow, None
+
+
+_AS = {t: _as_type(s, t) for t, s in _SIZES.items()}
+
+
 def bits_as(bits, ty):
     """Reinterprets uint64 register bits as a numpy array of PTX type ``ty``."""
-    size = _SIZES[ty]
-    low = bits.astype(_UINT[size]) if size < 8 else bits
-    if ty in _FLOAT:
-        return low.view(_FLOAT[ty])
-    if _is_signed(ty):
-        return low.view(_SINT[size])
-    return low  # unsigned, bit types and bf16 (kept as its bits)
+    narrow, view = _AS[ty]
+    low = bits.astype(narrow) if narrow is not None else bits
+    return low.view(view) if view is not None else low  # unsigned, bit types, bf16 bits
 
 
 def to_bits(val, ty):
@@ -206,22 +216,27 @@ def _ftz(x):
     return np.where((np.abs(x) < tiny) & (x != 0), np.copysign(np.zeros_like(x), x), x)
 
 
+_LOW29, _HALF29 = np.uint64(0x1FFFFFFF), np.uint64(0x10000000)
+_ABS64, _ONE64 = np.uint64(0x7FFFFFFFFFFFFFFF), np.uint64(1)
+_F32_TINY_BITS = np.uint64((1023 - 126) << 52)  # float64 bits of 2**-126
+
+
 def _fma_f32(a, b, c):
     """Correctly rounded float32 a*b + c (a, b, c float32 arrays)."""
-    p = a.astype(np.float64) * b.astype(np.float64)  # exact
-    c64 = c.astype(np.float64)
+    p = a.astype(np.float64) * b  # exact
+    s = p + c
+    # Rounding s to float32 can differ from rounding p + c only where s lies exactly
+    # halfway between two float32 values: in the normal range its 29 low mantissa bits
+    # are then 1 followed by zeros; below it (float32 subnormals) more bits count, so
+    # every such s takes the exact path too, except 0: a float64 sum that rounds to 0 is
+    # exactly 0 (sums of floats are multiples of the smallest subnormal), and its sign
+    # follows the same IEEE rule in float64 as in float32. Otherwise one rounding is the
+    # answer.  (|s| bits - 1 wraps for 0, so 0 is not below the bound.)
+    u = s.view(np.uint64)
+    if not np.count_nonzero(((u & _LOW29) == _HALF29) | (((u & _ABS64) - _ONE64) < _F32_TINY_BITS)):
+        return s.astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        s = p + c64
-        # Rounding s to float32 can differ from rounding p + c only where s lies exactly
-        # halfway between two float32 values: in the normal range its 29 low mantissa bits
-        # are then 1 followed by zeros; below it (float32 subnormals) more bits count, so
-        # every such s takes the exact path too, except 0: a float64 sum that rounds to 0 is
-        # exactly 0 (sums of floats are multiples of the smallest subnormal), and its sign
-        # follows the same IEEE rule in float64 as in float32. Otherwise one rounding is the
-        # answer.
-        halfway = (s.view(np.uint64) & np.uint64(0x1FFFFFFF)) == np.uint64(0x10000000)
-        if not (halfway | ((np.abs(s) < np.float64(2.0**-126)) & (s != 0))).any():
-            return s.astype(np.float32)
+        c64 = c.astype(np.float64)
         bb = s - p
         err = (p - (s - bb)) + (c64 - bb)  # TwoSum: s + err == p + c exactly
         r = s.astype(np.float32)
@@ -494,13 +509,15 @@ class Module:
         mem.begin_launch()
         blocks = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
         order = rng.permutation(len(blocks))
-        for bi in order:
-            b = _Block(self, ent, params, mem, blocks[bi], grid, block, dynamic_shared, rng, approx,
-                       max_steps, int(bi))
-            b.approx_seed = seed if approx_seed is None else approx_seed
-            b.run()
-            if coverage is not None:
-                coverage |= b.executed
+        # Overflow, NaN and division by zero are results here (IEEE values), not errors.
+        with np.errstate(all="ignore"):
+            for bi in order:
+                b = _Block(self, ent, params, mem, blocks[bi], grid, block, dynamic_shared, rng,
+                           approx, max_steps, int(bi))
+                b.approx_seed = seed if approx_seed is None else approx_seed
+                b.run()
+                if coverage is not None:
+                    coverage |= b.executed
 
 
 # ---------------------------------------------------------------------------
@@ -620,13 +637,21 @@ class GlobalMemory:
         bases, ends = self._bounds
         idx = np.searchsorted(bases, addrs, side="right") - 1
         ok = (idx >= 0) & (addrs + n <= ends[np.maximum(idx, 0)])
-        if not ok.all():
+        if np.count_nonzero(ok) != len(ok):
             bad = int(addrs[~ok][0])
             near = min(self.bufs, key=lambda b: min(abs(bad - b.base), abs(bad - b.end)))
             raise EmuError(f"global access of {n} bytes at {bad:#x} is outside every buffer "
                            f"(nearest: {near.name} [{near.base:#x}, {near.end:#x}), "
                            f"offset {bad - near.base})")
         return idx
+
+    def _by_buffer(self, addrs, n):
+        """(buffer, selection) for each buffer the accesses of ``n`` bytes at ``addrs``
+        fall in; the selection is ``slice(None)`` when they all fall in one."""
+        idx = self._locate(addrs, n)
+        if not np.count_nonzero(idx != idx[0]):
+            return [(self.bufs[idx[0]], slice(None))]
+        return [(self.bufs[bi], idx == bi) for bi in np.unique(idx)]
 
     def read(self, addrs, n, threads, blk, ep, nc=False):
         """Bytes [len(addrs), n] at ``addrs``; ``threads`` are global thread ids.
@@ -635,10 +660,7 @@ class GlobalMemory:
         out = np.zeros((len(addrs), n), np.uint8)
         if len(addrs) == 0:
             return out
-        idx = self._locate(addrs, n)
-        for bi in np.unique(idx):
-            b = self.bufs[bi]
-            sel = idx == bi
+        for b, sel in self._by_buffer(addrs, n):
             if b.access == "w":
                 raise EmuError(f"read of write-only buffer {b.name}")
             off = (addrs[sel] - b.base)[:, None] + np.arange(n)
@@ -666,10 +688,7 @@ class GlobalMemory:
         n = vals.shape[1]
         if len(addrs) == 0:
             return
-        idx = self._locate(addrs, n)
-        for bi in np.unique(idx):
-            b = self.bufs[bi]
-            sel = idx == bi
+        for b, sel in self._by_buffer(addrs, n):
             if b.access == "r":
                 raise EmuError(f"write to read-only buffer {b.name}")
             off = (addrs[sel] - b.base)[:, None] + np.arange(n)
@@ -724,12 +743,14 @@ class _Shared:
         self._hi = np.zeros(size, np.int64)
 
     def offsets(self, addrs, n, align):
-        off = addrs.astype(np.int64) - self.base
-        if ((off < 0) | (off + n > self.size)).any():
-            bad = int(off[(off < 0) | (off + n > self.size)][0])
+        off = addrs.astype(np.int64, copy=False) - self.base
+        # one unsigned comparison: a negative offset wraps to a huge one
+        outside = off.view(np.uint64) > np.uint64(max(self.size - n, 0))
+        if n > self.size or np.count_nonzero(outside):
+            bad = int(off[outside | (n > self.size)][0])
             raise EmuError(f"shared access of {n} bytes at offset {bad} outside the "
                            f"{self.size}-byte shared window")
-        if (addrs % align).any():
+        if np.count_nonzero(addrs % align):
             raise EmuError(f"misaligned shared access (needs {align}-byte alignment)")
         return off[:, None] + np.arange(n)
 
@@ -757,7 +778,7 @@ class _Shared:
             raise EmuError(f"shared {what} of bytes with a cp.async copy still in flight"
                            if what == "read" else "shared write over a cp.async copy still in flight")
         w_ep = self.w_ep[flat]
-        if (w_ep < self.epoch).all():  # all written before the last barrier, or never
+        if not np.count_nonzero(w_ep >= self.epoch):  # all written before the last barrier, or never
             return
         th = np.repeat(threads, n)
         w = self.w_th[flat]
@@ -775,31 +796,35 @@ class _Shared:
         self._check_writers(threads, o.ravel(), n, "read")
         # Record the readers of each byte (one thread, or -2 for several; their warp, or
         # -2 for several), once per distinct access: the lowest thread reading it stands
-        # for the others.
+        # for the others.  Per-access values are columns, broadcast over the access's bytes.
         first, last = self._first_last(threads, o[:, 0])
         rep = threads == first
-        flat = o[rep].ravel()
-        tf, tl = np.repeat(first[rep], n), np.repeat(last[rep], n)
-        fresh = self.r_ep[flat] != self.epoch
-        prev_th = np.where(fresh, -1, self.r_th[flat])
-        prev_warp = np.where(fresh, -1, self.r_warp[flat])
-        multi = (tf != tl) | ((prev_th != -1) & (prev_th != tf))
+        acc = o if np.count_nonzero(rep) == len(rep) else o[rep]
+        tf, tl = first[rep][:, None], last[rep][:, None]
         warps = tf >> 5
-        many_warps = ((tl >> 5) != warps) | ((prev_warp >= 0) & (prev_warp != warps)) | (prev_warp == -2)
-        self.r_th[flat] = np.where(multi, -2, tf)
-        self.r_warp[flat] = np.where(many_warps, -2, warps)
-        self.r_ep[flat] = self.epoch
-        self.r_wep[flat] = self.warp_ep[warps]
+        fresh = self.r_ep[acc] != self.epoch
+        if np.count_nonzero(fresh) == fresh.size:  # no earlier reader in this interval
+            multi, many_warps = tf != tl, (tl >> 5) != warps
+        else:
+            prev_th = np.where(fresh, -1, self.r_th[acc])
+            prev_warp = np.where(fresh, -1, self.r_warp[acc])
+            multi = (tf != tl) | ((prev_th != -1) & (prev_th != tf))
+            many_warps = (((tl >> 5) != warps) | ((prev_warp >= 0) & (prev_warp != warps))
+                          | (prev_warp == -2))
+        self.r_th[acc] = np.where(multi, -2, tf)
+        self.r_warp[acc] = np.where(many_warps, -2, warps)
+        self.r_ep[acc] = self.epoch
+        self.r_wep[acc] = self.warp_ep[warps]
         return self.data[o]
 
     def check_write(self, threads, o):
         flat = o.ravel()
         first, _ = self._first_last(threads, o[:, 0])
-        if (threads != first).any():
+        if np.count_nonzero(threads != first):
             raise EmuError("two threads write the same shared bytes in one instruction")
         self._check_writers(threads, flat, o.shape[1], "write")
         r_ep = self.r_ep[flat]
-        if (r_ep != self.epoch).all():  # nothing read since the last barrier
+        if not np.count_nonzero(r_ep == self.epoch):  # nothing read since the last barrier
             return
         th = np.repeat(threads, o.shape[1])
         r = np.where(r_ep == self.epoch, self.r_th[flat], -1)
@@ -811,12 +836,11 @@ class _Shared:
                            f"overwrites bytes other threads read in the same barrier interval")
 
     def commit(self, threads, o, vals):
-        flat = o.ravel()
-        th = np.repeat(threads, o.shape[1])
-        self.data[flat] = vals.ravel()
-        self.w_th[flat] = th
-        self.w_ep[flat] = self.epoch
-        self.w_wep[flat] = self.warp_ep[th >> 5]
+        """Stores ``vals`` (one row per thread) at offsets ``o`` (the same shape)."""
+        self.data[o] = vals
+        self.w_th[o] = threads[:, None]
+        self.w_ep[o] = self.epoch
+        self.w_wep[o] = self.warp_ep[threads >> 5][:, None]
 
     def write(self, threads, addrs, vals, align):
         o = self.offsets(addrs, vals.shape[1], align)
@@ -859,6 +883,10 @@ class _Block:
         self.sh.warp_ep = np.zeros((self.nt + 31) // 32, np.int64)
         self.groups, self.cur_group = [], []
         self.executed = set()
+        # The live-thread mask the block starts with (every thread): the run loop passes
+        # this very object as the mask while no thread has exited, diverged or been
+        # predicated off, so ``whole`` recognises it without looking at its elements.
+        self.all_on = np.ones(self.nt, bool)
 
     # ---------------- operands
     def sreg(self, name):
@@ -913,6 +941,10 @@ class _Block:
         raise EmuError(f"operand {op} cannot be read as a value")
 
     def get(self, op, ty):
+        if op.kind == "reg":
+            r = self.regs.get(op.name)
+            if r is not None:
+                return bits_as(r, ty)
         b = self.bits(op, ty)
         if np.ndim(b) == 0:
             b = np.full(self.nt, b, np.uint64)
@@ -924,7 +956,7 @@ class _Block:
         if op.kind != "reg":
             raise EmuError(f"cannot write to {op}")
         bits = to_bits(val, ty)
-        if np.ndim(bits) == 0:
+        if bits.ndim == 0:
             bits = np.full(self.nt, bits, np.uint64)
         old = self.regs.get(op.name)
         if old is None:
@@ -932,7 +964,11 @@ class _Block:
                 raise EmuError(f"register {op.name} is not declared")
             old = np.full(self.nt, 0xFFFFFFFFFFFFFFFF, np.uint64)
         # to_bits returns a new array (or a scalar, made into one above): no copy needed
-        self.regs[op.name] = np.where(mask, bits, old) if not mask.all() else bits
+        self.regs[op.name] = bits if self.whole(mask) else np.where(mask, bits, old)
+
+    def whole(self, mask):
+        """True when ``mask`` selects every thread of the block."""
+        return mask is self.all_on or np.count_nonzero(mask) == self.nt
 
     def getp(self, op):
         name = op.name
@@ -945,7 +981,12 @@ class _Block:
     def setp(self, op, val, mask):
         if op.kind == "sink":
             return
-        old = self.preds.get(op.name, np.zeros(self.nt, bool))
+        if self.whole(mask) and isinstance(val, np.ndarray) and val.shape == (self.nt,):
+            self.preds[op.name] = val.astype(bool, copy=False)  # never changed in place
+            return
+        old = self.preds.get(op.name)
+        if old is None:
+            old = np.zeros(self.nt, bool)
         self.preds[op.name] = np.where(mask, val, old)
 
     def addr(self, op):
@@ -964,7 +1005,7 @@ class _Block:
     def run(self):
         insts, labels = self.e.insts, self.e.labels
         nt = self.nt
-        alive = np.ones(nt, bool)
+        alive = self.all_on
         # While every live thread is at one instruction (``converged``), that instruction is
         # ``cpc`` and ``pcs`` is not kept up to date; it is filled in when threads diverge.
         pcs = np.zeros(nt, np.int64)
@@ -976,7 +1017,7 @@ class _Block:
             else:
                 pc = int(pcs[alive].min())
                 mask_at = alive & (pcs == pc)
-                if np.array_equal(mask_at, alive):
+                if np.count_nonzero(mask_at) == np.count_nonzero(alive):  # mask_at is in alive
                     converged, cpc, mask_at = True, pc, alive
             if pc >= len(insts):
                 raise EmuError(f"{self.e.name}: threads run past the last instruction (missing ret)")
@@ -997,10 +1038,12 @@ class _Block:
                     tgt = inst.ops[0].name
                     if tgt not in labels:
                         raise EmuError(f"unknown label {tgt}")
-                    taken = mask.any()
-                    if inst.parts[-1] == "uni" and taken and not np.array_equal(mask, mask_at):
+                    # mask is in mask_at: equal when they count the same threads
+                    taken = np.count_nonzero(mask)
+                    every = mask is mask_at or taken == np.count_nonzero(mask_at)
+                    if inst.parts[-1] == "uni" and taken and not every:
                         raise EmuError("bra.uni taken by only some of the threads")
-                    if converged and (not taken or np.array_equal(mask, mask_at)):
+                    if converged and (not taken or every):
                         cpc = labels[tgt] if taken else pc + 1
                         continue
                     if converged:
@@ -1011,7 +1054,7 @@ class _Block:
                     continue
                 if base in ("ret", "exit"):
                     alive = alive & ~mask
-                    if not alive.any():
+                    if not np.count_nonzero(alive):
                         if self.cur_group or any(self.groups):
                             raise EmuError("kernel exits with cp.async copies not waited for")
                         return
@@ -1021,13 +1064,13 @@ class _Block:
                         pcs[mask_at & ~mask] = pc + 1
                     continue
                 if base in ("bar", "barrier") and inst.parts[1] != "warp":
-                    if not mask.any():
+                    if not np.count_nonzero(mask):
                         if converged:
                             cpc = pc + 1
                         else:
                             pcs[mask_at] = pc + 1
                         continue
-                    if not np.array_equal(mask, np.ones(nt, bool)):
+                    if not self.whole(mask):
                         gone = int((~alive).sum())
                         elsewhere = int((alive & ~mask).sum())
                         raise EmuError(f"bar.sync reached by {int(mask.sum())} of {nt} threads "
@@ -1063,11 +1106,9 @@ class _Block:
                 u = self.rng.uniform(-1.0, 1.0, exact.shape)
             else:
                 u = _hash_uniform(exact, kind, self.approx_seed)
-            with np.errstate(invalid="ignore", over="ignore"):
-                moved = exact + u * (rel * np.abs(exact) + ab)
+            moved = exact + u * (rel * np.abs(exact) + ab)
             exact = np.where(np.isfinite(exact), moved, exact)
-        with np.errstate(over="ignore", invalid="ignore"):
-            return exact.astype(dtype)
+        return exact.astype(dtype)
 
 
 def _hash_uniform(exact, kind, seed):
@@ -1163,12 +1204,9 @@ def _h_cvt(b, inst, mask):
                 return
             if rnd in ("rni", "rzi", "rmi", "rpi"):
                 y = _round_int(x.astype(np.float64), rnd).astype(_FLOAT[dt])
-            elif _SIZES[dt] < _SIZES[st]:
-                if rnd != "rn":
-                    raise EmuError(f"{inst.op}: narrowing float conversion needs .rn")
-                with np.errstate(over="ignore"):
-                    y = x.astype(_FLOAT[dt])
             else:
+                if _SIZES[dt] < _SIZES[st] and rnd != "rn":
+                    raise EmuError(f"{inst.op}: narrowing float conversion needs .rn")
                 y = x.astype(_FLOAT[dt])
         else:
             if rnd not in ("rn", None):
@@ -1212,8 +1250,7 @@ def _float_binop(b, inst, mask, fn):
     c = b.get(inst.ops[2], ty)
     if "ftz" in mods:
         a, c = _ftz(a), _ftz(c)
-    with np.errstate(all="ignore"):
-        r = fn(a, c).astype(a.dtype)
+    r = fn(a, c).astype(a.dtype)
     if "ftz" in mods:
         r = _ftz(r)
     if "sat" in mods:
@@ -1240,8 +1277,7 @@ def _h_arith(b, inst, mask):
             a, c = b.get(inst.ops[1], ty), b.get(inst.ops[2], ty)
             if "ftz" in inst.parts:
                 a, c = _ftz(a), _ftz(c)
-            with np.errstate(all="ignore"):
-                r = b.approx_round(a.astype(np.float64) / c.astype(np.float64), "div", a.dtype)
+            r = b.approx_round(a.astype(np.float64) / c.astype(np.float64), "div", a.dtype)
             b.set(inst.ops[0], ty, _ftz(r) if "ftz" in inst.parts else r, mask)
             return
         if base not in fns:
@@ -1251,6 +1287,18 @@ def _h_arith(b, inst, mask):
         raise EmuError(f"{inst.op}: half-precision arithmetic is not supported")
     size = _SIZES[ty]
     mods = inst.parts[1:-1]
+    if size <= 4 and ("wide" in mods or (base in ("mul", "mad") and "hi" in mods)):
+        # The product of two operands of at most 32 bits is exact in 64 bits.
+        wide = np.int64 if _is_signed(ty) else np.uint64
+        r = b.get(inst.ops[1], ty).astype(wide) * b.get(inst.ops[2], ty).astype(wide)
+        if "wide" in mods:
+            dty = f"{'s' if _is_signed(ty) else 'u'}{16 * size}"
+        else:
+            r, dty = r >> (8 * size), ty
+        if base == "mad":
+            r = r + b.get(inst.ops[3], dty).astype(wide)  # wraps modulo 2^64 like the hardware
+        b.set(inst.ops[0], dty, r, mask)
+        return
     if "wide" in mods:
         a = _int_vals(b, inst.ops[1], ty).astype(object)
         c = _int_vals(b, inst.ops[2], ty).astype(object)
@@ -1310,32 +1358,31 @@ def _h_arith(b, inst, mask):
     c = _int_vals(b, inst.ops[2], ty)
     if size == 8 and not _is_signed(ty):
         a, c = a.astype(np.uint64), c.astype(np.uint64)
-    with np.errstate(over="ignore"):
-        if base in ("add", "sub", "mul", "mad"):
-            if "sat" in mods:
-                raise EmuError(f"{inst.op}: .sat on integers not supported")
-            r = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "mad": np.multiply}[base](a, c)
-            if base == "mad":
-                r = r + _int_vals(b, inst.ops[3], ty).astype(r.dtype)
-        elif base in ("and", "or", "xor"):
-            r = {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}[base](a, c)
-        elif base == "min":
-            r = np.minimum(a, c)
-        elif base == "max":
-            r = np.maximum(a, c)
-        elif base in ("div", "rem"):
-            if (c[mask] == 0).any():
-                raise EmuError(f"integer {base} by zero")
-            cc = np.where(c == 0, 1, c)
-            if _is_signed(ty):
-                # truncating division, exact for every width
-                q = np.array([(abs(int(x)) // abs(int(y))) * (1 if (x < 0) == (y < 0) else -1)
-                              for x, y in zip(a, cc)], np.int64)
-                r = q if base == "div" else a - q * cc
-            else:
-                r = a // cc if base == "div" else a % cc
+    if base in ("add", "sub", "mul", "mad"):
+        if "sat" in mods:
+            raise EmuError(f"{inst.op}: .sat on integers not supported")
+        r = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "mad": np.multiply}[base](a, c)
+        if base == "mad":
+            r = r + _int_vals(b, inst.ops[3], ty).astype(r.dtype)
+    elif base in ("and", "or", "xor"):
+        r = {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}[base](a, c)
+    elif base == "min":
+        r = np.minimum(a, c)
+    elif base == "max":
+        r = np.maximum(a, c)
+    elif base in ("div", "rem"):
+        if (c[mask] == 0).any():
+            raise EmuError(f"integer {base} by zero")
+        cc = np.where(c == 0, 1, c)
+        if _is_signed(ty):
+            # truncating division, exact for every width
+            q = np.array([(abs(int(x)) // abs(int(y))) * (1 if (x < 0) == (y < 0) else -1)
+                          for x, y in zip(a, cc)], np.int64)
+            r = q if base == "div" else a - q * cc
         else:
-            raise EmuError(f"unsupported instruction {inst.op}")
+            r = a // cc if base == "div" else a % cc
+    else:
+        raise EmuError(f"unsupported instruction {inst.op}")
     _set_int(b, inst.ops[0], ty, r, mask)
 
 
@@ -1384,21 +1431,20 @@ def _h_setp(b, inst, mask):
         a, c = b.get(inst.ops[1], ty), b.get(inst.ops[2], ty)
     if "ftz" in inst.parts and ty == "f32":
         a, c = _ftz(a), _ftz(c)
-    with np.errstate(invalid="ignore"):
-        if _is_float(ty):
-            nan = np.isnan(a) | np.isnan(c)
-            if cmp == "num":
-                r = ~nan
-            elif cmp == "nan":
-                r = nan
-            elif cmp.endswith("u") and cmp[:-1] in _CMP:
-                r = _CMP[cmp[:-1]](a, c) | nan
-            elif cmp in _CMP:
-                r = _CMP[cmp](a, c) & ~nan
-            else:
-                raise EmuError(f"unsupported comparison {cmp}")
+    if _is_float(ty):
+        nan = np.isnan(a) | np.isnan(c)
+        if cmp == "num":
+            r = ~nan
+        elif cmp == "nan":
+            r = nan
+        elif cmp.endswith("u") and cmp[:-1] in _CMP:
+            r = _CMP[cmp[:-1]](a, c) | nan
+        elif cmp in _CMP:
+            r = _CMP[cmp](a, c) & ~nan
         else:
-            r = _CMP[cmp](a, c)
+            raise EmuError(f"unsupported comparison {cmp}")
+    else:
+        r = _CMP[cmp](a, c)
     if combine:
         q = b.getp(inst.ops[3])
         r = {"and": r & q, "or": r | q, "xor": r ^ q}[combine]
@@ -1430,7 +1476,8 @@ def _h_fma(b, inst, mask):
     ty = b.type_of(inst)
     if "rn" not in inst.parts:
         raise EmuError(f"{inst.op}: only .rn is supported")
-    a, c, d = (b.get(o, ty) for o in inst.ops[1:4])
+    ops = inst.ops
+    a, c, d = b.get(ops[1], ty), b.get(ops[2], ty), b.get(ops[3], ty)
     ftz = "ftz" in inst.parts
     if ftz:
         a, c, d = _ftz(a), _ftz(c), _ftz(d)
@@ -1465,24 +1512,23 @@ def _h_unary_float(b, inst, mask):
     if ftz:
         x = _ftz(x)
     x64 = x.astype(np.float64)
-    with np.errstate(all="ignore"):
-        if base == "neg":
-            r = -x
-        elif base == "abs":
-            r = np.abs(x)
-        elif base in ("rcp", "sqrt") and "rn" in inst.parts:
-            r = np.sqrt(x) if base == "sqrt" else np.divide(x.dtype.type(1), x)
-        elif base in ("rcp", "sqrt", "rsqrt", "ex2", "lg2", "tanh", "sin", "cos"):
-            if "approx" not in inst.parts:
-                raise EmuError(f"{inst.op}: rounding mode not supported")
-            exact = {"rcp": lambda v: 1.0 / v, "sqrt": np.sqrt, "rsqrt": lambda v: 1.0 / np.sqrt(v),
-                     "ex2": np.exp2, "lg2": np.log2, "tanh": np.tanh, "sin": np.sin,
-                     "cos": np.cos}[base](x64)
-            r = b.approx_round(exact, base, x.dtype)
-            if base == "tanh":
-                r = np.clip(r, -1, 1).astype(x.dtype)
-        else:
-            raise EmuError(f"unsupported instruction {inst.op}")
+    if base == "neg":
+        r = -x
+    elif base == "abs":
+        r = np.abs(x)
+    elif base in ("rcp", "sqrt") and "rn" in inst.parts:
+        r = np.sqrt(x) if base == "sqrt" else np.divide(x.dtype.type(1), x)
+    elif base in ("rcp", "sqrt", "rsqrt", "ex2", "lg2", "tanh", "sin", "cos"):
+        if "approx" not in inst.parts:
+            raise EmuError(f"{inst.op}: rounding mode not supported")
+        exact = {"rcp": lambda v: 1.0 / v, "sqrt": np.sqrt, "rsqrt": lambda v: 1.0 / np.sqrt(v),
+                 "ex2": np.exp2, "lg2": np.log2, "tanh": np.tanh, "sin": np.sin,
+                 "cos": np.cos}[base](x64)
+        r = b.approx_round(exact, base, x.dtype)
+        if base == "tanh":
+            r = np.clip(r, -1, 1).astype(x.dtype)
+    else:
+        raise EmuError(f"unsupported instruction {inst.op}")
     if ftz:
         r = _ftz(r)
     b.set(inst.ops[0], ty, r, mask)
@@ -1540,17 +1586,21 @@ def _h_ld(b, inst, mask):
     else:
         raise EmuError(f"unsupported state space .{space}")
     words = np.ascontiguousarray(raw).view(_UINT[size]).reshape(len(th), vec)
+    whole = len(th) == b.nt
     for i, r in enumerate(regs):
-        full = np.zeros(b.nt, np.uint64)
         w = words[:, i]
         if _is_signed(ty):
             w = w.view(_SINT[size]).astype(np.int64).view(np.uint64)
             rt = b.e.reg_types.get(r.name, "b64")
             w = w & np.uint64(_MASK[_SIZES.get(rt, 8)])
-        full[th] = w
         if r.kind != "sink":
             if r.name not in b.e.reg_types:
                 raise EmuError(f"register {r.name} is not declared")
+            if whole:  # th is every thread, in order
+                b.regs[r.name] = w.astype(np.uint64)
+                continue
+            full = np.zeros(b.nt, np.uint64)
+            full[th] = w
             old = b.regs.get(r.name)
             if old is None:
                 old = np.full(b.nt, 0xFFFFFFFFFFFFFFFF, np.uint64)
@@ -1619,27 +1669,26 @@ def _h_atom(b, inst, mask):
             raise EmuError(f"unsupported state space .{space}")
         old = raw.view(dt)[0, 0] if dt != np.uint64 else raw.view(np.uint64)[0, 0]
         x = src[k]
-        with np.errstate(all="ignore"):
-            if op == "add":
-                new = dt(old + x) if ty not in ("f32", "f64") else dt(dt(old) + dt(x))
-            elif op == "min":
-                new = min(old, x) if ty not in ("f32", "f64") else np.fmin(old, x)
-            elif op == "max":
-                new = max(old, x) if ty not in ("f32", "f64") else np.fmax(old, x)
-            elif op == "inc":
-                new = 0 if old >= x else old + 1
-            elif op == "dec":
-                new = x if (old == 0 or old > x) else old - 1
-            elif op == "and":
-                new = old & x
-            elif op == "or":
-                new = old | x
-            elif op == "xor":
-                new = old ^ x
-            elif op == "exch":
-                new = x
-            else:
-                new = cmpv[k] if old == x else old
+        if op == "add":
+            new = dt(old + x) if ty not in ("f32", "f64") else dt(dt(old) + dt(x))
+        elif op == "min":
+            new = min(old, x) if ty not in ("f32", "f64") else np.fmin(old, x)
+        elif op == "max":
+            new = max(old, x) if ty not in ("f32", "f64") else np.fmax(old, x)
+        elif op == "inc":
+            new = 0 if old >= x else old + 1
+        elif op == "dec":
+            new = x if (old == 0 or old > x) else old - 1
+        elif op == "and":
+            new = old & x
+        elif op == "or":
+            new = old | x
+        elif op == "xor":
+            new = old ^ x
+        elif op == "exch":
+            new = x
+        else:
+            new = cmpv[k] if old == x else old
         newraw = np.array([new], dtype=dt).view(np.uint8).reshape(1, size)
         if space == "global":
             b.mem.write(ad, newraw, b.gtid[t:t + 1], b.blk, b.sh.epoch, atomic=True)
@@ -1667,11 +1716,25 @@ def _h_bar(b, inst, mask):
     b.sh.epoch += 1  # cp.async copies in flight stay pending across barriers
 
 
+_LANE_BIT = np.int64(1) << np.arange(32, dtype=np.int64)
+
+
 def _check_warp_members(b, mask, membermask, inst):
     """Every warp executing ``inst`` must do so with exactly the lanes its member
     mask names (``membermask``: an int, or per-thread values equal within a warp)."""
     mm = np.broadcast_to(np.asarray(membermask, np.int64), (b.nt,))
-    for w in np.unique(np.nonzero(mask)[0] >> 5):
+    if b.nt % 32 == 0:
+        # Whole warps: one pass over all of them; a warp passes when its executing lanes
+        # agree on the member mask and the mask names exactly those lanes.
+        lanes = mask.reshape(-1, 32)
+        vals = mm.reshape(-1, 32)
+        executing = np.count_nonzero(lanes, axis=1) > 0
+        first = vals[np.arange(len(vals)), np.argmax(lanes, axis=1)]
+        agree = ((vals == first[:, None]) | ~lanes).all(axis=1)
+        named = (first[:, None] & _LANE_BIT) != 0
+        if (agree & (named == lanes).all(axis=1))[executing].all():
+            return
+    for w in np.unique(np.nonzero(mask)[0] >> 5):  # a warp fails: find and name it
         lanes = mask[32 * w:32 * w + 32]
         vals = np.unique(mm[32 * w:32 * w + 32][lanes])
         if len(vals) != 1:
@@ -1829,38 +1892,30 @@ def _h_mma(b, inst, mask):
         raise EmuError(f"unsupported mma shape/types {inst.op}")
     ty = p[-3]
     d, ar, br, cr = (o.items for o in inst.ops)
-    av = [b.get(r, "b32") for r in ar]
-    bv = [b.get(r, "b32") for r in br]
-    cv = [b.get(r, "f32") for r in cr]
-
-    def half(word):
-        bits = (word & 0xFFFF).astype(np.uint16)
-        if ty == "f16":
-            return bits.view(np.float16).astype(np.float64)
-        return bf16_bits_to_f32(bits).astype(np.float64)
-
-    t = np.nonzero(mask)[0]
-    w, l = t >> 5, t & 31
-    g, q = l >> 2, l & 3
+    # Every executing warp has all 32 lanes (checked above), so whole warps are laid out
+    # as (warp, g, q) with lane = 4 g + q; a block's partial last warp cannot execute.
     nw = b.nt // 32
-    A = np.full((nw, 16, 16), np.nan)
-    B = np.full((nw, 16, 8), np.nan)
-    C = np.full((nw, 16, 8), np.nan)
-    for i in range(8):
-        word = av[i // 2][t] >> np.uint32(16 * (i & 1))
-        row = g if i in (0, 1, 4, 5) else g + 8
-        col = q * 2 + (i & 1) + (8 if i >= 4 else 0)
-        A[w, row, col] = half(word)
-    for i in range(4):
-        word = bv[i // 2][t] >> np.uint32(16 * (i & 1))
-        row = q * 2 + (i & 1) + (8 if i >= 2 else 0)
-        B[w, row, g] = half(word)
-    for i in range(4):
-        C[w, g + 8 * (i >= 2), q * 2 + (i & 1)] = cv[i][t]
-    D = np.einsum("wik,wkj->wij", A, B) + C
+    n = 32 * nw
+
+    def halves(regs):
+        """b32 registers -> float64 [register, half (low first), warp, g, q]."""
+        words = np.stack([b.get(r, "b32")[:n] for r in regs])
+        bits = np.stack([words & 0xFFFF, words >> 16], axis=1).astype(np.uint16)
+        f = bits.view(np.float16) if ty == "f16" else bf16_bits_to_f32(bits)
+        return f.astype(np.float64).reshape(len(regs), 2, nw, 8, 4)
+
+    # Fragment layouts (PTX ISA, mma.m16n8k16): A element 4 c + 2 r + e of lane (g, q)
+    # (register 2 c + r, half e) is A[8 r + g][8 c + 2 q + e]; B element 2 k + e (register
+    # k) is B[8 k + 2 q + e][g]; C and D element 2 r + e is C[8 r + g][2 q + e].
+    A = halves(ar).reshape(2, 2, 2, nw, 8, 4).transpose(3, 1, 4, 0, 5, 2).reshape(nw, 16, 16)
+    B = halves(br).transpose(2, 0, 4, 1, 3).reshape(nw, 16, 8)
+    C = (np.stack([b.get(r, "f32")[:n] for r in cr]).astype(np.float64)
+         .reshape(2, 2, nw, 8, 4).transpose(2, 0, 3, 4, 1).reshape(nw, 16, 8))
+    D = np.einsum("wik,wkj->wij", np.ascontiguousarray(A), np.ascontiguousarray(B)) + C
+    out = D.reshape(nw, 2, 8, 4, 2).transpose(1, 4, 0, 2, 3).reshape(4, n).astype(np.float32)
     for i, r in enumerate(d):
         full = np.zeros(b.nt, np.float32)
-        full[t] = D[w, g + 8 * (i >= 2), q * 2 + (i & 1)].astype(np.float32)
+        full[:n] = out[i]
         b.set(r, "f32", full, mask)
 
 

@@ -102,6 +102,45 @@ SHARED_EXCHANGE = """
     ret;
 """
 
+# shared reads then a write, all in one barrier interval: thread t fills slot t, then
+# (after a barrier) reads slot FIRST, then slot SECOND, then BARRIER, then writes slot t.
+# FIRST / SECOND are registers: %r1 (own slot t), %r6 ((t + 1) % 64) or %r9 (slot 0).
+SHARED_READ_THEN_WRITE = """
+    .shared .align 4 .b32 buf[64];
+""" + REGS + """
+    ld.param.u64 %rd1, [out];
+    mov.u32 %r1, %tid.x;
+    mov.u32 %r9, 0;
+    add.u32 %r6, %r1, 1;
+    rem.u32 %r6, %r6, 64;
+    mov.u32 %r10, buf;
+    shl.b32 %r2, %r1, 2;
+    add.u32 %r3, %r10, %r2;
+    st.shared.u32 [%r3], %r1;
+    bar.sync 0;
+    shl.b32 %r11, FIRST, 2;
+    add.u32 %r11, %r10, %r11;
+    ld.shared.u32 %r12, [%r11];
+    shl.b32 %r13, SECOND, 2;
+    add.u32 %r13, %r10, %r13;
+    ld.shared.u32 %r14, [%r13];
+    BARRIER
+    add.u32 %r15, %r12, %r14;
+    st.shared.u32 [%r3], %r15;
+    mul.wide.u32 %rd2, %r1, 4;
+    add.s64 %rd3, %rd1, %rd2;
+    st.global.u32 [%rd3], %r15;
+    ret;
+"""
+
+
+def shared_read_then_write(first, second, barrier=""):
+    body = (SHARED_READ_THEN_WRITE.replace("FIRST", first).replace("SECOND", second)
+            .replace("BARRIER", barrier))
+    mod = kernel("k", [("out", "u64")], body)
+    return run(mod, "k", (1, 1, 1), (64, 1, 1), {"out": (np.zeros(64, np.uint32), "w")})
+
+
 # grid-stride copy out[i] = in[i] for i < n
 COPY = REGS + """
     ld.param.u64 %rd1, [src];
@@ -185,6 +224,15 @@ class EmulatorSemantics(unittest.TestCase):
         mod = kernel("k", [("out", "u64")], SHARED_EXCHANGE.replace("BARRIER", "bar.sync 0;"))
         mem = run(mod, "k", (1, 1, 1), (64, 1, 1), {"out": (np.zeros(64, np.uint32), "w")})
         np.testing.assert_array_equal(mem.array("out", np.uint32), (np.arange(64) + 1) % 64)
+
+    def test_a_thread_may_overwrite_what_only_it_read(self):
+        # read own slot twice (the second read finds the first one's record), then write it
+        mem = shared_read_then_write("%r1", "%r1")
+        np.testing.assert_array_equal(mem.array("out", np.uint32), 2 * np.arange(64))
+        # after a barrier, what others read may be overwritten
+        mem = shared_read_then_write("%r6", "%r9", "bar.sync 0;")
+        t = np.arange(64)
+        np.testing.assert_array_equal(mem.array("out", np.uint32), (t + 1) % 64)
 
     def test_grid_stride_loop_any_block(self):
         mod = kernel("k", [("src", "u64"), ("dst", "u64"), ("n", "u32")], COPY.replace("LIMIT", "lt"))
@@ -319,6 +367,57 @@ class EmulatorSemantics(unittest.TestCase):
         np.testing.assert_array_equal(got[:, 3], np.trunc(x * 0.75))
 
 
+    def test_wide_and_high_products(self):
+        # per thread: a, c (32 bits each) and a 64-bit addend; out: mul.wide.u32,
+        # mul.wide.s32, mad.wide.s32, mul.hi.u32, mul.hi.s32, mad.hi.u32 (addend's low half)
+        body = REGS + """
+    ld.param.u64 %rd1, [x];
+    ld.param.u64 %rd2, [out];
+    mov.u32 %r1, %tid.x;
+    mul.wide.u32 %rd3, %r1, 16;
+    add.s64 %rd4, %rd1, %rd3;
+    ld.global.u32 %r2, [%rd4];
+    ld.global.u32 %r3, [%rd4+4];
+    ld.global.u64 %rd5, [%rd4+8];
+    cvt.u32.u64 %r4, %rd5;
+    mul.wide.u32 %rd6, %r2, %r3;
+    mul.wide.s32 %rd7, %r2, %r3;
+    mad.wide.s32 %rd8, %r2, %r3, %rd5;
+    mul.hi.u32 %r5, %r2, %r3;
+    mul.hi.s32 %r6, %r2, %r3;
+    mad.hi.u32 %r7, %r2, %r3, %r4;
+    mul.wide.u32 %rd9, %r1, 48;
+    add.s64 %rd10, %rd2, %rd9;
+    st.global.u64 [%rd10], %rd6;
+    st.global.u64 [%rd10+8], %rd7;
+    st.global.u64 [%rd10+16], %rd8;
+    st.global.v4.u32 [%rd10+32], {%r5, %r6, %r7, %r1};
+    ret;
+"""
+        words = [0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0x12345678, 0xDEADBEEF, 3]
+        rows = [(a, c, add) for a in words for c in words[::-1]
+                for add in (0, 0xFFFFFFFFFFFFFFFF, 0x8000000000000000)][:96]
+        x = np.zeros(len(rows) * 4, np.uint32)
+        for i, (a, c, add) in enumerate(rows):
+            x[4 * i:4 * i + 4] = a, c, add & 0xFFFFFFFF, add >> 32
+        mod = kernel("k", [("x", "u64"), ("out", "u64")], body)
+        mem = run(mod, "k", (1, 1, 1), (len(rows), 1, 1),
+                  {"x": (x, "r"), "out": (np.zeros(len(rows) * 12, np.uint32), "w")})
+        got = mem.array("out", np.uint32).reshape(len(rows), 12)
+
+        def signed(v):
+            return v - (1 << 32) if v >= 1 << 31 else v
+
+        for i, (a, c, add) in enumerate(rows):
+            g = [int(v) for v in got[i]]
+            wide = [g[0] | g[1] << 32, g[2] | g[3] << 32, g[4] | g[5] << 32]
+            want = [a * c, (signed(a) * signed(c)) % (1 << 64),
+                    (signed(a) * signed(c) + add) % (1 << 64), (a * c) >> 32,
+                    ((signed(a) * signed(c)) >> 32) % (1 << 32),
+                    (((a * c) >> 32) + (add & 0xFFFFFFFF)) % (1 << 32)]
+            self.assertEqual(wide + g[8:11], want, f"a={a:#x} c={c:#x} add={add:#x}")
+
+
 class EmulatorReportsBugs(unittest.TestCase):
     def assert_reports(self, fragment, fn):
         with self.assertRaises(EmuError) as ctx:
@@ -356,6 +455,30 @@ class EmulatorReportsBugs(unittest.TestCase):
         mod = kernel("k", [("out", "u64")], body)
         self.assert_reports("member mask", lambda: run(mod, "k", (1, 1, 1), (32, 1, 1),
                                                        {"out": (np.zeros(128, np.uint32), "w")}))
+
+    def test_overwriting_what_another_thread_read_is_a_race(self):
+        # every thread's slot was read by its neighbour (first read of the interval, or a
+        # second reader of bytes one thread already read), or by all threads (slot 0)
+        for first, second in (("%r6", "%r1"), ("%r1", "%r6"), ("%r9", "%r1"), ("%r1", "%r9")):
+            with self.subTest(first=first, second=second):
+                self.assert_reports("write-after-read race",
+                                    lambda: shared_read_then_write(first, second))
+
+    def test_lanes_disagreeing_on_the_member_mask(self):
+        body = SHFL.replace("shfl.sync.bfly.b32 %r3, %r2, 5, 31, -1;",
+                            "selp.b32 %r7, -1, 0x7fffffff, %p5;\n    "
+                            "shfl.sync.bfly.b32 %r3, %r2, 5, 31, %r7;").replace(
+            "mul.lo.u32 %r2, %r1, 10;", "mul.lo.u32 %r2, %r1, 10;\n    setp.lt.u32 %p5, %r1, 40;")
+        mod = kernel("k", [("out", "u64")], body)
+        self.assert_reports("warp 1: lanes disagree on the member mask", lambda: run(
+            mod, "k", (1, 1, 1), (64, 1, 1), {"out": (np.zeros(256, np.uint32), "w")}))
+
+    def test_executing_lanes_outside_the_member_mask(self):
+        body = SHFL.replace("shfl.sync.bfly.b32 %r3, %r2, 5, 31, -1;",
+                            "shfl.sync.bfly.b32 %r3, %r2, 5, 31, 0xffff;")
+        mod = kernel("k", [("out", "u64")], body)
+        self.assert_reports("are not in the member mask 0xffff", lambda: run(
+            mod, "k", (1, 1, 1), (64, 1, 1), {"out": (np.zeros(256, np.uint32), "w")}))
 
     def test_write_write_race_between_blocks(self):
         # every block writes its block index to out[tid]
