@@ -1296,7 +1296,7 @@ def _h_arith(b, inst, mask):
         else:
             r, dty = r >> (8 * size), ty
         if base == "mad":
-            r = r + b.get(inst.ops[3], dty).astype(wide)  # wraps modulo 2^64 like the hardware
+            r = r + b.get(inst.ops[3], dty).astype(wide)  # wraps; set keeps the low bits of dty
         b.set(inst.ops[0], dty, r, mask)
         return
     if "wide" in mods:
