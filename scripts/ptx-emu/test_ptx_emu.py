@@ -369,7 +369,8 @@ class EmulatorSemantics(unittest.TestCase):
 
     def test_wide_and_high_products(self):
         # per thread: a, c (32 bits each) and a 64-bit addend; out: mul.wide.u32,
-        # mul.wide.s32, mad.wide.s32, mul.hi.u32, mul.hi.s32, mad.hi.u32 (addend's low half)
+        # mul.wide.s32, mad.wide.s32, mul.hi.u32, mul.hi.s32, mad.hi.u32 and mad.wide.u16
+        # (the low halves of a and c; both with the addend's low 32 bits)
         body = REGS + """
     ld.param.u64 %rd1, [x];
     ld.param.u64 %rd2, [out];
@@ -386,12 +387,15 @@ class EmulatorSemantics(unittest.TestCase):
     mul.hi.u32 %r5, %r2, %r3;
     mul.hi.s32 %r6, %r2, %r3;
     mad.hi.u32 %r7, %r2, %r3, %r4;
+    cvt.u16.u32 %h1, %r2;
+    cvt.u16.u32 %h2, %r3;
+    mad.wide.u16 %r8, %h1, %h2, %r4;
     mul.wide.u32 %rd9, %r1, 48;
     add.s64 %rd10, %rd2, %rd9;
     st.global.u64 [%rd10], %rd6;
     st.global.u64 [%rd10+8], %rd7;
     st.global.u64 [%rd10+16], %rd8;
-    st.global.v4.u32 [%rd10+32], {%r5, %r6, %r7, %r1};
+    st.global.v4.u32 [%rd10+32], {%r5, %r6, %r7, %r8};
     ret;
 """
         words = [0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0x12345678, 0xDEADBEEF, 3]
@@ -414,8 +418,9 @@ class EmulatorSemantics(unittest.TestCase):
             want = [a * c, (signed(a) * signed(c)) % (1 << 64),
                     (signed(a) * signed(c) + add) % (1 << 64), (a * c) >> 32,
                     ((signed(a) * signed(c)) >> 32) % (1 << 32),
-                    (((a * c) >> 32) + (add & 0xFFFFFFFF)) % (1 << 32)]
-            self.assertEqual(wide + g[8:11], want, f"a={a:#x} c={c:#x} add={add:#x}")
+                    (((a * c) >> 32) + (add & 0xFFFFFFFF)) % (1 << 32),
+                    ((a & 0xFFFF) * (c & 0xFFFF) + (add & 0xFFFFFFFF)) % (1 << 32)]
+            self.assertEqual(wide + g[8:12], want, f"a={a:#x} c={c:#x} add={add:#x}")
 
 
 class EmulatorReportsBugs(unittest.TestCase):
