@@ -959,12 +959,15 @@ class _Block:
         if bits.ndim == 0:
             bits = np.full(self.nt, bits, np.uint64)
         old = self.regs.get(op.name)
-        if old is None:
-            if op.name not in self.e.reg_types:
-                raise EmuError(f"register {op.name} is not declared")
-            old = np.full(self.nt, 0xFFFFFFFFFFFFFFFF, np.uint64)
+        if old is None and op.name not in self.e.reg_types:
+            raise EmuError(f"register {op.name} is not declared")
         # to_bits returns a new array (or a scalar, made into one above): no copy needed
-        self.regs[op.name] = bits if self.whole(mask) else np.where(mask, bits, old)
+        if self.whole(mask):
+            self.regs[op.name] = bits
+        else:
+            if old is None:
+                old = np.full(self.nt, 0xFFFFFFFFFFFFFFFF, np.uint64)
+            self.regs[op.name] = np.where(mask, bits, old)
 
     def whole(self, mask):
         """True when ``mask`` selects every thread of the block."""
@@ -1723,17 +1726,19 @@ def _check_warp_members(b, mask, membermask, inst):
     """Every warp executing ``inst`` must do so with exactly the lanes its member
     mask names (``membermask``: an int, or per-thread values equal within a warp)."""
     mm = np.broadcast_to(np.asarray(membermask, np.int64), (b.nt,))
-    if b.nt % 32 == 0:
-        # Whole warps: one pass over all of them; a warp passes when its executing lanes
-        # agree on the member mask and the mask names exactly those lanes.
-        lanes = mask.reshape(-1, 32)
-        vals = mm.reshape(-1, 32)
-        executing = np.count_nonzero(lanes, axis=1) > 0
-        first = vals[np.arange(len(vals)), np.argmax(lanes, axis=1)]
-        agree = ((vals == first[:, None]) | ~lanes).all(axis=1)
-        named = (first[:, None] & _LANE_BIT) != 0
-        if (agree & (named == lanes).all(axis=1))[executing].all():
-            return
+    # One pass over all warps (a partial last warp padded with lanes that do not exist):
+    # a warp passes when its executing lanes agree on the member mask and the mask names
+    # exactly those of its lanes that exist.
+    pad = np.zeros(-b.nt % 32, bool)
+    lanes = np.concatenate([mask, pad]).reshape(-1, 32)
+    exists = np.concatenate([np.ones(b.nt, bool), pad]).reshape(-1, 32)
+    vals = np.concatenate([mm, pad.astype(np.int64)]).reshape(-1, 32)
+    executing = np.count_nonzero(lanes, axis=1) > 0
+    first = vals[np.arange(len(vals)), np.argmax(lanes, axis=1)]
+    agree = ((vals == first[:, None]) | ~lanes).all(axis=1)
+    named = (first[:, None] & _LANE_BIT) != 0
+    if (agree & ((named == lanes) | ~exists).all(axis=1))[executing].all():
+        return
     for w in np.unique(np.nonzero(mask)[0] >> 5):  # a warp fails: find and name it
         lanes = mask[32 * w:32 * w + 32]
         vals = np.unique(mm[32 * w:32 * w + 32][lanes])

@@ -484,6 +484,28 @@ class EmulatorReportsBugs(unittest.TestCase):
         self.assert_reports("are not in the member mask 0xffff", lambda: run(
             mod, "k", (1, 1, 1), (64, 1, 1), {"out": (np.zeros(256, np.uint32), "w")}))
 
+    def test_member_mask_of_a_partial_last_warp(self):
+        # 48 threads: warp 1 has lanes 0..15 only. Its member mask (warp 0's is -1) may
+        # name lanes that do not exist (-1), but not leave out lanes that execute (0xff).
+        def run_with(last_warp_mask):
+            body = REGS + f"""
+    ld.param.u64 %rd1, [out];
+    mov.u32 %r1, %tid.x;
+    setp.lt.u32 %p1, %r1, 32;
+    selp.b32 %r5, -1, {last_warp_mask}, %p1;
+    shfl.sync.bfly.b32 %r3, %r1, 1, 31, %r5;
+    mul.wide.u32 %rd2, %r1, 4;
+    add.s64 %rd3, %rd1, %rd2;
+    st.global.u32 [%rd3], %r3;
+    ret;
+"""
+            mod = kernel("k", [("out", "u64")], body)
+            return run(mod, "k", (1, 1, 1), (48, 1, 1), {"out": (np.zeros(48, np.uint32), "w")})
+
+        np.testing.assert_array_equal(run_with("-1").array("out", np.uint32), np.arange(48) ^ 1)
+        self.assert_reports("warp 1: executing lanes [8, 9, 10, 11, 12, 13, 14, 15]",
+                            lambda: run_with("0xff"))
+
     def test_write_write_race_between_blocks(self):
         # every block writes its block index to out[tid]
         body = REGS + """

@@ -59,9 +59,10 @@
 //! names. A submission out of that order, another kind of wait, or the background
 //! thread's next cycle (which the step's first submission wakes when the last step
 //! outlasted the cycle time, so that reductions still overlap a long computation)
-//! queues what was held, and the step goes on as the general path. `ringtrain bench allreduce` prints the ratio as its
-//! `fusion_overhead` rows, with `each` for single submissions and `group` for one
-//! `all_reduce_group`; see the measured rows in the docs of [`crate::algorithm_choice`].
+//! queues what was held, and the step goes on as the general path. `ringtrain bench
+//! allreduce` prints the ratio as its `fusion_overhead` rows, with `each` for single
+//! submissions and `group` for one `all_reduce_group`; see the measured rows in the docs
+//! of [`crate::algorithm_choice`].
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::path::PathBuf;
