@@ -11,7 +11,10 @@ dynamic loss scale via GradScaler). Timing brackets the timed steps with
 Memory: ``peak_memory_bytes`` is ``torch.cuda.max_memory_allocated()`` over the run
 (reset before it). ``--find-max-batch`` then searches the largest batch size that trains
 (one step, Adam) without running out of device memory: doubling from ``--batch-size``,
-then bisecting down to a multiple of 32; it is reported as ``max_batch_size``.
+then bisecting down to a multiple of 32 (``max_batch.py``, the search gpu-check runs for
+ringtrain too); it is reported as ``max_batch_size``, and the search's tries and end as
+``max_batch_search``. ``--max-batch-seconds`` bounds the search: it then stops where the
+budget ran out, and ``max_batch_search`` says so.
 
 Run ``python3 benches/torch_nmt_gpu.py --json``: the last line is one JSON object with
 ``words_per_sec``.
@@ -19,12 +22,14 @@ Run ``python3 benches/torch_nmt_gpu.py --json``: the last line is one JSON objec
 
 import argparse
 import copy
+import dataclasses
 import gc
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import max_batch  # noqa: E402
 from torch_nmt_cpu import add_common_args, check_args, report, run_benchmark, torch  # noqa: E402
 
 
@@ -46,8 +51,15 @@ def main():
         action="store_true",
         help="also search the largest batch size that fits (reported as max_batch_size)",
     )
+    parser.add_argument(
+        "--max-batch-seconds",
+        type=float,
+        help="time budget of that search; it stops where the budget runs out and says so",
+    )
     args = parser.parse_args()
     check_args(args)
+    if args.max_batch_seconds is not None and args.max_batch_seconds <= 0:
+        parser.error(f"--max-batch-seconds {args.max_batch_seconds:g}: give a positive budget")
     if not torch.cuda.is_available():
         sys.exit(
             "error: no CUDA device is visible to PyTorch (torch.cuda.is_available() is "
@@ -70,7 +82,15 @@ def main():
     )
     result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     if args.find_max_batch:
-        result["max_batch_size"] = find_max_batch(args, device, dtype)
+        found = max_batch.search(
+            lambda batch, _left: (
+                max_batch.FITS if fits(args, device, dtype, batch) else max_batch.OUT_OF_MEMORY
+            ),
+            args.batch_size,
+            seconds=args.max_batch_seconds,
+        )
+        result["max_batch_size"] = found.largest
+        result["max_batch_search"] = dataclasses.asdict(found)
     result["device"] = torch.cuda.get_device_name(device)
     result["amp"] = args.amp
     result["cudnn_version"] = torch.backends.cudnn.version()
@@ -89,26 +109,6 @@ def fits(args, device, dtype, batch):
     finally:
         gc.collect()
         torch.cuda.empty_cache()
-
-
-def find_max_batch(args, device, dtype, step=32):
-    """The largest batch (a multiple of `step`, or the start) that fits; 0 if none."""
-    good, bad = 0, None
-    batch = max(args.batch_size, step)
-    while bad is None:
-        if fits(args, device, dtype, batch):
-            good, batch = batch, batch * 2
-        else:
-            bad = batch
-    while bad - good > step:
-        mid = (good + bad) // 2 // step * step
-        if mid <= good:
-            break
-        if fits(args, device, dtype, mid):
-            good = mid
-        else:
-            bad = mid
-    return good
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ enum {
 
 #define EMU_DEV_BASE 0x100000000000ULL /* 16 TiB: device address of file offset 0 */
 #define EMU_SPAN (1ULL << 40)          /* size of the sparse device-memory file */
-#define EMU_TOTAL_MEM (80ULL << 30)    /* what cuMemGetInfo / cuDeviceTotalMem report */
+#define EMU_TOTAL_MEM_DEFAULT (80ULL << 30) /* device memory unless LIBCUDA_EMU_TOTAL_MEM says */
 #define EMU_PAGE 4096ULL
 #define EMU_GUARD (64ULL << 10)        /* unmapped bytes after every allocation */
 #define EMU_FILL_LIMIT (256ULL << 20)  /* larger allocations are not filled */
@@ -862,12 +862,43 @@ API CUresult cuGetErrorString(CUresult error, const char **pStr)
 /* Initialization and device                                                */
 /* ------------------------------------------------------------------------ */
 
+/* What cuMemGetInfo and cuDeviceTotalMem report, and where allocations run out:
+   LIBCUDA_EMU_TOTAL_MEM (bytes, or with a K, M or G suffix), else 80 GiB. */
+static uint64_t g_total_mem = EMU_TOTAL_MEM_DEFAULT;
+
+/* Parses LIBCUDA_EMU_TOTAL_MEM into g_total_mem; 0 when unset or valid. */
+static int parse_total_mem(void)
+{
+    const char *text = getenv("LIBCUDA_EMU_TOTAL_MEM");
+    if (!text || !text[0])
+        return 0;
+    char *end = NULL;
+    errno = 0;
+    unsigned long long value = strtoull(text, &end, 10);
+    unsigned shift = 0;
+    if (end && (*end == 'K' || *end == 'k'))
+        shift = 10, end++;
+    else if (end && (*end == 'M' || *end == 'm'))
+        shift = 20, end++;
+    else if (end && (*end == 'G' || *end == 'g'))
+        shift = 30, end++;
+    if (errno || end == text || *end || value == 0 || value > (EMU_SPAN >> shift) / 2) {
+        emu_msg("LIBCUDA_EMU_TOTAL_MEM=%s is not a size; give bytes, or a number with K, M or G,"
+                " above 0 and at most 512G", text);
+        return -1;
+    }
+    g_total_mem = (uint64_t)value << shift;
+    return 0;
+}
+
 static CUresult init_locked(unsigned flags)
 {
     if (flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
     if (g_initialized)
         return CUDA_SUCCESS;
+    if (parse_total_mem())
+        return CUDA_ERROR_INVALID_VALUE;
     CUresult r = mem_init();
     if (r)
         return r;
@@ -947,7 +978,7 @@ API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
         return r;
     if (!bytes)
         return CUDA_ERROR_INVALID_VALUE;
-    *bytes = EMU_TOTAL_MEM;
+    *bytes = g_total_mem;
     return CUDA_SUCCESS;
 }
 
@@ -1359,7 +1390,7 @@ static CUresult mem_alloc_locked(CUdeviceptr *dptr, size_t bytes)
         return r;
     if (!dptr || bytes == 0)
         return CUDA_ERROR_INVALID_VALUE;
-    if (bytes > EMU_TOTAL_MEM - g_allocated)
+    if (bytes > g_total_mem - g_allocated)
         return CUDA_ERROR_OUT_OF_MEMORY;
     uint64_t need = (bytes + EMU_PAGE - 1) / EMU_PAGE * EMU_PAGE + EMU_GUARD;
     /* first fit; offset 0 is left unused so that no device pointer equals the base */
@@ -1435,9 +1466,9 @@ API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
         return r;
     lock();
     if (free_bytes)
-        *free_bytes = EMU_TOTAL_MEM - g_allocated;
+        *free_bytes = g_total_mem - g_allocated;
     if (total)
-        *total = EMU_TOTAL_MEM;
+        *total = g_total_mem;
     unlock();
     return CUDA_SUCCESS;
 }

@@ -194,6 +194,34 @@ class EmulatedDriver(unittest.TestCase):
         self.ok(self.lib.cuMemFree_v2(ptr))
         self.assertEqual(self.lib.cuMemFree_v2(ptr), INVALID_VALUE)
 
+    def test_total_memory_is_set_by_the_environment_and_runs_out(self):
+        # child processes: the size is read once, at cuInit
+        code = (
+            "import ctypes as C, sys; lib = C.CDLL(sys.argv[1]); "
+            "r = [lib.cuInit(0)]; dev = C.c_int(); ctx = C.c_void_p(); "
+            "r += [lib.cuDeviceGet(C.byref(dev), 0), lib.cuCtxCreate_v2(C.byref(ctx), 0, dev)]; "
+            "total, free = C.c_size_t(), C.c_size_t(); "
+            "r += [lib.cuDeviceTotalMem_v2(C.byref(total), dev)]; p, q = C.c_uint64(), C.c_uint64(); "
+            "r += [lib.cuMemAlloc_v2(C.byref(p), 3 << 20), lib.cuMemAlloc_v2(C.byref(q), 2 << 20)]; "
+            "r += [lib.cuMemGetInfo_v2(C.byref(free), C.byref(total))]; "
+            "r += [lib.cuMemFree_v2(p), lib.cuMemAlloc_v2(C.byref(q), 2 << 20)]; "
+            "print(r, total.value, free.value)"
+        )
+
+        def run(value):
+            env = dict(os.environ, LIBCUDA_EMU_TOTAL_MEM=value)
+            return subprocess.run([sys.executable, "-c", code, LIB_PATH], env=env,
+                                  capture_output=True, text=True, timeout=60)
+
+        out = run("4M")
+        # 3 MiB fits, 2 MiB more does not (out of memory, code 2) until the 3 MiB are freed
+        self.assertEqual(out.stdout.split(), ["[0,", "0,", "0,", "0,", "0,", "2,", "0,", "0,",
+                                              "0]", str(4 << 20), str(1 << 20)], out.stderr)
+        for bad in ("lots", "0", "12X", "1024G"):
+            out = run(bad)
+            self.assertTrue(out.stdout.startswith(f"[{INVALID_VALUE},"), (bad, out.stdout))
+            self.assertIn(f"LIBCUDA_EMU_TOTAL_MEM={bad} is not a size", out.stderr)
+
     def test_fresh_allocations_are_poisoned(self):
         ptr = C.c_uint64()
         self.ok(self.lib.cuMemAlloc_v2(C.byref(ptr), 16))

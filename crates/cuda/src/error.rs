@@ -97,6 +97,19 @@ pub enum Error {
         #[source]
         source: cust::error::CudaError,
     },
+    /// The device had no room for an allocation.
+    #[cfg(feature = "cuda")]
+    #[error("out of device memory: allocating {bytes} bytes failed while this process held {held} bytes ({free} of the device's {total} bytes free): use a smaller batch size or model, or fewer processes on this GPU")]
+    OutOfMemory {
+        /// Bytes asked for.
+        bytes: usize,
+        /// Bytes this process's allocations held at the time.
+        held: u64,
+        /// Free device memory as the driver reported it after the failure (0: unknown).
+        free: usize,
+        /// The device's memory (0: unknown).
+        total: usize,
+    },
     /// A direct driver call failed (memory, copies, launches).
     #[cfg(feature = "cuda")]
     #[error("CUDA driver error while {during}: {name} (code {code}); an earlier asynchronous launch may have failed: rerun with CUDA_LAUNCH_BLOCKING=1 to find it")]

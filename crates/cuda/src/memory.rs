@@ -141,6 +141,17 @@ impl DeviceContext {
             self.bind()?;
             // SAFETY: cuMemAlloc writes one device address into `ptr`.
             let result = unsafe { cuda::cuMemAlloc_v2(&mut ptr, bytes) };
+            if result == cuda::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                let (mut free, mut total) = (0usize, 0usize);
+                // SAFETY: cuMemGetInfo writes two sizes; on failure both stay 0 (unknown).
+                let _ = unsafe { cuda::cuMemGetInfo_v2(&mut free, &mut total) };
+                return Err(Error::OutOfMemory {
+                    bytes,
+                    held: HELD.load(Ordering::Relaxed),
+                    free,
+                    total,
+                });
+            }
             check(result, "allocating device memory")?;
             count_alloc(bytes);
         }

@@ -1666,3 +1666,38 @@ fn the_allocator_high_water_mark_follows_the_buffers_held() {
     assert_eq!(end.held, start.held);
     assert!(end.peak >= both.peak);
 }
+
+#[test]
+fn an_allocation_larger_than_the_device_is_out_of_memory_and_names_its_size() {
+    let gpu = gpu();
+    let (_, total) = gpu.memory_info().unwrap();
+    let held = DeviceMemoryUse::process().held;
+    // More f32 elements than the whole device holds: the driver refuses at once.
+    let len = total / 4 + (1 << 20);
+    let err = match gpu.alloc::<f32>(len) {
+        Ok(_) => panic!(
+            "allocating {} bytes on a {total}-byte device succeeded",
+            len * 4
+        ),
+        Err(e) => e,
+    };
+    match &err {
+        Error::OutOfMemory {
+            bytes,
+            held: held_then,
+            total: reported,
+            ..
+        } => {
+            assert_eq!(*bytes, len * 4);
+            assert_eq!(*held_then, held);
+            assert_eq!(*reported, total);
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    let text = err.to_string();
+    assert!(text.starts_with("out of device memory"), "{text}");
+    assert!(text.contains("smaller batch size"), "{text}");
+    // Nothing was counted as held, and the device still allocates.
+    assert_eq!(DeviceMemoryUse::process().held, held);
+    drop(gpu.alloc::<f32>(1024).unwrap());
+}

@@ -232,6 +232,8 @@ mod tests {
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
+        // benches/max_batch.py recognises a refusal by this prefix.
+        assert!(err.starts_with("not enough memory: "), "{err}");
         assert!(
             err.contains("1.4 GiB")
                 && err.contains("1.0 GiB")

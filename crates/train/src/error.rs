@@ -126,10 +126,10 @@ pub enum Error {
     Internal(String),
     /// A configuration needs more memory than the machine has available.
     #[error(
-        "this configuration needs {estimate} per rank, more than the {available} available \
-         to each of the {local_ranks} rank(s) on {place}; the biggest term is {biggest}: \
-         use a smaller --vocab-size, --num-units, --batch-size or --src-max-len, or fewer \
-         ranks per node"
+        "not enough memory: this configuration needs {estimate} per rank, more than the \
+         {available} available to each of the {local_ranks} rank(s) on {place}; the biggest \
+         term is {biggest}: use a smaller --vocab-size, --num-units, --batch-size or \
+         --src-max-len, or fewer ranks per node"
     )]
     NotEnoughMemory {
         /// The estimate with its terms.
