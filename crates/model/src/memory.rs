@@ -51,6 +51,25 @@ impl MemoryEstimate {
         });
     }
 
+    /// Adds what 16-bit matrix products hold on the GPU besides the f32 model
+    /// (`--gemm-precision f16|bf16`): a 16-bit copy of the weights, counted as every one of
+    /// the `params` parameters (a little more than the weights the products read), and
+    /// two operand buffers (A and B), each the largest activation operand of
+    /// `largest_operand` elements rounded up to a power of two, as the CUDA backend
+    /// allocates them.
+    pub fn add_half_gemm_copies(&mut self, params: f64, largest_operand: f64) {
+        const HALF_BYTES: f64 = 2.0;
+        let rounded = if largest_operand > 1.0 {
+            largest_operand.log2().ceil().exp2()
+        } else {
+            largest_operand.max(0.0)
+        };
+        self.add_bytes(
+            "16-bit GEMM copies",
+            HALF_BYTES * params + 2.0 * HALF_BYTES * rounded,
+        );
+    }
+
     /// The sum of the terms.
     pub fn total_bytes(&self) -> f64 {
         self.terms.iter().map(|t| t.bytes).sum()
@@ -102,6 +121,42 @@ pub(crate) fn projection_work_elements(rows: usize, vocab: usize) -> f64 {
 mod tests {
     use super::*;
     use crate::{CpuBackend, EncoderKind, LmConfig, LstmImpl, Model, NmtConfig, NmtModel, RnnLm};
+
+    #[test]
+    fn half_gemm_copies_are_the_weights_and_two_power_of_two_operand_buffers() {
+        let mut est = MemoryEstimate::default();
+        est.add_half_gemm_copies(1000.0, 16384.0);
+        est.add_half_gemm_copies(1000.0, 16385.0);
+        est.add_half_gemm_copies(0.0, 0.0);
+        let bytes: Vec<f64> = est.terms.iter().map(|t| t.bytes).collect();
+        assert_eq!(bytes, [2000.0 + 4.0 * 16384.0, 2000.0 + 4.0 * 32768.0, 0.0]);
+        assert!(est.terms.iter().all(|t| t.what == "16-bit GEMM copies"));
+        // The logits' gradient is the largest operand at a large vocabulary, the gates'
+        // at a small one.
+        let nmt = NmtConfig {
+            tgt_vocab: 50_000,
+            hidden: 512,
+            ..NmtConfig::benchmark()
+        };
+        assert_eq!(
+            nmt.largest_gemm_operand(384, 100, 101),
+            384.0 * 101.0 * 50_000.0
+        );
+        let small = NmtConfig {
+            tgt_vocab: 32,
+            emb: 16,
+            hidden: 16,
+            ..NmtConfig::benchmark()
+        };
+        assert_eq!(small.largest_gemm_operand(64, 4, 4), 64.0 * 4.0 * 64.0);
+        let lm = LmConfig {
+            vocab: 40,
+            emb: 16,
+            hidden: 20,
+            ..LmConfig::ptb()
+        };
+        assert_eq!(lm.largest_gemm_operand(8, 10), 80.0 * 80.0);
+    }
 
     #[test]
     fn workspace_lengths_are_what_is_allocated() {

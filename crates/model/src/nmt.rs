@@ -308,6 +308,16 @@ impl NmtConfig {
         Ok(est)
     }
 
+    /// Elements of the largest activation operand a matrix product of the training step
+    /// reads, at the same batch shape as [`NmtConfig::memory_estimate`]: the gradient of
+    /// the logits (`batch x tgt_len` rows of `tgt_vocab`), or of the gates of the
+    /// longer sequence's LSTM layers (4 x hidden per row), or an embedded sequence.
+    pub fn largest_gemm_operand(&self, batch: usize, src_len: usize, tgt_len: usize) -> f64 {
+        let (b, steps) = (batch as f64, src_len.max(tgt_len) as f64);
+        let widest = (4 * self.hidden).max(self.emb) as f64;
+        (b * tgt_len as f64 * self.tgt_vocab as f64).max(b * steps * widest)
+    }
+
     /// The CPU benchmark configuration: vocab 8000 each side, emb 256, hidden 256,
     /// 2 layers, bi encoder, fused LSTM, padding processed.
     pub fn benchmark() -> Self {

@@ -99,6 +99,15 @@ impl LmConfig {
         Ok(est)
     }
 
+    /// Elements of the largest activation operand a matrix product of the training step
+    /// reads, at the shape of [`LmConfig::memory_estimate`]: the gradient of the logits
+    /// (`batch x steps` rows of `vocab`), of the gates (4 x hidden per row) or an
+    /// embedded window.
+    pub fn largest_gemm_operand(&self, batch: usize, steps: usize) -> f64 {
+        let rows = (batch * steps) as f64;
+        rows * (self.vocab.max(4 * self.hidden).max(self.emb) as f64)
+    }
+
     /// The PTB-style configuration of the users' RNNLM runs: vocab 10,001, emb and hidden
     /// 256, 2 layers, fused LSTM.
     pub fn ptb() -> Self {

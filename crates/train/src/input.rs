@@ -330,6 +330,19 @@ pub struct InputPipeline {
     pub held_out: Option<HeldOut>,
 }
 
+/// The longest source and decoder sequences of this run's batches, which the memory
+/// estimate sizes the model's workspaces by: synthetic batches are exactly
+/// `--src-max-len` steps on both sides, as a language model's windows are; a corpus's
+/// sentences are cut to `--src-max-len` (the limits [`InputPipeline::new`] loads it
+/// with), and the decoder's sequences are one longer (`<s>` + target, target + `</s>`).
+pub fn max_sequence_lengths(cfg: &ValidatedConfig) -> (usize, usize) {
+    let len = cfg.config().data.src_max_len;
+    match cfg.data_source() {
+        DataSource::Translation { .. } => (len, len.saturating_add(1)),
+        DataSource::Synthetic | DataSource::Text { .. } => (len, len),
+    }
+}
+
 impl InputPipeline {
     /// Builds worker `worker`'s pipeline.
     ///

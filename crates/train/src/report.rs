@@ -185,6 +185,11 @@ pub struct RunReport {
     /// cpu).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_device_bytes: Option<u64>,
+    /// What the memory check at start estimated rank 0's device would hold (the figure it
+    /// compared with the free device memory; absent on cpu and where no check ran):
+    /// beside `peak_device_bytes`, how close the estimate is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimated_device_bytes: Option<u64>,
     /// Loss per target token of the last step.
     pub final_loss: f64,
     /// Steps skipped for f16 overflow.
@@ -310,9 +315,14 @@ impl RunReport {
             ));
         }
         if let Some(peak) = self.peak_device_bytes {
+            let mib = |bytes: u64| bytes as f64 / (1u64 << 20) as f64;
+            let estimate = self
+                .estimated_device_bytes
+                .map(|e| format!("; the estimate at start: {:.1} MiB", mib(e)))
+                .unwrap_or_default();
             s.push_str(&format!(
-                "peak device memory in buffers: {:.1} MiB (largest rank)\n",
-                peak as f64 / (1u64 << 20) as f64
+                "peak device memory in buffers: {:.1} MiB (largest rank{estimate})\n",
+                mib(peak)
             ));
         }
         if let Some(p) = &self.pipeline {

@@ -84,7 +84,7 @@ pub fn run_rank(
     } else {
         &mut no_batches
     };
-    check_memory(
+    let device_estimate = check_memory(
         cfg,
         src_vocab_size,
         tgt_vocab_size,
@@ -109,6 +109,7 @@ pub fn run_rank(
     let held_out = held_out.filter(|_| cfg.is_worker(rank));
     let mut outcome = train_evaluating(cfg, comm, model.as_mut(), source, held_out.as_ref(), log)?;
     // What the scaling model needs to know whether the ranks shared the cores.
+    outcome.report.estimated_device_bytes = device_estimate;
     outcome.report.host = Some(HostFigures {
         cores: crate::device::node_cores(),
         threads_per_rank: threads,

@@ -120,7 +120,8 @@ fn unit_costs<M: StagesOnBatch>(
 }
 
 /// The memory worker `worker`'s model needs on its device: parameters, gradients and
-/// workspaces at the longest batch.
+/// workspaces at the longest batch; and the elements of the largest activation operand of
+/// its matrix products.
 ///
 /// # Errors
 /// `InvalidValue` naming the size flags when the model's parameter count overflows.
@@ -129,13 +130,16 @@ fn model_estimate(
     src_vocab: usize,
     tgt_vocab: usize,
     worker: usize,
-) -> Result<MemoryEstimate> {
+) -> Result<(MemoryEstimate, f64)> {
     let batch = cfg.local_batch_size(worker).max(1);
-    // Targets carry <s> or </s> besides the cut sentence.
-    let len = cfg.config().data.src_max_len.saturating_add(1);
+    let (src_len, tgt_len) = crate::input::max_sequence_lengths(cfg);
     let estimate = match ModelShape::new(cfg, src_vocab, tgt_vocab) {
-        ModelShape::Nmt(nmt, _) => nmt.memory_estimate(batch, len, len),
-        ModelShape::Lm(lm, _) => lm.memory_estimate(batch, len),
+        ModelShape::Nmt(nmt, _) => nmt
+            .memory_estimate(batch, src_len, tgt_len)
+            .map(|e| (e, nmt.largest_gemm_operand(batch, src_len, tgt_len))),
+        ModelShape::Lm(lm, _) => lm
+            .memory_estimate(batch, src_len)
+            .map(|e| (e, lm.largest_gemm_operand(batch, src_len))),
     };
     estimate.map_err(|e| {
         crate::error::Error::invalid(
@@ -152,7 +156,9 @@ fn model_estimate(
 /// Fails, before the model is built, when worker `worker` would need more memory than
 /// its node has available: on the host, the model (on the CPU), the optimizer's state
 /// and the gradient exchange's copy, for each of the node's `local.size` ranks; with
-/// `--device cuda`, also the model on its GPU, shared by the ranks that pick that GPU.
+/// `--device cuda`, also the model on its GPU (with the optimizer's state, and the
+/// 16-bit copies of `--gemm-precision f16|bf16`), shared by the ranks that pick that GPU.
+/// Returns that device estimate in bytes (`None` on cpu), for the run's report.
 ///
 /// # Errors
 /// [`Error::NotEnoughMemory`](crate::Error::NotEnoughMemory) with the estimate and its
@@ -163,9 +169,10 @@ pub fn check_memory(
     tgt_vocab: usize,
     worker: usize,
     local: &LocalRank,
-) -> Result<()> {
-    let mut model = model_estimate(cfg, src_vocab, tgt_vocab, worker)?;
+) -> Result<Option<u64>> {
+    let (mut model, largest_operand) = model_estimate(cfg, src_vocab, tgt_vocab, worker)?;
     let params = model.terms.first().map_or(0.0, |t| t.bytes);
+    let mut on_device = None;
     let mut host = MemoryEstimate::default();
     let adam = cfg.config().run.optimizer == OptimizerKind::Adam;
     let exchange = cfg.config().exchange.variable_update;
@@ -184,7 +191,9 @@ pub fn check_memory(
             if adam {
                 host.add_bytes("Adam moments", 2.0 * params);
             }
+            add_half_gemm_copies(cfg, &mut model, params, largest_operand);
             check_device_memory(&model, local)?;
+            on_device = Some(model.total_bytes() as u64);
         }
         DeviceKind::Cuda => {
             // The host parameters (broadcast, checkpoints); the update runs on the
@@ -193,13 +202,29 @@ pub fn check_memory(
             if adam {
                 model.add_bytes("Adam moments", 2.0 * params);
             }
+            add_half_gemm_copies(cfg, &mut model, params, largest_operand);
             check_device_memory(&model, local)?;
+            on_device = Some(model.total_bytes() as u64);
         }
     }
     if exchange != VariableUpdate::Independent {
         host.add_bytes("gradient exchange", params);
     }
-    check_host_memory(&host, local.size)
+    check_host_memory(&host, local.size)?;
+    Ok(on_device)
+}
+
+/// With `--gemm-precision f16|bf16`, what the GPU's 16-bit products hold (the
+/// parameters being `param_bytes` of f32).
+fn add_half_gemm_copies(
+    cfg: &ValidatedConfig,
+    model: &mut MemoryEstimate,
+    param_bytes: f64,
+    largest_operand: f64,
+) {
+    if cfg.config().run.gemm_precision != ringtrain_model::GemmPrecision::F32 {
+        model.add_half_gemm_copies(param_bytes / 4.0, largest_operand);
+    }
 }
 
 #[cfg(feature = "cuda")]

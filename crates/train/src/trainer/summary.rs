@@ -276,6 +276,7 @@ impl Session<'_> {
             launches_per_batch,
             host_device_bytes_per_step,
             peak_device_bytes,
+            estimated_device_bytes: None,
             final_loss: last.mean_loss(),
             skipped_steps: scaler.map_or(0, |s| s.skipped_steps),
             loss_scale: scaler.map(|s| s.scale),
