@@ -54,19 +54,15 @@ impl MemoryEstimate {
     /// Adds what 16-bit matrix products hold on the GPU besides the f32 model
     /// (`--gemm-precision f16|bf16`): a 16-bit copy of the weights, counted as every one of
     /// the `params` parameters (a little more than the weights the products read), and
-    /// two operand buffers (A and B), each the largest activation operand of
-    /// `largest_operand` elements rounded up to a power of two, as the CUDA backend
-    /// allocates them.
+    /// two operand buffers (A and B), each holding the largest activation operand of
+    /// `largest_operand` elements at the [`scratch_capacity`] the CUDA backend allocates.
     pub fn add_half_gemm_copies(&mut self, params: f64, largest_operand: f64) {
         const HALF_BYTES: f64 = 2.0;
-        let rounded = if largest_operand > 1.0 {
-            largest_operand.log2().ceil().exp2()
-        } else {
-            largest_operand.max(0.0)
-        };
+        // (an f64 past usize saturates, and is then reported as that)
+        let capacity = scratch_capacity(largest_operand as usize) as f64;
         self.add_bytes(
             "16-bit GEMM copies",
-            HALF_BYTES * params + 2.0 * HALF_BYTES * rounded,
+            HALF_BYTES * params + 2.0 * HALF_BYTES * capacity,
         );
     }
 
@@ -102,6 +98,13 @@ impl fmt::Display for MemoryEstimate {
     }
 }
 
+/// The elements a reusable scratch buffer is allocated with to hold `len`: the next power
+/// of two, so that a buffer grows a few times at most while lengths vary (`len` itself
+/// past the largest power of two).
+pub fn scratch_capacity(len: usize) -> usize {
+    len.checked_next_power_of_two().unwrap_or(len)
+}
+
 /// f32 elements of one LSTM layer's workspace (as [`LstmWork::new`] allocates them).
 pub(crate) fn lstm_work_elements(hidden: usize, steps: usize, batch: usize) -> f64 {
     LstmWork::<()>::lens(hidden, steps, batch).iter().sum()
@@ -129,7 +132,8 @@ mod tests {
         est.add_half_gemm_copies(1000.0, 16385.0);
         est.add_half_gemm_copies(0.0, 0.0);
         let bytes: Vec<f64> = est.terms.iter().map(|t| t.bytes).collect();
-        assert_eq!(bytes, [2000.0 + 4.0 * 16384.0, 2000.0 + 4.0 * 32768.0, 0.0]);
+        // (an empty operand still gets a one-element buffer, as the backend allocates)
+        assert_eq!(bytes, [2000.0 + 4.0 * 16384.0, 2000.0 + 4.0 * 32768.0, 4.0]);
         assert!(est.terms.iter().all(|t| t.what == "16-bit GEMM copies"));
         // The logits' gradient is the largest operand at a large vocabulary, the gates'
         // at a small one.

@@ -108,8 +108,8 @@ pub fn run_rank(
     // A dedicated parameter server holds no part of the held-out set either.
     let held_out = held_out.filter(|_| cfg.is_worker(rank));
     let mut outcome = train_evaluating(cfg, comm, model.as_mut(), source, held_out.as_ref(), log)?;
-    // What the scaling model needs to know whether the ranks shared the cores.
     outcome.report.estimated_device_bytes = device_estimate;
+    // What the scaling model needs to know whether the ranks shared the cores.
     outcome.report.host = Some(HostFigures {
         cores: crate::device::node_cores(),
         threads_per_rank: threads,

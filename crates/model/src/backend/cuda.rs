@@ -308,7 +308,8 @@ mod imp {
                 Some(buf) if buf.len() >= len => Ok(buf),
                 too_small => {
                     drop(too_small); // free it first
-                    gpu.alloc::<T>(len.next_power_of_two()).map_err(Error::from)
+                    gpu.alloc::<T>(crate::memory::scratch_capacity(len))
+                        .map_err(Error::from)
                 }
             }
         }
@@ -684,7 +685,7 @@ mod imp {
         if slot.as_ref().is_none_or(|buf| buf.len() < len) {
             *slot = None; // free the old one first
             *slot = Some(
-                gpu.alloc::<T>(len.next_power_of_two())
+                gpu.alloc::<T>(crate::memory::scratch_capacity(len))
                     .map_err(Error::from)?,
             );
         }
