@@ -102,8 +102,11 @@ def search(
 
     `fits(batch, seconds_left)` returns FITS when a step at that batch trained,
     OUT_OF_MEMORY or REFUSED when it was too big, and raises StopSearch for anything
-    else; `seconds_left` is the budget left for that try (None: no budget). Tries double from `start` until one fails, then
-    bisect. With `seconds`, no try starts once the budget is spent."""
+    else; `seconds_left` is the budget left for that try (None: no budget). Tries
+    double from `start` until one fails; when `start` itself fails, they step down from
+    it by 1, 2, 4, ... steps until one fits (a start from an estimate near the limit
+    then costs a try or two); then they bisect. With `seconds`, no try starts once the
+    budget is spent."""
     if start < 1 or step < 1:
         raise ValueError(f"start ({start}) and step ({step}) must be positive")
     deadline = None if seconds is None else clock() + seconds
@@ -133,6 +136,17 @@ def search(
                 batch = max(batch * 2, step)
             else:
                 bad = batch
+        if good == 0:
+            # Down from the start: the multiples of `step` 1, 2, 4, ... steps below it.
+            below = (start - 1) // step * step
+            stride = step
+            while below >= step:
+                if attempt(below):
+                    good = below
+                    break
+                bad = below
+                below -= stride
+                stride *= 2
         while True:
             # the middle multiple of `step` strictly between the two, if any
             mid = max((good + bad) // 2 // step * step, good // step * step + step)

@@ -72,6 +72,17 @@ class SearchTest(unittest.TestCase):
         self.assertEqual((r.largest, r.smallest_failed), (96, 128))
         self.assertEqual(asked[0], 384)
 
+    def test_a_start_just_above_the_limit_costs_a_try_or_two(self):
+        # An estimate a little too high: the step below fits.
+        asked = []
+        r = max_batch.search(limit_oracle(4000, asked), 4010, 32)
+        self.assertEqual(asked, [4010, 4000])
+        self.assertEqual((r.largest, r.smallest_failed, r.complete), (4000, 4010, True))
+        asked = []
+        r = max_batch.search(limit_oracle(3950, asked), 4010, 32)
+        self.assertEqual(asked, [4010, 4000, 3968, 3904, 3936])
+        self.assertEqual((r.largest, r.smallest_failed, r.complete), (3936, 3968, True))
+
     def test_nothing_fits(self):
         r = max_batch.search(limit_oracle(0, []), 64, 32)
         self.assertTrue(r.complete)

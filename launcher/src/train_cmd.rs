@@ -31,6 +31,13 @@ pub fn run(cfg: &TrainConfig) -> Result<()> {
     ringtrain_train::interrupt::install()?;
     let local = ringtrain_train::local_rank(&comm)?;
     let rank = comm.rank();
+    if cfg.config().run.dry_run {
+        let plan = ringtrain_train::plan_rank(&cfg, rank, &local)?;
+        if rank == 0 {
+            println!("ringtrain: {plan}");
+        }
+        return Ok(());
+    }
     let outcome = ringtrain_train::run_rank(&cfg, comm, local, &mut |line: &str| {
         if rank == 0 {
             println!("{line}");

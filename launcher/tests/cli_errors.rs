@@ -489,3 +489,42 @@ fn bad_timeline_flags_name_the_flag_before_training() {
     );
     assert!(!String::from_utf8_lossy(&out.stdout).contains("words/s"));
 }
+
+#[test]
+fn a_dry_run_plans_the_memory_and_the_largest_batch_and_trains_nothing() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let report = dir.path().join("report.json");
+    let report_arg = report.display().to_string();
+    let out = train(&[
+        "--use-synthetic-data",
+        "--batch-size",
+        "16",
+        "--dry-run",
+        "--json-report",
+        &report_arg,
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains("dry run at batch size 16 per rank (nothing is trained)"),
+        "{text}"
+    );
+    assert!(text.contains("host: needs about"), "{text}");
+    assert!(
+        text.contains("parameters") && text.contains("Adam moments"),
+        "{text}"
+    );
+    let largest: usize = text
+        .lines()
+        .find_map(|l| {
+            l.split("largest --batch-size that fits by this estimate: ")
+                .nth(1)
+        })
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no largest batch size in {text}"));
+    // A tiny model on any machine that runs the tests fits far more than 16 sentences.
+    assert!(largest > 16, "{text}");
+    // Nothing trained: no step line, no report.
+    assert!(!text.contains("step"), "{text}");
+    assert!(!report.exists(), "a dry run wrote {}", report.display());
+}

@@ -76,7 +76,7 @@ pub use report::{
     StageFigures,
 };
 pub use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, LstmImpl, SourceLengths};
-pub use run::run_rank;
+pub use run::{plan_rank, run_rank};
 pub use strategy::{
     greedy_placement, DeviceStepInputs, StepContext, StepOutcome, StepStats, Strategy, Wire,
 };
@@ -85,4 +85,5 @@ pub use timeline::StepWindow;
 pub use trainable::{
     build_model, build_pipeline_stage, Batch, DeviceSpan, ParamSpec, PassOutput, TrainableModel,
 };
+pub use trainable::{MemoryPlan, Room};
 pub use trainer::{train, train_evaluating, TrainOutcome};

@@ -10,7 +10,7 @@ use crate::device::{cpu_threads, LocalRank, LocalRankSource};
 use crate::error::{Error, Result};
 use crate::input::{BatchSource, InputPipeline};
 use crate::report::HostFigures;
-use crate::trainable::{build_model, build_pipeline_stage, check_memory};
+use crate::trainable::{build_model, build_pipeline_stage, check_memory, plan_memory, MemoryPlan};
 use crate::trainer::{train_evaluating, LogSink, TrainOutcome};
 
 /// Runs one rank: picks the device from the local rank, sizes the CPU thread pools,
@@ -55,8 +55,6 @@ pub fn run_rank(
             ));
         }
     }
-    // A dedicated parameter server reads no data but needs the vocabulary sizes: it
-    // builds worker 0's pipeline only to learn them, and drops it at once.
     // The pipeline's thread starts at the first batch, after a resume has moved it
     // and after the memory check below.
     let InputPipeline {
@@ -65,14 +63,7 @@ pub fn run_rank(
         src_vocab_size,
         tgt_vocab_size,
         held_out,
-    } = InputPipeline::new(
-        cfg,
-        if cfg.is_worker(rank) {
-            cfg.data_worker(rank)
-        } else {
-            0
-        },
-    )?;
+    } = input_of(cfg, rank)?;
     if rank == 0 {
         for note in notes {
             log(&format!("ringtrain: {note}"));
@@ -129,6 +120,34 @@ pub fn run_rank(
         return Err(Error::Internal("the run measured no words".into()));
     }
     Ok(outcome)
+}
+
+/// Rank `rank`'s input pipeline. A dedicated parameter server reads no data but needs the
+/// vocabulary sizes: it builds worker 0's pipeline only to learn them.
+fn input_of(cfg: &ValidatedConfig, rank: usize) -> Result<InputPipeline> {
+    let worker = if cfg.is_worker(rank) {
+        cfg.data_worker(rank)
+    } else {
+        0
+    };
+    InputPipeline::new(cfg, worker)
+}
+
+/// `--dry-run` for one rank: reads its input (for the vocabularies) and plans its memory
+/// at its batch size ([`MemoryPlan`]); trains nothing.
+///
+/// # Errors
+/// The input pipeline's (unreadable corpora or vocabularies), a model too big to address,
+/// GPU errors.
+pub fn plan_rank(cfg: &ValidatedConfig, rank: usize, local: &LocalRank) -> Result<MemoryPlan> {
+    let input = input_of(cfg, rank)?;
+    plan_memory(
+        cfg,
+        input.src_vocab_size,
+        input.tgt_vocab_size,
+        cfg.data_worker(rank),
+        local,
+    )
 }
 
 /// What `--gemm-precision bf16` on the CPU does here: the bf16 matrix-product path this

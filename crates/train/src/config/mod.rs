@@ -364,6 +364,11 @@ options! {
         /// above 1).
         #[arg(long, value_parser = finite_f64)]
         target_perplexity: Option<f64>,
+        /// Check the flags and the input, print the memory one rank needs at this batch
+        /// size (host, and with --device cuda its GPU), the memory it has, and the largest
+        /// --batch-size the same estimate fits, then exit without training.
+        #[arg(long)]
+        dry_run: bool,
     }
 }
 

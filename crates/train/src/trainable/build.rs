@@ -119,9 +119,9 @@ fn unit_costs<M: StagesOnBatch>(
     agree_unit_costs(comm, measured, units).map(Some)
 }
 
-/// The memory worker `worker`'s model needs on its device: parameters, gradients and
-/// workspaces at the longest batch; and the elements of the largest activation operand of
-/// its matrix products.
+/// The memory the model needs on its device at `batch` sentences per step: parameters,
+/// gradients and workspaces at the longest batch; and the elements of the largest
+/// activation operand of its matrix products.
 ///
 /// # Errors
 /// `InvalidValue` naming the size flags when the model's parameter count overflows.
@@ -129,9 +129,8 @@ fn model_estimate(
     cfg: &ValidatedConfig,
     src_vocab: usize,
     tgt_vocab: usize,
-    worker: usize,
+    batch: usize,
 ) -> Result<(MemoryEstimate, f64)> {
-    let batch = cfg.local_batch_size(worker).max(1);
     let (src_len, tgt_len) = crate::input::max_sequence_lengths(cfg);
     let estimate = match ModelShape::new(cfg, src_vocab, tgt_vocab) {
         ModelShape::Nmt(nmt, _) => nmt
@@ -153,12 +152,57 @@ fn model_estimate(
     })
 }
 
+/// What one rank needs at a batch size: on the host, the model (on the CPU), the
+/// optimizer's state and the gradient exchange's copy; with `--device cuda`, on its GPU
+/// the model with the optimizer's state (the parameter server keeps its state on the
+/// host) and the 16-bit copies of `--gemm-precision f16|bf16`.
+struct Needs {
+    host: MemoryEstimate,
+    device: Option<MemoryEstimate>,
+}
+
+fn needs(cfg: &ValidatedConfig, src_vocab: usize, tgt_vocab: usize, batch: usize) -> Result<Needs> {
+    let (mut model, largest_operand) = model_estimate(cfg, src_vocab, tgt_vocab, batch)?;
+    let params = model.terms.first().map_or(0.0, |t| t.bytes);
+    let mut host = MemoryEstimate::default();
+    let adam = cfg.config().run.optimizer == OptimizerKind::Adam;
+    let exchange = cfg.config().exchange.variable_update;
+    let device = match cfg.config().run.device {
+        DeviceKind::Cpu => {
+            host.terms.append(&mut model.terms);
+            if adam {
+                host.add_bytes("Adam moments", 2.0 * params);
+            }
+            None
+        }
+        DeviceKind::Cuda => {
+            // The host parameters (broadcast, checkpoints).
+            host.add_bytes("host parameters", params);
+            if exchange == VariableUpdate::ParameterServer {
+                // The pinned host mirror of the gradients; the update runs on the host.
+                host.add_bytes("host gradients", params);
+                if adam {
+                    host.add_bytes("Adam moments", 2.0 * params);
+                }
+            } else if adam {
+                model.add_bytes("Adam moments", 2.0 * params);
+            }
+            if cfg.config().run.gemm_precision != ringtrain_model::GemmPrecision::F32 {
+                model.add_half_gemm_copies(params / 4.0, largest_operand);
+            }
+            Some(model)
+        }
+    };
+    if exchange != VariableUpdate::Independent {
+        host.add_bytes("gradient exchange", params);
+    }
+    Ok(Needs { host, device })
+}
+
 /// Fails, before the model is built, when worker `worker` would need more memory than
-/// its node has available: on the host, the model (on the CPU), the optimizer's state
-/// and the gradient exchange's copy, for each of the node's `local.size` ranks; with
-/// `--device cuda`, also the model on its GPU (with the optimizer's state, and the
-/// 16-bit copies of `--gemm-precision f16|bf16`), shared by the ranks that pick that GPU.
-/// Returns that device estimate in bytes (`None` on cpu), for the run's report.
+/// its node has available ([`Needs`]): on the host for each of the node's `local.size`
+/// ranks; with `--device cuda`, on its GPU for each of the ranks that pick that GPU.
+/// Returns the device estimate in bytes (`None` on cpu), for the run's report.
 ///
 /// # Errors
 /// [`Error::NotEnoughMemory`](crate::Error::NotEnoughMemory) with the estimate and its
@@ -170,81 +214,199 @@ pub fn check_memory(
     worker: usize,
     local: &LocalRank,
 ) -> Result<Option<u64>> {
-    let (mut model, largest_operand) = model_estimate(cfg, src_vocab, tgt_vocab, worker)?;
-    let params = model.terms.first().map_or(0.0, |t| t.bytes);
-    let mut on_device = None;
-    let mut host = MemoryEstimate::default();
-    let adam = cfg.config().run.optimizer == OptimizerKind::Adam;
-    let exchange = cfg.config().exchange.variable_update;
-    match cfg.config().run.device {
-        DeviceKind::Cpu => {
-            host.terms.extend(model.terms.iter().cloned());
-            if adam {
-                host.add_bytes("Adam moments", 2.0 * params);
-            }
-        }
-        DeviceKind::Cuda if exchange == VariableUpdate::ParameterServer => {
-            // The pinned host mirrors of the parameters and the gradients; the update
-            // runs on the host.
-            host.add_bytes("host parameters", params);
-            host.add_bytes("host gradients", params);
-            if adam {
-                host.add_bytes("Adam moments", 2.0 * params);
-            }
-            add_half_gemm_copies(cfg, &mut model, params, largest_operand);
-            check_device_memory(&model, local)?;
-            on_device = Some(model.total_bytes() as u64);
-        }
-        DeviceKind::Cuda => {
-            // The host parameters (broadcast, checkpoints); the update runs on the
-            // device, with the optimizer's state there.
-            host.add_bytes("host parameters", params);
-            if adam {
-                model.add_bytes("Adam moments", 2.0 * params);
-            }
-            add_half_gemm_copies(cfg, &mut model, params, largest_operand);
-            check_device_memory(&model, local)?;
-            on_device = Some(model.total_bytes() as u64);
-        }
+    let needs = needs(
+        cfg,
+        src_vocab,
+        tgt_vocab,
+        cfg.local_batch_size(worker).max(1),
+    )?;
+    if let (Some(device), Some(room)) = (&needs.device, device_room(cfg, local)?) {
+        check_memory_in(device, &room)?;
     }
-    if exchange != VariableUpdate::Independent {
-        host.add_bytes("gradient exchange", params);
-    }
-    check_host_memory(&host, local.size)?;
-    Ok(on_device)
+    check_host_memory(&needs.host, local.size)?;
+    Ok(needs.device.map(|d| d.total_bytes() as u64))
 }
 
-/// With `--gemm-precision f16|bf16`, what the GPU's 16-bit products hold (the
-/// parameters being `param_bytes` of f32).
-fn add_half_gemm_copies(
+/// What `ringtrain train --dry-run` says: one rank's needs at its batch size, the room it
+/// has, and the largest batch size the same estimate fits into that room.
+#[derive(Debug, Clone)]
+pub struct MemoryPlan {
+    /// The rank's batch size (sentences or windows per step).
+    pub batch: usize,
+    /// Host memory one rank needs, and what is available to each of the node's ranks.
+    pub host: (MemoryEstimate, Option<Room>),
+    /// GPU memory one rank needs, and its share of the GPU's free memory (`None` on cpu).
+    pub device: Option<(MemoryEstimate, Option<Room>)>,
+    /// The largest batch size whose estimates fit the room (`None` when no room is known;
+    /// 0 when not even one sentence fits).
+    pub largest_batch: Option<usize>,
+}
+
+/// Memory available to each rank that shares it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Room {
+    /// Where: `this node` (host memory) or `GPU N`.
+    pub place: String,
+    /// Bytes available in all.
+    pub available: f64,
+    /// Ranks sharing them.
+    pub ranks: usize,
+}
+
+impl Room {
+    fn per_rank(&self) -> f64 {
+        self.available / self.ranks.max(1) as f64
+    }
+}
+
+impl std::fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use ringtrain_model::memory::format_bytes;
+        let line = |f: &mut std::fmt::Formatter<'_>,
+                    what: &str,
+                    est: &MemoryEstimate,
+                    room: &Option<Room>| {
+            let room = room
+                .as_ref()
+                .map_or("(available memory unknown)".to_string(), |r| {
+                    format!(
+                        "of {} available to each of {} rank(s) on {}",
+                        format_bytes(r.per_rank()),
+                        r.ranks,
+                        r.place
+                    )
+                });
+            writeln!(f, "  {what}: needs {est} per rank, {room}")
+        };
+        writeln!(
+            f,
+            "dry run at batch size {} per rank (nothing is trained):",
+            self.batch
+        )?;
+        if let Some((est, room)) = &self.device {
+            line(f, "device", est, room)?;
+        }
+        line(f, "host", &self.host.0, &self.host.1)?;
+        match self.largest_batch {
+            Some(0) => write!(f, "  not even batch size 1 fits by this estimate"),
+            Some(b) => write!(f, "  largest --batch-size that fits by this estimate: {b}"),
+            None => write!(
+                f,
+                "  largest --batch-size: unknown (no available memory to compare)"
+            ),
+        }
+    }
+}
+
+/// The plan of worker `worker` ([`MemoryPlan`]): what `check_memory` compares, and the
+/// largest batch size the same comparison accepts.
+///
+/// # Errors
+/// As [`check_memory`], except that too little memory is a figure here, not an error.
+pub fn plan_memory(
     cfg: &ValidatedConfig,
-    model: &mut MemoryEstimate,
-    param_bytes: f64,
-    largest_operand: f64,
-) {
-    if cfg.config().run.gemm_precision != ringtrain_model::GemmPrecision::F32 {
-        model.add_half_gemm_copies(param_bytes / 4.0, largest_operand);
-    }
+    src_vocab: usize,
+    tgt_vocab: usize,
+    worker: usize,
+    local: &LocalRank,
+) -> Result<MemoryPlan> {
+    let batch = cfg.local_batch_size(worker).max(1);
+    let now = needs(cfg, src_vocab, tgt_vocab, batch)?;
+    let host_room = crate::device::available_host_memory().map(|available| Room {
+        place: "this node".to_string(),
+        available,
+        ranks: local.size,
+    });
+    let device_room = if now.device.is_some() {
+        device_room(cfg, local)?
+    } else {
+        None
+    };
+    let rooms: Vec<&Room> = host_room.iter().chain(device_room.iter()).collect();
+    let largest_batch = if rooms.is_empty() {
+        None
+    } else {
+        let fits = |b: usize| -> Result<bool> {
+            let n = needs(cfg, src_vocab, tgt_vocab, b)?;
+            let host_fits = host_room
+                .as_ref()
+                .is_none_or(|r| n.host.total_bytes() <= r.per_rank());
+            let device_fits = match (&n.device, &device_room) {
+                (Some(d), Some(r)) => d.total_bytes() <= r.per_rank(),
+                _ => true,
+            };
+            Ok(host_fits && device_fits)
+        };
+        Some(largest_fitting(batch, fits)?)
+    };
+    Ok(MemoryPlan {
+        batch,
+        host: (now.host, host_room),
+        device: now.device.map(|d| (d, device_room)),
+        largest_batch,
+    })
 }
 
+/// The largest `b >= 1` with `fits(b)` (0 when `fits(1)` is false), for a `fits` that
+/// holds up to some size and not above it: doubling from `start`, then bisection.
+fn largest_fitting(start: usize, fits: impl Fn(usize) -> Result<bool>) -> Result<usize> {
+    let (mut good, mut bad) = (0usize, None);
+    let mut b = start.max(1);
+    while bad.is_none() {
+        if fits(b)? {
+            good = b;
+            match b.checked_mul(2) {
+                Some(next) if next <= 1 << 40 => b = next,
+                _ => return Ok(good), // past any memory there is
+            }
+        } else {
+            bad = Some(b);
+        }
+    }
+    let mut bad = bad.unwrap_or(good + 1);
+    while bad - good > 1 {
+        let mid = good + (bad - good) / 2;
+        if fits(mid)? {
+            good = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    Ok(good)
+}
+
+/// Compares a device estimate with its room, failing as the memory check does.
+fn check_memory_in(estimate: &MemoryEstimate, room: &Room) -> Result<()> {
+    crate::device::check_memory(estimate, room.ranks.max(1), room.available, &room.place)
+}
+
+/// The free memory of the GPU this rank picks (`local.rank % device count`), shared by
+/// the node's ranks that pick it; `None` without a GPU (building the model then says so).
 #[cfg(feature = "cuda")]
-fn check_device_memory(model: &MemoryEstimate, local: &LocalRank) -> Result<()> {
+fn device_room(cfg: &ValidatedConfig, local: &LocalRank) -> Result<Option<Room>> {
     use ringtrain_model::CudaBackend;
 
+    if cfg.config().run.device != DeviceKind::Cuda {
+        return Ok(None);
+    }
     let count = CudaBackend::device_count()?;
     if count == 0 {
-        return Ok(()); // building the model says there is no GPU
+        return Ok(None);
     }
     let device = local.rank % count;
     let sharing = local.size / count + usize::from(device < local.size % count);
     let gpu = ringtrain_cuda::Gpu::new(device).map_err(ringtrain_model::Error::from)?;
     let (free, _) = gpu.memory_info().map_err(ringtrain_model::Error::from)?;
-    crate::device::check_memory(model, sharing.max(1), free as f64, &format!("GPU {device}"))
+    Ok(Some(Room {
+        place: format!("GPU {device}"),
+        available: free as f64,
+        ranks: sharing.max(1),
+    }))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn check_device_memory(_: &MemoryEstimate, _: &LocalRank) -> Result<()> {
-    Ok(()) // validation refuses --device cuda in this build
+fn device_room(_: &ValidatedConfig, _: &LocalRank) -> Result<Option<Room>> {
+    Ok(None) // validation refuses --device cuda in this build
 }
 
 /// The model crate's configuration of the model `cfg` selects, and its description.
@@ -470,5 +632,24 @@ mod tests {
                  bi-layer input own, vocab 50/40"
             )
         );
+    }
+
+    #[test]
+    fn the_largest_fitting_batch_is_found_from_above_and_below() {
+        for limit in [0usize, 1, 2, 3, 31, 32, 33, 384, 385, 1000, 65_537] {
+            for start in [1usize, 7, 384, 5000] {
+                let got = largest_fitting(start, |b| Ok(b <= limit)).unwrap();
+                assert_eq!(got, limit, "start {start}");
+            }
+        }
+        // Fitting everywhere stops at a size past any memory.
+        assert_eq!(largest_fitting(3, |_| Ok(true)).unwrap(), 3 << 38);
+        // An error is passed on.
+        assert!(largest_fitting(3, |b| if b > 5 {
+            Err(crate::Error::Internal("x".into()))
+        } else {
+            Ok(true)
+        })
+        .is_err());
     }
 }
