@@ -3,9 +3,10 @@
 
 One search for both sides of ``scripts/gpu-check``: PyTorch's (``torch_nmt_gpu.py
 --find-max-batch`` calls :func:`search` in process) and ringtrain's (this file as a
-program runs one command per try). The search doubles from a batch that fits, then
-bisects down to a multiple of ``step``. A try fails for memory only when it says so;
-any other failure stops the search with its reason, since a crash is not a size limit.
+program runs one command per try). The search doubles from a batch that fits (or steps
+down from one that does not), then bisects down to a multiple of ``step``. A try fails
+for memory only when it says so; any other failure stops the search with its reason,
+since a crash is not a size limit.
 
 A search may have a time budget. Each try then gets what is left of it, and the
 search stops, incomplete, when the budget runs out: the result is then a bracket, the
@@ -20,10 +21,11 @@ runs ``CMD`` with ``{batch}`` replaced by the batch size to try, prints one line
 try, and writes the result as JSON (``largest``, ``smallest_failed``, ``complete``,
 ``stopped``, ``out_of_time``, ``tries``). A try that exits 0 fit. One that exits
 non-zero was too big when its output says "out of device memory", "out of memory" or
-``CUDA_ERROR_OUT_OF_MEMORY`` (it ran out), or "not enough memory: this configuration
-needs" (ringtrain refused it at start: its memory estimate exceeded the free memory);
-the result names which. The exit status is 0 when the search ran to its end or stopped at the time
-budget, 1 when a try failed for another reason, 2 for bad arguments.
+``CUDA_ERROR_OUT_OF_MEMORY`` (it ran out), "not enough memory: this configuration
+needs" (ringtrain refused it at start: its memory estimate exceeded the free memory), or
+"index with 32-bit integers" (an operand outgrew the GPU kernels' indexing); the result
+names which. The exit status is 0 when the search ran to its end or stopped
+at the time budget, 1 when a try failed for another reason, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -37,16 +39,19 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
-# A try's outcome: it trained, it ran out of device memory, or the trainer refused it
-# before allocating because its memory estimate exceeded the free memory (ringtrain's
-# check at start). The last two are both "too big" to the search.
+# A try's outcome: it trained; it ran out of device memory; the trainer refused it before
+# allocating because its memory estimate exceeded the free memory (ringtrain's check at
+# start); or an operand outgrew what the GPU kernels index with 32-bit integers
+# (ringtrain's check at start, or a kernel's). The last three are "too big" to the search.
 FITS, OUT_OF_MEMORY, REFUSED = "fits", "out of memory", "refused by the memory estimate"
-TOO_BIG = (OUT_OF_MEMORY, REFUSED)
+BEYOND_INDEXING = "beyond the kernels' 32-bit indexing"
+TOO_BIG = (OUT_OF_MEMORY, REFUSED, BEYOND_INDEXING)
 
 # What a try that ran out of device memory prints (ringtrain-cuda's error, the CUDA
 # driver's name for the code, PyTorch's OutOfMemoryError), and ringtrain's refusal.
 MEMORY_FAILURE = re.compile(r"out of (device )?memory|CUDA_ERROR_OUT_OF_MEMORY", re.IGNORECASE)
 ESTIMATE_REFUSAL = re.compile(r"not enough memory: this configuration needs")
+INDEX_LIMIT = re.compile(r"index with 32-bit integers")
 
 
 @dataclass
@@ -186,6 +191,8 @@ def command_fits(template: list[str], log: Optional[str] = None):
             return FITS
         if ESTIMATE_REFUSAL.search(run.stdout):
             return REFUSED
+        if INDEX_LIMIT.search(run.stdout):
+            return BEYOND_INDEXING
         if MEMORY_FAILURE.search(run.stdout):
             return OUT_OF_MEMORY
         last = run.stdout.strip().splitlines()[-1:] or ["(no output)"]

@@ -144,6 +144,10 @@ import os, sys
 batch = int(sys.argv[1])
 if batch >= int(os.environ.get("CRASH_AT", "1000000000")):
     print("thread 'main' panicked at somewhere: index out of bounds"); sys.exit(101)
+if batch > int(os.environ.get("INDEX_ABOVE", "1000000000")):
+    print("ringtrain: error: invalid value `%d` for --batch-size: one matrix product's operand would"
+          " hold 3 elements, more than the 2 the GPU kernels index with 32-bit integers" % batch)
+    sys.exit(1)
 if batch > int(os.environ.get("REFUSE_ABOVE", "1000000000")):
     print("ringtrain: error: not enough memory: this configuration needs about 9.0 MiB per rank")
     sys.exit(1)
@@ -184,6 +188,12 @@ class ProgramTest(unittest.TestCase):
         self.assertEqual((result["largest"], result["smallest_failed"]), (192, 224))
         self.assertIn("largest batch that trains: 192 (224: refused by the memory estimate)",
                       run.stdout)
+
+    def test_the_kernels_index_limit_is_a_size_limit_and_named(self):
+        run, result = self.run_program({"LIMIT": "300", "INDEX_ABOVE": "100"}, "--start", "64")
+        self.assertEqual(run.returncode, 0, run.stderr)
+        self.assertEqual((result["largest"], result["smallest_failed"]), (96, 128))
+        self.assertIn("(128: beyond the kernels' 32-bit indexing)", run.stdout)
 
     def test_a_crash_is_not_a_size_limit(self):
         run, result = self.run_program({"LIMIT": "300", "CRASH_AT": "256"}, "--start", "64")

@@ -169,10 +169,10 @@ pub(crate) fn checked_elements(arg: &'static str, a: usize, b: usize) -> Result<
     }
 }
 
-#[cfg(feature = "cuda")]
 /// The largest element count or index span the kernels address (they index with signed
-/// 32-bit arithmetic).
-const KERNEL_INDEX_LIMIT: usize = i32::MAX as usize;
+/// 32-bit arithmetic): a longer buffer, or a matrix operand spanning more, is refused
+/// with [`Error::TooLarge`].
+pub const KERNEL_INDEX_LIMIT: usize = i32::MAX as usize;
 
 #[cfg(feature = "cuda")]
 /// `n` as the kernels' `u32` element count, or an error naming `arg` when it is above

@@ -143,7 +143,7 @@ mod launchers {
                 reason: "the leading dimension must be at least the stored row length (k or m or n, see the Transpose docs)",
             });
         }
-        let limit = i32::MAX as usize;
+        let limit = crate::KERNEL_INDEX_LIMIT;
         let needed = span(rows, cols, ld).ok_or(Error::TooLarge {
             arg,
             value: usize::MAX,

@@ -146,7 +146,7 @@ mod runtime;
 mod timing;
 mod transfer;
 
-pub use error::{Error, Result};
+pub use error::{Error, Result, KERNEL_INDEX_LIMIT};
 pub use gemm::Transpose;
 pub use signature::{
     compare_entries, parse_ptx_entries, KernelSignature, Param, ParsedEntry, PtxModule,

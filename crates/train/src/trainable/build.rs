@@ -159,9 +159,30 @@ fn model_estimate(
 struct Needs {
     host: MemoryEstimate,
     device: Option<MemoryEstimate>,
+    /// Elements of the largest activation operand of a matrix product.
+    largest_operand: f64,
 }
 
-fn needs(cfg: &ValidatedConfig, src_vocab: usize, tgt_vocab: usize, batch: usize) -> Result<Needs> {
+/// The most elements a GPU matrix product's operand may span (the kernels index with
+/// 32-bit integers); `None` in a build without GPU support.
+#[cfg(feature = "cuda")]
+const GPU_OPERAND_LIMIT: Option<f64> = Some(ringtrain_cuda::KERNEL_INDEX_LIMIT as f64);
+#[cfg(not(feature = "cuda"))]
+const GPU_OPERAND_LIMIT: Option<f64> = None;
+
+impl Needs {
+    /// Whether the GPU's kernels can index the largest operand (true on cpu).
+    fn indexable(&self) -> bool {
+        self.device.is_none() || GPU_OPERAND_LIMIT.is_none_or(|l| self.largest_operand <= l)
+    }
+}
+
+fn needs_at(
+    cfg: &ValidatedConfig,
+    src_vocab: usize,
+    tgt_vocab: usize,
+    batch: usize,
+) -> Result<Needs> {
     let (mut model, largest_operand) = model_estimate(cfg, src_vocab, tgt_vocab, batch)?;
     let params = model.terms.first().map_or(0.0, |t| t.bytes);
     let mut host = MemoryEstimate::default();
@@ -196,7 +217,11 @@ fn needs(cfg: &ValidatedConfig, src_vocab: usize, tgt_vocab: usize, batch: usize
     if exchange != VariableUpdate::Independent {
         host.add_bytes("gradient exchange", params);
     }
-    Ok(Needs { host, device })
+    Ok(Needs {
+        host,
+        device,
+        largest_operand,
+    })
 }
 
 /// Fails, before the model is built, when worker `worker` would need more memory than
@@ -214,21 +239,37 @@ pub fn check_memory(
     worker: usize,
     local: &LocalRank,
 ) -> Result<Option<u64>> {
-    let needs = needs(
-        cfg,
-        src_vocab,
-        tgt_vocab,
-        cfg.local_batch_size(worker).max(1),
-    )?;
-    if let (Some(device), Some(room)) = (&needs.device, device_room(cfg, local)?) {
-        check_memory_in(device, &room)?;
+    let batch = cfg.local_batch_size(worker).max(1);
+    let needs = needs_at(cfg, src_vocab, tgt_vocab, batch)?;
+    if !needs.indexable() {
+        let largest = largest_fitting(batch, |b| {
+            Ok(needs_at(cfg, src_vocab, tgt_vocab, b)?.indexable())
+        })?;
+        return Err(crate::Error::invalid(
+            "--batch-size",
+            batch,
+            format!(
+                "one matrix product's operand would hold {:.0} elements (the logits' \
+                 gradient or the gates' of the longest batch), more than the {} the GPU \
+                 kernels index with 32-bit integers: use --batch-size {largest} or less, or \
+                 a smaller --src-max-len or vocabulary",
+                needs.largest_operand,
+                GPU_OPERAND_LIMIT.unwrap_or_default()
+            ),
+        ));
+    }
+    if let Some(device) = &needs.device {
+        if let Some(room) = device_room(cfg, local)? {
+            check_memory_in(device, &room)?;
+        }
     }
     check_host_memory(&needs.host, local.size)?;
     Ok(needs.device.map(|d| d.total_bytes() as u64))
 }
 
 /// What `ringtrain train --dry-run` says: one rank's needs at its batch size, the room it
-/// has, and the largest batch size the same estimate fits into that room.
+/// has, and the largest batch size the same checks accept (the estimate fits the room;
+/// on the GPU, the kernels' 32-bit indexing reaches every operand).
 #[derive(Debug, Clone)]
 pub struct MemoryPlan {
     /// The rank's batch size (sentences or windows per step).
@@ -237,8 +278,9 @@ pub struct MemoryPlan {
     pub host: (MemoryEstimate, Option<Room>),
     /// GPU memory one rank needs, and its share of the GPU's free memory (`None` on cpu).
     pub device: Option<(MemoryEstimate, Option<Room>)>,
-    /// The largest batch size whose estimates fit the room (`None` when no room is known;
-    /// 0 when not even one sentence fits).
+    /// The largest batch size whose estimates fit the room, and whose matrix operands the
+    /// GPU's kernels can index (`None` when no room is known; 0 when not even one
+    /// sentence fits).
     pub largest_batch: Option<usize>,
 }
 
@@ -287,9 +329,14 @@ impl std::fmt::Display for MemoryPlan {
             line(f, "device", est, room)?;
         }
         line(f, "host", &self.host.0, &self.host.1)?;
+        let by = if self.device.is_some() {
+            "by the memory estimate and the GPU kernels' 32-bit indexing"
+        } else {
+            "by the memory estimate"
+        };
         match self.largest_batch {
-            Some(0) => write!(f, "  not even batch size 1 fits by this estimate"),
-            Some(b) => write!(f, "  largest --batch-size that fits by this estimate: {b}"),
+            Some(0) => write!(f, "  not even batch size 1 fits ({by})"),
+            Some(b) => write!(f, "  largest --batch-size that fits: {b} ({by})"),
             None => write!(
                 f,
                 "  largest --batch-size: unknown (no available memory to compare)"
@@ -311,7 +358,7 @@ pub fn plan_memory(
     local: &LocalRank,
 ) -> Result<MemoryPlan> {
     let batch = cfg.local_batch_size(worker).max(1);
-    let now = needs(cfg, src_vocab, tgt_vocab, batch)?;
+    let now = needs_at(cfg, src_vocab, tgt_vocab, batch)?;
     let host_room = crate::device::available_host_memory().map(|available| Room {
         place: "this node".to_string(),
         available,
@@ -327,7 +374,7 @@ pub fn plan_memory(
         None
     } else {
         let fits = |b: usize| -> Result<bool> {
-            let n = needs(cfg, src_vocab, tgt_vocab, b)?;
+            let n = needs_at(cfg, src_vocab, tgt_vocab, b)?;
             let host_fits = host_room
                 .as_ref()
                 .is_none_or(|r| n.host.total_bytes() <= r.per_rank());
@@ -335,7 +382,7 @@ pub fn plan_memory(
                 (Some(d), Some(r)) => d.total_bytes() <= r.per_rank(),
                 _ => true,
             };
-            Ok(host_fits && device_fits)
+            Ok(host_fits && device_fits && n.indexable())
         };
         Some(largest_fitting(batch, fits)?)
     };
