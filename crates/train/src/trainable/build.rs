@@ -231,7 +231,9 @@ fn needs_at(
 ///
 /// # Errors
 /// [`Error::NotEnoughMemory`](crate::Error::NotEnoughMemory) with the estimate and its
-/// biggest term; `InvalidValue` for a model too big to address; GPU errors.
+/// biggest term; `InvalidValue` for a model too big to address, or (on cuda, once the
+/// memory fits) a batch whose largest matrix operand the GPU kernels cannot index with
+/// 32-bit integers, naming the largest `--batch-size` they can; GPU errors.
 pub fn check_memory(
     cfg: &ValidatedConfig,
     src_vocab: usize,
@@ -241,27 +243,32 @@ pub fn check_memory(
 ) -> Result<Option<u64>> {
     let batch = cfg.local_batch_size(worker).max(1);
     let needs = needs_at(cfg, src_vocab, tgt_vocab, batch)?;
+    // Memory first: a model too big for the GPU says so, with its biggest term.
+    if let Some(device) = &needs.device {
+        if let Some(room) = device_room(cfg, local)? {
+            check_memory_in(device, &room)?;
+        }
+    }
     if !needs.indexable() {
         let largest = largest_fitting(batch, |b| {
             Ok(needs_at(cfg, src_vocab, tgt_vocab, b)?.indexable())
         })?;
+        let fix = if largest > 0 {
+            format!("use --batch-size {largest} or less, or a smaller --src-max-len or vocabulary")
+        } else {
+            "even --batch-size 1 is too large: use a smaller --src-max-len or vocabulary".into()
+        };
         return Err(crate::Error::invalid(
             "--batch-size",
             batch,
             format!(
                 "one matrix product's operand would hold {:.0} elements (the logits' \
                  gradient or the gates' of the longest batch), more than the {} the GPU \
-                 kernels index with 32-bit integers: use --batch-size {largest} or less, or \
-                 a smaller --src-max-len or vocabulary",
+                 kernels index with 32-bit integers: {fix}",
                 needs.largest_operand,
                 GPU_OPERAND_LIMIT.unwrap_or_default()
             ),
         ));
-    }
-    if let Some(device) = &needs.device {
-        if let Some(room) = device_room(cfg, local)? {
-            check_memory_in(device, &room)?;
-        }
     }
     check_host_memory(&needs.host, local.size)?;
     Ok(needs.device.map(|d| d.total_bytes() as u64))
