@@ -226,8 +226,10 @@ def main(argv: list[str]) -> int:
     if args.seconds is not None and args.seconds <= 0:
         parser.error(f"--seconds {args.seconds:g}: give a positive budget, or none")
 
+    fits = command_fits(command, args.log)
+
     def reporting(batch: int, left: Optional[float]) -> str:
-        outcome = command_fits(command, args.log)(batch, left)
+        outcome = fits(batch, left)
         print(f"batch {batch}: {outcome}", flush=True)
         return outcome
 

@@ -105,52 +105,59 @@ fn parse_mem_available(meminfo: &str) -> Option<f64> {
     Some(kib * 1024.0)
 }
 
-/// Fails when `estimate` (one rank's needs) times the `local_ranks` ranks of this node
-/// exceeds the host memory available now, before anything big is allocated.
-///
-/// # Errors
-/// [`Error::NotEnoughMemory`](crate::Error::NotEnoughMemory) with the estimate and its
-/// biggest term.
-pub fn check_host_memory(
-    estimate: &ringtrain_model::MemoryEstimate,
-    local_ranks: usize,
-) -> crate::Result<()> {
-    let Some(available) = available_host_memory() else {
-        return Ok(());
-    };
-    check_memory(estimate, local_ranks, available, "this node")
+/// Memory shared by the ranks that use it: a node's host memory, or a GPU's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Room {
+    /// Where: `this node` (host memory) or `GPU N`.
+    pub place: String,
+    /// Bytes available in all.
+    pub available: f64,
+    /// Ranks sharing them.
+    pub ranks: usize,
 }
 
-/// Fails when `estimate` times the `sharing` ranks that share `available` bytes of
-/// `place` (a node's host memory, a GPU) exceeds them.
-pub(crate) fn check_memory(
-    estimate: &ringtrain_model::MemoryEstimate,
-    sharing: usize,
-    available: f64,
-    place: &str,
-) -> crate::Result<()> {
-    let local_ranks = sharing;
-    let per_rank = available / local_ranks.max(1) as f64;
-    if estimate.total_bytes() <= per_rank {
-        return Ok(());
-    }
-    let biggest = estimate
-        .biggest()
-        .map(|t| {
-            format!(
-                "{} ({})",
-                t.what,
-                ringtrain_model::memory::format_bytes(t.bytes)
-            )
+impl Room {
+    /// The host memory available now to each of the node's `local_ranks` ranks (`None`
+    /// where the kernel does not say).
+    pub fn host(local_ranks: usize) -> Option<Room> {
+        available_host_memory().map(|available| Room {
+            place: "this node".to_string(),
+            available,
+            ranks: local_ranks,
         })
-        .unwrap_or_default();
-    Err(crate::Error::NotEnoughMemory {
-        estimate: estimate.to_string(),
-        available: ringtrain_model::memory::format_bytes(per_rank),
-        place: place.to_string(),
-        local_ranks,
-        biggest,
-    })
+    }
+
+    /// Bytes for each rank.
+    pub fn per_rank(&self) -> f64 {
+        self.available / self.ranks.max(1) as f64
+    }
+
+    /// Whether one rank's `estimate` fits its share.
+    pub fn holds(&self, estimate: &ringtrain_model::MemoryEstimate) -> bool {
+        estimate.total_bytes() <= self.per_rank()
+    }
+
+    /// The error for an `estimate` that does not fit: the estimate, the share, and the
+    /// biggest term.
+    pub(crate) fn refusal(&self, estimate: &ringtrain_model::MemoryEstimate) -> crate::Error {
+        let biggest = estimate
+            .biggest()
+            .map(|t| {
+                format!(
+                    "{} ({})",
+                    t.what,
+                    ringtrain_model::memory::format_bytes(t.bytes)
+                )
+            })
+            .unwrap_or_default();
+        crate::Error::NotEnoughMemory {
+            estimate: estimate.to_string(),
+            available: ringtrain_model::memory::format_bytes(self.per_rank()),
+            place: self.place.clone(),
+            local_ranks: self.ranks,
+            biggest,
+        }
+    }
 }
 
 /// Threads per core `--threads` may ask for: oversubscribing a little can hide stalls,
@@ -227,11 +234,14 @@ mod tests {
         let mut est = ringtrain_model::MemoryEstimate::default();
         est.add_bytes("parameters", 0.5 * available);
         est.add_bytes("output logits", 0.2 * available);
-        assert!(check_memory(&est, 1, available, "this node").is_ok());
-        let err = check_memory(&est, 2, available, "GPU 0")
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let room = |ranks| Room {
+            place: "GPU 0".to_string(),
+            available,
+            ranks,
+        };
+        assert!(room(1).holds(&est));
+        assert!(!room(2).holds(&est));
+        let err = room(2).refusal(&est).to_string();
         // benches/max_batch.py recognises a refusal by this prefix.
         assert!(err.starts_with("not enough memory: "), "{err}");
         assert!(

@@ -64,7 +64,7 @@ pub use config::{
     ModelOptions, OptimizerKind, OutputOptions, OverlapMode, RunOptions, TrainConfig,
     ValidatedConfig, VariableUpdate,
 };
-pub use device::{local_rank, local_rank_from_env, LocalRank, LocalRankSource};
+pub use device::{local_rank, local_rank_from_env, LocalRank, LocalRankSource, Room};
 pub use error::{Error, Result};
 pub use evaluation::{EvalRecord, HeldOut, TimeToQuality};
 pub use input::{
@@ -83,7 +83,7 @@ pub use strategy::{
 pub use throughput::{RateStats, StepBreakdown, ThroughputMeter, ThroughputSummary};
 pub use timeline::StepWindow;
 pub use trainable::{
-    build_model, build_pipeline_stage, Batch, DeviceSpan, ParamSpec, PassOutput, TrainableModel,
+    build_model, build_pipeline_stage, Batch, DeviceSpan, MemoryPlan, ParamSpec, PassOutput,
+    TrainableModel,
 };
-pub use trainable::{MemoryPlan, Room};
 pub use trainer::{train, train_evaluating, TrainOutcome};

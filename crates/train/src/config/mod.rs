@@ -366,7 +366,7 @@ options! {
         target_perplexity: Option<f64>,
         /// Check the flags and the input, print the memory one rank needs at this batch
         /// size (host, and with --device cuda its GPU), the memory it has, and the largest
-        /// --batch-size the same estimate fits, then exit without training.
+        /// --batch-size the same checks accept, then exit without training.
         #[arg(long)]
         dry_run: bool,
     }

@@ -8,7 +8,7 @@ use super::{CpuTrainable, TrainableModel};
 use crate::config::{
     DeviceKind, ModelKind, OptimizerKind, PipelineBalance, ValidatedConfig, VariableUpdate,
 };
-use crate::device::{check_host_memory, LocalRank};
+use crate::device::{LocalRank, Room};
 use crate::error::Result;
 use crate::pipeline::{
     agree_unit_costs, measure_unit_costs, warm_up_batch, PipelineTrainable, StagesOnBatch,
@@ -175,6 +175,48 @@ impl Needs {
     fn indexable(&self) -> bool {
         self.device.is_none() || GPU_OPERAND_LIMIT.is_none_or(|l| self.largest_operand <= l)
     }
+
+    /// The first check these needs fail against `rooms`, in the order a run reports
+    /// them: the GPU's memory (a model too big for the GPU says so with its biggest
+    /// term), the kernels' indexing, the host's memory. `None`: they fit.
+    fn shortfall<'a>(&'a self, rooms: &'a Rooms) -> Option<Shortfall<'a>> {
+        if let (Some(need), Some(room)) = (&self.device, &rooms.device) {
+            if !room.holds(need) {
+                return Some(Shortfall::Memory(need, room));
+            }
+        }
+        if !self.indexable() {
+            return Some(Shortfall::Indexing);
+        }
+        match &rooms.host {
+            Some(room) if !room.holds(&self.host) => Some(Shortfall::Memory(&self.host, room)),
+            _ => None,
+        }
+    }
+}
+
+/// The memory a rank may use: its node's host memory and its share of its GPU (`None`
+/// where not known, or on cpu).
+struct Rooms {
+    host: Option<Room>,
+    device: Option<Room>,
+}
+
+impl Rooms {
+    fn of(cfg: &ValidatedConfig, local: &LocalRank) -> Result<Rooms> {
+        Ok(Rooms {
+            host: Room::host(local.size),
+            device: device_room(cfg, local)?,
+        })
+    }
+}
+
+/// What does not fit.
+enum Shortfall<'a> {
+    /// The estimate exceeds its room.
+    Memory(&'a MemoryEstimate, &'a Room),
+    /// A matrix operand outgrows the GPU kernels' 32-bit indexing.
+    Indexing,
 }
 
 fn needs_at(
@@ -225,7 +267,7 @@ fn needs_at(
 }
 
 /// Fails, before the model is built, when worker `worker` would need more memory than
-/// its node has available ([`Needs`]): on the host for each of the node's `local.size`
+/// it has ([`Needs`] against [`Rooms`]): on the host for each of the node's `local.size`
 /// ranks; with `--device cuda`, on its GPU for each of the ranks that pick that GPU.
 /// Returns the device estimate in bytes (`None` on cpu), for the run's report.
 ///
@@ -243,35 +285,34 @@ pub fn check_memory(
 ) -> Result<Option<u64>> {
     let batch = cfg.local_batch_size(worker).max(1);
     let needs = needs_at(cfg, src_vocab, tgt_vocab, batch)?;
-    // Memory first: a model too big for the GPU says so, with its biggest term.
-    if let Some(device) = &needs.device {
-        if let Some(room) = device_room(cfg, local)? {
-            check_memory_in(device, &room)?;
+    match needs.shortfall(&Rooms::of(cfg, local)?) {
+        None => Ok(needs.device.map(|d| d.total_bytes() as u64)),
+        Some(Shortfall::Memory(estimate, room)) => Err(room.refusal(estimate)),
+        Some(Shortfall::Indexing) => {
+            let largest = largest_fitting(batch, |b| {
+                Ok(needs_at(cfg, src_vocab, tgt_vocab, b)?.indexable())
+            })?;
+            let fix = if largest > 0 {
+                format!(
+                    "use --batch-size {largest} or less, or a smaller --src-max-len or \
+                     vocabulary"
+                )
+            } else {
+                "even --batch-size 1 is too large: use a smaller --src-max-len or vocabulary".into()
+            };
+            Err(crate::Error::invalid(
+                "--batch-size",
+                batch,
+                format!(
+                    "one matrix product's operand would hold {:.0} elements (the logits' \
+                     gradient or the gates' of the longest batch), more than the {} the GPU \
+                     kernels index with 32-bit integers: {fix}",
+                    needs.largest_operand,
+                    GPU_OPERAND_LIMIT.unwrap_or_default()
+                ),
+            ))
         }
     }
-    if !needs.indexable() {
-        let largest = largest_fitting(batch, |b| {
-            Ok(needs_at(cfg, src_vocab, tgt_vocab, b)?.indexable())
-        })?;
-        let fix = if largest > 0 {
-            format!("use --batch-size {largest} or less, or a smaller --src-max-len or vocabulary")
-        } else {
-            "even --batch-size 1 is too large: use a smaller --src-max-len or vocabulary".into()
-        };
-        return Err(crate::Error::invalid(
-            "--batch-size",
-            batch,
-            format!(
-                "one matrix product's operand would hold {:.0} elements (the logits' \
-                 gradient or the gates' of the longest batch), more than the {} the GPU \
-                 kernels index with 32-bit integers: {fix}",
-                needs.largest_operand,
-                GPU_OPERAND_LIMIT.unwrap_or_default()
-            ),
-        ));
-    }
-    check_host_memory(&needs.host, local.size)?;
-    Ok(needs.device.map(|d| d.total_bytes() as u64))
 }
 
 /// What `ringtrain train --dry-run` says: one rank's needs at its batch size, the room it
@@ -285,27 +326,9 @@ pub struct MemoryPlan {
     pub host: (MemoryEstimate, Option<Room>),
     /// GPU memory one rank needs, and its share of the GPU's free memory (`None` on cpu).
     pub device: Option<(MemoryEstimate, Option<Room>)>,
-    /// The largest batch size whose estimates fit the room, and whose matrix operands the
-    /// GPU's kernels can index (`None` when no room is known; 0 when not even one
-    /// sentence fits).
+    /// The largest batch size [`check_memory`] accepts with these rooms (`None` when no
+    /// room is known; 0 when not even one sentence fits).
     pub largest_batch: Option<usize>,
-}
-
-/// Memory available to each rank that shares it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Room {
-    /// Where: `this node` (host memory) or `GPU N`.
-    pub place: String,
-    /// Bytes available in all.
-    pub available: f64,
-    /// Ranks sharing them.
-    pub ranks: usize,
-}
-
-impl Room {
-    fn per_rank(&self) -> f64 {
-        self.available / self.ranks.max(1) as f64
-    }
 }
 
 impl std::fmt::Display for MemoryPlan {
@@ -352,8 +375,8 @@ impl std::fmt::Display for MemoryPlan {
     }
 }
 
-/// The plan of worker `worker` ([`MemoryPlan`]): what `check_memory` compares, and the
-/// largest batch size the same comparison accepts.
+/// The plan of worker `worker` ([`MemoryPlan`]): what [`check_memory`] compares, and the
+/// largest batch size it accepts.
 ///
 /// # Errors
 /// As [`check_memory`], except that too little memory is a figure here, not an error.
@@ -366,37 +389,20 @@ pub fn plan_memory(
 ) -> Result<MemoryPlan> {
     let batch = cfg.local_batch_size(worker).max(1);
     let now = needs_at(cfg, src_vocab, tgt_vocab, batch)?;
-    let host_room = crate::device::available_host_memory().map(|available| Room {
-        place: "this node".to_string(),
-        available,
-        ranks: local.size,
-    });
-    let device_room = if now.device.is_some() {
-        device_room(cfg, local)?
-    } else {
-        None
-    };
-    let rooms: Vec<&Room> = host_room.iter().chain(device_room.iter()).collect();
-    let largest_batch = if rooms.is_empty() {
+    let rooms = Rooms::of(cfg, local)?;
+    let largest_batch = if rooms.host.is_none() && rooms.device.is_none() {
         None
     } else {
-        let fits = |b: usize| -> Result<bool> {
-            let n = needs_at(cfg, src_vocab, tgt_vocab, b)?;
-            let host_fits = host_room
-                .as_ref()
-                .is_none_or(|r| n.host.total_bytes() <= r.per_rank());
-            let device_fits = match (&n.device, &device_room) {
-                (Some(d), Some(r)) => d.total_bytes() <= r.per_rank(),
-                _ => true,
-            };
-            Ok(host_fits && device_fits && n.indexable())
-        };
-        Some(largest_fitting(batch, fits)?)
+        Some(largest_fitting(batch, |b| {
+            Ok(needs_at(cfg, src_vocab, tgt_vocab, b)?
+                .shortfall(&rooms)
+                .is_none())
+        })?)
     };
     Ok(MemoryPlan {
         batch,
-        host: (now.host, host_room),
-        device: now.device.map(|d| (d, device_room)),
+        host: (now.host, rooms.host),
+        device: now.device.map(|d| (d, rooms.device)),
         largest_batch,
     })
 }
@@ -427,11 +433,6 @@ fn largest_fitting(start: usize, fits: impl Fn(usize) -> Result<bool>) -> Result
         }
     }
     Ok(good)
-}
-
-/// Compares a device estimate with its room, failing as the memory check does.
-fn check_memory_in(estimate: &MemoryEstimate, room: &Room) -> Result<()> {
-    crate::device::check_memory(estimate, room.ranks.max(1), room.available, &room.place)
 }
 
 /// The free memory of the GPU this rank picks (`local.rank % device count`), shared by

@@ -38,7 +38,7 @@ mod gpu;
 pub mod pass;
 pub mod staging;
 
-pub use build::{build_model, build_pipeline_stage, check_memory, plan_memory, MemoryPlan, Room};
+pub use build::{build_model, build_pipeline_stage, check_memory, plan_memory, MemoryPlan};
 pub use cpu::CpuTrainable;
 #[cfg(feature = "cuda")]
 pub(crate) use device_optimizer::DeviceOptimizer;
