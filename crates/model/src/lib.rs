@@ -98,6 +98,7 @@ pub use backend::{
     CudaBackend, Executor, GemmPrecision, InPlace, Layout, LstmBackwardStep, LstmForwardStep,
     Staged, Unary, View, ViewMut,
 };
+pub use embedding::LOGITS_CHUNK_ELEMENTS;
 pub use error::{Error, Result};
 pub use lstm::LstmImpl;
 pub use memory::{MemoryEstimate, MemoryTerm};

@@ -90,7 +90,7 @@ impl LstmLm {
                 .iter()
                 .map(|layer| LstmWork::new(be, layer.hidden, steps, batch))
                 .collect::<Result<_>>()?,
-            head: ProjectionWork::new(be, steps * batch, self.proj.vocab)?,
+            head: ProjectionWork::new(be, steps * batch, self.proj.hidden, self.proj.vocab)?,
         })
     }
 
@@ -166,7 +166,9 @@ impl LstmLm {
     /// summed loss of its logits against `targets`. The first unit reads the output of
     /// the unit before it where that unit left it in `w` (a pipeline stage puts its
     /// neighbour's activations there). With `differentiate` (a backward follows), the
-    /// projection leaves the loss's gradient in place of its logits.
+    /// projection also finds its gradients, chunk by chunk while it holds the logits
+    /// (see [`Projection::forward`]): w.r.t. its kernel in its workspace, and w.r.t. the
+    /// top layer's output in that layer's `dh`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward_units<'a, B: Backend>(
         &self,
@@ -221,17 +223,15 @@ impl LstmLm {
         if !units.contains(&(self.layers.len() + 1)) {
             return Ok(None);
         }
-        let top = self.layers.len() - 1;
         let h = self.top_output(steps, batch);
+        let LstmWork { hiddens, dh, .. } = &mut w.layers[self.layers.len() - 1];
+        let dh = differentiate.then_some(GradTarget {
+            buf: dh,
+            offset: 0,
+            accumulate: false,
+        });
         self.proj
-            .forward(
-                be,
-                params,
-                view(&w.layers[top].hiddens, h),
-                targets,
-                &mut w.head,
-                differentiate,
-            )
+            .forward(be, params, view(hiddens, h), targets, &mut w.head, dh)
             .map(Some)
     }
 
@@ -248,7 +248,6 @@ impl LstmLm {
         params: &B::Buffer,
         grads: &mut B::Buffer,
         inputs: &B::Ids,
-        targets: &B::Targets,
         steps: usize,
         batch: usize,
         need_dh0: bool,
@@ -257,7 +256,7 @@ impl LstmLm {
     ) -> Result<()> {
         let all = 0..self.unit_count();
         self.backward_units(
-            be, imp, params, grads, inputs, targets, steps, batch, need_dh0, w, on_ready, all,
+            be, imp, params, grads, inputs, steps, batch, need_dh0, w, on_ready, all,
         )
     }
 
@@ -274,7 +273,6 @@ impl LstmLm {
         params: &B::Buffer,
         grads: &mut B::Buffer,
         inputs: &B::Ids,
-        targets: &B::Targets,
         steps: usize,
         batch: usize,
         need_dh0: bool,
@@ -282,23 +280,10 @@ impl LstmLm {
         on_ready: &mut dyn FnMut(Range<usize>, &B::Buffer),
         units: Range<usize>,
     ) -> Result<()> {
-        let top = self.layers.len() - 1;
         if units.contains(&(self.layers.len() + 1)) {
-            let top_work = &mut w.layers[top];
-            self.proj.backward(
-                be,
-                params,
-                grads,
-                view(&top_work.hiddens, self.top_output(steps, batch)),
-                targets,
-                &mut w.head,
-                GradTarget {
-                    buf: &mut top_work.dh,
-                    offset: 0,
-                    accumulate: false,
-                },
-                on_ready,
-            )?;
+            // The forward that differentiated left the gradient w.r.t. the top layer's
+            // output in its `dh`.
+            self.proj.backward(be, grads, &mut w.head, on_ready)?;
         }
         for (l, layer) in self.layers.iter().enumerate().rev() {
             if !units.contains(&(l + 1)) {

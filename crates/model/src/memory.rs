@@ -115,9 +115,16 @@ pub(crate) fn embedding_work_elements(rows: usize, width: usize) -> f64 {
     EmbeddingWork::<()>::lens(rows, width).iter().sum()
 }
 
-/// f32 elements of the projection and loss workspace.
-pub(crate) fn projection_work_elements(rows: usize, vocab: usize) -> f64 {
-    ProjectionWork::<()>::lens(rows, vocab).iter().sum()
+/// f32 elements of the projection and loss workspace for `rows` rows: one chunk of
+/// logits, the per-row loss terms and the kernel's gradient.
+pub(crate) fn projection_work_elements(rows: usize, hidden: usize, vocab: usize) -> f64 {
+    ProjectionWork::<()>::lens(rows, hidden, vocab).iter().sum()
+}
+
+/// Elements of the largest chunk of logits (and of their gradient) for `rows` rows of
+/// `vocab` columns.
+pub(crate) fn logits_chunk_elements(rows: usize, vocab: usize) -> f64 {
+    crate::embedding::logits_chunk_rows(rows, vocab) as f64 * vocab as f64
 }
 
 #[cfg(test)]
@@ -135,16 +142,25 @@ mod tests {
         // (an empty operand still gets a one-element buffer, as the backend allocates)
         assert_eq!(bytes, [2000.0 + 4.0 * 16384.0, 2000.0 + 4.0 * 32768.0, 4.0]);
         assert!(est.terms.iter().all(|t| t.what == "16-bit GEMM copies"));
-        // The logits' gradient is the largest operand at a large vocabulary, the gates'
-        // at a small one.
+        // A chunk of the logits' gradient is the largest operand at a large vocabulary,
+        // the gates' at a small one; the chunk no longer grows with the batch past
+        // LOGITS_CHUNK_ELEMENTS.
         let nmt = NmtConfig {
             tgt_vocab: 50_000,
             hidden: 512,
             ..NmtConfig::benchmark()
         };
         assert_eq!(
-            nmt.largest_gemm_operand(384, 100, 101),
-            384.0 * 101.0 * 50_000.0
+            nmt.largest_gemm_operand(8, 100, 101),
+            8.0 * 101.0 * 50_000.0
+        );
+        let chunk = (crate::embedding::LOGITS_CHUNK_ELEMENTS / 50_000) as f64 * 50_000.0;
+        assert_eq!(nmt.largest_gemm_operand(384, 100, 101), chunk);
+        assert_eq!(nmt.largest_gemm_operand(1024, 100, 101), chunk);
+        // ...and past a large enough batch the gates are the largest.
+        assert_eq!(
+            nmt.largest_gemm_operand(4096, 100, 101),
+            4096.0 * 101.0 * 2048.0
         );
         let small = NmtConfig {
             tgt_vocab: 32,
@@ -179,7 +195,17 @@ mod tests {
             embedding_work_elements(11, 4),
             (e.out.len() + e.dx.len()) as f64
         );
-        assert_eq!(projection_work_elements(11, 9), (11 * 9 + 2 * 11) as f64);
+        assert_eq!(
+            projection_work_elements(11, 5, 9),
+            (11 * 9 + 2 * 11 + 5 * 9) as f64
+        );
+        // A vocabulary of a million takes chunks of 268 rows.
+        let rows = crate::embedding::LOGITS_CHUNK_ELEMENTS / 1_000_000;
+        assert_eq!(rows, 268);
+        assert_eq!(
+            projection_work_elements(10_000, 5, 1_000_000),
+            (rows * 1_000_000 + 2 * 10_000 + 5 * 1_000_000) as f64
+        );
     }
 
     #[test]

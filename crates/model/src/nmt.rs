@@ -11,8 +11,9 @@
 //!   decoder layers 0, 1, 2, 3, ...;
 //!
 //! a decoder of `layers` LSTM layers over the target input (BOS + target); an output
-//! projection `hidden -> tgt_vocab` without bias over all target positions at once; and
-//! the summed masked softmax cross-entropy against the target output (target + EOS).
+//! projection `hidden -> tgt_vocab` without bias over all target positions (computed a
+//! chunk of rows at a time, see [`crate::LOGITS_CHUNK_ELEMENTS`]); and the summed masked
+//! softmax cross-entropy against the target output (target + EOS).
 //! Encoder outputs are not otherwise used.
 //!
 //! Source padding, by [`SourceLengths`]: `off` processes it like any token (cuDNN's LSTM,
@@ -295,8 +296,8 @@ impl NmtConfig {
                 + self.layers as f64 * memory::lstm_work_elements(self.hidden, tgt_len, batch),
         );
         est.add_f32(
-            "output logits",
-            memory::projection_work_elements(tgt_len * batch, self.tgt_vocab),
+            "output projection",
+            memory::projection_work_elements(tgt_len * batch, self.hidden, self.tgt_vocab),
         );
         if self.source_lengths == SourceLengths::On {
             let rows = (src_len * batch) as f64;
@@ -309,13 +310,14 @@ impl NmtConfig {
     }
 
     /// Elements of the largest activation operand a matrix product of the training step
-    /// reads, at the same batch shape as [`NmtConfig::memory_estimate`]: the gradient of
-    /// the logits (`batch x tgt_len` rows of `tgt_vocab`), or of the gates of the
-    /// longer sequence's LSTM layers (4 x hidden per row), or an embedded sequence.
+    /// reads, at the same batch shape as [`NmtConfig::memory_estimate`]: a chunk of the
+    /// logits' gradient (at most [`crate::LOGITS_CHUNK_ELEMENTS`] of the `batch x
+    /// tgt_len` rows of `tgt_vocab`), or the gates of the longer sequence's LSTM layers
+    /// (4 x hidden per row), or an embedded sequence.
     pub fn largest_gemm_operand(&self, batch: usize, src_len: usize, tgt_len: usize) -> f64 {
         let (b, steps) = (batch as f64, src_len.max(tgt_len) as f64);
         let widest = (4 * self.hidden).max(self.emb) as f64;
-        (b * tgt_len as f64 * self.tgt_vocab as f64).max(b * steps * widest)
+        memory::logits_chunk_elements(batch * tgt_len, self.tgt_vocab).max(b * steps * widest)
     }
 
     /// The CPU benchmark configuration: vocab 8000 each side, emb 256, hidden 256,
@@ -694,7 +696,6 @@ impl<B: Backend> NmtModel<B> {
                 &self.params,
                 &mut self.grads,
                 &b.tgt_in,
-                &b.tgt_out,
                 tt,
                 batch,
                 true,

@@ -89,8 +89,8 @@ impl LmConfig {
                 + self.layers as f64 * memory::lstm_work_elements(self.hidden, steps, batch),
         );
         est.add_f32(
-            "output logits",
-            memory::projection_work_elements(steps * batch, self.vocab),
+            "output projection",
+            memory::projection_work_elements(steps * batch, self.hidden, self.vocab),
         );
         est.add_f32(
             "carried LSTM state",
@@ -100,12 +100,13 @@ impl LmConfig {
     }
 
     /// Elements of the largest activation operand a matrix product of the training step
-    /// reads, at the shape of [`LmConfig::memory_estimate`]: the gradient of the logits
-    /// (`batch x steps` rows of `vocab`), of the gates (4 x hidden per row) or an
-    /// embedded window.
+    /// reads, at the shape of [`LmConfig::memory_estimate`]: a chunk of the logits'
+    /// gradient (at most [`crate::LOGITS_CHUNK_ELEMENTS`] of the `batch x steps` rows of
+    /// `vocab`), the gates (4 x hidden per row) or an embedded window.
     pub fn largest_gemm_operand(&self, batch: usize, steps: usize) -> f64 {
-        let rows = (batch * steps) as f64;
-        rows * (self.vocab.max(4 * self.hidden).max(self.emb) as f64)
+        let rows = batch * steps;
+        let widest = (4 * self.hidden).max(self.emb) as f64;
+        memory::logits_chunk_elements(rows, self.vocab).max(rows as f64 * widest)
     }
 
     /// The PTB-style configuration of the users' RNNLM runs: vocab 10,001, emb and hidden
@@ -469,7 +470,6 @@ impl<B: Backend> RnnLm<B> {
             &self.params,
             &mut self.grads,
             &b.inputs,
-            &b.targets,
             b.len,
             b.batch,
             false,
@@ -500,7 +500,6 @@ impl<B: Backend> RnnLm<B> {
             &self.params,
             &mut self.grads,
             &b.inputs,
-            &b.targets,
             b.len,
             b.batch,
             false,

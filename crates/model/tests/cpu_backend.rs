@@ -222,6 +222,7 @@ fn disagreeing_shapes_and_unusable_strides_are_rejected_naming_the_operand() {
         .softmax_xent_forward(
             view(&buf, Layout::matrix(0, 4, 4)),
             &targets,
+            0,
             view_mut(&mut loss, Layout::contiguous(0, 4)),
             view_mut(&mut lse, Layout::contiguous(0, 4)),
         )
@@ -229,8 +230,19 @@ fn disagreeing_shapes_and_unusable_strides_are_rejected_naming_the_operand() {
     assert_invalid(err, "softmax targets");
     let err = backend
         .softmax_xent_forward(
+            view(&buf, Layout::matrix(0, 2, 4)),
+            &targets,
+            2,
+            view_mut(&mut loss, Layout::contiguous(0, 2)),
+            view_mut(&mut lse, Layout::contiguous(0, 2)),
+        )
+        .expect_err("2 rows of logits from target row 2 of 3");
+    assert_invalid(err, "softmax targets");
+    let err = backend
+        .softmax_xent_forward(
             view(&buf, Layout::matrix(0, 3, 3)),
             &targets,
+            0,
             view_mut(&mut loss, Layout::contiguous(0, 3)),
             view_mut(&mut lse, Layout::contiguous(0, 3)),
         )

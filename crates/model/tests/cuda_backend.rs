@@ -333,6 +333,7 @@ fn activations_gemm_softmax_and_sum_agree_within_tolerance() {
     cpu.softmax_xent_forward(
         view(&lc, lm),
         &targets_c,
+        0,
         view_mut(&mut loss_c, per_row),
         view_mut(&mut lse_c, per_row),
     )
@@ -340,6 +341,7 @@ fn activations_gemm_softmax_and_sum_agree_within_tolerance() {
     gpu.softmax_xent_forward(
         view(&lg, lm),
         &targets_g,
+        0,
         view_mut(&mut loss_g, per_row),
         view_mut(&mut lse_g, per_row),
     )
@@ -352,10 +354,47 @@ fn activations_gemm_softmax_and_sum_agree_within_tolerance() {
         max_abs_diff(&lse_c, &fetch(&gpu, &lse_g)) <= 4e-5,
         "softmax lse"
     );
+    // A chunk of rows 5..9 against the targets' rows 5..9, as the output projection
+    // scores a batch in chunks: the same rows as the whole.
+    let (first, n) = (5, 4);
+    let chunk = Layout::matrix(first * vocab, n, vocab);
+    let (mut chunk_loss_g, mut chunk_lse_g) = (gpu.zeros(n).unwrap(), gpu.zeros(n).unwrap());
+    gpu.softmax_xent_forward(
+        view(&lg, chunk),
+        &targets_g,
+        first,
+        view_mut(&mut chunk_loss_g, flat(0, n)),
+        view_mut(&mut chunk_lse_g, flat(0, n)),
+    )
+    .unwrap();
+    assert!(
+        max_abs_diff(&loss_c[first..], &fetch(&gpu, &chunk_loss_g)) <= 4e-5,
+        "softmax loss of a chunk"
+    );
+    let err = gpu
+        .softmax_xent_forward(
+            view(&lg, chunk),
+            &targets_g,
+            first + 1,
+            view_mut(&mut chunk_loss_g, flat(0, n)),
+            view_mut(&mut chunk_lse_g, flat(0, n)),
+        )
+        .expect_err("rows 6..10 of 9 targets");
+    assert!(
+        matches!(
+            err,
+            Error::InvalidView {
+                name: "softmax targets",
+                ..
+            }
+        ),
+        "{err}"
+    );
     cpu.softmax_xent_backward(
         view_mut(&mut lc, lm),
         view(&lse_c, per_row),
         &targets_c,
+        0,
         0.5,
     )
     .unwrap();
@@ -366,6 +405,7 @@ fn activations_gemm_softmax_and_sum_agree_within_tolerance() {
         view_mut(&mut lg, lm),
         view(&lse_same, per_row),
         &targets_g,
+        0,
         0.5,
     )
     .unwrap();

@@ -432,12 +432,14 @@ impl CpuBackend {
         &self,
         logits: operands::Arg,
         targets: &CpuTargets,
+        first_row: usize,
         loss: &ViewMut<'_, Vec<f32>>,
         lse: &ViewMut<'_, Vec<f32>>,
     ) -> Result<operands::SoftmaxRanges<2>> {
         let ranges = operands::softmax(
             logits,
             targets,
+            first_row,
             [
                 arg(self, "softmax loss", loss),
                 arg(self, "softmax lse", lse),
@@ -914,22 +916,25 @@ impl Backend for CpuBackend {
         &self,
         logits: View<'_, Vec<f32>>,
         targets: &CpuTargets,
+        first_row: usize,
         loss: ViewMut<'_, Vec<f32>>,
         lse: ViewMut<'_, Vec<f32>>,
     ) -> Result<()> {
         let operands::SoftmaxRanges {
             logits: l,
             per_row: [lo, ls],
+            targets: t,
             rows,
             vocab,
         } = self.softmax_forward_operands(
             arg(self, "softmax logits", &logits),
             targets,
+            first_row,
             &loss,
             &lse,
         )?;
         let (logits, loss, lse) = (&logits.buf[l], &mut loss.buf[lo], &mut lse.buf[ls]);
-        let (labels, mask) = (&targets.labels[..], &targets.mask[..]);
+        let (labels, mask) = (&targets.labels[t.clone()], &targets.mask[t]);
         self.run(move |parallel| {
             if parallel {
                 kernels::par::softmax_xent_forward(logits, labels, mask, loss, lse, rows, vocab)
@@ -945,21 +950,24 @@ impl Backend for CpuBackend {
         logits: ViewMut<'_, Vec<f32>>,
         lse: View<'_, Vec<f32>>,
         targets: &CpuTargets,
+        first_row: usize,
         scale: f32,
     ) -> Result<()> {
         let operands::SoftmaxRanges {
             logits: l,
             per_row: [ls],
+            targets: t,
             rows,
             vocab,
         } = operands::softmax(
             arg(self, "softmax logits", &logits),
             targets,
+            first_row,
             [arg(self, "softmax lse", &lse)],
         )?;
         self.launched();
         let (grad, lse) = (&mut logits.buf[l.clone()], &lse.buf[ls]);
-        let (labels, mask) = (&targets.labels[..], &targets.mask[..]);
+        let (labels, mask) = (&targets.labels[t.clone()], &targets.mask[t]);
         self.run(|parallel| {
             if parallel {
                 kernels::par::softmax_xent_backward(grad, lse, labels, mask, scale, rows, vocab)
@@ -975,6 +983,7 @@ impl Backend for CpuBackend {
         &self,
         logits: ViewMut<'_, Vec<f32>>,
         targets: &CpuTargets,
+        first_row: usize,
         loss: ViewMut<'_, Vec<f32>>,
         lse: ViewMut<'_, Vec<f32>>,
         scale: f32,
@@ -982,18 +991,20 @@ impl Backend for CpuBackend {
         let operands::SoftmaxRanges {
             logits: l,
             per_row: [lo, ls],
+            targets: t,
             rows,
             vocab,
         } = self.softmax_forward_operands(
             arg(self, "softmax logits", &logits),
             targets,
+            first_row,
             &loss,
             &lse,
         )?;
         let buf = key(logits.buf);
         let grad = &mut logits.buf[l.clone()];
         let (loss, lse) = (&mut loss.buf[lo], &mut lse.buf[ls]);
-        let (labels, mask) = (&targets.labels[..], &targets.mask[..]);
+        let (labels, mask) = (&targets.labels[t.clone()], &targets.mask[t]);
         let mut fused = |copy: Option<&mut [bf16]>| {
             self.run(|parallel| {
                 let f = if parallel {

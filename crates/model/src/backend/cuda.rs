@@ -391,12 +391,12 @@ mod imp {
     }
 
     impl CudaTargets {
-        /// Device views of the labels and the mask (`rows` each).
-        fn device(&self) -> Result<(DevSlice<'_, u32>, DevSlice<'_, f32>)> {
+        /// Device views of the labels and the mask of rows `rows`.
+        fn device(&self, rows: Range<usize>) -> Result<(DevSlice<'_, u32>, DevSlice<'_, f32>)> {
             let released = || invalid_view("softmax targets", "released", "stage them again");
             let labels = self.labels.as_ref().ok_or_else(released)?;
             let mask = self.mask.as_ref().ok_or_else(released)?;
-            Ok((labels.slice(0..self.rows)?, mask.slice(0..self.rows)?))
+            Ok((labels.slice(rows.clone())?, mask.slice(rows)?))
         }
     }
 
@@ -1048,17 +1048,20 @@ mod imp {
             &self,
             logits: View<'_, GpuBuffer<f32>>,
             targets: &CudaTargets,
+            first_row: usize,
             loss: ViewMut<'_, GpuBuffer<f32>>,
             lse: ViewMut<'_, GpuBuffer<f32>>,
         ) -> Result<()> {
             let operands::SoftmaxRanges {
                 logits: l,
                 per_row: [lo, ls],
+                targets: t,
                 rows,
                 vocab,
             } = operands::softmax(
                 arg(self, "softmax logits", &logits),
                 targets,
+                first_row,
                 [
                     arg(self, "softmax loss", &loss),
                     arg(self, "softmax lse", &lse),
@@ -1068,7 +1071,7 @@ mod imp {
             if rows == 0 {
                 return Ok(());
             }
-            let (labels, mask) = targets.device()?;
+            let (labels, mask) = targets.device(t)?;
             softmax::softmax_xent_forward(
                 &self.gpu,
                 &dev(logits.buf, l)?,
@@ -1087,23 +1090,26 @@ mod imp {
             logits: ViewMut<'_, GpuBuffer<f32>>,
             lse: View<'_, GpuBuffer<f32>>,
             targets: &CudaTargets,
+            first_row: usize,
             scale: f32,
         ) -> Result<()> {
             let operands::SoftmaxRanges {
                 logits: l,
                 per_row: [ls],
+                targets: t,
                 rows,
                 vocab,
             } = operands::softmax(
                 arg(self, "softmax logits", &logits),
                 targets,
+                first_row,
                 [arg(self, "softmax lse", &lse)],
             )?;
             self.launched();
             if rows == 0 {
                 return Ok(());
             }
-            let (labels, mask) = targets.device()?;
+            let (labels, mask) = targets.device(t)?;
             softmax::softmax_xent_backward(
                 &self.gpu,
                 &mut dev_mut(logits.buf, l)?,

@@ -485,13 +485,15 @@ pub trait Backend: Send {
     /// Fused LSTM pointwise backward of one step (kernel `lstm_pointwise_backward`): writes
     /// `dgates` and `dc_prev` (see [`LstmBackwardStep`]).
     fn lstm_backward_step(&self, step: LstmBackwardStep<'_, Self::Buffer>) -> Result<()>;
-    /// Masked softmax cross-entropy forward over contiguous `[rows, vocab]` logits
-    /// (`targets.rows() == rows`, `targets.bound() <= vocab`): per-row `loss` and
-    /// log-sum-exp `lse` (contiguous, `rows` elements each).
+    /// Masked softmax cross-entropy forward over contiguous `[rows, vocab]` logits, row
+    /// `r` scored against target row `first_row + r` (`first_row + rows <= targets.rows()`,
+    /// `targets.bound() <= vocab`; a chunk of a longer batch starts past row 0): per-row
+    /// `loss` and log-sum-exp `lse` (contiguous, `rows` elements each).
     fn softmax_xent_forward(
         &self,
         logits: View<'_, Self::Buffer>,
         targets: &Self::Targets,
+        first_row: usize,
         loss: ViewMut<'_, Self::Buffer>,
         lse: ViewMut<'_, Self::Buffer>,
     ) -> Result<()>;
@@ -502,6 +504,7 @@ pub trait Backend: Send {
         logits: ViewMut<'_, Self::Buffer>,
         lse: View<'_, Self::Buffer>,
         targets: &Self::Targets,
+        first_row: usize,
         scale: f32,
     ) -> Result<()>;
     /// [`Backend::softmax_xent_forward`], then [`Backend::softmax_xent_backward`] with
@@ -512,12 +515,13 @@ pub trait Backend: Send {
         &self,
         logits: ViewMut<'_, Self::Buffer>,
         targets: &Self::Targets,
+        first_row: usize,
         loss: ViewMut<'_, Self::Buffer>,
         mut lse: ViewMut<'_, Self::Buffer>,
         scale: f32,
     ) -> Result<()> {
-        self.softmax_xent_forward(logits.as_view(), targets, loss, lse.reborrow())?;
-        self.softmax_xent_backward(logits, lse.as_view(), targets, scale)
+        self.softmax_xent_forward(logits.as_view(), targets, first_row, loss, lse.reborrow())?;
+        self.softmax_xent_backward(logits, lse.as_view(), targets, first_row, scale)
     }
     /// Sum of a contiguous `src`, accumulated in f64.
     fn sum(&self, src: View<'_, Self::Buffer>) -> Result<f64>;

@@ -159,24 +159,32 @@ pub(crate) fn rows_by_id(
 pub(crate) struct SoftmaxRanges<const N: usize> {
     pub(crate) logits: Range<usize>,
     pub(crate) per_row: [Range<usize>; N],
+    /// The target rows the logits are scored against.
+    pub(crate) targets: Range<usize>,
     pub(crate) rows: usize,
     pub(crate) vocab: usize,
 }
 
-/// The softmax cross-entropy: contiguous `[rows, vocab]` logits, targets of `rows` rows
-/// checked against at most `vocab`, and contiguous per-row operands of `rows` elements.
+/// The softmax cross-entropy: contiguous `[rows, vocab]` logits, targets checked against
+/// at most `vocab` with rows `first_row..first_row + rows`, and contiguous per-row
+/// operands of `rows` elements. The ranges' `targets` are the rows of the targets used.
 pub(crate) fn softmax<const N: usize>(
     logits: Arg,
     targets: &impl Staged,
+    first_row: usize,
     per_row: [Arg; N],
 ) -> Result<SoftmaxRanges<N>> {
     logits.contiguous()?;
     let (rows, vocab) = logits.layout.shape();
-    if targets.rows() != rows {
+    let used = first_row..first_row.saturating_add(rows);
+    if used.end > targets.rows() {
         return Err(invalid_view(
             "softmax targets",
             format!("{} rows", targets.rows()),
-            format!("expected one label per row of `{}` ({rows})", logits.what),
+            format!(
+                "expected a label for each row of `{}` ({rows}) from target row {first_row} on",
+                logits.what
+            ),
         ));
     }
     if targets.bound() > vocab {
@@ -191,6 +199,7 @@ pub(crate) fn softmax<const N: usize>(
     Ok(SoftmaxRanges {
         logits: logits.range()?,
         per_row: ranges(per_row)?,
+        targets: used,
         rows,
         vocab,
     })

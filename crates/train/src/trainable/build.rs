@@ -294,19 +294,20 @@ pub fn check_memory(
             })?;
             let fix = if largest > 0 {
                 format!(
-                    "use --batch-size {largest} or less, or a smaller --src-max-len or \
-                     vocabulary"
+                    "use --batch-size {largest} or less, or a shorter --src-max-len or fewer \
+                     --num-units"
                 )
             } else {
-                "even --batch-size 1 is too large: use a smaller --src-max-len or vocabulary".into()
+                "even --batch-size 1 is too large: use a shorter --src-max-len or fewer --num-units"
+                    .into()
             };
             Err(crate::Error::invalid(
                 "--batch-size",
                 batch,
                 format!(
-                    "one matrix product's operand would hold {:.0} elements (the logits' \
-                     gradient or the gates' of the longest batch), more than the {} the GPU \
-                     kernels index with 32-bit integers: {fix}",
+                    "one matrix product's operand would hold {:.0} elements (the gates' of \
+                     the longest batch, or a chunk of the logits' gradient), more than the {} \
+                     the GPU kernels index with 32-bit integers: {fix}",
                     needs.largest_operand,
                     GPU_OPERAND_LIMIT.unwrap_or_default()
                 ),
