@@ -767,6 +767,91 @@ fn mixed_precision_gemm_of_two_transposed_operands() {
     }
 }
 
+/// `A·B` of host matrices on a new backend in `precision` (no cast of an earlier product
+/// to reuse).
+fn product_alone(
+    precision: GemmPrecision,
+    (a, la): (&[f32], Layout),
+    (b, lb): (&[f32], Layout),
+    lc: Layout,
+) -> Vec<f32> {
+    let gpu = gpu_with(precision);
+    let (mut ag, mut bg) = (gpu.zeros(a.len()).unwrap(), gpu.zeros(b.len()).unwrap());
+    gpu.upload(a, &mut ag, 0).unwrap();
+    gpu.upload(b, &mut bg, 0).unwrap();
+    let mut cg = gpu.zeros(lc.len()).unwrap();
+    gpu.gemm(view(&ag, la), view(&bg, lb), view_mut(&mut cg, lc), false)
+        .unwrap();
+    fetch(&gpu, &cg)
+}
+
+#[test]
+fn mixed_precision_products_reuse_a_cast_only_while_it_is_current() {
+    // A product whose activation operand was cast for the product before it reads that
+    // cast (one launch fewer), unless something wrote the operand since: another
+    // operation, or the product before writing over it. Every result is bit for bit the
+    // product computed alone.
+    use ringtrain_cuda::KernelLaunches;
+    let (m, k, n, j) = (16, 24, 32, 8);
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    for precision in [GemmPrecision::Bf16, GemmPrecision::F16] {
+        let gpu = gpu_with(precision);
+        let x_host = random(&mut rng, m * k, 1.0);
+        let mut x = gpu.zeros(m * k).unwrap();
+        gpu.upload(&x_host, &mut x, 0).unwrap();
+        // The pass's parameters: w [k, n], e [m, j], f [j, k], one after the other.
+        let (w_at, e_at, f_at) = (0, k * n, k * n + m * j);
+        let params_host = random(&mut rng, f_at + j * k, 1.0);
+        let mut params = gpu.zeros(params_host.len()).unwrap();
+        gpu.upload(&params_host, &mut params, 0).unwrap();
+        let (lx, lw, lc) = (
+            Layout::matrix(0, m, k),
+            Layout::matrix(w_at, k, n),
+            Layout::matrix(0, m, n),
+        );
+        let mut c = gpu.zeros(m * n).unwrap();
+        let mut x_times_w = |x: &ringtrain_cuda::GpuBuffer<f32>, what: &str| {
+            let before = KernelLaunches::this_thread();
+            gpu.gemm(view(x, lx), view(&params, lw), view_mut(&mut c, lc), false)
+                .unwrap();
+            let launches = KernelLaunches::this_thread() - before;
+            let want = product_alone(
+                precision,
+                (&fetch(&gpu, x), lx),
+                (&params_host[w_at..w_at + k * n], Layout::matrix(0, k, n)),
+                lc,
+            );
+            assert_bits_equal(&format!("{precision:?}: {what}"), &want, &fetch(&gpu, &c));
+            launches
+        };
+        gpu.begin_pass(&params);
+        let first = x_times_w(&x, "x·w");
+        let again = x_times_w(&x, "x·w again");
+        assert_eq!(
+            first - again,
+            2,
+            "{precision:?}: the second product casts neither x (held) nor w (this pass's)"
+        );
+        // x written by a product (x = e·f): its cast is out of date.
+        let (le, lf) = (Layout::matrix(e_at, m, j), Layout::matrix(f_at, j, k));
+        gpu.gemm(
+            view(&params, le),
+            view(&params, lf),
+            view_mut(&mut x, lx),
+            false,
+        )
+        .unwrap();
+        let after_product = x_times_w(&x, "x·w after x = e·f");
+        assert_eq!(after_product - again, 1, "{precision:?}: x cast again");
+        // x written by another operation.
+        gpu.fill(view_mut(&mut x, Layout::contiguous(0, m * k)), 0.25)
+            .unwrap();
+        let after_fill = x_times_w(&x, "x·w after a fill");
+        assert_eq!(after_fill - again, 1, "{precision:?}: x cast again");
+        gpu.end_pass();
+    }
+}
+
 #[test]
 fn mixed_precision_recasts_the_weights_when_they_change_between_passes() {
     // 16-bit copies of the weights are made once per pass: a pass after new weights were

@@ -131,12 +131,20 @@ mod imp {
 
     /// The 16-bit copies of GEMM operands in one element type.
     ///
-    /// Activations are cast into two scratch buffers (A, B) on every product. Parameter
-    /// tensors are constant during a pass, so each (address, length) of the parameter buffer
-    /// is cast once per pass into a buffer of its own, kept (with the pass id it was cast
-    /// in) for the next pass to recast in place.
+    /// Activations are cast into two scratch buffers (A, B). A product whose activation
+    /// operand is the one a scratch buffer holds the cast of, with only products run since
+    /// that cast and none of them writing over it, reads that copy instead of casting
+    /// again: the output projection's dW and dH products share the logits' gradient, and
+    /// an LSTM layer's dW_ih, dW_hh and dX products its gates' gradient. Every other
+    /// operation of the backend forgets what the buffers hold. Parameter tensors are
+    /// constant during a pass, so each (address, length) of the parameter buffer is cast
+    /// once per pass into a buffer of its own, kept (with the pass id it was cast in) for
+    /// the next pass to recast in place.
     struct HalfOperands<T: Element> {
         scratch: [Option<GpuBuffer<T>>; 2],
+        /// The f32 operand (device address, elements) each scratch buffer holds the cast
+        /// of, while that cast is current.
+        holds: [Option<(u64, usize)>; 2],
         params: HashMap<(u64, usize), (u64, GpuBuffer<T>)>,
     }
 
@@ -144,8 +152,35 @@ mod imp {
         fn new() -> Self {
             HalfOperands {
                 scratch: [None, None],
+                holds: [None, None],
                 params: HashMap::new(),
             }
+        }
+
+        /// The casts of operands in the device bytes `start..end` are out of date.
+        fn forget_within(&mut self, start: u64, end: u64) {
+            let elem = std::mem::size_of::<f32>() as u64;
+            for held in &mut self.holds {
+                if held.is_some_and(|(at, len)| at < end && start < at + len as u64 * elem) {
+                    *held = None;
+                }
+            }
+        }
+    }
+
+    impl Scratch {
+        /// No scratch buffer holds a current cast any more (see [`HalfOperands`]).
+        fn forget_casts(&mut self) {
+            self.f16.holds = [None, None];
+            self.bf16.holds = [None, None];
+        }
+
+        /// Nor one of an operand in the device bytes of `written`.
+        fn forget_casts_within(&mut self, written: &DevSliceMut<'_, f32>) {
+            let start = written.device_ptr();
+            let end = start + (written.len() * std::mem::size_of::<f32>()) as u64;
+            self.f16.forget_within(start, end);
+            self.bf16.forget_within(start, end);
         }
     }
 
@@ -205,13 +240,15 @@ mod imp {
         Param(u64, usize),
     }
 
-    /// Casts `src` (operand `slot`: 0 = A, 1 = B) to 16 bits, unless it is a parameter
-    /// tensor already cast in this pass; says where the copy is.
+    /// Casts `src` to 16 bits into scratch buffer `slot` (0 = A, 1 = B; the other one when
+    /// the product's other operand is in `slot`), unless it is a parameter tensor already
+    /// cast in this pass or a scratch buffer holds its current cast; says where the copy
+    /// is.
     fn half_operand<T: HalfGemm>(
         gpu: &Gpu,
         ops: &mut HalfOperands<T>,
         pass: Option<PassParams>,
-        slot: usize,
+        (slot, taken): (usize, Option<usize>),
         src: DevSlice<'_, f32>,
         flag: &mut NonFiniteFlag,
     ) -> Result<HalfSource> {
@@ -228,8 +265,14 @@ mod imp {
             }
             return Ok(HalfSource::Param(start, len));
         }
+        if let Some(held) = (0..2).find(|&k| ops.holds[k] == Some((start, len))) {
+            return Ok(HalfSource::Scratch(held, len));
+        }
+        let slot = if taken == Some(slot) { 1 - slot } else { slot };
+        ops.holds[slot] = None;
         let mut dst = grown(gpu, &mut ops.scratch[slot], len)?;
         T::cast(gpu, &src, &mut dst, flag).map_err(Error::from)?;
+        ops.holds[slot] = Some((start, len));
         Ok(HalfSource::Scratch(slot, len))
     }
 
@@ -269,8 +312,12 @@ mod imp {
         d: Dims,
         beta: f32,
     ) -> Result<()> {
-        let at_a = half_operand(gpu, ops, pass, 0, a, flag)?;
-        let at_b = half_operand(gpu, ops, pass, 1, b, flag)?;
+        let at_a = half_operand(gpu, ops, pass, (0, None), a, flag)?;
+        let taken = match at_a {
+            HalfSource::Scratch(slot, _) => Some(slot),
+            HalfSource::Param(..) => None,
+        };
+        let at_b = half_operand(gpu, ops, pass, (1, taken), b, flag)?;
         let (ha, hb) = (half_view(ops, at_a)?, half_view(ops, at_b)?);
         T::gemm(gpu, transpose, (&ha, &hb), c, d, beta).map_err(Error::from)
     }
@@ -561,8 +608,15 @@ mod imp {
             self.gpu.synchronize().map_err(Error::from)
         }
 
+        /// Counts an operation; one that is not a matrix product may write any buffer, so
+        /// no 16-bit cast of an operand stays current (see [`HalfOperands`]).
         fn launched(&self) {
             self.launches.fetch_add(1, Ordering::Relaxed);
+            self.forget_casts();
+        }
+
+        fn forget_casts(&self) {
+            self.scratch.borrow_mut().forget_casts();
         }
 
         /// `host` in a pooled device buffer (at least as long; synchronizes).
@@ -610,6 +664,8 @@ mod imp {
             d: Dims,
             beta: f32,
         ) -> Result<()> {
+            // The transposed copy is rewritten where an earlier one lay.
+            self.forget_casts();
             let mut slot = self.scratch.borrow_mut().transposed.take();
             let result = if d.m <= d.n {
                 // A is stored [k, m]: its transpose is op(A), a dense [m, k].
@@ -709,6 +765,8 @@ mod imp {
         }
 
         fn zeros(&self, len: usize) -> Result<GpuBuffer<f32>> {
+            // (it may reuse a freed operand's address)
+            self.forget_casts();
             self.gpu.zeros(len).map_err(Error::from)
         }
 
@@ -718,6 +776,7 @@ mod imp {
 
         fn upload(&self, src: &[f32], dst: &mut GpuBuffer<f32>, offset: usize) -> Result<()> {
             let r = Layout::contiguous(offset, src.len()).check(dst.len(), "upload destination")?;
+            self.forget_casts();
             self.gpu
                 .copy_from_host(src, &mut dev_mut(dst, r)?)
                 .map_err(Error::from)
@@ -736,6 +795,7 @@ mod imp {
 
         fn begin_pass(&self, params: &GpuBuffer<f32>) {
             let mut scratch = self.scratch.borrow_mut();
+            scratch.forget_casts();
             scratch.passes += 1;
             let start = params.device_ptr();
             scratch.pass = Some(PassParams {
@@ -746,10 +806,14 @@ mod imp {
         }
 
         fn end_pass(&self) {
-            self.scratch.borrow_mut().pass = None;
+            let mut scratch = self.scratch.borrow_mut();
+            scratch.forget_casts();
+            scratch.pass = None;
         }
 
         fn stage_ids(&self, ids: CheckedIds<'_>) -> Result<CudaIds> {
+            // (a staged buffer may take a freed operand's address)
+            self.forget_casts();
             let storage = match self.words.take(4 * ids.ids().len() + 1) {
                 Some(buf) => buf,
                 None => self.gpu.alloc::<u32>(0)?,
@@ -764,6 +828,7 @@ mod imp {
         }
 
         fn stage_targets(&self, targets: CheckedTargets<'_>) -> Result<CudaTargets> {
+            self.forget_casts();
             let rows = targets.labels().len();
             let mut staged = CudaTargets {
                 labels: None,
@@ -813,7 +878,9 @@ mod imp {
                 arg(self, "gemm B", &b),
                 arg(self, "gemm C", &c),
             )?;
-            self.launched();
+            // Not `launched`: a product keeps the casts of the products before it current,
+            // except those of what it writes.
+            self.launches.fetch_add(1, Ordering::Relaxed);
             if g.m == 0 || g.n == 0 {
                 return Ok(());
             }
@@ -835,12 +902,17 @@ mod imp {
                 ldc: g.c.ld,
             };
             let transpose = match (g.a.trans, g.b.trans) {
-                (false, false) => Transpose::NN,
-                (false, true) => Transpose::NT,
-                (true, false) => Transpose::TN,
-                (true, true) => return self.gemm_both_transposed(operands, &mut c, d, beta),
+                (false, false) => Some(Transpose::NN),
+                (false, true) => Some(Transpose::NT),
+                (true, false) => Some(Transpose::TN),
+                (true, true) => None,
             };
-            self.gemm_on(transpose, operands, &mut c, d, beta)
+            let result = match transpose {
+                Some(transpose) => self.gemm_on(transpose, operands, &mut c, d, beta),
+                None => self.gemm_both_transposed(operands, &mut c, d, beta),
+            };
+            self.scratch.borrow_mut().forget_casts_within(&c);
+            result
         }
 
         fn gather_rows(
