@@ -754,7 +754,7 @@ impl LstmLayer {
                 )?;
             }
         }
-        // dW_ih = Xᵀ·dGates, dW_hh = H_prevᵀ·dGates, db = column sums of dGates.
+        // dW_ih = Xᵀ·dGates, dW_hh = H_prevᵀ·dGates, then dX and db (below).
         let mut row = 0;
         for part in x {
             be.gemm(
@@ -774,15 +774,10 @@ impl LstmLayer {
             false,
         )?;
         on_ready(self.w_hh.clone(), grads);
-        be.column_sums(
-            view(&w.gates, gates),
-            view_mut(grads, self.bias_vector()),
-            false,
-        )?;
-        on_ready(self.bias.clone(), grads);
+        // dX = dGates·W_ihᵀ, before db: the products that read dGates run back to back
+        // (a GPU in 16 bits casts dGates once for them).
         let mut row = 0;
         for (part, dx) in x.iter().zip(dx.iter_mut()) {
-            // dX = dGates·W_ihᵀ
             be.gemm(
                 view(&w.gates, gates),
                 view(params, self.w_ih_rows(row, part.width)).t(),
@@ -791,6 +786,12 @@ impl LstmLayer {
             )?;
             row += part.width;
         }
+        be.column_sums(
+            view(&w.gates, gates),
+            view_mut(grads, self.bias_vector()),
+            false,
+        )?;
+        on_ready(self.bias.clone(), grads);
         Ok(())
     }
 
