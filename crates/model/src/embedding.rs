@@ -121,8 +121,8 @@ pub(crate) struct Projection {
 /// The most logits the output projection holds at once. Its rows are computed, scored
 /// and differentiated in chunks of at most this many elements (and at least one row), so
 /// the logits of a large batch never exist whole: 2^28 f32 values are 1 GiB, 5,368 rows
-/// at the seeds' vocabulary of 50,000 (enough to keep a GPU's matrix units busy), and a
-/// chunk stays far inside the GPU kernels' 32-bit indexing at any batch.
+/// at the seeds' vocabulary of 50,000, and a chunk stays far inside the GPU kernels'
+/// 32-bit indexing at any batch.
 pub const LOGITS_CHUNK_ELEMENTS: usize = 1 << 28;
 
 /// Rows of one chunk of logits (see [`LOGITS_CHUNK_ELEMENTS`]) for `rows` rows of `vocab`
@@ -310,10 +310,11 @@ mod tests {
     use crate::backend::CheckedTargets;
     use crate::{CpuBackend, GemmPrecision};
 
-    /// Loss, kernel gradient and `dh` of `rows` rows in chunks of `chunk_rows`, with the
+    /// Loss, kernel gradient and `dh` of the last of `batches` (rows per batch, trained in
+    /// turn on one workspace sized for the largest) in chunks of `chunk_rows`, with the
     /// matrix products in `precision`.
     fn projection_in_chunks(
-        rows: usize,
+        batches: &[usize],
         chunk_rows: usize,
         precision: GemmPrecision,
     ) -> (f64, Vec<f32>, Vec<f32>) {
@@ -329,47 +330,53 @@ mod tests {
         let value =
             |i: usize, salt: usize| ((i * 7919 + salt * 104_729) % 2001) as f32 / 1000.0 - 1.0;
         let params: Vec<f32> = (0..layout.total_len()).map(|i| value(i, 1)).collect();
-        let h: Vec<f32> = (0..rows * hidden).map(|i| 2.0 * value(i, 2)).collect();
-        let labels: Vec<u32> = (0..rows).map(|r| ((r * 3) % vocab) as u32).collect();
-        let mask: Vec<f32> = (0..rows)
-            .map(|r| if r % 4 == 2 { 0.0 } else { 1.0 })
-            .collect();
-        let Ok(checked) = CheckedTargets::new("labels", &labels, &mask, vocab) else {
-            panic!("bad targets");
-        };
-        let Ok(targets) = be.stage_targets(checked) else {
-            panic!("targets not staged");
-        };
-        let Ok(mut work) = ProjectionWork::in_chunks(&be, rows, hidden, vocab, chunk_rows) else {
+        let capacity = batches.iter().copied().max().unwrap_or(0);
+        let Ok(mut work) = ProjectionWork::in_chunks(&be, capacity, hidden, vocab, chunk_rows)
+        else {
             panic!("no workspace");
         };
-        // `dh` starts with garbage that a gradient must overwrite.
-        let mut dh = vec![9.0f32; rows * hidden];
-        let mut grads = vec![0.0f32; layout.total_len()];
-        let loss = proj.forward(
-            &be,
-            &params,
-            view(&h, Layout::matrix(0, rows, hidden)),
-            &targets,
-            &mut work,
-            Some(GradTarget {
-                buf: &mut dh,
-                offset: 0,
-                accumulate: false,
-            }),
-        );
-        let Ok(loss) = loss else {
-            panic!("forward failed: {loss:?}");
-        };
-        let mut ready = Vec::new();
-        let backward = proj.backward(&be, &mut grads, &mut work, &mut |r, _| ready.push(r));
-        assert!(backward.is_ok(), "{backward:?}");
-        assert_eq!(
-            ready,
-            std::slice::from_ref(&proj.kernel),
-            "the kernel's gradient is handed on once"
-        );
-        (loss, grads, dh)
+        let mut last = (0.0, Vec::new(), Vec::new());
+        for &rows in batches {
+            let h: Vec<f32> = (0..rows * hidden).map(|i| 2.0 * value(i, 2)).collect();
+            let labels: Vec<u32> = (0..rows).map(|r| ((r * 3) % vocab) as u32).collect();
+            let mask: Vec<f32> = (0..rows)
+                .map(|r| if r % 4 == 2 { 0.0 } else { 1.0 })
+                .collect();
+            let Ok(checked) = CheckedTargets::new("labels", &labels, &mask, vocab) else {
+                panic!("bad targets");
+            };
+            let Ok(targets) = be.stage_targets(checked) else {
+                panic!("targets not staged");
+            };
+            // `dh` starts with garbage that a gradient must overwrite.
+            let mut dh = vec![9.0f32; rows * hidden];
+            let mut grads = vec![0.0f32; layout.total_len()];
+            let loss = proj.forward(
+                &be,
+                &params,
+                view(&h, Layout::matrix(0, rows, hidden)),
+                &targets,
+                &mut work,
+                Some(GradTarget {
+                    buf: &mut dh,
+                    offset: 0,
+                    accumulate: false,
+                }),
+            );
+            let Ok(loss) = loss else {
+                panic!("forward failed: {loss:?}");
+            };
+            let mut ready = Vec::new();
+            let backward = proj.backward(&be, &mut grads, &mut work, &mut |r, _| ready.push(r));
+            assert!(backward.is_ok(), "{backward:?}");
+            assert_eq!(
+                ready,
+                std::slice::from_ref(&proj.kernel),
+                "the kernel's gradient is handed on once"
+            );
+            last = (loss, grads, dh);
+        }
+        last
     }
 
     fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -384,12 +391,12 @@ mod tests {
     fn chunks_of_rows_give_what_one_chunk_gives() {
         let rows = 11;
         for precision in [GemmPrecision::F32, GemmPrecision::Bf16] {
-            let (loss, grads, dh) = projection_in_chunks(rows, rows, precision);
+            let (loss, grads, dh) = projection_in_chunks(&[rows], rows, precision);
             assert!(loss > 0.0 && grads.iter().any(|&g| g != 0.0));
             assert!(dh.iter().all(|&d| d != 9.0), "every row of dh written");
             // 1-row chunks, chunks that divide the rows and chunks that do not.
             for chunk_rows in [1, 2, 3, 4, 10, 64] {
-                let (l, g, d) = projection_in_chunks(rows, chunk_rows, precision);
+                let (l, g, d) = projection_in_chunks(&[rows], chunk_rows, precision);
                 let what = format!("{precision:?} in chunks of {chunk_rows}");
                 assert!(
                     ((l - loss) / loss).abs() < 1e-6,
@@ -403,7 +410,8 @@ mod tests {
 
     #[test]
     fn no_rows_give_a_zero_gradient_and_backward_needs_a_differentiating_forward() {
-        let (loss, grads, dh) = projection_in_chunks(0, 3, GemmPrecision::F32);
+        // After a batch of 11 rows, on the same workspace: nothing of its gradient stays.
+        let (loss, grads, dh) = projection_in_chunks(&[11, 0], 3, GemmPrecision::F32);
         assert_eq!(loss, 0.0);
         assert!(grads.iter().all(|&g| g == 0.0) && dh.is_empty());
 
