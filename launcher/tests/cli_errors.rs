@@ -2,10 +2,17 @@
 
 use std::process::{Command, Output};
 
+/// Runs `ringtrain` with `args`. Each run gets a temporary directory of its own: a run
+/// that starts MPI as a singleton has Open MPI create its session directory there, and
+/// tests running side by side would otherwise race to create and remove the one they
+/// share (`/tmp/ompi.<host>.<uid>`: "unable to create the desired directory ... File
+/// exists").
 fn ringtrain(args: &[&str]) -> Output {
+    let tmp = tempfile::tempdir().expect("a temporary directory");
     Command::new(env!("CARGO_BIN_EXE_ringtrain"))
         .args(args)
         .env("RUST_LOG", "off")
+        .env("TMPDIR", tmp.path())
         .output()
         .expect("the ringtrain binary runs")
 }
