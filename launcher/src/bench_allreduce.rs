@@ -33,7 +33,7 @@ pub struct AllreduceBenchArgs {
     /// Element type: f32, f64, f16 or bf16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
-    /// Algorithms to measure, comma-separated (ring, mpi, rd, hd, direct, sg, auto); ring/mpi
+    /// Algorithms to measure, comma-separated (ring, mpi, rd, hd, direct, sg, shm, auto); ring/mpi
     /// ratios are printed when both are present.
     #[arg(long, value_delimiter = ',', default_value = "ring,mpi")]
     pub algorithms: Vec<String>,

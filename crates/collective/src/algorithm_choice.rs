@@ -1,11 +1,15 @@
 //! Which algorithm [`crate::Algorithm::Auto`] runs: the switch points between direct,
-//! recursive doubling, scatter-gather, halving-doubling and the ring measured with `ringtrain bench allreduce` (against
-//! `MPI_Allreduce` in the same runs), kept beside the measurements that chose them
+//! recursive doubling, scatter-gather, halving-doubling, the ring and shared memory
+//! measured with `ringtrain bench allreduce` (against `MPI_Allreduce` in the same runs),
+//! kept beside the measurements that chose them
 //! (`algorithm_choice.md`, shown below; `scripts/measure-algorithm-choice` measures them
 //! again).
 //!
 //! For every measured rank count the table lists, by message size, the fastest of them;
 //! rank counts above the largest measured one use its row (see [`measured_choice`]).
+//! Where every rank maps one shared-memory segment, the shared-memory all-reduce takes
+//! over from a size per rank count ([`shared_memory_from`]); where some rank cannot, the
+//! table of the others decides.
 //! [`crate::Communicator::set_auto_threshold_bytes`] replaces the table with a fixed
 //! two-way rule.
 //!
@@ -49,6 +53,24 @@ pub const SWITCH_POINTS: &[(usize, &[(usize, Algorithm)])] = &[
         ],
     ),
 ];
+
+/// From which message size `auto` takes the shared-memory all-reduce
+/// ([`Algorithm::SharedMemory`]) where every rank maps one segment: `(ranks,
+/// from_bytes)`, rank counts increasing. Keep in step with `algorithm_choice.md` (a test
+/// compares them).
+pub const SHARED_MEMORY_FROM: &[(usize, usize)] = &[(2, 4), (3, 2 << 10), (4, 512)];
+
+/// The size from which `auto` takes [`Algorithm::SharedMemory`] on `ranks` ranks that
+/// share a segment: the row of the largest measured count at most `ranks` (the first
+/// row below it). Messages smaller than that take [`measured_choice`].
+pub fn shared_memory_from(ranks: usize) -> usize {
+    SHARED_MEMORY_FROM
+        .iter()
+        .rev()
+        .find(|(r, _)| *r <= ranks)
+        .or(SHARED_MEMORY_FROM.first())
+        .map_or(usize::MAX, |(_, from)| *from)
+}
 
 /// The measured choice for `bytes` bytes on `ranks` ranks (before the transport's
 /// abilities are considered). Above the largest measured rank count, every count takes
@@ -118,26 +140,89 @@ mod tests {
     #[test]
     fn auto_resolves_through_the_table_unless_a_threshold_is_set() {
         for ranks in [2usize, 3, 4, 6] {
-            let mut comm = crate::Communicator::local(ranks).unwrap().remove(0);
-            for bytes in [4usize, 4 << 10, 8 << 10, 64 << 10, 128 << 10, 1 << 20] {
+            crate::Communicator::run_local(ranks, |mut comm| {
+                // Once a rank has no shared memory, every rank knows it after the first
+                // all-reduce that would use it, and the table of the others decides.
+                if comm.rank() == ranks - 1 {
+                    comm.set_shared_memory_dir(None);
+                }
+                let mut v = vec![1.0f32; 1 << 12];
+                comm.all_reduce(&mut v, &crate::AllReduceOptions::sum())
+                    .unwrap();
+                assert_eq!(v, vec![ranks as f32; 1 << 12]);
+                for bytes in [4usize, 4 << 10, 8 << 10, 64 << 10, 128 << 10, 1 << 20] {
+                    assert_eq!(
+                        comm.resolve_algorithm(Algorithm::Auto, bytes),
+                        measured_choice(ranks, bytes),
+                        "{ranks} ranks, {bytes} bytes"
+                    );
+                    assert_eq!(
+                        comm.resolve_algorithm(Algorithm::Mpi, bytes),
+                        Algorithm::Mpi
+                    );
+                }
+                comm.set_auto_threshold_bytes(100);
                 assert_eq!(
-                    comm.resolve_algorithm(Algorithm::Auto, bytes),
-                    measured_choice(ranks, bytes),
-                    "{ranks} ranks, {bytes} bytes"
+                    comm.resolve_algorithm(Algorithm::Auto, 99),
+                    Algorithm::RecursiveDoubling
                 );
                 assert_eq!(
-                    comm.resolve_algorithm(Algorithm::Mpi, bytes),
-                    Algorithm::Mpi
+                    comm.resolve_algorithm(Algorithm::Auto, 100),
+                    Algorithm::Ring
                 );
-            }
-            comm.set_auto_threshold_bytes(100);
+            })
+            .unwrap();
+        }
+    }
+
+    /// The "Shared memory" table of the markdown, as `(ranks, from_bytes)`.
+    fn documented_shared_memory() -> Vec<(usize, usize)> {
+        let text = include_str!("algorithm_choice.md");
+        let start = text
+            .find("## Shared memory")
+            .expect("the markdown has a Shared memory section");
+        text[start..]
+            .lines()
+            .skip_while(|l| !l.starts_with('|'))
+            .take_while(|l| l.starts_with('|'))
+            .skip(2)
+            .map(|l| {
+                let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
+                (
+                    cells[0].parse().expect("ranks"),
+                    cells[1].parse().expect("from bytes"),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_markdown_and_the_shared_memory_table_agree() {
+        assert_eq!(documented_shared_memory(), SHARED_MEMORY_FROM.to_vec());
+        assert!(SHARED_MEMORY_FROM.windows(2).all(|w| w[0].0 < w[1].0));
+    }
+
+    #[test]
+    fn shared_memory_takes_over_from_the_size_of_the_rank_counts_row() {
+        for &(ranks, from) in SHARED_MEMORY_FROM {
+            assert_eq!(shared_memory_from(ranks), from);
+        }
+        let (smallest, first) = SHARED_MEMORY_FROM[0];
+        let (largest, last) = *SHARED_MEMORY_FROM.last().unwrap();
+        assert_eq!(shared_memory_from(smallest - 1), first);
+        assert_eq!(shared_memory_from(largest + 5), last);
+        // A communicator that has not tried a segment counts on one; the message below
+        // the switch takes the table's choice.
+        for ranks in [2usize, 3, 4, 8] {
+            let comm = crate::Communicator::local(ranks).unwrap().remove(0);
+            let from = shared_memory_from(ranks);
             assert_eq!(
-                comm.resolve_algorithm(Algorithm::Auto, 99),
-                Algorithm::RecursiveDoubling
+                comm.resolve_algorithm(Algorithm::Auto, from),
+                Algorithm::SharedMemory
             );
             assert_eq!(
-                comm.resolve_algorithm(Algorithm::Auto, 100),
-                Algorithm::Ring
+                comm.resolve_algorithm(Algorithm::Auto, from - 4),
+                measured_choice(ranks, from - 4)
             );
         }
     }

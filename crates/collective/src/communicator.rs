@@ -1,6 +1,7 @@
 //! [`Communicator`]: the collectives, written once against a [`Transport`].
 
 use std::ops::Range;
+use std::path::PathBuf;
 
 use half::{bf16, f16};
 
@@ -8,6 +9,7 @@ use crate::dtype::{DType, Element, TensorMut};
 use crate::error::{Error, Result};
 use crate::options::{Algorithm, AllReduceOptions, ReduceOp, WireCompression};
 use crate::pieces;
+use crate::shared_memory::NodeSegment;
 use crate::stall::Operation;
 use crate::transport::{LocalTransport, NodeRank, Transport};
 
@@ -39,6 +41,17 @@ pub fn ring_chunk_range(len: usize, size: usize, chunk: usize) -> Range<usize> {
     start..end
 }
 
+/// Whether the ranks share a segment for [`Algorithm::SharedMemory`].
+#[derive(Debug)]
+enum SegmentState {
+    /// Not tried yet: `auto` counts on one.
+    Untried,
+    /// Mapped by every rank.
+    Mapped(Box<NodeSegment>),
+    /// Some rank could not map it (why): `auto` chooses among the others from now on.
+    Unavailable(String),
+}
+
 /// A group of ranks and the collectives between them.
 ///
 /// Holds the transport and reusable scratch buffers, so repeated calls do not allocate.
@@ -59,6 +72,10 @@ pub struct Communicator {
     /// Narrow copies of f32 data for wire compression.
     wire_f16: Vec<f16>,
     wire_bf16: Vec<bf16>,
+    /// The segment of [`Algorithm::SharedMemory`], made by its first call.
+    node_segment: SegmentState,
+    /// Where that segment is made; `None`: shared memory is off.
+    shared_memory_dir: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -142,6 +159,8 @@ impl Communicator {
             staging: Vec::new(),
             wire_f16: Vec::new(),
             wire_bf16: Vec::new(),
+            node_segment: SegmentState::Untried,
+            shared_memory_dir: Some(PathBuf::from(crate::shared_memory::DEFAULT_SEGMENT_DIR)),
         }
     }
 
@@ -196,6 +215,7 @@ impl Communicator {
         let mut dup = Communicator::boxed(self.transport.duplicate()?);
         dup.segment_bytes = self.segment_bytes;
         dup.auto_threshold_bytes = self.auto_threshold_bytes;
+        dup.shared_memory_dir = self.shared_memory_dir.clone();
         Ok(dup)
     }
 
@@ -214,6 +234,7 @@ impl Communicator {
         )?));
         sub.segment_bytes = self.segment_bytes;
         sub.auto_threshold_bytes = self.auto_threshold_bytes;
+        sub.shared_memory_dir = self.shared_memory_dir.clone();
         Ok(sub)
     }
 
@@ -280,6 +301,19 @@ impl Communicator {
         self.segment_bytes
     }
 
+    /// Where [`Algorithm::SharedMemory`] makes the segment the ranks share (default
+    /// [`crate::shared_memory::DEFAULT_SEGMENT_DIR`], `/dev/shm`): a directory in memory
+    /// of this node. `None` turns shared memory off on this rank: the first all-reduce
+    /// that would use it finds that out on every rank at once, an explicit
+    /// shared-memory all-reduce then fails on every rank, and [`Algorithm::Auto`]
+    /// chooses among the other algorithms from then on. Rank 0's directory is the one
+    /// used. Forgets a segment made before, and whether one could be made: the next
+    /// shared-memory all-reduce tries again (collective: call it on every rank).
+    pub fn set_shared_memory_dir(&mut self, dir: Option<PathBuf>) {
+        self.shared_memory_dir = dir;
+        self.node_segment = SegmentState::Untried;
+    }
+
     /// Replaces the measured choice of [`Algorithm::Auto`] with a fixed rule: recursive
     /// doubling below `bytes`, ring from `bytes` up.
     pub fn set_auto_threshold_bytes(&mut self, bytes: usize) {
@@ -293,6 +327,12 @@ impl Communicator {
         match (algorithm, self.auto_threshold_bytes) {
             (Algorithm::Auto, Some(threshold)) if bytes < threshold => Algorithm::RecursiveDoubling,
             (Algorithm::Auto, Some(_)) => Algorithm::Ring,
+            (Algorithm::Auto, None)
+                if !matches!(self.node_segment, SegmentState::Unavailable(_))
+                    && bytes >= crate::algorithm_choice::shared_memory_from(self.size) =>
+            {
+                Algorithm::SharedMemory
+            }
             (Algorithm::Auto, None) => crate::algorithm_choice::measured_choice(self.size, bytes),
             (other, _) => other,
         }
@@ -355,13 +395,27 @@ impl Communicator {
             }
         }
         if self.size > 1 && bytes > 0 {
-            let algorithm = self.resolve_algorithm(opts.algorithm, bytes);
+            let mut algorithm = self.resolve_algorithm(opts.algorithm, bytes);
+            if algorithm == Algorithm::SharedMemory && !self.map_segment()? {
+                if opts.algorithm != Algorithm::Auto {
+                    let SegmentState::Unavailable(why) = &self.node_segment else {
+                        unreachable!("map_segment says why it failed");
+                    };
+                    return Err(Error::Transport {
+                        rank: self.rank,
+                        detail: why.clone(),
+                    });
+                }
+                // `auto` counted on the segment: it now chooses among the others.
+                algorithm = self.resolve_algorithm(opts.algorithm, bytes);
+            }
             let name = match algorithm {
                 Algorithm::Ring | Algorithm::Auto => "ring all-reduce",
                 Algorithm::RecursiveDoubling => "recursive-doubling all-reduce",
                 Algorithm::HalvingDoubling => "halving-doubling all-reduce",
                 Algorithm::Direct => "direct all-reduce",
                 Algorithm::ScatterGather => "scatter-gather all-reduce",
+                Algorithm::SharedMemory => "shared-memory all-reduce",
                 Algorithm::Mpi => "MPI_Allreduce",
             };
             self.begin(name, Some(T::DTYPE), bytes);
@@ -375,6 +429,7 @@ impl Communicator {
                     self.through_one_buffer(pieces, |comm, buf| comm.direct_all_reduce(buf, op))?
                 }
                 Algorithm::ScatterGather => self.scatter_gather_all_reduce(pieces, op)?,
+                Algorithm::SharedMemory => self.shared_memory_all_reduce(pieces, op)?,
                 Algorithm::Mpi => self.through_one_buffer(pieces, |comm, buf| {
                     comm.mpi_all_reduce_in_place(buf, op)
                 })?,
@@ -405,14 +460,16 @@ impl Communicator {
     ) -> bool {
         let compressed = dtype == DType::F32 && opts.compression != WireCompression::None;
         !compressed
-            && matches!(
-                self.resolve_algorithm(opts.algorithm, bytes),
-                Algorithm::Ring
-                    | Algorithm::RecursiveDoubling
-                    | Algorithm::HalvingDoubling
-                    | Algorithm::ScatterGather
-            )
-            && bytes >= pieces.saturating_mul(MIN_IN_PLACE_PIECE_BYTES)
+            && match self.resolve_algorithm(opts.algorithm, bytes) {
+                Algorithm::SharedMemory
+                | Algorithm::Ring
+                | Algorithm::RecursiveDoubling
+                | Algorithm::HalvingDoubling
+                | Algorithm::ScatterGather => {
+                    bytes >= pieces.saturating_mul(MIN_IN_PLACE_PIECE_BYTES)
+                }
+                _ => false,
+            }
     }
 
     /// Runs `f` on the message `pieces` make up: on the piece itself when there is one,
@@ -777,6 +834,44 @@ impl Communicator {
             carved.iter_mut().map(|c| pieces::as_bytes_mut(c)).collect();
         let mut recvs: Vec<&mut [&mut [u8]]> = recvs.iter_mut().map(|s| s.as_mut_slice()).collect();
         transport.all_to_all_pieces(&sends, &mut recvs)
+    }
+
+    /// Maps the segment of [`Algorithm::SharedMemory`] on every rank unless it is mapped
+    /// at the segment size already or known to be out of reach: whether it is mapped now.
+    /// Collective where it tries.
+    fn map_segment(&mut self) -> Result<bool> {
+        match &self.node_segment {
+            SegmentState::Mapped(segment) if segment.slot_bytes() == self.segment_bytes => {
+                return Ok(true)
+            }
+            SegmentState::Unavailable(_) => return Ok(false),
+            _ => {}
+        }
+        self.begin(
+            "shared-memory all-reduce (mapping its segment)",
+            None,
+            self.segment_bytes,
+        );
+        let dir = self.shared_memory_dir.as_deref();
+        self.node_segment =
+            match NodeSegment::create(self.transport.as_ref(), self.segment_bytes, dir)? {
+                Ok(segment) => SegmentState::Mapped(Box::new(segment)),
+                Err(why) => SegmentState::Unavailable(why),
+            };
+        Ok(matches!(self.node_segment, SegmentState::Mapped(_)))
+    }
+
+    /// [`Algorithm::SharedMemory`] through the mapped segment, in pieces of the segment
+    /// size ([`crate::shared_memory`]).
+    fn shared_memory_all_reduce<T: Element>(
+        &mut self,
+        pieces: &mut [&mut [T]],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let SegmentState::Mapped(segment) = &mut self.node_segment else {
+            unreachable!("all_reduce_pieces maps the segment first");
+        };
+        segment.all_reduce(self.transport.as_ref(), pieces, op)
     }
 
     fn mpi_all_reduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {

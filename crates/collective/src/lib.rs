@@ -1,8 +1,9 @@
 //! Horovod-style collectives for data-parallel training: a pipelined ring all-reduce,
 //! recursive doubling and a one-step direct all-reduce for small messages,
-//! scatter-gather (two direct steps) and halving-doubling for mid-sized ones, broadcast, all-gather, reduce-scatter and barrier, tf_cnn_benchmarks'
-//! gradient packing, and Horovod's tensor fusion with asynchronous submission, name
-//! negotiation and stall detection.
+//! scatter-gather (two direct steps) and halving-doubling for mid-sized ones, a
+//! shared-memory all-reduce for the ranks of one node, broadcast, all-gather,
+//! reduce-scatter and barrier, tf_cnn_benchmarks' gradient packing, and Horovod's tensor
+//! fusion with asynchronous submission, name negotiation and stall detection.
 //!
 //! The algorithms are written once against a small [`Transport`] (rank, size and
 //! point-to-point bytes). Two transports exist:
@@ -12,6 +13,12 @@
 //! - `MpiTransport` (feature `mpi`): rsmpi point-to-point over `MPI_COMM_WORLD`, one
 //!   process per rank under `mpirun`. It also offers `MPI_Allreduce` itself as
 //!   [`Algorithm::Mpi`], the baseline the benchmarks compare with.
+//!
+//! Where every rank is on one node, [`Algorithm::SharedMemory`] reduces through a memory
+//! segment the ranks map (`/dev/shm`) instead of messages, and [`Algorithm::Auto`] takes
+//! it from a few hundred bytes or kilobytes up ([`algorithm_choice`]); where a rank cannot
+//! map it, every rank learns so at once and `auto` chooses among the others
+//! ([`shared_memory`]).
 //!
 //! Every wait on other ranks is bounded by a stall timeout
 //! ([`Communicator::set_stall_timeout`], default 60 s): a rank that stops responding is
@@ -105,6 +112,7 @@ mod negotiation;
 mod options;
 mod packing;
 mod pieces;
+pub mod shared_memory;
 pub mod stall;
 mod subgroup;
 pub mod timeline;

@@ -611,6 +611,10 @@ impl Transport for MpiTransport {
         )))
     }
 
+    fn stalled(&self, error: Error) -> Error {
+        self.abort_stalled(error)
+    }
+
     fn node_rank(&self) -> Result<NodeRank> {
         let shared = self.world().split_shared(self.world().rank());
         Ok(NodeRank {

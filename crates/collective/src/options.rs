@@ -76,8 +76,16 @@ pub enum Algorithm {
     /// then sends its reduced chunk to every other rank (two message steps however many
     /// ranks, moving the ring's bytes; for mid-sized messages at few ranks).
     ScatterGather,
-    /// The fastest of direct, scatter-gather, recursive doubling, halving-doubling and the ring as
-    /// measured for the rank count and message size ([`crate::algorithm_choice`]).
+    /// Scatter-gather through a memory segment that every rank maps, instead of messages:
+    /// every rank copies its message into its slot, reduces its chunk from every rank's
+    /// slot in rank order and copies the other ranks' reduced chunks out of theirs
+    /// ([`crate::shared_memory`]). Every rank must be on one node. The bits of
+    /// [`Algorithm::Direct`].
+    SharedMemory,
+    /// The fastest of direct, scatter-gather, recursive doubling, halving-doubling, the ring
+    /// and shared memory as measured for the rank count and message size
+    /// ([`crate::algorithm_choice`]); shared memory only while every rank can map its
+    /// segment.
     Auto,
 }
 
@@ -91,6 +99,7 @@ impl Algorithm {
             Algorithm::HalvingDoubling => "hd",
             Algorithm::Direct => "direct",
             Algorithm::ScatterGather => "sg",
+            Algorithm::SharedMemory => "shm",
             Algorithm::Auto => "auto",
         }
     }
@@ -112,11 +121,12 @@ impl FromStr for Algorithm {
             "hd" | "halving-doubling" | "halving_doubling" => Ok(Algorithm::HalvingDoubling),
             "direct" => Ok(Algorithm::Direct),
             "sg" | "scatter-gather" | "scatter_gather" => Ok(Algorithm::ScatterGather),
+            "shm" | "shared-memory" | "shared_memory" => Ok(Algorithm::SharedMemory),
             "auto" => Ok(Algorithm::Auto),
             _ => Err(Error::invalid(
                 "all-reduce algorithm",
                 s,
-                "use one of ring, mpi, rd (recursive doubling), hd (halving-doubling), direct, sg (scatter-gather), auto",
+                "use one of ring, mpi, rd (recursive doubling), hd (halving-doubling), direct, sg (scatter-gather), shm (shared memory, one node), auto",
             )),
         }
     }

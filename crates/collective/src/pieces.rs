@@ -165,6 +165,48 @@ pub(crate) fn copy_to_pieces<T: Copy>(dst: &mut [&mut [T]], offset: usize, src: 
     let Ok(()) = copied;
 }
 
+/// Copies elements `offset..offset + dst.len()` of the message `src`'s pieces make up
+/// into `dst`, a run at a time with `copy(to, from)`.
+pub(crate) fn copy_window<T>(
+    src: &[&mut [T]],
+    offset: usize,
+    dst: &mut [T],
+    mut copy: impl FnMut(&mut [T], &[T]),
+) {
+    let mut skip = offset;
+    let mut at = 0;
+    for piece in src {
+        if at == dst.len() {
+            break;
+        }
+        if skip >= piece.len() {
+            skip -= piece.len();
+            continue;
+        }
+        let n = (piece.len() - skip).min(dst.len() - at);
+        copy(&mut dst[at..at + n], &piece[skip..skip + n]);
+        at += n;
+        skip = 0;
+    }
+    debug_assert_eq!(at, dst.len(), "window past the message");
+}
+
+/// Copies `src` into `dst`'s pieces from element `offset` of the message they make up, a
+/// run at a time with `copy(to, from)`.
+pub(crate) fn copy_to_pieces_with<T>(
+    dst: &mut [&mut [T]],
+    offset: usize,
+    src: &[T],
+    mut copy: impl FnMut(&mut [T], &[T]),
+) {
+    let copied: core::result::Result<(), core::convert::Infallible> =
+        zip_from(dst, offset, src, |d, s| {
+            copy(d, s);
+            Ok(())
+        });
+    let Ok(()) = copied;
+}
+
 /// Copies the message `src`'s pieces make up into `dst`, which is as long.
 pub(crate) fn copy_from_pieces<T: Copy>(dst: &mut [T], src: &[&mut [T]]) {
     let mut at = 0;

@@ -101,6 +101,9 @@ impl Transport for SubgroupTransport {
     fn node_rank(&self) -> Result<NodeRank> {
         self.inner.node_rank()
     }
+    fn stalled(&self, error: Error) -> Error {
+        self.inner.stalled(error)
+    }
     /// One shift per step: send to `rank + k`, receive from `rank - k`.
     fn exchange_all(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         let (n, r) = (self.size(), self.rank);

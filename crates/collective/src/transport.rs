@@ -113,6 +113,13 @@ pub trait Transport: Send {
     /// it, and the k-th call on each rank returns endpoints of the same new group.
     fn duplicate(&self) -> Result<Box<dyn Transport>>;
 
+    /// What a wait outside the transport (a flag in memory the ranks share) does when the
+    /// stall timeout runs out: the local transport returns `error` to the caller; the MPI
+    /// transport prints it and aborts the job, as its own waits do.
+    fn stalled(&self, error: Error) -> Error {
+        error
+    }
+
     /// This rank's place among the ranks that share its node (its memory), as
     /// `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)` finds them. Collective.
     fn node_rank(&self) -> Result<NodeRank>;

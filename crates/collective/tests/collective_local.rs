@@ -269,6 +269,7 @@ fn algorithms() -> impl Strategy<Value = Algorithm> {
         Just(Algorithm::HalvingDoubling),
         Just(Algorithm::Direct),
         Just(Algorithm::ScatterGather),
+        Just(Algorithm::SharedMemory),
         Just(Algorithm::Auto)
     ]
 }
@@ -531,6 +532,7 @@ fn gradient_packing_gives_the_bits_of_concatenating_reducing_and_splitting() {
             Algorithm::HalvingDoubling,
             Algorithm::ScatterGather,
             Algorithm::Direct,
+            Algorithm::SharedMemory,
             Algorithm::Auto,
         ] {
             let opts = AllReduceOptions::sum().algorithm(algorithm);
@@ -1272,6 +1274,7 @@ fn a_stalled_rank_is_named_by_the_waiting_ranks() {
         Algorithm::HalvingDoubling,
         Algorithm::Direct,
         Algorithm::ScatterGather,
+        Algorithm::SharedMemory,
     ] {
         let outs = Communicator::run_local(3, |mut comm| {
             comm.set_stall_timeout(Some(Duration::from_millis(300)));
@@ -1337,12 +1340,16 @@ fn halving_doubling_is_exact_at_every_rank_count_and_length() {
     }
 }
 
-/// The direct and scatter-gather all-reduces at every rank count from 1 to 9 and
+/// The direct, scatter-gather and shared-memory all-reduces at every rank count from 1 to 9 and
 /// short, odd and long lengths (lengths below the rank count leave chunks empty), every
 /// dtype and op: exact, and the same bits on every rank.
 #[test]
 fn direct_and_scatter_gather_are_exact_at_every_rank_count_length_and_dtype() {
-    for algorithm in [Algorithm::Direct, Algorithm::ScatterGather] {
+    for algorithm in [
+        Algorithm::Direct,
+        Algorithm::ScatterGather,
+        Algorithm::SharedMemory,
+    ] {
         for size in 1..=9 {
             for len in [0usize, 1, 2, 3, 5, 8, 17, 1000] {
                 for op in [
@@ -1413,12 +1420,16 @@ fn check_sums_in_rank_order<T: Element>(algorithm: Algorithm, size: usize, len: 
     }
 }
 
-/// Every rank of the direct and scatter-gather all-reduces ends with the bits of the sum
+/// Every rank of the direct, scatter-gather and shared-memory all-reduces ends with the bits of the sum
 /// taken in rank order, for inputs whose sum depends on the order (recursive doubling's
 /// order, for one, gives other bits at 3 ranks and up).
 #[test]
 fn direct_and_scatter_gather_sum_in_rank_order_with_identical_bits_on_every_rank() {
-    for algorithm in [Algorithm::Direct, Algorithm::ScatterGather] {
+    for algorithm in [
+        Algorithm::Direct,
+        Algorithm::ScatterGather,
+        Algorithm::SharedMemory,
+    ] {
         for size in 2..=9 {
             for len in [1usize, 7, 64, 1000] {
                 check_sums_in_rank_order::<f32>(algorithm, size, len);
@@ -1593,5 +1604,193 @@ fn a_group_submitted_every_step_keeps_each_tensor_in_its_place() {
     .expect("run");
     for out in outs {
         out.expect("rank");
+    }
+}
+
+/// The shared-memory all-reduce of a message of many pieces of its segment (both sets of
+/// slots taking turns, call after call), given as several slices: the bits of the direct
+/// all-reduce of one buffer, on every rank, every dtype.
+#[test]
+fn shared_memory_through_many_segments_and_pieces_gives_the_direct_bits() {
+    fn check<T: Element>(size: usize) {
+        let lens = [1usize, 130, 7, 999, 64];
+        let total: usize = lens.iter().sum();
+        let outs = Communicator::run_local(size, |mut comm| -> Result<_, Error> {
+            let r = comm.rank();
+            let input: Vec<T> = (0..total)
+                .map(|i| T::from_f64(order_sensitive_input(r, i)))
+                .collect();
+            let mut direct = input.clone();
+            comm.all_reduce(
+                &mut direct,
+                &AllReduceOptions::sum().algorithm(Algorithm::Direct),
+            )?;
+            // 64-byte slots: the message goes through the segment in dozens of pieces.
+            comm.set_segment_bytes(64);
+            let mut results = Vec::new();
+            for _ in 0..3 {
+                let mut flat = input.clone();
+                let mut slices: Vec<&mut [T]> = Vec::new();
+                let mut rest = &mut flat[..];
+                for &len in &lens {
+                    let (head, tail) = rest.split_at_mut(len);
+                    slices.push(head);
+                    rest = tail;
+                }
+                comm.all_reduce_pieces(
+                    &mut slices,
+                    &AllReduceOptions::sum().algorithm(Algorithm::SharedMemory),
+                )?;
+                results.push(flat);
+            }
+            Ok((direct, results))
+        })
+        .expect("threads");
+        for (rank, out) in outs.into_iter().enumerate() {
+            let (direct, results) = out.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            for got in results {
+                assert_eq!(
+                    bits(&got),
+                    bits(&direct),
+                    "{} at {size} ranks, rank {rank}",
+                    T::NAME
+                );
+            }
+        }
+    }
+    for size in [2, 3, 5] {
+        check::<f32>(size);
+        check::<f64>(size);
+        check::<f16>(size);
+        check::<bf16>(size);
+    }
+}
+
+/// A rank without shared memory: an explicit shared-memory all-reduce fails on every rank,
+/// naming that rank, and `auto` still reduces (among the other algorithms).
+#[test]
+fn without_shared_memory_on_one_rank_every_rank_is_told_and_auto_goes_on() {
+    let outs = Communicator::run_local(3, |mut comm| {
+        if comm.rank() == 1 {
+            comm.set_shared_memory_dir(None);
+        }
+        let mut v = vec![1.0f32; 4096];
+        let explicit = comm.all_reduce(
+            &mut v,
+            &AllReduceOptions::sum().algorithm(Algorithm::SharedMemory),
+        );
+        let mut w = vec![1.0f32; 4096];
+        let auto = comm.all_reduce(&mut w, &AllReduceOptions::sum()).map(|_| w);
+        (explicit, auto)
+    })
+    .expect("threads");
+    for (rank, (explicit, auto)) in outs.into_iter().enumerate() {
+        let msg = explicit
+            .expect_err("no segment: the explicit call fails")
+            .to_string();
+        assert!(
+            msg.contains("rank 1") && msg.contains("shared memory turned off"),
+            "rank {rank}: {msg}"
+        );
+        assert_eq!(
+            auto.expect("auto goes on"),
+            vec![3.0f32; 4096],
+            "rank {rank}"
+        );
+    }
+}
+
+/// Rank 0 cannot make the segment where it is told to: every rank gets the reason, with
+/// the path.
+#[test]
+fn a_segment_directory_that_is_missing_fails_every_rank_with_its_path() {
+    let outs = Communicator::run_local(2, |mut comm| {
+        comm.set_shared_memory_dir(Some("/nonexistent-shm-dir".into()));
+        let mut v = vec![1.0f32; 10];
+        comm.all_reduce(
+            &mut v,
+            &AllReduceOptions::sum().algorithm(Algorithm::SharedMemory),
+        )
+    })
+    .expect("threads");
+    for out in outs {
+        let msg = out.expect_err("no directory").to_string();
+        assert!(
+            msg.contains("rank 0") && msg.contains("/nonexistent-shm-dir"),
+            "{msg}"
+        );
+    }
+}
+
+/// The segment's file is gone once every rank has mapped it, so nothing is left behind
+/// however the job ends; reductions go on through the mapping.
+#[test]
+fn the_segment_file_is_removed_once_every_rank_has_mapped_it() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let outs = Communicator::run_local(3, |mut comm| {
+        comm.set_shared_memory_dir(Some(dir.path().to_path_buf()));
+        let opts = AllReduceOptions::sum().algorithm(Algorithm::SharedMemory);
+        let mut v = vec![1.0f32; 100];
+        comm.all_reduce(&mut v, &opts)?;
+        comm.barrier()?;
+        let left = std::fs::read_dir(dir.path()).expect("listable").count();
+        comm.all_reduce(&mut v, &opts)?;
+        Ok::<_, Error>((left, v))
+    })
+    .expect("threads");
+    for out in outs {
+        let (left, v) = out.expect("reduced");
+        assert_eq!(left, 0, "files left in the segment directory");
+        assert_eq!(v, vec![9.0f32; 100]);
+    }
+}
+
+/// A rank that never comes to the segment's making: rank 0's wait for it ends at the
+/// stall timeout, and the file rank 0 made is gone.
+#[test]
+fn a_segment_that_a_rank_never_maps_leaves_no_file() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let outs = Communicator::run_local(2, |mut comm| {
+        comm.set_stall_timeout(Some(Duration::from_millis(300)));
+        comm.set_shared_memory_dir(Some(dir.path().to_path_buf()));
+        if comm.rank() == 1 {
+            std::thread::sleep(Duration::from_secs(1));
+            return Ok(());
+        }
+        let mut v = vec![1.0f32; 100];
+        comm.all_reduce(
+            &mut v,
+            &AllReduceOptions::sum().algorithm(Algorithm::SharedMemory),
+        )
+    })
+    .expect("threads");
+    let msg = outs[0].as_ref().expect_err("rank 1 never came").to_string();
+    assert!(msg.contains("waiting for rank 1"), "{msg}");
+    let left: Vec<_> = std::fs::read_dir(dir.path()).expect("listable").collect();
+    assert!(left.is_empty(), "files left: {left:?}");
+}
+
+/// A rank that stops after the segment is made: the others wait on its flag and name it
+/// at the stall timeout.
+#[test]
+fn a_rank_that_stops_between_shared_memory_reductions_is_named() {
+    let outs = Communicator::run_local(3, |mut comm| {
+        comm.set_stall_timeout(Some(Duration::from_millis(300)));
+        let opts = AllReduceOptions::sum().algorithm(Algorithm::SharedMemory);
+        let mut v = vec![1.0f32; 100];
+        comm.all_reduce(&mut v, &opts)?;
+        if comm.rank() == 2 {
+            std::thread::sleep(Duration::from_secs(2));
+            return Ok(());
+        }
+        comm.all_reduce(&mut v, &opts)
+    })
+    .expect("threads");
+    for out in &outs[..2] {
+        let msg = out.as_ref().expect_err("rank 2 stopped").to_string();
+        assert!(
+            msg.contains("waiting for rank 2") && msg.contains("shared-memory all-reduce"),
+            "{msg}"
+        );
     }
 }

@@ -101,12 +101,13 @@ fn same_on_every_rank(comm: &mut Communicator, bytes: &[u8]) -> Result<bool, Err
 }
 
 /// Every algorithm, `MPI_Allreduce` and `auto` included.
-const ALGORITHMS: [Algorithm; 7] = [
+const ALGORITHMS: [Algorithm; 8] = [
     Algorithm::Ring,
     Algorithm::RecursiveDoubling,
     Algorithm::HalvingDoubling,
     Algorithm::Direct,
     Algorithm::ScatterGather,
+    Algorithm::SharedMemory,
     Algorithm::Auto,
     Algorithm::Mpi,
 ];
@@ -287,15 +288,19 @@ fn order_sensitive_input(rank: usize, i: usize) -> f64 {
     ((i * 31 + rank * 17) % 13) as f64 * 0.37 * scale
 }
 
-/// The direct and scatter-gather all-reduces give, on every rank, the bits of the sum
+/// The direct, scatter-gather and shared-memory all-reduces give, on every rank, the bits of the sum
 /// taken in rank order `((x0 + x1) + x2) ...`, each addition rounded to `T` (IEEE
 /// addition of two `T` values, done in f64 and rounded once, which is exact for f32, f16
 /// and bf16).
 fn check_rank_order<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
     let (r, n) = (comm.rank(), comm.size());
-    for (algorithm, &len) in [Algorithm::Direct, Algorithm::ScatterGather]
-        .into_iter()
-        .flat_map(|a| [1usize, 7, 1000, 70_001].iter().map(move |len| (a, len)))
+    for (algorithm, &len) in [
+        Algorithm::Direct,
+        Algorithm::ScatterGather,
+        Algorithm::SharedMemory,
+    ]
+    .into_iter()
+    .flat_map(|a| [1usize, 7, 1000, 70_001].iter().map(move |len| (a, len)))
     {
         let inputs: Vec<Vec<T>> = (0..n)
             .map(|rank| {

@@ -182,6 +182,7 @@ impl Engine {
                     | crate::Algorithm::HalvingDoubling
                     | crate::Algorithm::Direct
                     | crate::Algorithm::ScatterGather
+                    | crate::Algorithm::SharedMemory
             );
         // Where the communicator reduces the group in one buffer anyway, the fusion buffer
         // with slots costs no more copies than a buffer without.

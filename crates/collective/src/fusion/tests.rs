@@ -80,6 +80,8 @@ fn a_cached_group_step_gives_the_general_paths_bits() {
         (Algorithm::Direct, ReduceOp::Sum, 1.0),
         (Algorithm::ScatterGather, ReduceOp::Sum, 1.0),
         (Algorithm::ScatterGather, ReduceOp::Min, 1.0),
+        (Algorithm::SharedMemory, ReduceOp::Sum, 1.0),
+        (Algorithm::SharedMemory, ReduceOp::Max, 1.0),
         (Algorithm::Auto, ReduceOp::Max, 1.0),
     ];
     for (size, scale) in [(2, 1), (3, 1), (4, 1), (2, 600), (3, 600)] {
@@ -100,6 +102,7 @@ fn a_cached_group_step_gives_the_general_paths_bits() {
                     | Algorithm::RecursiveDoubling
                     | Algorithm::HalvingDoubling
                     | Algorithm::ScatterGather
+                    | Algorithm::SharedMemory
                     | Algorithm::Auto
             ) && bytes >= lens.len() * crate::MIN_IN_PLACE_PIECE_BYTES;
             let want_votes = if prescale == 1.0 && (!in_place || bytes <= MAX_SLOT_VOTE_BYTES) {
