@@ -13,8 +13,9 @@
 //!    of their slots, and raises its flag a third time.
 //!
 //! Two sets of slots take turns, so a rank fills the next piece while slower ranks still
-//! read the last one; a rank refills a set only once every rank has finished the piece
-//! that used it before. Every element is reduced at one rank in rank order and copied to
+//! copy the last one out; a set is refilled two pieces later, when every rank has
+//! finished the piece that used it (each rank finishes a piece before it raises its flag
+//! for the next). Every element is reduced at one rank in rank order and copied to
 //! the others, so every rank ends with the same bits, those of [`crate::Algorithm::Direct`]
 //! and scatter-gather. What it saves over messages: a message over shared memory is
 //! copied twice (into the transport's buffer by the sender, out by the receiver) and the
@@ -413,10 +414,8 @@ impl NodeSegment {
             let m = per_piece.min(len - start);
             let k = self.pieces;
             let set = (k % 2) as usize;
-            if k >= 2 {
-                // Every rank is done with piece k - 2, the last to use this set.
-                self.wait_all(transport, 3 * (k - 2) + 3)?;
-            }
+            // Set `set` was last used by piece k - 2, which every rank has finished: every
+            // rank raised 3(k - 1) + 1 after it, and this rank has seen 3(k - 1) + 2.
             let chunks: Vec<Range<usize>> = (0..n).map(|p| ring_chunk_range(m, n, p)).collect();
             let ranges: Vec<Range<usize>> = chunks
                 .iter()
@@ -427,7 +426,7 @@ impl NodeSegment {
             for (c, chunk) in chunks.iter().enumerate() {
                 if c != r {
                     // SAFETY: set `set` of this rank's slot is read by nobody until the
-                    // flag below (every rank finished piece k - 2).
+                    // flag below (every rank finished piece k - 2, see above).
                     let dst = unsafe { self.write::<T>(set, chunk.clone()) };
                     pieces::copy_window(&carved[c], 0, dst, copy_across);
                 }
@@ -462,9 +461,10 @@ const ALIAS_WINDOW: usize = 512;
 /// Copies `src` into `dst` (as long). A forward copy whose destination lies just after its
 /// source modulo a page (a buffer 16 bytes past a page start copied from a slot at one,
 /// which malloc's large buffers are) makes every load wait for the store just issued to
-/// an address that agrees in its low 12 bits: measured at 256 KiB on the 2-core machine,
-/// 100 us instead of 20. There the copy runs backwards, a cache line at a time, so that
-/// no load comes after a store to a higher address.
+/// an address that agrees in its low 12 bits: 256 KiB out of the slots took 92-108 us on
+/// the 2-core development machine, and 20 us with the slots moved by half a page. There
+/// the copy runs backwards, a cache line at a time, so that no load comes after a store
+/// to a higher address.
 fn copy_across<T: bytemuck::Pod>(dst: &mut [T], src: &[T]) {
     let (dst, src): (&mut [u8], &[u8]) = (bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src));
     let ahead = (dst.as_ptr() as usize).wrapping_sub(src.as_ptr() as usize) % PAGE;
