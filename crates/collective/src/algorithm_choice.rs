@@ -113,22 +113,34 @@ fn row_choice(ranks: usize, bytes: usize) -> Algorithm {
 mod tests {
     use super::*;
 
-    /// The "Switch points" table of the markdown, as `(ranks, below_bytes, algorithm)`.
-    fn documented() -> Vec<(usize, usize, Algorithm)> {
+    /// The cells of the first table after `heading` in the markdown: its rows after the
+    /// header and the separator.
+    fn markdown_table(heading: &str) -> Vec<Vec<String>> {
         let text = include_str!("algorithm_choice.md");
         let start = text
-            .find("## Switch points")
-            .expect("the markdown has a Switch points section");
-        // The first table after the heading: its header, separator, then the rows.
+            .find(heading)
+            .unwrap_or_else(|| panic!("the markdown has a {heading} section"));
         text[start..]
             .lines()
             .skip_while(|l| !l.starts_with('|'))
             .take_while(|l| l.starts_with('|'))
             .skip(2)
             .map(|l| {
-                let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
+                l.trim_matches('|')
+                    .split('|')
+                    .map(|c| c.trim().to_string())
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The "Switch points" table of the markdown, as `(ranks, below_bytes, algorithm)`.
+    fn documented() -> Vec<(usize, usize, Algorithm)> {
+        markdown_table("## Switch points")
+            .iter()
+            .map(|cells| {
                 let ranks = cells[0].parse().expect("ranks");
-                let below = match cells[1] {
+                let below = match cells[1].as_str() {
                     "any" => usize::MAX,
                     b => b.parse().expect("below bytes"),
                 };
@@ -177,17 +189,9 @@ mod tests {
 
     /// The "Shared memory" table of the markdown, as `(ranks, from_bytes)`.
     fn documented_shared_memory() -> Vec<(usize, usize)> {
-        let text = include_str!("algorithm_choice.md");
-        let start = text
-            .find("## Shared memory")
-            .expect("the markdown has a Shared memory section");
-        text[start..]
-            .lines()
-            .skip_while(|l| !l.starts_with('|'))
-            .take_while(|l| l.starts_with('|'))
-            .skip(2)
-            .map(|l| {
-                let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
+        markdown_table("## Shared memory")
+            .iter()
+            .map(|cells| {
                 (
                     cells[0].parse().expect("ranks"),
                     cells[1].parse().expect("from bytes"),
