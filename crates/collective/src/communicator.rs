@@ -449,8 +449,9 @@ impl Communicator {
 
     /// Whether [`Communicator::all_reduce_pieces`] reduces a message of `bytes` bytes of
     /// `dtype` in `pieces` pieces where they lie, rather than copying them into one buffer
-    /// and back: the ring, recursive doubling and halving-doubling, without wire
-    /// compression, with pieces of at least [`MIN_IN_PLACE_PIECE_BYTES`] on average.
+    /// and back: the ring, recursive doubling, halving-doubling, scatter-gather and shared
+    /// memory, without wire compression, with pieces of at least
+    /// [`MIN_IN_PLACE_PIECE_BYTES`] on average.
     pub fn reduces_in_place(
         &self,
         dtype: DType,

@@ -140,6 +140,20 @@ fn token(path: &Path) -> u64 {
         })
 }
 
+/// Gives `file` `bytes` bytes of memory now: a file of that length alone would get its
+/// pages when first touched, and a full `/dev/shm` (a container's is 64 MiB by default)
+/// would then kill the process with SIGBUS instead of failing here.
+fn reserve(file: &File, bytes: usize) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = libc::off_t::try_from(bytes)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "segment too large"))?;
+    // SAFETY: the descriptor is open for writing and stays open for the call.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+        0 => Ok(()),
+        errno => Err(std::io::Error::from_raw_os_error(errno)),
+    }
+}
+
 fn map(file: &File, bytes: usize) -> std::io::Result<memmap2::MmapRaw> {
     let map = memmap2::MmapRaw::map_raw(file)?;
     if map.len() < bytes {
@@ -185,7 +199,7 @@ impl NodeSegment {
                     .create_new(true)
                     .open(&path)
                     .and_then(|file| {
-                        file.set_len(bytes as u64)?;
+                        reserve(&file, bytes)?;
                         map(&file, bytes)
                     });
                 match made {
@@ -226,7 +240,7 @@ impl NodeSegment {
                         format!("{path} here is not rank 0's segment (another node, or another /dev/shm)")
                     })
                 }),
-            (None, (_, why)) => Err(format!("rank 0 {why}")),
+            (None, (_, why)) => Err(why.to_string()),
         };
         let status = match &opened {
             Ok(_) => Vec::new(),
