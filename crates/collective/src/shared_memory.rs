@@ -2,34 +2,38 @@
 //! node reduce through a memory segment they all map, instead of sending messages.
 //!
 //! The message goes through the segment a piece at a time (the communicator's segment
-//! size, [`crate::Communicator::set_segment_bytes`], per rank). For each piece:
+//! size, [`crate::Communicator::set_segment_bytes`], per rank). A piece is split into one
+//! chunk per rank ([`crate::ring_chunk_range`]). For each piece:
 //!
-//! 1. every rank copies its piece into its own slot of the segment and raises its flag;
-//! 2. once every flag is up, rank `p` reduces chunk `p` of the piece
-//!    ([`crate::ring_chunk_range`]) from every rank's slot in rank order,
-//!    `((x0 op x1) op x2) ...`, into its buffer and back into its slot, and raises its
-//!    flag again;
+//! 1. every rank copies the chunks the other ranks reduce into its own slot of the
+//!    segment and raises its flag;
+//! 2. once every flag is up, rank `p` reduces chunk `p` in rank order,
+//!    `((x0 op x1) op x2) ...`, its own elements from its buffer and the others' from
+//!    their slots, a block at a time; the result goes into its buffer and its slot, and
+//!    it raises its flag again;
 //! 3. once every flag is up again, every rank copies the other ranks' reduced chunks out
 //!    of their slots, and raises its flag a third time.
 //!
 //! Two sets of slots take turns, so a rank fills the next piece while slower ranks still
 //! copy the last one out; a set is refilled two pieces later, when every rank has
 //! finished the piece that used it (each rank finishes a piece before it raises its flag
-//! for the next). Every element is reduced at one rank in rank order and copied to
-//! the others, so every rank ends with the same bits, those of [`crate::Algorithm::Direct`]
+//! for the next). Every element is reduced at one rank in rank order and copied to the
+//! others, so every rank ends with the same bits, those of [`crate::Algorithm::Direct`]
 //! and scatter-gather. What it saves over messages: a message over shared memory is
 //! copied twice (into the transport's buffer by the sender, out by the receiver) and the
 //! received copy is read again to be reduced; here the reduction reads the other ranks'
 //! slots directly, and a flag in shared memory replaces each message's protocol.
 //!
-//! The segment is a file in `/dev/shm`, created by rank 0 on the first shared-memory all-reduce of a communicator,
-//! mapped by every rank, and removed as soon as every rank has mapped it or the attempt
-//! failed, so that nothing is left behind however the job ends (unless it is killed in
-//! the moment between). Where some rank cannot map it (ranks on other
-//! nodes, containers that do not share `/dev/shm`, no `/dev/shm`), every rank learns it
-//! at once: an explicit shared-memory all-reduce fails on every rank with an error that
-//! says why, and `auto` chooses among the other algorithms from then on. A flag that does not rise is waited for under the stall timeout
-//! like any message ([`crate::stall`]).
+//! The segment is a file in `/dev/shm` (or the directory
+//! [`crate::Communicator::set_shared_memory_dir`] names), created by rank 0 on the first
+//! shared-memory all-reduce of a communicator, its memory reserved at once, mapped by
+//! every rank, and removed as soon as every rank has mapped it or the attempt failed, so
+//! that nothing is left behind however the job ends (unless it is killed in the moment
+//! between). Where some rank cannot map it (ranks on other nodes, containers that do not
+//! share `/dev/shm`, no room there), every rank learns it at once: an explicit
+//! shared-memory all-reduce fails on every rank with an error that says why, and `auto`
+//! chooses among the other algorithms from then on. A flag that does not rise is waited
+//! for under the stall timeout like any message ([`crate::stall`]).
 //!
 //! ```
 //! use ringtrain_collective::{Algorithm, AllReduceOptions, Communicator};
@@ -154,6 +158,7 @@ fn reserve(file: &File, bytes: usize) -> std::io::Result<()> {
     }
 }
 
+/// Maps all of `file`, which must hold at least `bytes` bytes.
 fn map(file: &File, bytes: usize) -> std::io::Result<memmap2::MmapRaw> {
     let map = memmap2::MmapRaw::map_raw(file)?;
     if map.len() < bytes {
@@ -173,11 +178,11 @@ impl NodeSegment {
 
     /// Creates and maps the segment on every rank of `transport`. Collective: every rank
     /// gets the segment, or every rank gets why some rank could not create or map it.
+    /// `dir` is where rank 0 makes it; `None` on any rank: that rank takes no part in
+    /// shared memory, and every rank gets why.
     ///
     /// # Errors
     /// The transport's, exchanging where the segment is and whether every rank mapped it.
-    /// `dir` is where rank 0 makes it; `None` on any rank: that rank takes no part in
-    /// shared memory, and every rank gets why.
     pub(crate) fn create(
         transport: &dyn Transport,
         slot_bytes: usize,
