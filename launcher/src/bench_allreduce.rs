@@ -33,8 +33,8 @@ pub struct AllreduceBenchArgs {
     /// Element type: f32, f64, f16 or bf16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
-    /// Algorithms to measure, comma-separated (ring, mpi, rd, hd, direct, sg, shm, auto); ring/mpi
-    /// ratios are printed when both are present.
+    /// Algorithms to measure, comma-separated (ring, mpi, rd, hd, direct, sg, shm, auto); with
+    /// mpi among them, each other algorithm's bus bandwidth over MPI's is printed (`vs mpi`).
     #[arg(long, value_delimiter = ',', default_value = "ring,mpi")]
     pub algorithms: Vec<String>,
     /// Untimed iterations per size and algorithm.
@@ -464,7 +464,7 @@ mod measure {
             println!("# time_us: slowest rank; busbw = algbw * 2(N-1)/N; wrong: elements differing from the exact sum");
             println!(
                 "{:>12} {:>11} {:>5} {:>5} {:>12} {:>9} {:>9} {:>6} {:>9}",
-                "bytes", "count", "dtype", "alg", "time_us", "algbw", "busbw", "wrong", "ring/mpi"
+                "bytes", "count", "dtype", "alg", "time_us", "algbw", "busbw", "wrong", "vs mpi"
             );
         }
         let max_count = args.max_bytes / T::BYTES;
@@ -546,20 +546,18 @@ mod measure {
                     wrong: wrong[0] as usize,
                 });
             }
-            let busbw_of = |name: &str| {
-                size_rows
-                    .iter()
-                    .find(|r| r.algorithm == name)
-                    .map(|r| r.busbw)
-            };
-            let ratio = match (busbw_of("ring"), busbw_of("mpi")) {
-                (Some(ring), Some(mpi)) if mpi > 0.0 => Some(ring / mpi),
-                _ => None,
-            };
+            // Each algorithm's bus bandwidth over MPI_Allreduce's, from this run.
+            let mpi = size_rows
+                .iter()
+                .find(|r| r.algorithm == Algorithm::Mpi.name())
+                .map(|r| r.busbw)
+                .filter(|&b| b > 0.0);
             if rank == 0 {
                 for r in &size_rows {
-                    let ratio_text = match (r.algorithm.as_str(), ratio) {
-                        ("ring", Some(x)) => format!("{x:.2}x"),
+                    let ratio_text = match mpi {
+                        Some(mpi) if r.algorithm != Algorithm::Mpi.name() => {
+                            format!("{:.2}x", r.busbw / mpi)
+                        }
                         _ => String::new(),
                     };
                     println!(

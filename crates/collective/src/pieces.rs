@@ -157,12 +157,7 @@ fn zip_from<T, S, E>(
 
 /// Copies `src` into `dst`'s pieces from element `offset` of the message they make up.
 pub(crate) fn copy_to_pieces<T: Copy>(dst: &mut [&mut [T]], offset: usize, src: &[T]) {
-    let copied: core::result::Result<(), core::convert::Infallible> =
-        zip_from(dst, offset, src, |d, s| {
-            d.copy_from_slice(s);
-            Ok(())
-        });
-    let Ok(()) = copied;
+    copy_to_pieces_with(dst, offset, src, <[T]>::copy_from_slice);
 }
 
 /// Copies elements `offset..offset + dst.len()` of the message `src`'s pieces make up
@@ -209,11 +204,7 @@ pub(crate) fn copy_to_pieces_with<T>(
 
 /// Copies the message `src`'s pieces make up into `dst`, which is as long.
 pub(crate) fn copy_from_pieces<T: Copy>(dst: &mut [T], src: &[&mut [T]]) {
-    let mut at = 0;
-    for piece in src {
-        dst[at..at + piece.len()].copy_from_slice(piece);
-        at += piece.len();
-    }
+    copy_window(src, 0, dst, <[T]>::copy_from_slice);
 }
 
 /// `acc[i] = acc[i] (op) src[i]` for the elements of `acc`'s message from `offset`, as

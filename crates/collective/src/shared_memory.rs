@@ -12,12 +12,12 @@
 //!    their slots, a block at a time; the result goes into its buffer and its slot, and
 //!    it raises its flag again;
 //! 3. once every flag is up again, every rank copies the other ranks' reduced chunks out
-//!    of their slots, and raises its flag a third time.
+//!    of their slots.
 //!
 //! Two sets of slots take turns, so a rank fills the next piece while slower ranks still
 //! copy the last one out; a set is refilled two pieces later, when every rank has
 //! finished the piece that used it (each rank finishes a piece before it raises its flag
-//! for the next). Every element is reduced at one rank in rank order and copied to the
+//! for the next, so two flags per piece order everything). Every element is reduced at one rank in rank order and copied to the
 //! others, so every rank ends with the same bits, those of [`crate::Algorithm::Direct`]
 //! and scatter-gather. What it saves over messages: a message over shared memory is
 //! copied twice (into the transport's buffer by the sender, out by the receiver) and the
@@ -97,8 +97,8 @@ pub(crate) struct NodeSegment {
     rank: usize,
     /// Bytes of one rank's slot: the most of a piece.
     slot_bytes: usize,
-    /// Pieces every rank has finished (the same on every rank): piece `k`'s flags count
-    /// `3k + 1`, `3k + 2`, `3k + 3`.
+    /// Pieces this rank has finished (the same count on every rank once the call ends):
+    /// piece `k`'s flags count `2k + 1` and `2k + 2`.
     pieces: u64,
     /// Two blocks of [`REDUCE_BLOCK_BYTES`]: the partial sums and this rank's elements.
     scratch: Vec<u64>,
@@ -393,7 +393,7 @@ impl NodeSegment {
                 acc.copy_from_slice(own_block);
             } else {
                 // SAFETY: rank 0 wrote this chunk of its slot before its flag reached
-                // 3k + 1 and writes it again only after every flag reaches 3k + 3.
+                // 2k + 1 and writes it again only after every flag passes 2k + 2.
                 acc.copy_from_slice(unsafe { self.read::<T>(set, 0, range.clone()) });
             }
             for p in 1..n {
@@ -410,7 +410,7 @@ impl NodeSegment {
             }
             pieces::copy_to_pieces_with(mine, at, acc, copy_across);
             // SAFETY: the other ranks read this chunk of this rank's slot only after its
-            // flag reaches 3k + 2, and this rank alone writes it.
+            // flag reaches 2k + 2, and this rank alone writes it.
             unsafe { self.write::<T>(set, range) }.copy_from_slice(acc);
             at += b;
         }
@@ -434,7 +434,7 @@ impl NodeSegment {
             let k = self.pieces;
             let set = (k % 2) as usize;
             // Set `set` was last used by piece k - 2, which every rank has finished: every
-            // rank raised 3(k - 1) + 1 after it, and this rank has seen 3(k - 1) + 2.
+            // rank raised 2(k - 1) + 1 after it, and this rank has seen 2(k - 1) + 2.
             let chunks: Vec<Range<usize>> = (0..n).map(|p| ring_chunk_range(m, n, p)).collect();
             let ranges: Vec<Range<usize>> = chunks
                 .iter()
@@ -450,21 +450,21 @@ impl NodeSegment {
                     pieces::copy_window(&carved[c], 0, dst, copy_across);
                 }
             }
-            self.raise(3 * k + 1);
-            self.wait_all(transport, 3 * k + 1)?;
+            self.raise(2 * k + 1);
+            self.wait_all(transport, 2 * k + 1)?;
             // 2. This rank's chunk, reduced in rank order, into its buffer and slot.
             self.reduce_own::<T>(set, chunks[r].clone(), &mut carved[r], op)?;
-            self.raise(3 * k + 2);
-            self.wait_all(transport, 3 * k + 2)?;
+            self.raise(2 * k + 2);
+            self.wait_all(transport, 2 * k + 2)?;
             // 3. The other ranks' reduced chunks out of their slots.
             for (p, chunk) in chunks.iter().enumerate() {
                 if p != r && !chunk.is_empty() {
-                    // SAFETY: rank p wrote its reduced chunk before its flag reached 3k + 2.
+                    // SAFETY: rank p wrote its reduced chunk before its flag reached 2k + 2,
+                    // and writes this set again only after every flag passes 2k + 2.
                     let src = unsafe { self.read::<T>(set, p, chunk.clone()) };
                     pieces::copy_to_pieces_with(&mut carved[p], 0, src, copy_across);
                 }
             }
-            self.raise(3 * k + 3);
             self.pieces += 1;
             start += m;
         }
@@ -496,5 +496,37 @@ fn copy_across<T: bytemuck::Pod>(dst: &mut [T], src: &[T]) {
     for at in (0..body).step_by(LINE).rev() {
         let line: [u8; LINE] = src[at..at + LINE].try_into().expect("a whole line");
         dst[at..at + LINE].copy_from_slice(&line);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every placement of the destination within a page of the source (the backward path
+    /// below [`ALIAS_WINDOW`], the forward one elsewhere), every length around a cache
+    /// line's multiples: the destination ends as the source, and nothing past it moves.
+    #[test]
+    fn copy_across_copies_every_byte_in_either_direction() {
+        let src: Vec<u8> = (0..3 * PAGE).map(|i| (i * 7 + 3) as u8).collect();
+        let mut dst = vec![0u8; 4 * PAGE];
+        let (s, d) = (src.as_ptr() as usize, dst.as_ptr() as usize);
+        let mut backwards = 0;
+        for ahead in (0..PAGE).step_by(8).chain([1, 15, 17, 63, 65, 511, 513]) {
+            // The destination's start, `ahead` bytes after the source's modulo a page.
+            let at = (s + ahead).wrapping_sub(d) % PAGE;
+            for len in [0usize, 1, 63, 64, 65, 200, 2 * PAGE + 1] {
+                dst.fill(0);
+                copy_across(&mut dst[at..at + len], &src[..len]);
+                assert_eq!(
+                    &dst[at..at + len],
+                    &src[..len],
+                    "ahead {ahead}, {len} bytes"
+                );
+                assert!(dst[..at].iter().chain(&dst[at + len..]).all(|&b| b == 0));
+            }
+            backwards += usize::from(ahead > 0 && ahead < ALIAS_WINDOW);
+        }
+        assert!(backwards > 0, "the backward path ran");
     }
 }
