@@ -4,6 +4,9 @@
 //!   small-message algorithm) on the same data.
 //! - `small_tensors/<ranks>`: 1000 tensors of 1 KiB per step, each all-reduced on its own
 //!   (baseline) against the fusion engine.
+//! - `pieces/<ranks>/<piece bytes>/{buffer,in_place}`: a message of 1000 pieces over shared
+//!   memory, copied into one buffer and back (baseline) against reduced where the pieces
+//!   lie: where the crossover lies decides `MIN_SHARED_MEMORY_PIECE_BYTES`.
 //!
 //! After criterion's own report a summary prints the baseline, ours and the ratio, each
 //! pair measured in this run.
@@ -17,6 +20,7 @@ use ringtrain::collective::{
 
 const SMALL_TENSORS: usize = 1000;
 const SMALL_LEN: usize = 256; // 1 KiB of f32
+const PIECE_BYTES: [usize; 4] = [64, 128, 256, 1024];
 
 /// Runs `iters` all-reduces on every rank; returns the slowest rank's time.
 fn time_all_reduce(ranks: usize, len: usize, algorithm: Algorithm, iters: u64) -> Duration {
@@ -27,6 +31,27 @@ fn time_all_reduce(ranks: usize, len: usize, algorithm: Algorithm, iters: u64) -
         let start = Instant::now();
         for _ in 0..iters {
             comm.all_reduce(&mut buf, &opts).expect("all_reduce");
+        }
+        start.elapsed()
+    })
+    .expect("local ranks");
+    times.into_iter().max().unwrap_or_default()
+}
+
+/// Runs `iters` shared-memory all-reduces of [`SMALL_TENSORS`] pieces of `piece_bytes`
+/// each on every rank, through one buffer or where they lie; returns the slowest rank's
+/// time.
+fn time_pieces(ranks: usize, piece_bytes: usize, in_place: bool, iters: u64) -> Duration {
+    let times = Communicator::run_local(ranks, |mut comm| {
+        comm.set_min_in_place_piece_bytes(Some(if in_place { 0 } else { usize::MAX }));
+        let mut tensors = vec![vec![1.0f32; piece_bytes / 4]; SMALL_TENSORS];
+        let opts = AllReduceOptions::sum().algorithm(Algorithm::SharedMemory);
+        comm.barrier().expect("barrier");
+        let start = Instant::now();
+        for _ in 0..iters {
+            let mut pieces: Vec<&mut [f32]> = tensors.iter_mut().map(|t| &mut t[..]).collect();
+            comm.all_reduce_pieces(&mut pieces, &opts)
+                .expect("all_reduce_pieces");
         }
         start.elapsed()
     })
@@ -89,6 +114,16 @@ fn benches(c: &mut Criterion) {
             }
         }
         group.finish();
+        for piece_bytes in PIECE_BYTES {
+            let mut group = c.benchmark_group(format!("pieces/{ranks}/{piece_bytes}"));
+            group.sample_size(10);
+            for (name, in_place) in [("buffer", false), ("in_place", true)] {
+                group.bench_function(name, |b| {
+                    b.iter_custom(|iters| time_pieces(ranks, piece_bytes, in_place, iters))
+                });
+            }
+            group.finish();
+        }
         let mut group = c.benchmark_group(format!("small_tensors/{ranks}"));
         group.sample_size(10);
         for (name, fused) in [("per_tensor", false), ("fused", true)] {
@@ -112,6 +147,17 @@ fn summary() {
                 rd.as_secs_f64() * 1e6 / iters as f64,
                 ring.as_secs_f64() * 1e6 / iters as f64,
                 rd.as_secs_f64() / ring.as_secs_f64()
+            );
+        }
+        for piece_bytes in PIECE_BYTES {
+            let iters = 200;
+            let buffer = time_pieces(ranks, piece_bytes, false, iters);
+            let in_place = time_pieces(ranks, piece_bytes, true, iters);
+            println!(
+                "  {ranks} ranks {SMALL_TENSORS} x {piece_bytes:>4} B shared memory: through a buffer {:>8.1} us, in place {:>8.1} us, ratio {:.2}",
+                buffer.as_secs_f64() * 1e6 / iters as f64,
+                in_place.as_secs_f64() * 1e6 / iters as f64,
+                buffer.as_secs_f64() / in_place.as_secs_f64()
             );
         }
         let steps = 5;

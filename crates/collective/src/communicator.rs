@@ -23,12 +23,34 @@ pub const DEFAULT_SEGMENT_BYTES: usize = 256 * 1024;
 pub const DEFAULT_AUTO_THRESHOLD_BYTES: usize = 64 * 1024;
 
 /// The smallest average piece [`Communicator::all_reduce_pieces`] reduces where the
-/// pieces lie: smaller ones are copied into one buffer, since a transport that sends
-/// pieces where they lie pays per piece (over MPI a datatype block, packed and unpacked
-/// one by one), and a thousand pieces of 256 bytes cost more that way than copying them.
+/// pieces lie with a message-passing algorithm (the ring, recursive doubling,
+/// halving-doubling, scatter-gather): smaller ones are copied into one buffer, since a
+/// transport that sends pieces where they lie pays per piece (over MPI a datatype block,
+/// packed and unpacked one by one), and a thousand pieces of 256 bytes cost more that way
+/// than copying them.
 /// Measured with Open MPI over shared memory at 2 and 4 ranks, where 1 KiB pieces cost
 /// about the same both ways and 4 KiB pieces a quarter less in place.
 pub const MIN_IN_PLACE_PIECE_BYTES: usize = 1024;
+
+/// [`MIN_IN_PLACE_PIECE_BYTES`] of [`Algorithm::SharedMemory`], which copies the pieces
+/// into its slots and out of them itself, a run at a time (no datatype, no message per
+/// piece): at 256 B a piece costs less that way than copied into one buffer and back out,
+/// at 64 B more (`cargo bench -p ringtrain --bench collective`, its `pieces` rows and
+/// summary, measure both ways on the machine at hand).
+pub const MIN_SHARED_MEMORY_PIECE_BYTES: usize = 256;
+
+/// The smallest average piece [`Communicator::all_reduce_pieces`] reduces where the pieces
+/// lie with `algorithm` (resolved), or `None` where it always works on one buffer.
+pub fn min_in_place_piece_bytes(algorithm: Algorithm) -> Option<usize> {
+    match algorithm {
+        Algorithm::SharedMemory => Some(MIN_SHARED_MEMORY_PIECE_BYTES),
+        Algorithm::Ring
+        | Algorithm::RecursiveDoubling
+        | Algorithm::HalvingDoubling
+        | Algorithm::ScatterGather => Some(MIN_IN_PLACE_PIECE_BYTES),
+        Algorithm::Auto | Algorithm::Direct | Algorithm::Mpi => None,
+    }
+}
 
 /// Element range of chunk `chunk` when `len` elements are split over `size` ranks:
 /// the first `len % size` chunks are one element longer.
@@ -64,6 +86,9 @@ pub struct Communicator {
     segment_bytes: usize,
     /// Set by [`Communicator::set_auto_threshold_bytes`]: replaces the measured choice.
     auto_threshold_bytes: Option<usize>,
+    /// Set by [`Communicator::set_min_in_place_piece_bytes`]: replaces
+    /// [`min_in_place_piece_bytes`] for every algorithm that reduces pieces in place.
+    min_in_place_piece_bytes: Option<usize>,
     /// Receive buffer, `u64`-backed so that any element type can view it aligned.
     scratch: Vec<u64>,
     /// One buffer for a message in pieces where an algorithm needs one
@@ -86,6 +111,7 @@ impl std::fmt::Debug for Communicator {
             .field("size", &self.size)
             .field("segment_bytes", &self.segment_bytes)
             .field("auto_threshold_bytes", &self.auto_threshold_bytes)
+            .field("min_in_place_piece_bytes", &self.min_in_place_piece_bytes)
             .finish()
     }
 }
@@ -155,6 +181,7 @@ impl Communicator {
             size,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             auto_threshold_bytes: None,
+            min_in_place_piece_bytes: None,
             scratch: Vec::new(),
             staging: Vec::new(),
             wire_f16: Vec::new(),
@@ -212,11 +239,17 @@ impl Communicator {
     /// and exchanges control messages (agreements, summaries) on the other. Collective:
     /// every rank calls it, in the same order.
     pub fn duplicate(&self) -> Result<Communicator> {
-        let mut dup = Communicator::boxed(self.transport.duplicate()?);
-        dup.segment_bytes = self.segment_bytes;
-        dup.auto_threshold_bytes = self.auto_threshold_bytes;
-        dup.shared_memory_dir = self.shared_memory_dir.clone();
-        Ok(dup)
+        Ok(Communicator::boxed(self.transport.duplicate()?).with_settings_of(self))
+    }
+
+    /// This communicator with `other`'s settings (segment size, `auto`'s rule, pieces
+    /// reduced in place, shared-memory directory).
+    fn with_settings_of(mut self, other: &Communicator) -> Communicator {
+        self.segment_bytes = other.segment_bytes;
+        self.auto_threshold_bytes = other.auto_threshold_bytes;
+        self.min_in_place_piece_bytes = other.min_in_place_piece_bytes;
+        self.shared_memory_dir = other.shared_memory_dir.clone();
+        self
     }
 
     /// The ranks `members` (ascending, this rank among them) as a communicator of their
@@ -228,14 +261,8 @@ impl Communicator {
     /// [`Error::Transport`] for a bad member list; the duplicate's errors.
     pub fn subgroup(&self, members: &[usize]) -> Result<Communicator> {
         let inner = self.transport.duplicate()?;
-        let mut sub = Communicator::boxed(Box::new(crate::subgroup::SubgroupTransport::new(
-            inner,
-            members.to_vec(),
-        )?));
-        sub.segment_bytes = self.segment_bytes;
-        sub.auto_threshold_bytes = self.auto_threshold_bytes;
-        sub.shared_memory_dir = self.shared_memory_dir.clone();
-        Ok(sub)
+        let sub = crate::subgroup::SubgroupTransport::new(inner, members.to_vec())?;
+        Ok(Communicator::boxed(Box::new(sub)).with_settings_of(self))
     }
 
     /// This rank's index among the ranks on its node and their number (one rank per GPU:
@@ -320,6 +347,14 @@ impl Communicator {
         self.auto_threshold_bytes = Some(bytes);
     }
 
+    /// Replaces the smallest average piece that [`Communicator::all_reduce_pieces`]
+    /// reduces where the pieces lie ([`min_in_place_piece_bytes`] of each algorithm that
+    /// can) with `bytes` for all of them; `None` restores the measured defaults. For
+    /// tuning on another machine: `benches/collective.rs` measures both ways.
+    pub fn set_min_in_place_piece_bytes(&mut self, bytes: Option<usize>) {
+        self.min_in_place_piece_bytes = bytes;
+    }
+
     /// The algorithm [`Algorithm::Auto`] resolves to for a message of `bytes` bytes:
     /// the fastest of ours as measured for this rank count and size
     /// ([`crate::algorithm_choice`]).
@@ -356,10 +391,10 @@ impl Communicator {
     /// A group of tensors is reduced this way without copying it into one buffer and back.
     /// The ring, recursive doubling, halving-doubling and scatter-gather send from and
     /// reduce into the pieces themselves (over MPI, several pieces go as one message
-    /// through a derived datatype); direct, `MPI_Allreduce` and wire compression work on
-    /// one buffer, and get
+    /// through a derived datatype), and shared memory copies them into its slots and out
+    /// of them; direct, `MPI_Allreduce` and wire compression work on one buffer, and get
     /// the pieces copied into one, as do pieces smaller than
-    /// [`MIN_IN_PLACE_PIECE_BYTES`] on average ([`Communicator::reduces_in_place`]).
+    /// [`min_in_place_piece_bytes`] on average ([`Communicator::reduces_in_place`]).
     ///
     /// ```
     /// use ringtrain_collective::{AllReduceOptions, Communicator};
@@ -398,13 +433,7 @@ impl Communicator {
             let mut algorithm = self.resolve_algorithm(opts.algorithm, bytes);
             if algorithm == Algorithm::SharedMemory && !self.map_segment()? {
                 if opts.algorithm != Algorithm::Auto {
-                    let SegmentState::Unavailable(why) = &self.node_segment else {
-                        unreachable!("map_segment says why it failed");
-                    };
-                    return Err(Error::Transport {
-                        rank: self.rank,
-                        detail: why.clone(),
-                    });
+                    return Err(self.no_segment());
                 }
                 // `auto` counted on the segment: it now chooses among the others.
                 algorithm = self.resolve_algorithm(opts.algorithm, bytes);
@@ -451,7 +480,7 @@ impl Communicator {
     /// `dtype` in `pieces` pieces where they lie, rather than copying them into one buffer
     /// and back: the ring, recursive doubling, halving-doubling, scatter-gather and shared
     /// memory, without wire compression, with pieces of at least
-    /// [`MIN_IN_PLACE_PIECE_BYTES`] on average.
+    /// [`min_in_place_piece_bytes`] on average.
     pub fn reduces_in_place(
         &self,
         dtype: DType,
@@ -461,16 +490,9 @@ impl Communicator {
     ) -> bool {
         let compressed = dtype == DType::F32 && opts.compression != WireCompression::None;
         !compressed
-            && match self.resolve_algorithm(opts.algorithm, bytes) {
-                Algorithm::SharedMemory
-                | Algorithm::Ring
-                | Algorithm::RecursiveDoubling
-                | Algorithm::HalvingDoubling
-                | Algorithm::ScatterGather => {
-                    bytes >= pieces.saturating_mul(MIN_IN_PLACE_PIECE_BYTES)
-                }
-                _ => false,
-            }
+            && min_in_place_piece_bytes(self.resolve_algorithm(opts.algorithm, bytes))
+                .map(|least| self.min_in_place_piece_bytes.unwrap_or(least))
+                .is_some_and(|least| bytes >= pieces.saturating_mul(least))
     }
 
     /// Runs `f` on the message `pieces` make up: on the piece itself when there is one,
@@ -862,6 +884,18 @@ impl Communicator {
         Ok(matches!(self.node_segment, SegmentState::Mapped(_)))
     }
 
+    /// Why the segment could not be mapped ([`Communicator::map_segment`] said so), as the
+    /// error of a shared-memory all-reduce: the same on every rank.
+    fn no_segment(&self) -> Error {
+        let SegmentState::Unavailable(why) = &self.node_segment else {
+            unreachable!("map_segment says why it failed");
+        };
+        Error::Transport {
+            rank: self.rank,
+            detail: why.clone(),
+        }
+    }
+
     /// [`Algorithm::SharedMemory`] through the mapped segment, in pieces of the segment
     /// size ([`crate::shared_memory`]).
     fn shared_memory_all_reduce<T: Element>(
@@ -873,6 +907,30 @@ impl Communicator {
             unreachable!("all_reduce_pieces maps the segment first");
         };
         segment.all_reduce(self.transport.as_ref(), pieces, op)
+    }
+
+    /// [`Algorithm::SharedMemory`] of the message `pieces` make up when every rank votes
+    /// for it: `Some` (the same non-empty message on every rank that votes for it) for,
+    /// `None` against; true when every rank voted for it (the sums are in the pieces), false
+    /// when any voted against (nothing was written). The votes travel with the reduction's
+    /// own flags ([`NodeSegment::all_reduce_if`]): no round of their own. Collective.
+    ///
+    /// # Errors
+    /// Where the ranks cannot share a segment, the reason, on every rank alike; a stall.
+    pub(crate) fn shared_memory_all_reduce_if<T: Element>(
+        &mut self,
+        pieces: Option<&mut [&mut [T]]>,
+        op: ReduceOp,
+    ) -> Result<bool> {
+        if !self.map_segment()? {
+            return Err(self.no_segment());
+        }
+        let bytes = pieces.as_deref().map_or(0, pieces::total) * T::BYTES;
+        self.begin("shared-memory all-reduce", Some(T::DTYPE), bytes);
+        let SegmentState::Mapped(segment) = &mut self.node_segment else {
+            unreachable!("map_segment mapped it");
+        };
+        segment.all_reduce_if(self.transport.as_ref(), pieces, op)
     }
 
     fn mpi_all_reduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {

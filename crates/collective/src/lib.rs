@@ -122,8 +122,8 @@ mod transport;
 pub use half;
 
 pub use communicator::{
-    ring_chunk_range, Communicator, DEFAULT_AUTO_THRESHOLD_BYTES, DEFAULT_SEGMENT_BYTES,
-    MIN_IN_PLACE_PIECE_BYTES,
+    min_in_place_piece_bytes, ring_chunk_range, Communicator, DEFAULT_AUTO_THRESHOLD_BYTES,
+    DEFAULT_SEGMENT_BYTES, MIN_IN_PLACE_PIECE_BYTES, MIN_SHARED_MEMORY_PIECE_BYTES,
 };
 pub use dtype::{DType, Element, Tensor, TensorMut};
 pub use error::{Error, Result};

@@ -128,83 +128,109 @@ pub(crate) fn gather(pieces: &[&[u8]]) -> Vec<u8> {
     pieces.concat()
 }
 
-/// Calls `f(part of a piece, part of src)` for each run of `dst`'s pieces that the elements
-/// `offset..offset + src.len()` of the message they make up cover, in order, with the
-/// elements of `src` that land there; stops at the first error.
-fn zip_from<T, S, E>(
-    dst: &mut [&mut [T]],
+/// A place in a message laid out in pieces, moved on by the copies that go through it: a
+/// walk over the whole message costs a step per piece, where a search from the start for
+/// each window costs a step per piece before it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Cursor {
+    /// The piece the next element lies in (or the one just finished).
+    piece: usize,
+    /// Elements of that piece already passed.
     offset: usize,
-    src: &[S],
-    mut f: impl FnMut(&mut [T], &[S]) -> core::result::Result<(), E>,
-) -> core::result::Result<(), E> {
-    let mut src = src;
-    let mut skip = offset;
-    for piece in dst.iter_mut() {
-        if src.is_empty() {
-            break;
-        }
-        if skip >= piece.len() {
-            skip -= piece.len();
-            continue;
-        }
-        let n = (piece.len() - skip).min(src.len());
-        f(&mut piece[skip..skip + n], &src[..n])?;
-        src = &src[n..];
-        skip = 0;
+}
+
+impl Cursor {
+    /// The cursor at element `at` of the message `pieces` make up.
+    pub(crate) fn at<T, P: AsRef<[T]>>(pieces: &[P], at: usize) -> Cursor {
+        let mut cursor = Cursor::default();
+        cursor.skip(pieces, at);
+        cursor
     }
-    Ok(())
+
+    /// The next run of at most `want` (> 0) elements within one piece of lengths `len(i)`:
+    /// its piece and range there, past which the cursor moves.
+    fn run(&mut self, len: impl Fn(usize) -> usize, want: usize) -> (usize, Range<usize>) {
+        while self.offset == len(self.piece) {
+            self.piece += 1;
+            self.offset = 0;
+        }
+        let m = want.min(len(self.piece) - self.offset);
+        let run = self.offset..self.offset + m;
+        self.offset += m;
+        (self.piece, run)
+    }
+
+    /// Moves past the next `n` elements.
+    pub(crate) fn skip<T, P: AsRef<[T]>>(&mut self, pieces: &[P], n: usize) {
+        let mut left = n;
+        while left > 0 {
+            let (_, run) = self.run(|i| pieces[i].as_ref().len(), left);
+            left -= run.len();
+        }
+    }
+
+    /// Copies the next `dst.len()` elements into `dst`, a run at a time with
+    /// `copy(to, from)`, and moves past them.
+    pub(crate) fn read<T>(
+        &mut self,
+        pieces: &[&mut [T]],
+        dst: &mut [T],
+        mut copy: impl FnMut(&mut [T], &[T]),
+    ) {
+        let mut done = 0;
+        while done < dst.len() {
+            let (i, run) = self.run(|i| pieces[i].len(), dst.len() - done);
+            let n = run.len();
+            copy(&mut dst[done..done + n], &pieces[i][run]);
+            done += n;
+        }
+    }
+
+    /// Calls `f(run of the pieces, part of src)` for the next `src.len()` elements, in
+    /// order, with the elements of `src` that land there, and moves past them; stops at
+    /// the first error.
+    pub(crate) fn zip<T, S, E>(
+        &mut self,
+        pieces: &mut [&mut [T]],
+        src: &[S],
+        mut f: impl FnMut(&mut [T], &[S]) -> core::result::Result<(), E>,
+    ) -> core::result::Result<(), E> {
+        let mut done = 0;
+        while done < src.len() {
+            let lens = |i: usize| pieces[i].len();
+            let (i, run) = self.run(lens, src.len() - done);
+            let n = run.len();
+            f(&mut pieces[i][run], &src[done..done + n])?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Copies `src` into the next `src.len()` elements, a run at a time with
+    /// `copy(to, from)`, and moves past them.
+    pub(crate) fn write<T>(
+        &mut self,
+        pieces: &mut [&mut [T]],
+        src: &[T],
+        mut copy: impl FnMut(&mut [T], &[T]),
+    ) {
+        let copied: core::result::Result<(), core::convert::Infallible> =
+            self.zip(pieces, src, |d, s| {
+                copy(d, s);
+                Ok(())
+            });
+        let Ok(()) = copied;
+    }
 }
 
 /// Copies `src` into `dst`'s pieces from element `offset` of the message they make up.
 pub(crate) fn copy_to_pieces<T: Copy>(dst: &mut [&mut [T]], offset: usize, src: &[T]) {
-    copy_to_pieces_with(dst, offset, src, <[T]>::copy_from_slice);
-}
-
-/// Copies elements `offset..offset + dst.len()` of the message `src`'s pieces make up
-/// into `dst`, a run at a time with `copy(to, from)`.
-pub(crate) fn copy_window<T>(
-    src: &[&mut [T]],
-    offset: usize,
-    dst: &mut [T],
-    mut copy: impl FnMut(&mut [T], &[T]),
-) {
-    let mut skip = offset;
-    let mut at = 0;
-    for piece in src {
-        if at == dst.len() {
-            break;
-        }
-        if skip >= piece.len() {
-            skip -= piece.len();
-            continue;
-        }
-        let n = (piece.len() - skip).min(dst.len() - at);
-        copy(&mut dst[at..at + n], &piece[skip..skip + n]);
-        at += n;
-        skip = 0;
-    }
-    debug_assert_eq!(at, dst.len(), "window past the message");
-}
-
-/// Copies `src` into `dst`'s pieces from element `offset` of the message they make up, a
-/// run at a time with `copy(to, from)`.
-pub(crate) fn copy_to_pieces_with<T>(
-    dst: &mut [&mut [T]],
-    offset: usize,
-    src: &[T],
-    mut copy: impl FnMut(&mut [T], &[T]),
-) {
-    let copied: core::result::Result<(), core::convert::Infallible> =
-        zip_from(dst, offset, src, |d, s| {
-            copy(d, s);
-            Ok(())
-        });
-    let Ok(()) = copied;
+    Cursor::at(dst, offset).write(dst, src, <[T]>::copy_from_slice);
 }
 
 /// Copies the message `src`'s pieces make up into `dst`, which is as long.
 pub(crate) fn copy_from_pieces<T: Copy>(dst: &mut [T], src: &[&mut [T]]) {
-    copy_window(src, 0, dst, <[T]>::copy_from_slice);
+    Cursor::default().read(src, dst, <[T]>::copy_from_slice);
 }
 
 /// `acc[i] = acc[i] (op) src[i]` for the elements of `acc`'s message from `offset`, as
@@ -215,7 +241,7 @@ pub(crate) fn reduce_into_pieces<T: Element>(
     offset: usize,
     src: &[T],
 ) -> Result<()> {
-    zip_from(acc, offset, src, |a, s| reduce_into(op, a, s))
+    Cursor::at(acc, offset).zip(acc, src, |a, s| reduce_into(op, a, s))
 }
 
 /// `acc[i] = acc[i] (op) src[i]` where `src` is the message of its pieces, as long as
@@ -302,6 +328,50 @@ mod tests {
             bytes.iter().map(|b| b.len()).collect::<Vec<_>>(),
             [8, 0, 12]
         );
+    }
+
+    /// Reads, skips and writes of every length in turn, from every starting point, walk
+    /// the pieces (empty ones among them) as one buffer: each read gets the next elements
+    /// of the concatenation, each write lands there, and a cursor placed at an element is
+    /// the one that walked to it.
+    #[test]
+    fn a_cursor_walks_the_pieces_as_one_buffer() {
+        let lens = [0usize, 3, 0, 0, 5, 1, 7, 0];
+        let len: usize = lens.iter().sum();
+        for from in 0..=len {
+            for step in 1..=len {
+                let mut owned = message(&lens);
+                let mut pieces: Vec<&mut [u32]> =
+                    owned.iter_mut().map(|v| v.as_mut_slice()).collect();
+                let mut expected: Vec<u32> = (0..len as u32).collect();
+                let mut cursor = Cursor::at(&pieces, from);
+                let mut at = from;
+                for turn in 0.. {
+                    let n = step.min(len - at);
+                    if n == 0 {
+                        break;
+                    }
+                    assert_eq!(cursor, Cursor::at(&pieces, at), "from {from}, step {step}");
+                    match turn % 3 {
+                        0 => {
+                            let mut got = vec![0u32; n];
+                            cursor.read(&pieces, &mut got, <[u32]>::copy_from_slice);
+                            assert_eq!(got, expected[at..at + n], "read at {at}");
+                        }
+                        1 => cursor.skip(&pieces, n),
+                        _ => {
+                            let src: Vec<u32> = (0..n as u32).map(|i| 1000 + i).collect();
+                            cursor.write(&mut pieces, &src, <[u32]>::copy_from_slice);
+                            expected[at..at + n].copy_from_slice(&src);
+                        }
+                    }
+                    at += n;
+                }
+                let mut flat = vec![0u32; len];
+                copy_from_pieces(&mut flat, &pieces);
+                assert_eq!(flat, expected, "from {from}, step {step}");
+            }
+        }
     }
 
     #[test]

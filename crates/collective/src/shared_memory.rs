@@ -24,6 +24,13 @@
 //! received copy is read again to be reduced; here the reduction reads the other ranks'
 //! slots directly, and a flag in shared memory replaces each message's protocol.
 //!
+//! A message in pieces (a fused group of tensors where they lie) is walked with one
+//! cursor per step, a run of a piece at a time. The ranks may vote on an all-reduce
+//! (`NodeSegment::all_reduce_if`): each writes its vote beside its flag before the first
+//! piece's first rise, and every rank reads all of them once every flag is up; a vote
+//! against ends the call there on every rank, before anything but the slots is written.
+//! An armed group of the fusion engine votes this way, without a round of its own.
+//!
 //! The segment is a file in `/dev/shm` (or the directory
 //! [`crate::Communicator::set_shared_memory_dir`] names), created by rank 0 on the first
 //! shared-memory all-reduce of a communicator, its memory reserved at once, mapped by
@@ -62,6 +69,7 @@ use crate::options::ReduceOp;
 use crate::pieces;
 use crate::stall::Wait;
 use crate::transport::Transport;
+use smallvec::SmallVec;
 
 /// Bytes of a cache line: every flag lies in one of its own.
 const LINE: usize = 64;
@@ -325,6 +333,16 @@ impl NodeSegment {
         }
     }
 
+    /// Rank `rank`'s vote on the all-reduce it enters, in its flag's line: 0 for, 1
+    /// against ([`NodeSegment::all_reduce_if`]). Written before the flag rises to the first
+    /// piece's `2k + 1`, read once every flag has, and not written again before every flag
+    /// reaches `2k + 2`.
+    fn vote(&self, rank: usize) -> &AtomicU64 {
+        debug_assert!(rank < self.ranks);
+        // SAFETY: as `flag`: the word after it in the same line.
+        unsafe { &*(self.map.as_ptr().add(LINE * (rank + 1) + 8) as *const AtomicU64) }
+    }
+
     fn raise(&self, value: u64) {
         self.flag(self.rank).store(value, Ordering::Release);
     }
@@ -358,13 +376,15 @@ impl NodeSegment {
 
     /// Reduces chunk `own` of the piece in set `set` in rank order, a block at a time
     /// (every rank's elements of a block, then the next block, so that the partial sums
-    /// stay in the cache): this rank's elements come from `mine` (its buffer), the other
-    /// ranks' from their slots. The result goes to `mine` and to this rank's slot.
+    /// stay in the cache): this rank's elements come from its buffer, the pieces of
+    /// `message` from `at` on, the other ranks' from their slots. The result goes back
+    /// there and to this rank's slot.
     fn reduce_own<T: Element>(
         &mut self,
         set: usize,
         own: Range<usize>,
-        mine: &mut [&mut [T]],
+        message: &mut [&mut [T]],
+        at: pieces::Cursor,
         op: ReduceOp,
     ) -> Result<()> {
         let (n, r) = (self.ranks, self.rank);
@@ -383,12 +403,13 @@ impl NodeSegment {
         let acc: &mut [T] = bytemuck::cast_slice_mut(&mut acc[..REDUCE_BLOCK_BYTES]);
         let own_block: &mut [T] = bytemuck::cast_slice_mut(&mut own_block[..REDUCE_BLOCK_BYTES]);
         let mut result = Ok(());
+        let (mut from, mut to) = (at, at);
         let mut at = 0;
         while at < own.len() && result.is_ok() {
             let b = block.min(own.len() - at);
             let range = own.start + at..own.start + at + b;
             let (acc, own_block) = (&mut acc[..b], &mut own_block[..b]);
-            pieces::copy_window(mine, at, own_block, copy_across);
+            from.read(message, own_block, copy_across);
             if r == 0 {
                 acc.copy_from_slice(own_block);
             } else {
@@ -408,7 +429,7 @@ impl NodeSegment {
                     break;
                 }
             }
-            pieces::copy_to_pieces_with(mine, at, acc, copy_across);
+            to.write(message, acc, copy_across);
             // SAFETY: the other ranks read this chunk of this rank's slot only after its
             // flag reaches 2k + 2, and this rank alone writes it.
             unsafe { self.write::<T>(set, range) }.copy_from_slice(acc);
@@ -419,56 +440,107 @@ impl NodeSegment {
     }
 
     /// All-reduces the message `pieces` make up (see the module docs).
+    ///
+    /// # Errors
+    /// A flag that does not rise within the stall timeout; a rank that entered
+    /// [`NodeSegment::all_reduce_if`] and voted against meanwhile (the ranks disagree on
+    /// which collective comes next).
     pub(crate) fn all_reduce<T: Element>(
         &mut self,
         transport: &dyn Transport,
         pieces: &mut [&mut [T]],
         op: ReduceOp,
     ) -> Result<()> {
+        if pieces::total(pieces) == 0 || self.all_reduce_if(transport, Some(pieces), op)? {
+            return Ok(());
+        }
+        Err(crate::Error::Transport {
+            rank: self.rank,
+            detail: "another rank voted against a shared-memory all-reduce that this rank \
+                     entered without a vote: the ranks disagree on the collective that comes \
+                     next"
+                .into(),
+        })
+    }
+
+    /// All-reduces the message `pieces` make up when every rank votes for it: `Some` (the
+    /// same non-empty message on every rank that votes for it) for, `None` against. True
+    /// when every rank voted for it, the sums then in the pieces; false when any voted
+    /// against, and then no rank has written anything but its own slot. The votes travel
+    /// with the flags of the first piece: no round of their own.
+    pub(crate) fn all_reduce_if<T: Element>(
+        &mut self,
+        transport: &dyn Transport,
+        message: Option<&mut [&mut [T]]>,
+        op: ReduceOp,
+    ) -> Result<bool> {
         let (n, r) = (self.ranks, self.rank);
+        let mut against: [&mut [T]; 0] = [];
+        let voted_for = message.is_some();
+        let pieces = message.unwrap_or(&mut against);
         let per_piece = self.slot_bytes / T::BYTES;
         let len = pieces::total(pieces);
+        // Where piece k starts in the message: each step walks it from there.
+        let mut cursor = pieces::Cursor::default();
         let mut start = 0;
-        while start < len {
+        let mut first = true;
+        while first || start < len {
             let m = per_piece.min(len - start);
             let k = self.pieces;
             let set = (k % 2) as usize;
             // Set `set` was last used by piece k - 2, which every rank has finished: every
             // rank raised 2(k - 1) + 1 after it, and this rank has seen 2(k - 1) + 2.
-            let chunks: Vec<Range<usize>> = (0..n).map(|p| ring_chunk_range(m, n, p)).collect();
-            let ranges: Vec<Range<usize>> = chunks
-                .iter()
-                .map(|c| start + c.start..start + c.end)
-                .collect();
-            let mut carved = pieces::carve_many(pieces, &ranges);
+            let chunks: SmallVec<[Range<usize>; 8]> =
+                (0..n).map(|p| ring_chunk_range(m, n, p)).collect();
             // 1. What the other ranks reduce, into this rank's slot.
+            let mut walk = cursor;
             for (c, chunk) in chunks.iter().enumerate() {
-                if c != r {
+                if c == r {
+                    walk.skip(pieces, chunk.len());
+                } else {
                     // SAFETY: set `set` of this rank's slot is read by nobody until the
                     // flag below (every rank finished piece k - 2, see above).
                     let dst = unsafe { self.write::<T>(set, chunk.clone()) };
-                    pieces::copy_window(&carved[c], 0, dst, copy_across);
+                    walk.read(pieces, dst, copy_across);
                 }
+            }
+            if first {
+                self.vote(r).store(u64::from(!voted_for), Ordering::Relaxed);
             }
             self.raise(2 * k + 1);
             self.wait_all(transport, 2 * k + 1)?;
+            if std::mem::take(&mut first)
+                && (0..n).any(|p| self.vote(p).load(Ordering::Relaxed) != 0)
+            {
+                // Every rank reads the same votes; none is written again before every
+                // flag reaches 2k + 2, and nothing was written but the slots.
+                self.raise(2 * k + 2);
+                self.wait_all(transport, 2 * k + 2)?;
+                self.pieces += 1;
+                return Ok(false);
+            }
             // 2. This rank's chunk, reduced in rank order, into its buffer and slot.
-            self.reduce_own::<T>(set, chunks[r].clone(), &mut carved[r], op)?;
+            let own = chunks[r].clone();
+            let mut at = cursor;
+            at.skip(pieces, own.start);
+            self.reduce_own::<T>(set, own, pieces, at, op)?;
             self.raise(2 * k + 2);
             self.wait_all(transport, 2 * k + 2)?;
             // 3. The other ranks' reduced chunks out of their slots.
             for (p, chunk) in chunks.iter().enumerate() {
-                if p != r && !chunk.is_empty() {
+                if p == r {
+                    cursor.skip(pieces, chunk.len());
+                } else {
                     // SAFETY: rank p wrote its reduced chunk before its flag reached 2k + 2,
                     // and writes this set again only after every flag passes 2k + 2.
                     let src = unsafe { self.read::<T>(set, p, chunk.clone()) };
-                    pieces::copy_to_pieces_with(&mut carved[p], 0, src, copy_across);
+                    cursor.write(pieces, src, copy_across);
                 }
             }
             self.pieces += 1;
             start += m;
         }
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -502,6 +574,78 @@ fn copy_across<T: bytemuck::Pod>(dst: &mut [T], src: &[T]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{Algorithm, AllReduceOptions, Communicator};
+
+    /// `input` cut into slices of `lens` (which cover it).
+    fn cut<'a>(input: &'a mut [f32], lens: &[usize]) -> Vec<&'a mut [f32]> {
+        let mut rest = input;
+        lens.iter()
+            .map(|&n| {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+                rest = tail;
+                head
+            })
+            .collect()
+    }
+
+    /// A vote against on any one rank: every rank is told, and no message changes (one
+    /// of dozens of pieces of the segment, in slices); the next vote, all for, gives the
+    /// direct all-reduce's bits; and a rank that entered a plain shared-memory all-reduce
+    /// meanwhile is told that the ranks disagree, after which both go on.
+    #[test]
+    fn a_vote_against_leaves_every_message_alone_and_the_next_reduces() {
+        let lens = [3usize, 0, 250, 1, 746];
+        for size in [2, 3, 4] {
+            for against in 0..size {
+                let outs = Communicator::run_local(size, |mut comm| -> Result<()> {
+                    let r = comm.rank();
+                    let input: Vec<f32> = (0..1000)
+                        .map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.37)
+                        .collect();
+                    let mut direct = input.clone();
+                    let opts = AllReduceOptions::sum().algorithm(Algorithm::Direct);
+                    comm.all_reduce(&mut direct, &opts)?;
+                    // 64-byte slots: the message goes through the segment in dozens of
+                    // pieces.
+                    comm.set_segment_bytes(64);
+                    let mut message = input.clone();
+                    let mut pieces = cut(&mut message, &lens);
+                    let vote = (r != against).then_some(&mut pieces[..]);
+                    let agreed = comm.shared_memory_all_reduce_if(vote, ReduceOp::Sum)?;
+                    assert!(!agreed, "rank {r}: rank {against} voted against");
+                    assert_eq!(message, input, "rank {r}: a vote against writes nothing");
+                    let mut pieces = cut(&mut message, &lens);
+                    let agreed =
+                        comm.shared_memory_all_reduce_if(Some(&mut pieces[..]), ReduceOp::Sum)?;
+                    assert!(agreed, "rank {r}");
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&message), bits(&direct), "rank {r}");
+                    // A plain all-reduce on `against`, a vote against everywhere else.
+                    let mut plain = input.clone();
+                    if r == against {
+                        let shm = AllReduceOptions::sum().algorithm(Algorithm::SharedMemory);
+                        let err = comm.all_reduce(&mut plain, &shm).expect_err("disagree");
+                        assert!(err.to_string().contains("voted against"), "{err}");
+                    } else {
+                        let agreed =
+                            comm.shared_memory_all_reduce_if::<f32>(None, ReduceOp::Sum)?;
+                        assert!(!agreed);
+                    }
+                    let mut again = input.clone();
+                    comm.all_reduce(
+                        &mut again,
+                        &AllReduceOptions::sum().algorithm(Algorithm::SharedMemory),
+                    )?;
+                    assert_eq!(bits(&again), bits(&direct), "rank {r}, afterwards");
+                    Ok(())
+                })
+                .expect("threads");
+                for (r, out) in outs.into_iter().enumerate() {
+                    out.unwrap_or_else(|e| panic!("{size} ranks, rank {r}: {e}"));
+                }
+            }
+        }
+    }
 
     /// Every placement of the destination within a page of the source (the backward path
     /// below [`ALIAS_WINDOW`], the forward one elsewhere), every length around a cache

@@ -1794,3 +1794,48 @@ fn a_rank_that_stops_between_shared_memory_reductions_is_named() {
         );
     }
 }
+
+/// Which groups of pieces are reduced where they lie: with shared memory from
+/// `MIN_SHARED_MEMORY_PIECE_BYTES` on average, with the message-passing algorithms from
+/// `MIN_IN_PLACE_PIECE_BYTES`, never with direct or `MPI_Allreduce`;
+/// `set_min_in_place_piece_bytes` moves both, a duplicate keeps the setting, and `None`
+/// brings the measured sizes back.
+#[test]
+fn pieces_are_reduced_in_place_from_each_algorithms_size_and_the_setting_moves_it() {
+    use ringtrain_collective::{MIN_IN_PLACE_PIECE_BYTES, MIN_SHARED_MEMORY_PIECE_BYTES};
+    let outs = Communicator::run_local(2, |mut comm| -> Result<(), Error> {
+        let pieces = 1000;
+        let in_place = |comm: &Communicator, algorithm: Algorithm, piece: usize| {
+            let opts = AllReduceOptions::sum().algorithm(algorithm);
+            comm.reduces_in_place(DType::F32, &opts, pieces, pieces * piece)
+        };
+        for (algorithm, least) in [
+            (Algorithm::SharedMemory, MIN_SHARED_MEMORY_PIECE_BYTES),
+            (Algorithm::Ring, MIN_IN_PLACE_PIECE_BYTES),
+            (Algorithm::ScatterGather, MIN_IN_PLACE_PIECE_BYTES),
+        ] {
+            assert!(in_place(&comm, algorithm, least), "{algorithm}");
+            assert!(!in_place(&comm, algorithm, least - 4), "{algorithm}");
+        }
+        assert!(!in_place(&comm, Algorithm::Direct, 1 << 20));
+        comm.set_min_in_place_piece_bytes(Some(16));
+        let dup = comm.duplicate()?;
+        for c in [&comm, &dup] {
+            assert!(in_place(c, Algorithm::SharedMemory, 16));
+            assert!(in_place(c, Algorithm::Ring, 16));
+            assert!(!in_place(c, Algorithm::Ring, 12));
+            assert!(!in_place(c, Algorithm::Direct, 1 << 20));
+        }
+        comm.set_min_in_place_piece_bytes(None);
+        assert!(!in_place(
+            &comm,
+            Algorithm::SharedMemory,
+            MIN_SHARED_MEMORY_PIECE_BYTES - 4
+        ));
+        Ok(())
+    })
+    .expect("threads");
+    for out in outs {
+        out.expect("rank");
+    }
+}

@@ -15,7 +15,11 @@ use super::*;
 /// against, so that a rank waiting in the armed reduction for an idle one goes on to the
 /// general path, whose stall checks name the missing ranks and tensors.
 ///
-/// The votes travel in one of two ways ([`Votes`]), both giving the general path's bits:
+/// The votes travel in one of three ways ([`Votes`]), all giving the general path's bits:
+/// - a group the shared-memory all-reduce reduces where its tensors lie (without scaling
+///   or wire compression) votes with the flags of that reduction, which writes nothing
+///   unless every rank voted for it ([`Communicator::shared_memory_all_reduce_if`]): no
+///   copy, no round;
 /// - a group whose reduction carries the votes exactly is copied into the fusion buffer
 ///   with a vote slot after each ring chunk, and the votes are reduced with it: one
 ///   reduction, no round. This where the group is at most [`MAX_SLOT_VOTE_BYTES`], or
@@ -56,6 +60,8 @@ pub(super) struct Armed {
 /// How the ranks vote for an armed group ([`Armed`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Votes {
+    /// With the flags of its shared-memory reduction in place.
+    InFlags,
     /// In a slot after each ring chunk of the group copied into the fusion buffer.
     InSlots,
     /// In a reduction of their own before the group's, which is reduced in place.
@@ -155,20 +161,28 @@ impl Engine {
         Ok(())
     }
 
-    /// The armed state a cached-group step of `tensors` (in `order`) asks for: votes in
-    /// slots where its reduction carries them exactly (no scaling, no wire compression,
-    /// one of our algorithms, whose order of additions the slots keep) and either it is
-    /// at most [`MAX_SLOT_VOTE_BYTES`] or the communicator reduces it in one buffer
+    /// Whether a cached-group step of `tensors` asks every rank to arm the group: when
+    /// there is another rank and something to reduce.
+    pub(super) fn can_arm(comm: &Communicator, tensors: &[Tensor]) -> bool {
+        comm.size() > 1 && tensors.iter().any(|t| !t.is_empty())
+    }
+
+    /// The armed state of a group whose cached-group step every rank took, after its
+    /// reduction (which settled whether the ranks share memory): votes in the flags of a
+    /// shared-memory reduction in place, where there is one, its reduction is exact (no
+    /// scaling, no wire compression); else in slots where its reduction carries them
+    /// exactly (one of our algorithms, whose order of additions the slots keep) and either
+    /// it is at most [`MAX_SLOT_VOTE_BYTES`] or the communicator reduces it in one buffer
     /// anyway ([`Communicator::reduces_in_place`]); else a vote first.
-    pub(super) fn armable(
+    pub(super) fn armed(
         &self,
         comm: &Communicator,
         names: &TensorNames,
         tensors: &[Tensor],
         order: Vec<(u32, u32)>,
-    ) -> Option<Armed> {
+    ) -> Armed {
         let opts = self.config.options;
-        let dtype = tensors.first()?.dtype();
+        let dtype = tensors[0].dtype();
         let len: usize = tensors.iter().map(Tensor::len).sum();
         let bytes = len * dtype.size_bytes();
         let algorithm = comm.resolve_algorithm(opts.algorithm, bytes);
@@ -187,12 +201,14 @@ impl Engine {
         // Where the communicator reduces the group in one buffer anyway, the fusion buffer
         // with slots costs no more copies than a buffer without.
         let in_place = comm.reduces_in_place(dtype, &opts, tensors.len(), bytes);
-        let votes = if exact && (!in_place || bytes <= MAX_SLOT_VOTE_BYTES) {
+        let votes = if exact && in_place && algorithm == crate::Algorithm::SharedMemory {
+            Votes::InFlags
+        } else if exact && (!in_place || bytes <= MAX_SLOT_VOTE_BYTES) {
             Votes::InSlots
         } else {
             Votes::First
         };
-        (comm.size() > 1 && len > 0).then_some(Armed {
+        Armed {
             names: names.clone(),
             lens: tensors.iter().map(Tensor::len).collect(),
             order,
@@ -201,7 +217,7 @@ impl Engine {
             options: AllReduceOptions { algorithm, ..opts },
             votes,
             since: Instant::now(),
-        })
+        }
     }
 
     /// Whether `tensors` under `names` are the armed group as [`Engine::cached_order`]
@@ -252,9 +268,30 @@ impl Engine {
         tensors: Option<&mut [Tensor]>,
     ) -> Result<bool> {
         match armed.votes {
+            Votes::InFlags => self.armed_round_in_flags::<T>(comm, armed, tensors),
             Votes::InSlots => self.armed_round_in_slots::<T>(comm, armed, tensors),
             Votes::First => self.armed_round_voting_first::<T>(comm, armed, tensors),
         }
+    }
+
+    /// [`Votes::InFlags`]: the group reduced where its tensors lie over shared memory,
+    /// when every rank's vote, carried by the reduction's flags, was for it.
+    fn armed_round_in_flags<T: Element>(
+        &mut self,
+        comm: &mut Communicator,
+        armed: &Armed,
+        tensors: Option<&mut [Tensor]>,
+    ) -> Result<bool> {
+        let mut pieces = match tensors {
+            Some(tensors) => Some(pieces_in_order::<T>(tensors, &armed.order)?),
+            None => None,
+        };
+        let agreed = comm.shared_memory_all_reduce_if(pieces.as_deref_mut(), armed.options.op)?;
+        #[cfg(test)]
+        if agreed {
+            self.cached_steps += 1;
+        }
+        Ok(agreed)
     }
 
     /// [`Votes::First`]: every rank's vote (0 for, 1 against) reduced by its maximum, then,
@@ -332,6 +369,14 @@ fn pieces_in_order<'t, T: Element>(
     tensors: &'t mut [Tensor],
     order: &[(u32, u32)],
 ) -> Result<Vec<&'t mut [T]>> {
+    if order
+        .iter()
+        .enumerate()
+        .all(|(at, &(_, index))| index as usize == at)
+    {
+        // The group lists its tensors in id order (its names were first seen in it).
+        return tensors.iter_mut().map(typed::<T>).collect();
+    }
     let mut by_index = tensors
         .iter_mut()
         .map(|t| typed::<T>(t).map(Some))

@@ -38,7 +38,7 @@
 //! one negotiation round (a bit vector once every name is cached), the copy of every
 //! element into the fusion buffer and back where the tensors are not reduced where they
 //! lie ([`Communicator::all_reduce_pieces`]: tensors of at least
-//! [`crate::MIN_IN_PLACE_PIECE_BYTES`] on average, with an algorithm that carves them),
+//! [`crate::min_in_place_piece_bytes`] on average, with an algorithm that carves them),
 //! and a few operations per tensor (its slot, its bit, its result). A group submitted
 //! again with the same [`TensorNames`] goes by the ids its names had, without a look-up of
 //! each name; [`FusionEngine::all_reduce_group`] of such a group on an otherwise idle
@@ -47,8 +47,10 @@
 //! took that step with the same group, every rank is armed: the group's next step has no
 //! round, only its votes, which every other cycle (another group, a changed shape, single
 //! submissions, shutdown, an idle engine) turns against it, which ends it on every rank at
-//! once and hands the step to the general path. A small group (at most 64 KiB, without
-//! scaling or wire compression) votes in one slot per ring chunk of its fused reduction; a
+//! once and hands the step to the general path. A group the shared-memory all-reduce
+//! reduces where its tensors lie (without scaling or wire compression) votes with that
+//! reduction's own flags, which write nothing unless every rank voted for it; another
+//! small group (at most 64 KiB) votes in one slot per ring chunk of its fused reduction; a
 //! larger one in an all-reduce of one element before its reduction in place.
 //!
 //! Single submissions get the same steps when they repeat: a step of
@@ -899,7 +901,7 @@ impl FusionEngine {
             });
         }
         match std::mem::replace(&mut *self.core.lock(), CoreState::Ended(None)) {
-            CoreState::Ended(Some(result)) => result,
+            CoreState::Ended(Some(result)) => result.map(|comm| *comm),
             CoreState::Ended(None) => Err(Error::EngineStopped {
                 reason: "shutdown was already called".into(),
             }),
@@ -1107,7 +1109,7 @@ struct Core {
 enum CoreState {
     Running(Box<Running>),
     /// The engine has ended: the communicator, or why it ended (taken by shutdown).
-    Ended(Option<Result<Communicator>>),
+    Ended(Option<Result<Box<Communicator>>>),
 }
 
 struct Running {
@@ -1190,7 +1192,7 @@ impl Core {
             // communicator.
             eprintln!("ringtrain-collective: rank {}: WARNING: {e}", engine.rank);
         }
-        *state = CoreState::Ended(Some(result.map(|()| comm)));
+        *state = CoreState::Ended(Some(result.map(|()| Box::new(comm))));
     }
 
     /// Gives the tensor of `ticket`, if still queued, a copy of the caller's memory it
@@ -1248,10 +1250,10 @@ impl Core {
         for &(id, _) in &order {
             cached.insert(id);
         }
-        let armed = r.engine.armable(&r.comm, names, &tensors, order.clone());
+        let arming = Engine::can_arm(&r.comm, &tensors);
         let msg = CycleMessage {
             cached,
-            arming: armed.is_some(),
+            arming,
             ..CycleMessage::default()
         }
         .encode();
@@ -1306,12 +1308,10 @@ impl Core {
             Self::finish(&mut state, Err(e));
             return Err(Error::EngineStopped { reason });
         }
-        if agreed {
-            // Every rank sent this message, so every rank asked to arm, or none did.
-            r.engine.armed = armed.map(|a| Armed {
-                since: Instant::now(),
-                ..a
-            });
+        if agreed && arming {
+            // Every rank sent this message, so every rank asked to arm, or none did; and
+            // every rank's reduction settled the same way whether the ranks share memory.
+            r.engine.armed = Some(r.engine.armed(&r.comm, names, &tensors, order));
         }
         Ok(CachedGroup::Reduced(tensors))
     }

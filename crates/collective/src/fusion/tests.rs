@@ -65,7 +65,8 @@ fn votes(engine: &FusionEngine) -> Option<Votes> {
 /// the general path's bit for bit, at 2 to 4 ranks over a ring (whose order of additions
 /// depends on an element's place in the buffer) with every operation, and each other
 /// algorithm; for small groups (votes in slots) and large ones (votes first, reduced in
-/// place where the algorithm allows), with and without scaling.
+/// place where the algorithm allows, or votes with the flags of the shared-memory
+/// reduction in place), with and without scaling.
 #[test]
 fn a_cached_group_step_gives_the_general_paths_bits() {
     use crate::{Algorithm, ReduceOp};
@@ -96,22 +97,16 @@ fn a_cached_group_step_gives_the_general_paths_bits() {
             };
             let lens = [5usize, 1, 17, 0, 9, 33, 2].map(|n| n * scale);
             let bytes = lens.iter().sum::<usize>() * 4;
-            let in_place = matches!(
-                algorithm,
-                Algorithm::Ring
-                    | Algorithm::RecursiveDoubling
-                    | Algorithm::HalvingDoubling
-                    | Algorithm::ScatterGather
-                    | Algorithm::SharedMemory
-                    | Algorithm::Auto
-            ) && bytes >= lens.len() * crate::MIN_IN_PLACE_PIECE_BYTES;
-            let want_votes = if prescale == 1.0 && (!in_place || bytes <= MAX_SLOT_VOTE_BYTES) {
-                Votes::InSlots
-            } else {
-                Votes::First
-            };
             let outs = Communicator::run_local(size, |comm| -> Result<(usize, usize)> {
                 let r = comm.rank();
+                let resolved = comm.resolve_algorithm(algorithm, bytes);
+                let in_place = comm.reduces_in_place(DType::F32, &options, lens.len(), bytes);
+                let want_votes = match (prescale == 1.0, in_place, resolved) {
+                    (true, true, Algorithm::SharedMemory) => Votes::InFlags,
+                    (true, false, _) => Votes::InSlots,
+                    (true, true, _) if bytes <= MAX_SLOT_VOTE_BYTES => Votes::InSlots,
+                    _ => Votes::First,
+                };
                 let engine = FusionEngine::start(comm, config.clone())?;
                 let names: Vec<String> = (0..lens.len()).map(|k| format!("g{k}")).collect();
                 // Registered in this order: ids 0, 1, 2, ...
@@ -231,19 +226,33 @@ fn a_rank_that_submits_another_group_fails_the_missing_tensor_on_every_rank() {
 /// armed reduction; every rank still gets the sums (through rounds) and, once the group
 /// comes from every rank again, is armed again.
 ///
-/// With votes in slots (small tensors) and votes first (tensors reduced where they lie,
-/// which a vote against must leave as they were).
+/// With votes in slots (small tensors), votes first (tensors reduced where they lie by
+/// the ring, which a vote against must leave as they were) and votes in the flags of the
+/// shared-memory reduction in place (`auto` at this size), which must leave them too.
 #[test]
 fn single_submissions_on_one_rank_end_the_armed_group_and_still_reduce() {
-    for (scale, want_votes) in [(1, Votes::InSlots), (10_000, Votes::First)] {
-        single_submissions_end_the_armed_group(scale, want_votes);
+    use crate::Algorithm;
+    for (scale, algorithm, want_votes) in [
+        (1, Algorithm::Auto, Votes::InSlots),
+        (10_000, Algorithm::Ring, Votes::First),
+        (10_000, Algorithm::Auto, Votes::InFlags),
+    ] {
+        single_submissions_end_the_armed_group(scale, algorithm, want_votes);
     }
 }
 
-fn single_submissions_end_the_armed_group(scale: usize, want_votes: Votes) {
+fn single_submissions_end_the_armed_group(
+    scale: usize,
+    algorithm: crate::Algorithm,
+    want_votes: Votes,
+) {
+    let config = FusionConfig {
+        options: AllReduceOptions::sum().algorithm(algorithm),
+        ..FusionConfig::default()
+    };
     let outs = Communicator::run_local(3, |comm| -> Result<(usize, usize)> {
         let r = comm.rank();
-        let engine = FusionEngine::start(comm, FusionConfig::default())?;
+        let engine = FusionEngine::start(comm, config.clone())?;
         let names = TensorNames::new(["a", "b"]);
         let (a, b) = (3 * scale, 5 * scale);
         let step = |single: bool| -> Result<()> {
