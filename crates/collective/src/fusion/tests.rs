@@ -727,3 +727,31 @@ fn a_rank_that_changes_its_order_for_good_learns_the_new_one() {
         assert_eq!(last, [1, 1, 1], "rank {r}: {cached:?}");
     }
 }
+
+/// Where one rank has no shared memory, `auto` arms a large group with a vote first (the
+/// segment's absence is settled by the group's own reductions, the same on every rank),
+/// never with the flags of a shared-memory reduction, and every step still reduces.
+#[test]
+fn without_shared_memory_an_armed_group_votes_without_it() {
+    let outs = Communicator::run_local(3, |mut comm| -> Result<Option<Votes>> {
+        let r = comm.rank();
+        if r == 1 {
+            comm.set_shared_memory_dir(None);
+        }
+        let engine = FusionEngine::start(comm, FusionConfig::default())?;
+        let names = TensorNames::new(["a", "b"]);
+        for _ in 0..4 {
+            let out = engine
+                .all_reduce_group(&names, vec![vec![r as f32; 30_000], vec![1.0f32; 50_000]])?;
+            assert_eq!(out[0].clone().into_vec::<f32>()?, vec![3.0; 30_000]);
+            assert_eq!(out[1].clone().into_vec::<f32>()?, vec![3.0; 50_000]);
+        }
+        let armed = votes(&engine);
+        engine.shutdown()?;
+        Ok(armed)
+    })
+    .expect("run");
+    for (r, out) in outs.into_iter().enumerate() {
+        assert_eq!(out.expect("rank"), Some(Votes::First), "rank {r}");
+    }
+}
