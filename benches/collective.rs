@@ -59,7 +59,12 @@ fn time_pieces(ranks: usize, piece_bytes: usize, in_place: bool, iters: u64) -> 
     times.into_iter().max().unwrap_or_default()
 }
 
-/// One step of 1000 small tensors, per-tensor (`fused = false`) or through the engine.
+/// Untimed steps before the timed ones: the engine learns a step's names in its first
+/// steps and reduces them as one armed group from the third on (see the fusion docs).
+const WARMUP_STEPS: u64 = 3;
+
+/// Steps of 1000 small tensors, per-tensor (`fused = false`) or through the engine, after
+/// [`WARMUP_STEPS`] untimed ones.
 fn time_small_tensors(ranks: usize, fused: bool, steps: u64) -> Duration {
     let times = Communicator::run_local(ranks, |mut comm| {
         let names: Vec<String> = (0..SMALL_TENSORS)
@@ -68,19 +73,26 @@ fn time_small_tensors(ranks: usize, fused: bool, steps: u64) -> Duration {
         let mut tensors: Vec<Vec<f32>> = (0..SMALL_TENSORS).map(|_| vec![1.0; SMALL_LEN]).collect();
         if !fused {
             let opts = AllReduceOptions::sum();
-            comm.barrier().expect("barrier");
-            let start = Instant::now();
-            for _ in 0..steps {
+            let mut start = Instant::now();
+            for step in 0..WARMUP_STEPS + steps {
+                if step == WARMUP_STEPS {
+                    comm.barrier().expect("barrier");
+                    start = Instant::now();
+                }
                 for t in tensors.iter_mut() {
                     comm.all_reduce(t, &opts).expect("all_reduce");
                 }
             }
             return start.elapsed();
         }
-        comm.barrier().expect("barrier");
+        let mut other = comm.duplicate().expect("duplicate");
         let engine = FusionEngine::start(comm, FusionConfig::default()).expect("engine");
-        let start = Instant::now();
-        for _ in 0..steps {
+        let mut start = Instant::now();
+        for step in 0..WARMUP_STEPS + steps {
+            if step == WARMUP_STEPS {
+                other.barrier().expect("barrier");
+                start = Instant::now();
+            }
             let handles: Vec<_> = names
                 .iter()
                 .zip(tensors.drain(..))
@@ -160,7 +172,7 @@ fn summary() {
                 buffer.as_secs_f64() / in_place.as_secs_f64()
             );
         }
-        let steps = 5;
+        let steps = 10;
         let per = time_small_tensors(ranks, false, steps);
         let fused = time_small_tensors(ranks, true, steps);
         println!(
