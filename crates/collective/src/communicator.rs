@@ -911,17 +911,28 @@ impl Communicator {
 
     /// [`Algorithm::SharedMemory`] of the message `pieces` make up when every rank votes
     /// for it: `Some` (the same non-empty message on every rank that votes for it) for,
-    /// `None` against; true when every rank voted for it (the sums are in the pieces), false
-    /// when any voted against (nothing was written). The votes travel with the reduction's
-    /// own flags ([`NodeSegment::all_reduce_if`]): no round of their own. Collective.
+    /// `None` against; true when every rank voted for it (the reduced, post-scaled values
+    /// are in the pieces), false when any voted against (nothing was written). The votes
+    /// travel with the reduction's own flags (`NodeSegment::all_reduce_if`): no round of
+    /// their own. Collective.
     ///
     /// # Errors
-    /// Where the ranks cannot share a segment, the reason, on every rank alike; a stall.
+    /// Options that change the values before the reduction (a prescale, wire
+    /// compression), which a vote against could not undo; where the ranks cannot share a
+    /// segment, the reason, on every rank alike; a stall.
     pub(crate) fn shared_memory_all_reduce_if<T: Element>(
         &mut self,
-        pieces: Option<&mut [&mut [T]]>,
-        op: ReduceOp,
+        mut pieces: Option<&mut [&mut [T]]>,
+        opts: &AllReduceOptions,
     ) -> Result<bool> {
+        opts.validate()?;
+        if opts.prescale != 1.0 || opts.compression != WireCompression::None {
+            return Err(Error::invalid(
+                "options of a voted shared-memory all-reduce",
+                format!("{opts:?}"),
+                "internal: a vote needs the values untouched until every rank has voted",
+            ));
+        }
         if !self.map_segment()? {
             return Err(self.no_segment());
         }
@@ -930,7 +941,15 @@ impl Communicator {
         let SegmentState::Mapped(segment) = &mut self.node_segment else {
             unreachable!("map_segment mapped it");
         };
-        segment.all_reduce_if(self.transport.as_ref(), pieces, op)
+        let agreed =
+            segment.all_reduce_if(self.transport.as_ref(), pieces.as_deref_mut(), opts.op)?;
+        let post = opts.effective_postscale(self.size);
+        if let (true, Some(pieces)) = (agreed && post != 1.0, pieces) {
+            for piece in pieces.iter_mut() {
+                T::scale(piece, post);
+            }
+        }
+        Ok(agreed)
     }
 
     fn mpi_all_reduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {

@@ -603,6 +603,7 @@ mod tests {
                         .map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.37)
                         .collect();
                     let mut direct = input.clone();
+                    let sum = AllReduceOptions::sum().algorithm(Algorithm::SharedMemory);
                     let opts = AllReduceOptions::sum().algorithm(Algorithm::Direct);
                     comm.all_reduce(&mut direct, &opts)?;
                     // 64-byte slots: the message goes through the segment in dozens of
@@ -611,12 +612,11 @@ mod tests {
                     let mut message = input.clone();
                     let mut pieces = cut(&mut message, &lens);
                     let vote = (r != against).then_some(&mut pieces[..]);
-                    let agreed = comm.shared_memory_all_reduce_if(vote, ReduceOp::Sum)?;
+                    let agreed = comm.shared_memory_all_reduce_if(vote, &sum)?;
                     assert!(!agreed, "rank {r}: rank {against} voted against");
                     assert_eq!(message, input, "rank {r}: a vote against writes nothing");
                     let mut pieces = cut(&mut message, &lens);
-                    let agreed =
-                        comm.shared_memory_all_reduce_if(Some(&mut pieces[..]), ReduceOp::Sum)?;
+                    let agreed = comm.shared_memory_all_reduce_if(Some(&mut pieces[..]), &sum)?;
                     assert!(agreed, "rank {r}");
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&message), bits(&direct), "rank {r}");
@@ -627,8 +627,7 @@ mod tests {
                         let err = comm.all_reduce(&mut plain, &shm).expect_err("disagree");
                         assert!(err.to_string().contains("voted against"), "{err}");
                     } else {
-                        let agreed =
-                            comm.shared_memory_all_reduce_if::<f32>(None, ReduceOp::Sum)?;
+                        let agreed = comm.shared_memory_all_reduce_if::<f32>(None, &sum)?;
                         assert!(!agreed);
                     }
                     let mut again = input.clone();

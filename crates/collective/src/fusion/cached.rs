@@ -286,7 +286,7 @@ impl Engine {
             Some(tensors) => Some(pieces_in_order::<T>(tensors, &armed.order)?),
             None => None,
         };
-        let agreed = comm.shared_memory_all_reduce_if(pieces.as_deref_mut(), armed.options.op)?;
+        let agreed = comm.shared_memory_all_reduce_if(pieces.as_deref_mut(), &armed.options)?;
         #[cfg(test)]
         if agreed {
             self.cached_steps += 1;

@@ -83,7 +83,10 @@ fn a_cached_group_step_gives_the_general_paths_bits() {
         (Algorithm::ScatterGather, ReduceOp::Min, 1.0),
         (Algorithm::SharedMemory, ReduceOp::Sum, 1.0),
         (Algorithm::SharedMemory, ReduceOp::Max, 1.0),
+        (Algorithm::SharedMemory, ReduceOp::Average, 1.0),
+        (Algorithm::SharedMemory, ReduceOp::Sum, 0.5),
         (Algorithm::Auto, ReduceOp::Max, 1.0),
+        (Algorithm::Auto, ReduceOp::Average, 1.0),
     ];
     for (size, scale) in [(2, 1), (3, 1), (4, 1), (2, 600), (3, 600)] {
         for (algorithm, op, prescale) in cases {
