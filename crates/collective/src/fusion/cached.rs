@@ -282,10 +282,9 @@ impl Engine {
         armed: &Armed,
         tensors: Option<&mut [Tensor]>,
     ) -> Result<bool> {
-        let mut pieces = match tensors {
-            Some(tensors) => Some(pieces_in_order::<T>(tensors, &armed.order)?),
-            None => None,
-        };
+        let mut pieces = tensors
+            .map(|tensors| pieces_in_order::<T>(tensors, &armed.order))
+            .transpose()?;
         let agreed = comm.shared_memory_all_reduce_if(pieces.as_deref_mut(), &armed.options)?;
         #[cfg(test)]
         if agreed {
