@@ -365,15 +365,18 @@ fn a_walk_past_the_slots_keeps_every_element_in_its_ring_chunk() {
 /// A rank that stops submitting while the others take armed cached-group steps: its
 /// engine votes against the group once idle, and the others' step ends with the
 /// general path's stall error naming it and the tensor, instead of waiting for ever;
-/// for groups and for repeated steps of single submissions.
+/// for groups and for repeated steps of single submissions, with votes in slots (small
+/// tensors) and in the flags of the shared-memory reduction (large ones, `auto`).
 #[test]
 fn a_rank_that_stops_is_named_by_the_armed_step() {
     for single in [false, true] {
-        a_rank_that_stops(single);
+        for len in [4, 10_000] {
+            a_rank_that_stops(single, len);
+        }
     }
 }
 
-fn a_rank_that_stops(single: bool) {
+fn a_rank_that_stops(single: bool, len: usize) {
     let config = FusionConfig {
         stall_warning: Duration::from_millis(200),
         stall_error: Duration::from_millis(200),
@@ -386,22 +389,27 @@ fn a_rank_that_stops(single: bool) {
         let step = || -> Result<Vec<Tensor>> {
             if single {
                 let handles = vec![
-                    engine.submit("u", vec![1.0f32; 4])?,
-                    engine.submit("v", vec![1.0f32; 4])?,
+                    engine.submit("u", vec![1.0f32; len])?,
+                    engine.submit("v", vec![1.0f32; len])?,
                 ];
                 engine.synchronize(handles)
             } else {
-                engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2])
+                engine.all_reduce_group(&names, vec![vec![1.0f32; len]; 2])
             }
         };
         for _ in 0..4 {
             step()?;
         }
-        let armed = match &*engine.core.lock() {
-            CoreState::Running(r) => r.engine.armed.is_some(),
-            CoreState::Ended(_) => false,
+        let want = if len > 4 {
+            Votes::InFlags
+        } else {
+            Votes::InSlots
         };
-        assert!(armed, "rank {r}, single {single}");
+        assert_eq!(
+            votes(&engine),
+            Some(want),
+            "rank {r}, single {single}, {len}"
+        );
         if r == 2 {
             std::thread::sleep(Duration::from_secs(4));
             drop(engine);
@@ -419,23 +427,33 @@ fn a_rank_that_stops(single: bool) {
             .to_string();
         assert!(
             msg.contains("`u`") && msg.contains("not on ranks [2]"),
-            "single {single}: {msg}"
+            "single {single}, {len} elements: {msg}"
         );
     }
 }
 
 /// A rank that stops taking part in the armed reduction itself: the others' wait ends
 /// with an error naming it after the communicator's stall timeout.
+///
+/// With votes in slots (small tensors) and in the flags of the shared-memory reduction
+/// (large ones, `auto`).
 #[test]
 fn a_rank_stuck_in_the_armed_reduction_is_named_at_the_stall_timeout() {
+    for (len, want_votes) in [(4, Votes::InSlots), (10_000, Votes::InFlags)] {
+        a_rank_stuck_in_the_armed_reduction(len, want_votes);
+    }
+}
+
+fn a_rank_stuck_in_the_armed_reduction(len: usize, want_votes: Votes) {
     let outs = Communicator::run_local(3, |comm| -> Result<()> {
         comm.set_stall_timeout(Some(Duration::from_millis(300)));
         let r = comm.rank();
         let engine = FusionEngine::start(comm, FusionConfig::default())?;
         let names = TensorNames::new(["u", "v"]);
         for _ in 0..4 {
-            engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2])?;
+            engine.all_reduce_group(&names, vec![vec![1.0f32; len]; 2])?;
         }
+        assert_eq!(votes(&engine), Some(want_votes), "rank {r}, {len} elements");
         if r == 2 {
             // Holds its engine (as a rank stuck in a device call would hold its
             // thread): no cycle of its own, no vote.
@@ -445,7 +463,7 @@ fn a_rank_stuck_in_the_armed_reduction_is_named_at_the_stall_timeout() {
             drop(engine);
             return Ok(());
         }
-        let result = engine.all_reduce_group(&names, vec![vec![1.0f32; 4]; 2]);
+        let result = engine.all_reduce_group(&names, vec![vec![1.0f32; len]; 2]);
         drop(engine);
         result.map(|_| ())
     })
@@ -459,10 +477,10 @@ fn a_rank_stuck_in_the_armed_reduction_is_named_at_the_stall_timeout() {
         named |= msg.contains("waiting for rank 2");
         assert!(
             msg.contains("waiting for rank") || msg.contains("gone away"),
-            "{msg}"
+            "{len} elements: {msg}"
         );
     }
-    assert!(named, "{outs:?}");
+    assert!(named, "{len} elements: {outs:?}");
 }
 
 /// The first cached-group step of a group is one negotiation round (the one its bits
