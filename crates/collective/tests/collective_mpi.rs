@@ -496,28 +496,33 @@ fn mpi_worker_mismatch() {
     let good = good.wait().expect("the agreed tensor still reduces");
     assert_eq!(good.into_vec::<f32>().expect("f32"), vec![n as f32; 5]);
     // A group reduced step after step (from its third step on without a round of its
-    // own), then a changed shape on the last rank: the same error on every rank.
-    let group = TensorNames::new(["layer/w", "layer/b"]);
+    // own), then a changed shape on the last rank: the same error on every rank. Small
+    // tensors (votes in slots of the fused buffer) and large ones (reduced in place over
+    // shared memory, votes in its flags).
     let sum = (n * (n + 1) / 2) as f32;
-    for _ in 0..5 {
-        let out = engine
-            .all_reduce_group(
-                &group,
-                vec![vec![(r + 1) as f32; 6], vec![(r + 1) as f32; 2]],
-            )
-            .expect("group step");
-        assert_eq!(out[0].clone().into_vec::<f32>().expect("f32"), vec![sum; 6]);
-        assert_eq!(out[1].clone().into_vec::<f32>().expect("f32"), vec![sum; 2]);
+    for (prefix, w, b) in [("layer", 6, 2), ("large", 4000, 1000)] {
+        let group = TensorNames::new([format!("{prefix}/w"), format!("{prefix}/b")]);
+        for _ in 0..5 {
+            let out = engine
+                .all_reduce_group(
+                    &group,
+                    vec![vec![(r + 1) as f32; w], vec![(r + 1) as f32; b]],
+                )
+                .expect("group step");
+            assert_eq!(out[0].clone().into_vec::<f32>().expect("f32"), vec![sum; w]);
+            assert_eq!(out[1].clone().into_vec::<f32>().expect("f32"), vec![sum; b]);
+        }
+        let b_len = if r == n - 1 { b + 1 } else { b };
+        let err = engine
+            .all_reduce_group(&group, vec![vec![1.0f32; w], vec![1.0f32; b_len]])
+            .expect_err("a changed shape on one rank must fail");
+        let group_msg = err.to_string();
+        assert!(
+            group_msg.contains(&format!("{prefix}/b"))
+                && group_msg.contains(&format!("rank {}: f32[{}]", n - 1, b + 1)),
+            "{group_msg}"
+        );
     }
-    let b_len = if r == n - 1 { 3 } else { 2 };
-    let err = engine
-        .all_reduce_group(&group, vec![vec![1.0f32; 6], vec![1.0f32; b_len]])
-        .expect_err("a changed shape on one rank must fail");
-    let group_msg = err.to_string();
-    assert!(
-        group_msg.contains("layer/b") && group_msg.contains(&format!("rank {}: f32[3]", n - 1)),
-        "{group_msg}"
-    );
     engine.shutdown().expect("shutdown");
     println!("MISMATCH-OK rank {r}: {msg}");
 }
