@@ -350,7 +350,9 @@ impl Communicator {
     /// Replaces the smallest average piece that [`Communicator::all_reduce_pieces`]
     /// reduces where the pieces lie ([`min_in_place_piece_bytes`] of each algorithm that
     /// can) with `bytes` for all of them; `None` restores the measured defaults. For
-    /// tuning on another machine: `benches/collective.rs` measures both ways.
+    /// tuning on another machine: `benches/collective.rs` measures both ways. Set the same
+    /// value on every rank, as with [`Communicator::set_auto_threshold_bytes`]: the fusion
+    /// engine's armed groups choose how to vote by it.
     pub fn set_min_in_place_piece_bytes(&mut self, bytes: Option<usize>) {
         self.min_in_place_piece_bytes = bytes;
     }
