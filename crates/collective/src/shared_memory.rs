@@ -439,7 +439,8 @@ impl NodeSegment {
         result
     }
 
-    /// All-reduces the message `pieces` make up (see the module docs).
+    /// All-reduces the message `pieces` make up (see the module docs). Collective like any
+    /// all-reduce: an empty message too takes the flags of one piece on every rank.
     ///
     /// # Errors
     /// A flag that does not rise within the stall timeout; a rank that entered
@@ -451,7 +452,7 @@ impl NodeSegment {
         pieces: &mut [&mut [T]],
         op: ReduceOp,
     ) -> Result<()> {
-        if pieces::total(pieces) == 0 || self.all_reduce_if(transport, Some(pieces), op)? {
+        if self.all_reduce_if(transport, Some(pieces), op)? {
             return Ok(());
         }
         Err(crate::Error::Transport {
