@@ -354,7 +354,11 @@ fn the_fma_paths_give_the_portable_paths_bits() {
 fn each_path_this_cpu_runs_gives_its_models_bits() {
     // Two k blocks, the second a partial AMX step and an odd k; row panels of every path
     // and a partial one; two whole column panels and a partial one.
-    let (m, n, k) = (2 * AMX_MR + MR + 3, 2 * NR + NR / 2 + 5, KC + 2 * AMX_PAIRS + 3);
+    let (m, n, k) = (
+        2 * AMX_MR + MR + 3,
+        2 * NR + NR / 2 + 5,
+        KC + 2 * AMX_PAIRS + 3,
+    );
     let a_data = values(m * k, 31);
     let b_data = values(k * n, 32);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
