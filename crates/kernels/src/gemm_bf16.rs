@@ -49,7 +49,8 @@
 //! Every path can also be named (tests and benchmarks run each one the CPU has:
 //! [`Bf16Path::runnable`]), and [`gemm_bf16_modelled`] runs a path with its instructions
 //! modelled in software, on any CPU, through the same driver, packing and tile walking,
-//! which is how the packing of the AVX-512 and AMX paths is tested on CPUs without them.
+//! which is how the packing of the AVX-512 and AMX paths is tested on CPUs without them;
+//! on a CPU with the instructions, each path gives its model's bits (a test checks it).
 //!
 //! # Accuracy
 //!
@@ -1060,7 +1061,8 @@ unsafe fn portable_kernel(
 }
 
 /// The micro-kernel's body over `MR × 2` vectors of 16 lanes, written once for the
-/// hardware (`$ops` = the intrinsics) and for the software model of the same
+/// hardware (`$ops` = the intrinsics; the `avx512-bf16` kernel writes the same loop out
+/// in assembly, see `avx512::avx512_kernel`) and for the software model of the same
 /// instructions that tests the packing and indexing on CPUs without them.
 macro_rules! vector_kernel {
     ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
