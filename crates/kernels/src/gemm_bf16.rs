@@ -50,7 +50,7 @@
 //! [`Bf16Path::runnable`]), and [`gemm_bf16_modelled`] runs a path with its instructions
 //! modelled in software, on any CPU, through the same driver, packing and tile walking,
 //! which is how the packing of the AVX-512 and AMX paths is tested on CPUs without them;
-//! on a CPU with the instructions, each path gives its model's bits (a test checks it).
+//! on a CPU with FMA, the FMA paths give their models' bits (a test checks it).
 //!
 //! # Accuracy
 //!
@@ -1865,6 +1865,49 @@ mod avx512 {
         hw_fma_ops
     );
 
+    /// The AVX-512 BF16 operations of the vector kernel: `hw_fma_ops`' loads and stores,
+    /// the pairs typed as bf16, and `dot` one `VDPBF16PS` (the reference the assembly
+    /// loop of [`avx512_kernel`] is tested against).
+    #[cfg(test)]
+    mod hw_ops {
+        use core::arch::x86_64::*;
+
+        pub use super::hw_fma_ops::{load, store, zero};
+
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        pub unsafe fn load_pairs(p: *const u32) -> __m512bh {
+            // SAFETY: the caller guarantees 16 readable words; a vector of 32 bf16 has
+            // the size and layout of a vector of 16 words.
+            unsafe { core::mem::transmute::<__m512i, __m512bh>(super::hw_fma_ops::load_pairs(p)) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        pub unsafe fn broadcast(w: u32) -> __m512bh {
+            // SAFETY: the same size and layout, as above.
+            unsafe { core::mem::transmute::<__m512i, __m512bh>(super::hw_fma_ops::broadcast(w)) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        pub unsafe fn dot(acc: __m512, a: __m512bh, b: __m512bh) -> __m512 {
+            _mm512_dpbf16_ps(acc, a, b)
+        }
+    }
+
+    #[cfg(test)]
+    vector_kernel!(
+        /// The vector kernel on the AVX-512 BF16 intrinsics, as the compiler schedules it.
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        fn avx512_intrinsics_kernel,
+        hw_ops
+    );
+
+    /// [`avx512_intrinsics_kernel`] where the CPU has AVX-512 BF16.
+    #[cfg(test)]
+    pub fn intrinsics_kernel() -> Option<MicroKernel> {
+        available().then_some(avx512_intrinsics_kernel as MicroKernel)
+    }
+
     /// The AVX-512 BF16 micro-kernel: the vector kernel's `MR × NR` block and order of
     /// additions (one `VDPBF16PS` per accumulator and pair, pairs in order), its loop over
     /// `k` written out so that each `VDPBF16PS` takes its A word straight from memory,
@@ -1987,6 +2030,11 @@ mod avx512 {
     pub fn fma_kernel() -> Option<MicroKernel> {
         None
     }
+
+    #[cfg(all(test, feature = "std"))]
+    pub fn intrinsics_kernel() -> Option<MicroKernel> {
+        None
+    }
 }
 
 #[cfg(test)]
@@ -2043,6 +2091,58 @@ mod tests {
                     (g - w).abs() <= bound,
                     "({m},{n},{k}) element {idx}: {g} vs {w}"
                 );
+            }
+        }
+    }
+
+    /// The assembly loop of the AVX-512 BF16 kernel gives the bits of the same kernel on
+    /// the intrinsics, as the compiler schedules it (the same instructions, in the same
+    /// order per accumulator), across row, column and `k` block edges, the three layouts
+    /// and both starts of C; on a CPU without AVX-512 BF16 it says so and checks nothing.
+    #[test]
+    #[cfg(feature = "std")]
+    fn the_assembly_avx512_kernel_gives_the_intrinsics_kernels_bits() {
+        let (Ok(asm), Some(intrinsics)) = (
+            kernel_for(Bf16Path::Avx512Bf16),
+            avx512::intrinsics_kernel(),
+        ) else {
+            std::println!("SKIPPED: {}", avx512::MISSING);
+            return;
+        };
+        let reference = Kernel::vector(intrinsics);
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (9, 33, 257),
+            (MC + MR + 3, 2 * NR + 5, 2 * KC + 3),
+        ] {
+            let a_data = values(m * k, 3);
+            let b_data = values(k * n, 4);
+            let layouts = [
+                (
+                    MatRef::row_major(&a_data, m, k).unwrap(),
+                    MatRef::row_major(&b_data, k, n).unwrap(),
+                ),
+                (
+                    MatRef::row_major(&a_data, m, k).unwrap(),
+                    MatRef::row_major(&b_data, n, k).unwrap().t(),
+                ),
+                (
+                    MatRef::row_major(&a_data, k, m).unwrap().t(),
+                    MatRef::row_major(&b_data, k, n).unwrap(),
+                ),
+            ];
+            for (layout, &(a, b)) in layouts.iter().enumerate() {
+                for accumulate in [false, true] {
+                    let c0: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32 * 0.25 - 0.5).collect();
+                    let (mut want, mut got) = (c0.clone(), c0);
+                    drive(reference, a, b, &mut want, n, accumulate).unwrap();
+                    drive(asm, a, b, &mut got, n, accumulate).unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert!(
+                        bits(&got) == bits(&want),
+                        "({m},{n},{k}) layout {layout}, accumulate {accumulate}"
+                    );
+                }
             }
         }
     }

@@ -344,14 +344,17 @@ fn the_fma_paths_give_the_portable_paths_bits() {
     }
 }
 
-/// Each instruction path this CPU runs gives the bits of its software model (the same
-/// packing and tile walking, the instruction's arithmetic in software), over shapes with
-/// an edge in every dimension, the three layouts, with and without accumulation, and values
-/// whose sums round: a hand-written loop that added in another order, read a wrong word
-/// or dropped a pair would differ. Paths the CPU lacks are reported by
+/// Each FMA path this CPU runs gives the bits of its software model (the same packing,
+/// `VFMADD231PS` in software: one rounding, which IEEE 754 fixes on every CPU), over
+/// shapes with an edge in every dimension, the three layouts, with and without
+/// accumulation, and values whose sums round. The `VDPBF16PS` and `TDPBF16PS` models are
+/// written from the vendors' descriptions, which do not promise every CPU's last bit, so
+/// those paths are held to the accumulation bound; the assembly loop of the `avx512-bf16`
+/// kernel is checked bit for bit against the same kernel on the intrinsics (a unit test in
+/// the crate). Paths the CPU lacks are reported by
 /// `every_path_this_cpu_lacks_is_reported_with_the_reason`.
 #[test]
-fn each_path_this_cpu_runs_gives_its_models_bits() {
+fn each_fma_path_this_cpu_runs_gives_its_models_bits() {
     // Two k blocks, the second a partial AMX step and an odd k; row panels of every path
     // and a partial one; two whole column panels and a partial one.
     let (m, n, k) = (
@@ -364,7 +367,7 @@ fn each_path_this_cpu_runs_gives_its_models_bits() {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let hardware: Vec<Bf16Path> = Bf16Path::runnable()
         .into_iter()
-        .filter(|p| MODELLED.contains(p))
+        .filter(|p| matches!(p, Bf16Path::Avx2Fma | Bf16Path::Avx512Fma))
         .collect();
     for layout in [Layout::Nn, Layout::Nt, Layout::Tn] {
         let (a, b) = layout.views(&a_data, &b_data, m, n, k);
