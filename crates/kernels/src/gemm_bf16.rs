@@ -49,8 +49,7 @@
 //! Every path can also be named (tests and benchmarks run each one the CPU has:
 //! [`Bf16Path::runnable`]), and [`gemm_bf16_modelled`] runs a path with its instructions
 //! modelled in software, on any CPU, through the same driver, packing and tile walking,
-//! which is how the packing of the AVX-512 and AMX paths is tested on CPUs without them;
-//! on a CPU with FMA, the FMA paths give their models' bits (a test checks it).
+//! which is how the packing of the AVX-512 and AMX paths is tested on CPUs without them.
 //!
 //! # Accuracy
 //!
@@ -1809,9 +1808,8 @@ mod avx512 {
     }
 
     /// The AVX-512 F operations the vector kernel uses on the `avx512-fma` path, with
-    /// `dot` two fused
-    /// multiply-adds of the widened operands, the even products first (the order of the
-    /// portable kernel).
+    /// `dot` two fused multiply-adds of the widened operands, the even products first (the
+    /// order of the portable kernel).
     mod hw_fma_ops {
         use core::arch::x86_64::*;
 

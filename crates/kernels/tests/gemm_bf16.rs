@@ -344,52 +344,6 @@ fn the_fma_paths_give_the_portable_paths_bits() {
     }
 }
 
-/// Each FMA path this CPU runs gives the bits of its software model (the same packing,
-/// `VFMADD231PS` in software: one rounding, which IEEE 754 fixes on every CPU), over
-/// shapes with an edge in every dimension, the three layouts, with and without
-/// accumulation, and values whose sums round. The `VDPBF16PS` and `TDPBF16PS` models are
-/// written from the vendors' descriptions, which do not promise every CPU's last bit, so
-/// those paths are held to the accumulation bound; the assembly loop of the `avx512-bf16`
-/// kernel is checked bit for bit against the same kernel on the intrinsics (a unit test in
-/// the crate). Paths the CPU lacks are reported by
-/// `every_path_this_cpu_lacks_is_reported_with_the_reason`.
-#[test]
-fn each_fma_path_this_cpu_runs_gives_its_models_bits() {
-    // Two k blocks, the second a partial AMX step and an odd k; row panels of every path
-    // and a partial one; two whole column panels and a partial one.
-    let (m, n, k) = (
-        2 * AMX_MR + MR + 3,
-        2 * NR + NR / 2 + 5,
-        KC + 2 * AMX_PAIRS + 3,
-    );
-    let a_data = values(m * k, 31);
-    let b_data = values(k * n, 32);
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    let hardware: Vec<Bf16Path> = Bf16Path::runnable()
-        .into_iter()
-        .filter(|p| matches!(p, Bf16Path::Avx2Fma | Bf16Path::Avx512Fma))
-        .collect();
-    for layout in [Layout::Nn, Layout::Nt, Layout::Tn] {
-        let (a, b) = layout.views(&a_data, &b_data, m, n, k);
-        for accumulate in [false, true] {
-            let c0: Vec<f32> = (0..m * n).map(|i| (i % 7) as f32 * 0.375 - 1.0).collect();
-            for &path in &hardware {
-                let mut want = c0.clone();
-                gemm_bf16_modelled(path, a, b, &mut want, n, accumulate).unwrap();
-                for runner in [Runner::Hardware(path), Runner::Packed(path)] {
-                    let mut got = c0.clone();
-                    runner.run(a, b, &mut got, n, accumulate).unwrap();
-                    assert!(
-                        bits(&got) == bits(&want),
-                        "{} {layout:?}, accumulate {accumulate}: not its model's bits",
-                        runner.name()
-                    );
-                }
-            }
-        }
-    }
-}
-
 #[test]
 fn zero_sized_products_write_only_what_they_must() {
     for path in runnable() {
