@@ -24,8 +24,9 @@
 //! received copy is read again to be reduced; here the reduction reads the other ranks'
 //! slots directly, and a flag in shared memory replaces each message's protocol.
 //!
-//! A message in pieces (a fused group of tensors where they lie) is walked with one
-//! cursor per step, a run of a piece at a time. The ranks may vote on an all-reduce
+//! A message in pieces (a fused group of tensors where they lie) is walked once per
+//! piece of the segment, a run of a piece at a time: the first step remembers where each
+//! rank's chunk starts, and the reduction and the copies out start there. The ranks may vote on an all-reduce
 //! (`NodeSegment::all_reduce_if`): each writes its vote beside its flag before the first
 //! piece's first rise, and every rank reads all of them once every flag is up; a vote
 //! against ends the call there on every rank, before anything but the slots is written.
@@ -481,7 +482,7 @@ impl NodeSegment {
         let pieces = message.unwrap_or(&mut against);
         let per_piece = self.slot_bytes / T::BYTES;
         let len = pieces::total(pieces);
-        // Where piece k starts in the message: each step walks it from there.
+        // Where piece k starts in the message: step 1 walks it from there, once.
         let mut cursor = pieces::Cursor::default();
         let mut start = 0;
         let mut first = true;
@@ -493,9 +494,12 @@ impl NodeSegment {
             // rank raised 2(k - 1) + 1 after it, and this rank has seen 2(k - 1) + 2.
             let chunks: SmallVec<[Range<usize>; 8]> =
                 (0..n).map(|p| ring_chunk_range(m, n, p)).collect();
-            // 1. What the other ranks reduce, into this rank's slot.
+            // 1. What the other ranks reduce, into this rank's slot; on the way, where each
+            // chunk starts in the message (and where the piece ends), for steps 2 and 3.
+            let mut starts: SmallVec<[pieces::Cursor; 9]> = SmallVec::with_capacity(n + 1);
             let mut walk = cursor;
             for (c, chunk) in chunks.iter().enumerate() {
+                starts.push(walk);
                 if c == r {
                     walk.skip(pieces, chunk.len());
                 } else {
@@ -505,6 +509,7 @@ impl NodeSegment {
                     walk.read(pieces, dst, copy_across);
                 }
             }
+            starts.push(walk);
             if first {
                 self.vote(r).store(u64::from(!voted_for), Ordering::Relaxed);
             }
@@ -521,23 +526,19 @@ impl NodeSegment {
                 return Ok(false);
             }
             // 2. This rank's chunk, reduced in rank order, into its buffer and slot.
-            let own = chunks[r].clone();
-            let mut at = cursor;
-            at.skip(pieces, own.start);
-            self.reduce_own::<T>(set, own, pieces, at, op)?;
+            self.reduce_own::<T>(set, chunks[r].clone(), pieces, starts[r], op)?;
             self.raise(2 * k + 2);
             self.wait_all(transport, 2 * k + 2)?;
             // 3. The other ranks' reduced chunks out of their slots.
             for (p, chunk) in chunks.iter().enumerate() {
-                if p == r {
-                    cursor.skip(pieces, chunk.len());
-                } else {
+                if p != r {
                     // SAFETY: rank p wrote its reduced chunk before its flag reached 2k + 2,
                     // and writes this set again only after every flag passes 2k + 2.
                     let src = unsafe { self.read::<T>(set, p, chunk.clone()) };
-                    cursor.write(pieces, src, copy_across);
+                    starts[p].write(pieces, src, copy_across);
                 }
             }
+            cursor = starts[n];
             self.pieces += 1;
             start += m;
         }
