@@ -1911,9 +1911,8 @@ mod avx512 {
     /// `k` written out so that each `VDPBF16PS` takes its A word straight from memory,
     /// broadcast by the instruction itself (`m32bcst`), instead of a broadcast into a
     /// register that two instructions then read. The bits are the same (each product of
-    /// a pair is exact, whichever operand comes first); on a Zen 4 the products of the
-    /// `gemm_cpu` shapes ran 2-3 % faster than with the broadcasts the compiler made of
-    /// the vector kernel.
+    /// a pair is exact, whichever operand comes first); README's bf16 section says what
+    /// it was measured to gain, and how.
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn avx512_kernel(
         pairs: usize,
