@@ -7,6 +7,7 @@ use half::{bf16, f16};
 
 use crate::dtype::{DType, Element, TensorMut};
 use crate::error::{Error, Result};
+use crate::hierarchical::Hierarchy;
 use crate::options::{Algorithm, AllReduceOptions, ReduceOp, WireCompression};
 use crate::pieces;
 use crate::shared_memory::NodeSegment;
@@ -47,7 +48,8 @@ pub fn min_in_place_piece_bytes(algorithm: Algorithm) -> Option<usize> {
         Algorithm::Ring
         | Algorithm::RecursiveDoubling
         | Algorithm::HalvingDoubling
-        | Algorithm::ScatterGather => Some(MIN_IN_PLACE_PIECE_BYTES),
+        | Algorithm::ScatterGather
+        | Algorithm::Hierarchical => Some(MIN_IN_PLACE_PIECE_BYTES),
         Algorithm::Auto | Algorithm::Direct | Algorithm::Mpi => None,
     }
 }
@@ -101,6 +103,9 @@ pub struct Communicator {
     node_segment: SegmentState,
     /// Where that segment is made; `None`: shared memory is off.
     shared_memory_dir: Option<PathBuf>,
+    /// The nodes and the communicators of [`Algorithm::Hierarchical`], made by its first
+    /// call.
+    pub(crate) hierarchy: Option<Box<Hierarchy>>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -188,13 +193,20 @@ impl Communicator {
             wire_bf16: Vec::new(),
             node_segment: SegmentState::Untried,
             shared_memory_dir: Some(PathBuf::from(crate::shared_memory::DEFAULT_SEGMENT_DIR)),
+            hierarchy: None,
         }
     }
 
     /// `n` communicators over a [`LocalTransport`], rank `i` at index `i`; move each into
     /// its own thread.
     pub fn local(n: usize) -> Result<Vec<Communicator>> {
-        Ok(LocalTransport::create(n)?
+        Self::local_on_nodes(&[n])
+    }
+
+    /// [`Communicator::local`] with the ranks laid out on nodes as
+    /// [`LocalTransport::create_on_nodes`] does: `ranks_per_node[j]` ranks on node `j`.
+    pub fn local_on_nodes(ranks_per_node: &[usize]) -> Result<Vec<Communicator>> {
+        Ok(LocalTransport::create_on_nodes(ranks_per_node)?
             .into_iter()
             .map(Communicator::new)
             .collect())
@@ -215,7 +227,18 @@ impl Communicator {
         R: Send,
         F: Fn(Communicator) -> R + Sync,
     {
-        let comms = Communicator::local(n)?;
+        Self::run_local_on_nodes(&[n], f)
+    }
+
+    /// [`Communicator::run_local`] with the ranks laid out on nodes as
+    /// [`Communicator::local_on_nodes`] does.
+    pub fn run_local_on_nodes<R, F>(ranks_per_node: &[usize], f: F) -> Result<Vec<R>>
+    where
+        R: Send,
+        F: Fn(Communicator) -> R + Sync,
+    {
+        let comms = Communicator::local_on_nodes(ranks_per_node)?;
+        let n = comms.len();
         let f = &f;
         std::thread::scope(|scope| {
             let handles: Vec<_> = comms
@@ -245,11 +268,19 @@ impl Communicator {
     /// This communicator with `other`'s settings (segment size, `auto`'s rule, pieces
     /// reduced in place, shared-memory directory).
     fn with_settings_of(mut self, other: &Communicator) -> Communicator {
+        self.adopt_settings_of(other);
+        self
+    }
+
+    /// Takes `other`'s settings (see [`Communicator::with_settings_of`]); a changed
+    /// shared-memory directory as [`Communicator::set_shared_memory_dir`] does.
+    pub(crate) fn adopt_settings_of(&mut self, other: &Communicator) {
         self.segment_bytes = other.segment_bytes;
         self.auto_threshold_bytes = other.auto_threshold_bytes;
         self.min_in_place_piece_bytes = other.min_in_place_piece_bytes;
-        self.shared_memory_dir = other.shared_memory_dir.clone();
-        self
+        if self.shared_memory_dir != other.shared_memory_dir {
+            self.set_shared_memory_dir(other.shared_memory_dir.clone());
+        }
     }
 
     /// The ranks `members` (ascending, this rank among them) as a communicator of their
@@ -305,7 +336,7 @@ impl Communicator {
         self.transport.stall_watch().set_context(context.into());
     }
 
-    fn begin(&self, name: &'static str, dtype: Option<DType>, bytes: usize) {
+    pub(crate) fn begin(&self, name: &'static str, dtype: Option<DType>, bytes: usize) {
         self.transport
             .stall_watch()
             .begin(Operation { name, dtype, bytes });
@@ -447,6 +478,7 @@ impl Communicator {
                 Algorithm::Direct => "direct all-reduce",
                 Algorithm::ScatterGather => "scatter-gather all-reduce",
                 Algorithm::SharedMemory => "shared-memory all-reduce",
+                Algorithm::Hierarchical => "hierarchical all-reduce",
                 Algorithm::Mpi => "MPI_Allreduce",
             };
             self.begin(name, Some(T::DTYPE), bytes);
@@ -461,6 +493,7 @@ impl Communicator {
                 }
                 Algorithm::ScatterGather => self.scatter_gather_all_reduce(pieces, op)?,
                 Algorithm::SharedMemory => self.shared_memory_all_reduce(pieces, op)?,
+                Algorithm::Hierarchical => self.hierarchical_all_reduce(pieces, op)?,
                 Algorithm::Mpi => self.through_one_buffer(pieces, |comm, buf| {
                     comm.mpi_all_reduce_in_place(buf, op)
                 })?,
@@ -589,7 +622,7 @@ impl Communicator {
     ///
     /// Step i: rank r sends chunk (r - i - 1) to r + 1 and reduces chunk (r - i - 2),
     /// received from r - 1, into its own copy, segment by segment as they arrive.
-    fn ring_reduce_scatter<T: Element>(
+    pub(crate) fn ring_reduce_scatter<T: Element>(
         &mut self,
         pieces: &mut [&mut [T]],
         op: ReduceOp,
@@ -628,7 +661,10 @@ impl Communicator {
     }
 
     /// Passes the reduced chunks around the ring: rank r starts with chunk r complete.
-    fn ring_all_gather_chunks<T: Element>(&mut self, pieces: &mut [&mut [T]]) -> Result<()> {
+    pub(crate) fn ring_all_gather_chunks<T: Element>(
+        &mut self,
+        pieces: &mut [&mut [T]],
+    ) -> Result<()> {
         let (n, r) = (self.size, self.rank);
         let right = (r + 1) % n;
         let left = (r + n - 1) % n;

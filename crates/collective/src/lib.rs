@@ -1,7 +1,8 @@
 //! Horovod-style collectives for data-parallel training: a pipelined ring all-reduce,
 //! recursive doubling and a one-step direct all-reduce for small messages,
 //! scatter-gather (two direct steps) and halving-doubling for mid-sized ones, a
-//! shared-memory all-reduce for the ranks of one node, broadcast, all-gather,
+//! shared-memory all-reduce for the ranks of one node, a hierarchical one for ranks on
+//! several nodes, broadcast, all-gather,
 //! reduce-scatter and barrier, tf_cnn_benchmarks' gradient packing, and Horovod's tensor
 //! fusion with asynchronous submission, name negotiation and stall detection.
 //!
@@ -13,6 +14,10 @@
 //! - `MpiTransport` (feature `mpi`): rsmpi point-to-point over `MPI_COMM_WORLD`, one
 //!   process per rank under `mpirun`. It also offers `MPI_Allreduce` itself as
 //!   [`Algorithm::Mpi`], the baseline the benchmarks compare with.
+//!
+//! Where the ranks span several nodes, [`Algorithm::Hierarchical`] reduces within each
+//! node, then across nodes, then shares the result within each node
+//! ([`hierarchical`]); [`Communicator::nodes`] says which ranks share a node.
 //!
 //! Where every rank is on one node, [`Algorithm::SharedMemory`] reduces through a memory
 //! segment the ranks map (`/dev/shm`) instead of messages, and [`Algorithm::Auto`] takes
@@ -106,6 +111,7 @@ mod communicator;
 mod dtype;
 mod error;
 pub mod fusion;
+pub mod hierarchical;
 #[cfg(feature = "mpi")]
 mod mpi_transport;
 mod negotiation;

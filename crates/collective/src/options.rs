@@ -82,6 +82,12 @@ pub enum Algorithm {
     /// ([`crate::shared_memory`]). Every rank must be on one node. The bits of
     /// [`Algorithm::Direct`].
     SharedMemory,
+    /// For ranks on several nodes: within each node a ring reduce-scatter, then across
+    /// nodes an all-reduce of each chunk among the ranks holding it, then within each node
+    /// a ring all-gather; a layout with different rank counts per node reduces within each
+    /// node, across nodes among the first ranks, and broadcasts within each node
+    /// ([`crate::hierarchical`]). Chosen by name only: [`Algorithm::Auto`] never takes it.
+    Hierarchical,
     /// The fastest of direct, scatter-gather, recursive doubling, halving-doubling, the ring
     /// and shared memory as measured for the rank count and message size
     /// ([`crate::algorithm_choice`]); shared memory only while every rank can map its
@@ -100,6 +106,7 @@ impl Algorithm {
             Algorithm::Direct => "direct",
             Algorithm::ScatterGather => "sg",
             Algorithm::SharedMemory => "shm",
+            Algorithm::Hierarchical => "hier",
             Algorithm::Auto => "auto",
         }
     }
@@ -122,13 +129,34 @@ impl FromStr for Algorithm {
             "direct" => Ok(Algorithm::Direct),
             "sg" | "scatter-gather" | "scatter_gather" => Ok(Algorithm::ScatterGather),
             "shm" | "shared-memory" | "shared_memory" => Ok(Algorithm::SharedMemory),
+            "hier" | "hierarchical" => Ok(Algorithm::Hierarchical),
             "auto" => Ok(Algorithm::Auto),
             _ => Err(Error::invalid(
                 "all-reduce algorithm",
                 s,
-                "use one of ring, mpi, rd (recursive doubling), hd (halving-doubling), direct, sg (scatter-gather), shm (shared memory, one node), auto",
+                "use one of ring, mpi, rd (recursive doubling), hd (halving-doubling), direct, sg (scatter-gather), shm (shared memory, one node), hier (hierarchical, several nodes), auto",
             )),
         }
+    }
+}
+
+/// Written as its name ([`Algorithm::name`]), as a configuration file holds it.
+impl serde::Serialize for Algorithm {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.name())
+    }
+}
+
+/// Read from any spelling [`FromStr`] accepts.
+impl<'de> serde::Deserialize<'de> for Algorithm {
+    fn deserialize<D: serde::Deserializer<'de>>(
+        deserializer: D,
+    ) -> std::result::Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        name.parse().map_err(serde::de::Error::custom)
     }
 }
 

@@ -101,6 +101,9 @@ impl Transport for SubgroupTransport {
     fn node_rank(&self) -> Result<NodeRank> {
         self.inner.node_rank()
     }
+    fn node_key(&self) -> Result<u64> {
+        self.inner.node_key()
+    }
     fn stalled(&self, error: Error) -> Error {
         self.inner.stalled(error)
     }

@@ -124,6 +124,20 @@ pub trait Transport: Send {
     /// `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)` finds them. Collective.
     fn node_rank(&self) -> Result<NodeRank>;
 
+    /// A number equal on the ranks that share this rank's node and different on other
+    /// nodes' ranks: what [`crate::Communicator::nodes`] groups the ranks by. Not
+    /// collective. This default is a hash of the host's name (as `gethostname` gives it),
+    /// which is how MPI launchers tell nodes apart too.
+    ///
+    /// # Errors
+    /// [`Error::Transport`] when the host's name cannot be read.
+    fn node_key(&self) -> Result<u64> {
+        host_key().map_err(|e| Error::Transport {
+            rank: self.rank(),
+            detail: format!("could not read this host's name to find its node: {e}"),
+        })
+    }
+
     /// Sends `data` to every other rank and returns every rank's data, own included, in
     /// rank order: one message step, however many ranks (lengths may differ per rank).
     ///
@@ -317,6 +331,20 @@ pub(crate) fn segment_range(len: usize, segment: usize, k: usize) -> Range<usize
     start..end
 }
 
+/// FNV-1a of this host's name.
+fn host_key() -> std::io::Result<u64> {
+    let mut name = [0u8; 256];
+    // SAFETY: `name` is writable for its whole length, which is passed; the call writes
+    // at most that many bytes.
+    if unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let len = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    Ok(name[..len].iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    }))
+}
+
 /// A rank's index among the ranks on its node, and how many share the node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NodeRank {
@@ -349,6 +377,8 @@ pub struct LocalTransport {
     groups: Arc<Mutex<LocalGroups>>,
     /// Stall timeout and current operation (shared with this rank's duplicates).
     watch: StallWatch,
+    /// The node each rank claims to be on ([`LocalTransport::create_on_nodes`]).
+    nodes: Arc<[usize]>,
 }
 
 /// The endpoints of duplicated groups not yet taken by their ranks.
@@ -361,24 +391,47 @@ struct LocalGroups {
 }
 
 impl LocalTransport {
-    /// Creates the `n` connected endpoints, rank `i` at index `i`.
+    /// Creates the `n` connected endpoints, rank `i` at index `i`, all on one node.
     pub fn create(n: usize) -> Result<Vec<LocalTransport>> {
-        if n == 0 {
+        Self::create_on_nodes(&[n])
+    }
+
+    /// Creates connected endpoints that behave as if on several nodes:
+    /// `ranks_per_node[j]` ranks on node `j`, numbered node after node (`[2, 2]`: ranks 0
+    /// and 1 on node 0, ranks 2 and 3 on node 1), for testing what depends on the layout
+    /// ([`Transport::node_rank`], [`Transport::node_key`],
+    /// [`crate::Algorithm::Hierarchical`]). The threads still share memory.
+    ///
+    /// # Errors
+    /// [`Error::InvalidValue`] for no ranks, or a node without ranks.
+    pub fn create_on_nodes(ranks_per_node: &[usize]) -> Result<Vec<LocalTransport>> {
+        let n: usize = ranks_per_node.iter().sum();
+        if n == 0 || ranks_per_node.contains(&0) {
             return Err(Error::invalid(
-                "local rank count",
-                n,
-                "ask for at least one rank",
+                "local ranks per node",
+                format!("{ranks_per_node:?}"),
+                "ask for at least one rank on every node",
             ));
         }
+        let nodes: Arc<[usize]> = ranks_per_node
+            .iter()
+            .enumerate()
+            .flat_map(|(node, &k)| std::iter::repeat_n(node, k))
+            .collect();
         let groups = Arc::new(Mutex::new(LocalGroups {
             created: 1,
             pending: HashMap::new(),
         }));
-        Ok(Self::connect(n, 0, &groups))
+        Ok(Self::connect(&nodes, 0, &groups))
     }
 
-    /// The `n` endpoints of group `group`.
-    fn connect(n: usize, group: usize, groups: &Arc<Mutex<LocalGroups>>) -> Vec<LocalTransport> {
+    /// The endpoints of group `group`, one per entry of `nodes` (each rank's node).
+    fn connect(
+        nodes: &Arc<[usize]>,
+        group: usize,
+        groups: &Arc<Mutex<LocalGroups>>,
+    ) -> Vec<LocalTransport> {
+        let n = nodes.len();
         // channels[src][dst]
         let mut senders: Vec<Vec<Option<Sender<Vec<u8>>>>> = Vec::with_capacity(n);
         let mut receivers: Vec<Vec<Option<Receiver<Vec<u8>>>>> =
@@ -403,6 +456,7 @@ impl LocalTransport {
                 duplicates: AtomicUsize::new(0),
                 groups: Arc::clone(groups),
                 watch: StallWatch::default(),
+                nodes: Arc::clone(nodes),
             });
         }
         out
@@ -501,7 +555,7 @@ impl Transport for LocalTransport {
                 let id = groups.created;
                 groups.created += 1;
                 e.insert(
-                    Self::connect(self.size, id, &self.groups)
+                    Self::connect(&self.nodes, id, &self.groups)
                         .into_iter()
                         .map(Some)
                         .collect(),
@@ -521,11 +575,62 @@ impl Transport for LocalTransport {
         Ok(Box::new(mine))
     }
 
-    /// Every local rank is a thread of this process, so all share one node.
+    /// The ranks on this rank's node as [`LocalTransport::create_on_nodes`] laid them out
+    /// (all of them after [`LocalTransport::create`]).
     fn node_rank(&self) -> Result<NodeRank> {
+        let node = self.nodes[self.rank];
+        let on_node = |&n: &usize| n == node;
         Ok(NodeRank {
-            rank: self.rank,
-            size: self.size,
+            rank: self.nodes[..self.rank]
+                .iter()
+                .filter(|n| on_node(n))
+                .count(),
+            size: self.nodes.iter().filter(|n| on_node(n)).count(),
         })
+    }
+
+    /// This rank's node as [`LocalTransport::create_on_nodes`] laid them out.
+    fn node_key(&self) -> Result<u64> {
+        Ok(self.nodes[self.rank] as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ranks laid out as `[2, 1, 3]`: each knows its node (the same key as its node's
+    /// other ranks, another than the other nodes'), its index there and the node's size,
+    /// and so do its duplicates; a layout with an empty node, or none, is refused.
+    #[test]
+    fn local_ranks_laid_out_on_nodes_know_their_node() {
+        let layout = [2usize, 1, 3];
+        let ranks = LocalTransport::create_on_nodes(&layout).expect("layout");
+        let node_of = [0usize, 0, 1, 2, 2, 2];
+        let local = [0usize, 1, 0, 0, 1, 2];
+        for (r, t) in ranks.iter().enumerate() {
+            let here = t.node_rank().expect("node rank");
+            assert_eq!(here.rank, local[r], "rank {r}");
+            assert_eq!(here.size, layout[node_of[r]], "rank {r}");
+            assert_eq!(t.node_key().expect("key"), node_of[r] as u64, "rank {r}");
+        }
+        let copies: Vec<Box<dyn Transport>> = ranks
+            .iter()
+            .map(|t| t.duplicate().expect("duplicate"))
+            .collect();
+        for (r, t) in copies.iter().enumerate() {
+            assert_eq!(
+                t.node_key().expect("key"),
+                node_of[r] as u64,
+                "duplicate of rank {r}"
+            );
+        }
+        for bad in [&[2usize, 0][..], &[], &[0]] {
+            let err = LocalTransport::create_on_nodes(bad).expect_err("refused");
+            assert!(
+                err.to_string().contains("at least one rank on every node"),
+                "{err}"
+            );
+        }
     }
 }

@@ -93,6 +93,7 @@ fn same_value<T: Element>(a: &[T], b: &[T]) -> bool {
 
 fn check_non_finite<T: Element>(
     size: usize,
+    nodes: usize,
     len: usize,
     op: ReduceOp,
     algorithm: Algorithm,
@@ -100,7 +101,7 @@ fn check_non_finite<T: Element>(
     salt: usize,
 ) -> Result<(), TestCaseError> {
     let opts = AllReduceOptions::with_op(op).algorithm(algorithm);
-    let outs = Communicator::run_local(size, |mut comm| {
+    let outs = Communicator::run_local_on_nodes(&layout(size, nodes), |mut comm| {
         comm.set_segment_bytes(segment);
         let r = comm.rank();
         let mut v: Vec<T> = (0..len)
@@ -143,18 +144,28 @@ fn check_non_finite<T: Element>(
     Ok(())
 }
 
+/// `size` ranks spread over `nodes` nodes (at most one per rank), the first nodes taking
+/// one more where they do not divide evenly: `layout(5, 2)` is `[3, 2]`.
+fn layout(size: usize, nodes: usize) -> Vec<usize> {
+    let nodes = nodes.clamp(1, size.max(1));
+    (0..nodes)
+        .map(|j| ring_chunk_range(size, nodes, j).len())
+        .collect()
+}
+
 fn bits<T: Element>(v: &[T]) -> Vec<u8> {
     T::into_tensor(v.to_vec()).as_bytes().to_vec()
 }
 
 fn check_all_reduce<T: Element>(
     size: usize,
+    nodes: usize,
     len: usize,
     opts: AllReduceOptions,
     segment: usize,
     salt: usize,
 ) -> Result<(), TestCaseError> {
-    let outs = Communicator::run_local(size, |mut comm| {
+    let outs = Communicator::run_local_on_nodes(&layout(size, nodes), |mut comm| {
         comm.set_segment_bytes(segment);
         let r = comm.rank();
         let mut v: Vec<T> = (0..len).map(|i| T::from_f64(input(r, i, salt))).collect();
@@ -203,6 +214,7 @@ fn piece_lengths(len: usize, cuts: &[usize], tiny: bool) -> Vec<usize> {
 /// the same elements in one buffer, with the same options and segment size.
 fn check_pieces<T: Element>(
     size: usize,
+    nodes: usize,
     lens: &[usize],
     opts: AllReduceOptions,
     segment: usize,
@@ -218,26 +230,28 @@ fn check_pieces<T: Element>(
             })
             .collect()
     };
-    let outs = Communicator::run_local(size, |mut comm| -> Result<_, Error> {
-        comm.set_segment_bytes(segment);
-        let r = comm.rank();
-        let mut reduce = |input: &[T]| -> Result<Vec<T>, Error> {
-            let mut owned = split(input);
-            let mut pieces: Vec<&mut [T]> = owned.iter_mut().map(|v| v.as_mut_slice()).collect();
-            comm.all_reduce_pieces(&mut pieces, &opts)?;
-            Ok(owned.concat())
-        };
-        let small: Vec<T> = (0..len).map(|i| T::from_f64(input(r, i, salt))).collect();
-        let small = reduce(&small)?;
-        let odd: Vec<T> = (0..len)
-            .map(|i| T::from_f64(order_sensitive_input(r, i + salt)))
-            .collect();
-        let joined = reduce(&odd)?;
-        let mut whole = odd;
-        comm.all_reduce(&mut whole, &opts)?;
-        Ok((small, joined, whole))
-    })
-    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let outs =
+        Communicator::run_local_on_nodes(&layout(size, nodes), |mut comm| -> Result<_, Error> {
+            comm.set_segment_bytes(segment);
+            let r = comm.rank();
+            let mut reduce = |input: &[T]| -> Result<Vec<T>, Error> {
+                let mut owned = split(input);
+                let mut pieces: Vec<&mut [T]> =
+                    owned.iter_mut().map(|v| v.as_mut_slice()).collect();
+                comm.all_reduce_pieces(&mut pieces, &opts)?;
+                Ok(owned.concat())
+            };
+            let small: Vec<T> = (0..len).map(|i| T::from_f64(input(r, i, salt))).collect();
+            let small = reduce(&small)?;
+            let odd: Vec<T> = (0..len)
+                .map(|i| T::from_f64(order_sensitive_input(r, i + salt)))
+                .collect();
+            let joined = reduce(&odd)?;
+            let mut whole = odd;
+            comm.all_reduce(&mut whole, &opts)?;
+            Ok((small, joined, whole))
+        })
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
     let want = expected::<T>(&opts, size, len, salt);
     for (rank, out) in outs.into_iter().enumerate() {
         let (small, joined, whole) = out.map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -270,6 +284,7 @@ fn algorithms() -> impl Strategy<Value = Algorithm> {
         Just(Algorithm::Direct),
         Just(Algorithm::ScatterGather),
         Just(Algorithm::SharedMemory),
+        Just(Algorithm::Hierarchical),
         Just(Algorithm::Auto)
     ]
 }
@@ -341,6 +356,7 @@ proptest! {
     #[test]
     fn all_reduce_is_exact_and_identical_on_every_rank(
         size in 1usize..=9,
+        nodes in 1usize..=3,
         len in lengths(),
         dtype in proptest::sample::select(DType::ALL.to_vec()),
         op in ops(),
@@ -352,16 +368,17 @@ proptest! {
     ) {
         let opts = AllReduceOptions { op, algorithm, prescale, postscale, compression: WireCompression::None };
         match dtype {
-            DType::F32 => check_all_reduce::<f32>(size, len, opts, segment, salt)?,
-            DType::F64 => check_all_reduce::<f64>(size, len, opts, segment, salt)?,
-            DType::F16 => check_all_reduce::<f16>(size, len, opts, segment, salt)?,
-            DType::BF16 => check_all_reduce::<bf16>(size, len, opts, segment, salt)?,
+            DType::F32 => check_all_reduce::<f32>(size, nodes, len, opts, segment, salt)?,
+            DType::F64 => check_all_reduce::<f64>(size, nodes, len, opts, segment, salt)?,
+            DType::F16 => check_all_reduce::<f16>(size, nodes, len, opts, segment, salt)?,
+            DType::BF16 => check_all_reduce::<bf16>(size, nodes, len, opts, segment, salt)?,
         }
     }
 
     #[test]
     fn nan_and_infinities_give_the_documented_result_with_every_algorithm(
         size in 1usize..=9,
+        nodes in 1usize..=3,
         len in lengths(),
         dtype in proptest::sample::select(DType::ALL.to_vec()),
         op in ops(),
@@ -370,16 +387,17 @@ proptest! {
         salt in 0usize..17,
     ) {
         match dtype {
-            DType::F32 => check_non_finite::<f32>(size, len, op, algorithm, segment, salt)?,
-            DType::F64 => check_non_finite::<f64>(size, len, op, algorithm, segment, salt)?,
-            DType::F16 => check_non_finite::<f16>(size, len, op, algorithm, segment, salt)?,
-            DType::BF16 => check_non_finite::<bf16>(size, len, op, algorithm, segment, salt)?,
+            DType::F32 => check_non_finite::<f32>(size, nodes, len, op, algorithm, segment, salt)?,
+            DType::F64 => check_non_finite::<f64>(size, nodes, len, op, algorithm, segment, salt)?,
+            DType::F16 => check_non_finite::<f16>(size, nodes, len, op, algorithm, segment, salt)?,
+            DType::BF16 => check_non_finite::<bf16>(size, nodes, len, op, algorithm, segment, salt)?,
         }
     }
 
     #[test]
     fn all_reduce_in_pieces_gives_the_bits_of_one_buffer(
         size in 1usize..=6,
+        nodes in 1usize..=3,
         len in lengths(),
         cuts in proptest::collection::vec(0usize..=5000, 0..8),
         tiny in proptest::bool::weighted(0.2),
@@ -399,10 +417,10 @@ proptest! {
         let lens = piece_lengths(len, &cuts, tiny);
         let opts = AllReduceOptions { op, algorithm, prescale, postscale, compression };
         match dtype {
-            DType::F32 => check_pieces::<f32>(size, &lens, opts, segment, salt)?,
-            DType::F64 => check_pieces::<f64>(size, &lens, opts, segment, salt)?,
-            DType::F16 => check_pieces::<f16>(size, &lens, opts, segment, salt)?,
-            DType::BF16 => check_pieces::<bf16>(size, &lens, opts, segment, salt)?,
+            DType::F32 => check_pieces::<f32>(size, nodes, &lens, opts, segment, salt)?,
+            DType::F64 => check_pieces::<f64>(size, nodes, &lens, opts, segment, salt)?,
+            DType::F16 => check_pieces::<f16>(size, nodes, &lens, opts, segment, salt)?,
+            DType::BF16 => check_pieces::<bf16>(size, nodes, &lens, opts, segment, salt)?,
         }
     }
 
@@ -415,7 +433,7 @@ proptest! {
         salt in 0usize..7,
     ) {
         let opts = AllReduceOptions { op, compression, ..AllReduceOptions::default() };
-        check_all_reduce::<f32>(size, len, opts, 1024, salt)?;
+        check_all_reduce::<f32>(size, 1, len, opts, 1024, salt)?;
     }
 
     #[test]
@@ -1275,6 +1293,7 @@ fn a_stalled_rank_is_named_by_the_waiting_ranks() {
         Algorithm::Direct,
         Algorithm::ScatterGather,
         Algorithm::SharedMemory,
+        Algorithm::Hierarchical,
     ] {
         let outs = Communicator::run_local(3, |mut comm| {
             comm.set_stall_timeout(Some(Duration::from_millis(300)));
@@ -1334,7 +1353,7 @@ fn halving_doubling_is_exact_at_every_rank_count_and_length() {
     for size in 1..=9 {
         for len in [0usize, 1, 2, 3, 5, 8, 17, 1000] {
             let opts = AllReduceOptions::sum().algorithm(Algorithm::HalvingDoubling);
-            check_all_reduce::<f32>(size, len, opts, 64, size + len)
+            check_all_reduce::<f32>(size, 1, len, opts, 64, size + len)
                 .unwrap_or_else(|e| panic!("{size} ranks, length {len}: {e}"));
         }
     }
@@ -1360,10 +1379,10 @@ fn direct_and_scatter_gather_are_exact_at_every_rank_count_length_and_dtype() {
                 ] {
                     let opts = AllReduceOptions::with_op(op).algorithm(algorithm);
                     let salt = size + len;
-                    check_all_reduce::<f32>(size, len, opts, 64, salt)
-                        .and_then(|_| check_all_reduce::<f64>(size, len, opts, 64, salt))
-                        .and_then(|_| check_all_reduce::<f16>(size, len, opts, 64, salt))
-                        .and_then(|_| check_all_reduce::<bf16>(size, len, opts, 64, salt))
+                    check_all_reduce::<f32>(size, 1, len, opts, 64, salt)
+                        .and_then(|_| check_all_reduce::<f64>(size, 1, len, opts, 64, salt))
+                        .and_then(|_| check_all_reduce::<f16>(size, 1, len, opts, 64, salt))
+                        .and_then(|_| check_all_reduce::<bf16>(size, 1, len, opts, 64, salt))
                         .unwrap_or_else(|e| {
                             panic!("{algorithm}, {size} ranks, length {len}, {op}: {e}")
                         });

@@ -101,13 +101,14 @@ fn same_on_every_rank(comm: &mut Communicator, bytes: &[u8]) -> Result<bool, Err
 }
 
 /// Every algorithm, `MPI_Allreduce` and `auto` included.
-const ALGORITHMS: [Algorithm; 8] = [
+const ALGORITHMS: [Algorithm; 9] = [
     Algorithm::Ring,
     Algorithm::RecursiveDoubling,
     Algorithm::HalvingDoubling,
     Algorithm::Direct,
     Algorithm::ScatterGather,
     Algorithm::SharedMemory,
+    Algorithm::Hierarchical,
     Algorithm::Auto,
     Algorithm::Mpi,
 ];
@@ -335,6 +336,11 @@ fn mpi_worker_collectives() {
     }
     let mut comm = Communicator::mpi().expect("MPI init");
     let (r, n) = (comm.rank(), comm.size());
+    // mpirun started every rank on this host: one node, by the host's name.
+    assert_eq!(
+        comm.nodes().expect("nodes"),
+        vec![(0..n).collect::<Vec<_>>()]
+    );
     check_algorithms::<f32>(&mut comm).expect("f32");
     check_algorithms::<f64>(&mut comm).expect("f64");
     check_algorithms::<f16>(&mut comm).expect("f16");

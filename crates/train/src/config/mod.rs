@@ -33,7 +33,7 @@
 use std::path::PathBuf;
 
 use ringtrain_collective::fusion::{DEFAULT_CYCLE_TIME, DEFAULT_THRESHOLD_BYTES};
-use ringtrain_collective::DEFAULT_STALL_TIMEOUT;
+use ringtrain_collective::{Algorithm, DEFAULT_STALL_TIMEOUT};
 use ringtrain_model::{BiLayerInput, EncoderKind, GemmPrecision, SourceLengths};
 use serde::{Deserialize, Serialize};
 
@@ -63,6 +63,12 @@ pub const DEFAULT_SGD_LEARNING_RATE: f32 = 1.0;
 #[cfg(feature = "cli")]
 fn parse<T: std::str::FromStr<Err = crate::Error>>(s: &str) -> Result<T, String> {
     s.parse::<T>().map_err(|e| e.reason())
+}
+
+/// Reads `--allreduce-algorithm` with the collective's own parser.
+#[cfg(feature = "cli")]
+fn algorithm(s: &str) -> Result<Algorithm, String> {
+    s.parse::<Algorithm>().map_err(|e| e.to_string())
 }
 
 #[cfg(feature = "cli")]
@@ -279,6 +285,13 @@ options! {
         /// skip the step on overflow, double after 2000 clean steps).
         #[arg(long, alias = "fp16_gradients")]
         fp16_gradients: bool,
+        /// All-reduce algorithm for the gradients (`replicated`): `auto` (the fastest
+        /// measured for the rank count and size on one node), `hier` (hierarchical: within
+        /// each node, then across nodes; for jobs on several nodes, like Horovod's
+        /// HOROVOD_HIERARCHICAL_ALLREDUCE), or one by name: `ring`, `rd`, `hd`, `direct`,
+        /// `sg`, `shm` (every rank on one node), `mpi` (`MPI_Allreduce`).
+        #[arg(long, value_parser = algorithm)]
+        allreduce_algorithm: Algorithm = Algorithm::Auto,
         /// Seconds a collective may wait on other ranks without progress (a rank
         /// stopped, stuck or on a dead node): at half, a warning names the ranks waited
         /// for and the operation and step; at the timeout every waiting rank prints an
@@ -495,8 +508,10 @@ mod tests {
         cfg.run.seed = 77;
         cfg.data.total_batch_size = Some(9);
         cfg.model.encoder_type = EncoderType::Stepwise;
+        cfg.exchange.allreduce_algorithm = Algorithm::Hierarchical;
         let text = serde_json::to_string(&cfg).unwrap_or_default();
         assert!(text.contains("\"encoder_type\":\"stepwise\""), "{text}");
+        assert!(text.contains("\"allreduce_algorithm\":\"hier\""), "{text}");
         assert!(
             text.contains("\"seed\":77") && !text.contains("\"run\""),
             "{text}"

@@ -62,6 +62,8 @@ pub struct Replicated {
     ctx: StepContext,
     /// Ranks of the communicator.
     size: usize,
+    /// How the gradients are all-reduced (`--allreduce-algorithm`).
+    options: AllReduceOptions,
 }
 
 impl Replicated {
@@ -86,6 +88,12 @@ impl Replicated {
     ) -> Result<Self> {
         let exchange = &cfg.config().exchange;
         let size = comm.size();
+        let options = AllReduceOptions::sum().algorithm(exchange.allreduce_algorithm);
+        // One element with the chosen algorithm before the first step: what it sets up
+        // (a shared-memory segment, the nodes of a hierarchical one) is made now, and an
+        // algorithm that cannot run here fails now, on every rank.
+        let mut comm = comm;
+        comm.all_reduce(&mut [0.0f32], &options)?;
         let mode = match cfg.reduction() {
             Reduction::Packed => {
                 let dtype = if exchange.fp16_gradients {
@@ -119,7 +127,7 @@ impl Replicated {
                 let config = FusionConfig {
                     threshold_bytes: exchange.fusion_threshold_bytes,
                     cycle_time: cfg.cycle_time(),
-                    options: AllReduceOptions::sum(),
+                    options,
                     // A gradient submitted on some ranks only: warned about at half the
                     // stall timeout, failed on every rank at the timeout.
                     stall_warning: cfg.stall_timeout().map_or(Duration::MAX, |t| t / 2),
@@ -140,6 +148,7 @@ impl Replicated {
             max_gradient_norm: cfg.config().run.max_gradient_norm,
             ctx: StepContext::default(),
             size,
+            options,
         })
     }
 
@@ -318,7 +327,7 @@ impl Replicated {
                     }
                 }
                 Mode::Packed { comm, packer } => {
-                    let options = AllReduceOptions::sum();
+                    let options = self.options;
                     match (host, packer) {
                         (HostGradsMut::F32(g), Some(packer)) => {
                             packer.all_reduce(comm, &mut split_tensors(g, &self.specs), &options)?
@@ -341,7 +350,7 @@ impl Replicated {
     /// # Errors
     /// The collective's.
     pub(crate) fn reduce(&mut self, grads: &mut [f32], local: &mut StepStats) -> Result<()> {
-        let wire = self.ctx.wire;
+        let (wire, options) = (self.ctx.wire, self.options);
         match &mut self.mode {
             Mode::Overlapped {
                 engine,
@@ -376,18 +385,18 @@ impl Replicated {
                     match packer {
                         Some(packer) => {
                             let mut tensors = split_tensors(&mut half, &self.specs);
-                            packer.all_reduce(comm, &mut tensors, &AllReduceOptions::sum())?;
+                            packer.all_reduce(comm, &mut tensors, &options)?;
                         }
-                        None => comm.all_reduce(&mut half, &AllReduceOptions::sum())?,
+                        None => comm.all_reduce(&mut half, &options)?,
                     }
                     ringtrain_kernels::par::f16_to_f32_unscaled(&half, 1.0, grads)?;
                 }
                 Wire::F32 => match packer {
                     Some(packer) => {
                         let mut tensors = split_tensors(grads, &self.specs);
-                        packer.all_reduce(comm, &mut tensors, &AllReduceOptions::sum())?;
+                        packer.all_reduce(comm, &mut tensors, &options)?;
                     }
-                    None => comm.all_reduce(grads, &AllReduceOptions::sum())?,
+                    None => comm.all_reduce(grads, &options)?,
                 },
             },
         }
@@ -456,6 +465,58 @@ where
 mod tests {
     use super::*;
     use crate::config::{OverlapMode, TrainConfig};
+
+    /// `--allreduce-algorithm hier` on four ranks laid out on two nodes: the gradients,
+    /// reduced after backward and overlapped, get the bits of a hierarchical all-reduce of
+    /// the same gradients, which on these inputs differ from every one-level order (so the
+    /// option reached the reduction).
+    #[test]
+    fn the_chosen_algorithm_reduces_the_gradients() {
+        use ringtrain_collective::Algorithm;
+        let len = 4096;
+        // 1, 2^24, 1, -2^24 turned by one rank per element: each order of additions
+        // rounds some element differently.
+        let grads = |r: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| [1.0, 16_777_216.0, 1.0, -16_777_216.0][(r + i) % 4])
+                .collect()
+        };
+        for overlap in [OverlapMode::Off, OverlapMode::On] {
+            let outs = Communicator::run_local_on_nodes(&[2, 2], |comm| -> Result<_> {
+                let r = comm.rank();
+                let mut cfg = TrainConfig::default();
+                cfg.exchange.overlap_backward = overlap;
+                cfg.exchange.allreduce_algorithm = Algorithm::Hierarchical;
+                let cfg = cfg.validate(4)?;
+                let mut other = comm.duplicate()?;
+                let specs = [ParamSpec {
+                    name: "w".into(),
+                    range: 0..len,
+                }];
+                let mut s = Replicated::new(&cfg, comm, &specs)?;
+                let mut reduced = grads(r);
+                s.begin_step(StepContext::default());
+                s.on_ready(0..len, &reduced)?;
+                s.reduce(&mut reduced, &mut StepStats::default())?;
+                s.shutdown()?;
+                let mut by = |algorithm| -> Result<Vec<f32>> {
+                    let mut v = grads(r);
+                    other.all_reduce(&mut v, &AllReduceOptions::sum().algorithm(algorithm))?;
+                    Ok(v)
+                };
+                let one_level = [by(Algorithm::Ring)?, by(Algorithm::Direct)?];
+                Ok((reduced, by(Algorithm::Hierarchical)?, one_level))
+            })
+            .expect("run");
+            for (rank, out) in outs.into_iter().enumerate() {
+                let (reduced, hier, one_level) = out.expect("rank");
+                assert_eq!(reduced, hier, "{overlap}: rank {rank}");
+                for other in one_level {
+                    assert_ne!(reduced, other, "{overlap}: rank {rank}");
+                }
+            }
+        }
+    }
 
     /// The overlapped device path: each range of the exchange buffer is summed where it
     /// lies, in f32 and f16, with no copy made for the engine and none written back (the
