@@ -360,11 +360,14 @@ impl NodeSegment {
                     continue;
                 }
                 std::thread::yield_now();
-                let wait =
-                    wait.get_or_insert_with(|| Wait::new(transport.stall_watch(), self.rank));
+                // Ranks by the numbers the whole job knows them by, in a subgroup too.
+                let wait = wait.get_or_insert_with(|| {
+                    Wait::new(transport.stall_watch(), transport.global_rank(self.rank))
+                });
                 let behind = || {
                     (0..self.ranks)
                         .filter(|&q| self.flag(q).load(Ordering::Acquire) < value)
+                        .map(|q| transport.global_rank(q))
                         .collect()
                 };
                 if let Err(e) = wait.check(behind) {

@@ -104,6 +104,11 @@ impl Transport for SubgroupTransport {
     fn node_key(&self) -> Result<u64> {
         self.inner.node_key()
     }
+    fn global_rank(&self, peer: usize) -> usize {
+        self.members
+            .get(peer)
+            .map_or(peer, |&parent| self.inner.global_rank(parent))
+    }
     fn stalled(&self, error: Error) -> Error {
         self.inner.stalled(error)
     }

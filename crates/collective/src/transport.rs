@@ -124,6 +124,13 @@ pub trait Transport: Send {
     /// `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)` finds them. Collective.
     fn node_rank(&self) -> Result<NodeRank>;
 
+    /// The number rank `peer` of this transport has in the transport it was made from
+    /// (`MPI_COMM_WORLD` under MPI; itself for this default): the number stall messages
+    /// name a rank by, whichever subgroup waits.
+    fn global_rank(&self, peer: usize) -> usize {
+        peer
+    }
+
     /// A number equal on the ranks that share this rank's node and different on other
     /// nodes' ranks: what [`crate::Communicator::nodes`] groups the ranks by. Not
     /// collective. This default is a hash of the host's name (as `gethostname` gives it),

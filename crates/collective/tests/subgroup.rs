@@ -1,6 +1,8 @@
 //! Subgroups reduce among their own ranks only, and their messages never mix with the
 //! parent communicator's.
 
+use std::time::Duration;
+
 use ringtrain_collective::{Algorithm, AllReduceOptions, Communicator};
 
 #[test]
@@ -63,4 +65,33 @@ fn direct_and_scatter_gather_all_reduces_stay_within_the_subgroup() {
             assert_eq!(v, &[want; 7], "{algorithm}, rank {rank}");
         }
     }
+}
+
+/// A subgroup's shared-memory all-reduce that stalls: the waiting rank and the rank it
+/// waits for are named by their numbers in the whole communicator (ranks 0 and 2), not
+/// in the subgroup (0 and 1).
+#[test]
+fn a_stall_in_a_subgroup_names_ranks_as_the_whole_job_numbers_them() {
+    let out = Communicator::run_local(3, |comm| {
+        let rank = comm.rank();
+        let members: Vec<usize> = if rank == 1 { vec![1] } else { vec![0, 2] };
+        let mut sub = comm.subgroup(&members).unwrap();
+        sub.set_stall_timeout(Some(Duration::from_millis(300)));
+        let shm = AllReduceOptions::sum().algorithm(Algorithm::SharedMemory);
+        // The segment mapped, then rank 2 stops taking part.
+        sub.all_reduce(&mut [1.0f32; 64], &shm).unwrap();
+        if rank != 0 {
+            std::thread::sleep(Duration::from_secs(2));
+            return None;
+        }
+        sub.all_reduce(&mut [1.0f32; 64], &shm)
+            .err()
+            .map(|e| e.to_string())
+    })
+    .unwrap();
+    let msg = out[0].as_deref().expect("rank 0's wait fails");
+    assert!(
+        msg.starts_with("rank 0:") && msg.contains("waiting for rank 2"),
+        "{msg}"
+    );
 }
