@@ -506,7 +506,7 @@ pub fn run(args: &SweepArgs) -> Result<()> {
 /// # Errors
 /// [`LauncherError::InvalidValue`]: `--predict` without 1 in `--np`, with `--compare`, or
 /// without exactly one link; a link without `--predict`; an unusable bench table.
-fn predict_link(args: &SweepArgs) -> Result<Option<crate::predict::model::Link>> {
+fn predict_link(args: &SweepArgs) -> Result<Option<crate::predict::model::Network>> {
     let counts = args
         .predict
         .iter()
@@ -545,7 +545,7 @@ fn predict_link(args: &SweepArgs) -> Result<Option<crate::predict::model::Link>>
 fn predicted_rows(
     reports: &[RunReport],
     measured: &[SweepRow],
-    link: crate::predict::model::Link,
+    network: crate::predict::model::Network,
     counts: &[usize],
 ) -> Result<Vec<SweepRow>> {
     use crate::predict::{calibrate, model, strategy_of, ExchangeOverrides};
@@ -562,7 +562,7 @@ fn predicted_rows(
         .filter(|&&n| strategy.fits(n))
         .map(|&n| {
             // The predicted counts are machines larger than this one: a rank per core or GPU.
-            let p = model::predict(&profile, link, &strategy, n, model::Sharing::NONE);
+            let p = model::predict(&profile, network, &strategy, n, model::Sharing::NONE);
             let speedup = if base > 0.0 {
                 p.words_per_sec / base
             } else {

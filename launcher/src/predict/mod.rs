@@ -30,6 +30,9 @@
 //! optimizer of one rank:
 //!
 //! - ring all-reduce of B bytes: `ring(N, B) = 2(N-1)/N * B * beta + 2(N-1) * alpha`;
+//!   on a machine of nodes of K ranks (`--ranks-per-node`, `--node-link`) over the slower
+//!   of the two links once N > K, or with `--allreduce-algorithm hier` the hierarchical
+//!   all-reduce, `ring_within(K, B) + ring_across(N/K, B/K)` ([`model::Network`]);
 //! - **replicated**, repacking R: `C + R * ring(N, G/R)`; after backward: `C + sum of
 //!   ring(N, b)` over the fusion buffers b (consecutive ranges joined up to the fusion
 //!   threshold); overlapped: the fusion engine wakes every cycle time, fuses the ranges
@@ -110,7 +113,7 @@ pub mod model;
 pub mod seeds;
 mod validate;
 
-use model::{Exchange, Link, Prediction, Profile, Sharing, Strategy};
+use model::{Exchange, Link, Network, Nodes, Prediction, Profile, Sharing, Strategy};
 
 /// Where the link's alpha and beta come from (shared by `predict` and `sweep --predict`).
 #[derive(Debug, Clone, Default, Args)]
@@ -130,6 +133,15 @@ pub struct LinkArgs {
     /// Nanoseconds per byte, 1 / bandwidth (with --alpha-us): 0.1 is 10 GB/s.
     #[arg(long)]
     pub beta_ns_per_byte: Option<f64>,
+    /// Ranks per node, for a machine of nodes (with --node-link): the link above is then
+    /// the one between nodes, a link per rank (a NIC per GPU); rank counts fill whole
+    /// nodes.
+    #[arg(long, requires = "node_link", value_parser = crate::positive_count)]
+    pub ranks_per_node: Option<usize>,
+    /// The link between the ranks of a node (with --ranks-per-node), a preset as --link
+    /// takes, e.g. nvlink-h100.
+    #[arg(long, value_parser = links::preset, requires = "ranks_per_node")]
+    pub node_link: Option<links::Preset>,
 }
 
 impl LinkArgs {
@@ -139,14 +151,40 @@ impl LinkArgs {
             || self.link.is_some()
             || self.alpha_us.is_some()
             || self.beta_ns_per_byte.is_some()
+            || self.ranks_per_node.is_some()
     }
 
-    /// The link, and how it was found.
+    /// The network: the link and, with --ranks-per-node, the nodes; and how they were
+    /// found.
+    ///
+    /// # Errors
+    /// As [`LinkArgs::resolve_link`].
+    pub fn resolve(&self) -> Result<(Network, String)> {
+        let (across, how) = self.resolve_link()?;
+        match (self.ranks_per_node, &self.node_link) {
+            (Some(ranks), Some(within)) => Ok((
+                Network {
+                    across,
+                    nodes: Some(Nodes {
+                        ranks,
+                        within: within.link(),
+                    }),
+                },
+                format!(
+                    "nodes of {ranks} ranks, within: {}; between nodes, a link per rank: {how}",
+                    within.description
+                ),
+            )),
+            _ => Ok((across.into(), how)),
+        }
+    }
+
+    /// The link (between nodes, on a machine of nodes), and how it was found.
     ///
     /// # Errors
     /// [`LauncherError::InvalidValue`] when none or more than one source is given, a
     /// custom value is not a finite number at least 0, or the bench table is unusable.
-    pub fn resolve(&self) -> Result<(Link, String)> {
+    fn resolve_link(&self) -> Result<(Link, String)> {
         let sources = [
             self.bench.is_some(),
             self.link.is_some(),
@@ -255,6 +293,16 @@ pub struct ExchangeOverrides {
     /// f16 on the wire: on or off (default: the report's --fp16-gradients).
     #[arg(long, value_parser = on_off)]
     pub fp16_gradients: Option<bool>,
+    /// The gradients' all-reduce: `hier` predicts the hierarchical one on a network of
+    /// nodes (--ranks-per-node), any other a ring (default: the report's
+    /// --allreduce-algorithm).
+    #[arg(long, value_parser = algorithm)]
+    pub allreduce_algorithm: Option<ringtrain_collective::Algorithm>,
+}
+
+fn algorithm(s: &str) -> std::result::Result<ringtrain_collective::Algorithm, String> {
+    s.parse()
+        .map_err(|e: ringtrain_collective::Error| e.to_string())
 }
 
 /// `ringtrain predict ...`
@@ -359,6 +407,8 @@ pub fn exchange_of(report: &ringtrain_train::RunReport, o: &ExchangeOverrides) -
         cycle_time: o.cycle_time_ms.unwrap_or(e.cycle_time_ms).max(0.0) * 1e-3,
         repacking: o.gradient_repacking.unwrap_or(e.gradient_repacking),
         f16: o.fp16_gradients.unwrap_or(e.fp16_gradients),
+        hierarchical: o.allreduce_algorithm.unwrap_or(e.allreduce_algorithm)
+            == ringtrain_collective::Algorithm::Hierarchical,
     }
 }
 
@@ -441,7 +491,7 @@ pub fn sharing_of(
 /// use are left out).
 pub fn rows(
     profile: &Profile,
-    link: Link,
+    network: Network,
     strategies: &[Strategy],
     counts: &[usize],
     sharing: Sharing,
@@ -453,7 +503,7 @@ pub fn rows(
                 out.push(PredictedRow {
                     predicted: true,
                     sharing,
-                    prediction: model::predict(profile, link, s, n, sharing),
+                    prediction: model::predict(profile, network, s, n, sharing),
                 });
             }
         }
@@ -548,7 +598,7 @@ pub fn run(args: &PredictArgs) -> Result<()> {
             calibrate::MAKE_REPORT,
         ));
     };
-    let (link, how) = args.link.resolve()?;
+    let (network, how) = args.link.resolve()?;
     let (profile, report) = calibrate::read_profile(report_path)?;
     let strategies = strategies(args, &report);
     let counts = if args.np.is_empty() {
@@ -558,7 +608,7 @@ pub fn run(args: &PredictArgs) -> Result<()> {
     };
     let (sharing, sharing_how) =
         sharing_of(&report, args.cores_per_node, args.link.bench.is_some())?;
-    let table = rows(&profile, link, &strategies, &counts, sharing);
+    let table = rows(&profile, network, &strategies, &counts, sharing);
     println!(
         "calibration: {} ({:.0} words/step, compute {:.3} ms: forward {:.3}, backward {:.3}, \
          optimizer {:.3}; {} gradient ranges, {:.0} bytes)",
@@ -571,11 +621,21 @@ pub fn run(args: &PredictArgs) -> Result<()> {
         profile.ready.len(),
         profile.gradient_bytes()
     );
-    println!(
-        "link: {how}: alpha {:.2} us, bandwidth {:.3} GB/s",
-        link.alpha * 1e6,
-        link.bandwidth() / 1e9
-    );
+    let figures = |link: Link| {
+        format!(
+            "alpha {:.2} us, bandwidth {:.3} GB/s",
+            link.alpha * 1e6,
+            link.bandwidth() / 1e9
+        )
+    };
+    match network.nodes {
+        Some(nodes) => println!(
+            "link: {how}: within {}, between {}",
+            figures(nodes.within),
+            figures(network.across)
+        ),
+        None => println!("link: {how}: {}", figures(network.across)),
+    }
     println!("cores: {sharing_how}");
     if !profile.ready_measured {
         println!(
@@ -753,7 +813,7 @@ mod tests {
                 .join("tests/data/predict-one-rank.json"),
         )
         .expect("profile");
-        let link = links::NVLINK_H100.link();
+        let link = Network::from(links::NVLINK_H100.link());
         let s = Strategy::Replicated(exchange_of(&report, &ExchangeOverrides::default()));
         let gpu = sharing_of(&report, None, true).expect("sharing").0;
         assert_eq!(
@@ -785,12 +845,61 @@ mod tests {
             beta_ns_per_byte: Some(0.1),
             ..LinkArgs::default()
         };
-        let (link, _) = custom.resolve().expect("link");
+        let (network, _) = custom.resolve().expect("link");
+        let link = network.across;
         assert!((link.alpha - 5e-6).abs() < 1e-15 && (link.beta - 1e-10).abs() < 1e-20);
+        assert_eq!(network.nodes, None);
         let both = LinkArgs {
             link: Some(links::IB_HDR),
-            ..custom
+            ..custom.clone()
         };
         assert!(both.resolve().is_err());
+    }
+
+    /// `--ranks-per-node` with `--node-link`: the link given is the one between nodes, the
+    /// preset the one within, and the description says both; clap asks for the two
+    /// together.
+    #[test]
+    fn nodes_take_the_node_link_within_and_the_link_between() {
+        let args = LinkArgs {
+            link: Some(links::IB_NDR),
+            ranks_per_node: Some(8),
+            node_link: Some(links::NVLINK_H100),
+            ..LinkArgs::default()
+        };
+        let (network, how) = args.resolve().expect("network");
+        assert_eq!(network.across, links::IB_NDR.link());
+        assert_eq!(
+            network.nodes,
+            Some(Nodes {
+                ranks: 8,
+                within: links::NVLINK_H100.link()
+            })
+        );
+        assert!(
+            how.contains("nodes of 8 ranks") && how.contains("InfiniBand NDR"),
+            "{how}"
+        );
+
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            link: LinkArgs,
+        }
+        let alone = Cli::try_parse_from(["predict", "--link", "ib-ndr", "--ranks-per-node", "8"]);
+        let e = alone.err().expect("refused").to_string();
+        assert!(e.contains("--node-link"), "{e}");
+        let parsed = Cli::try_parse_from([
+            "predict",
+            "--link",
+            "ib-ndr",
+            "--ranks-per-node",
+            "8",
+            "--node-link",
+            "nvlink-h100",
+        ])
+        .expect("parsed");
+        assert_eq!(parsed.link.resolve().expect("network").0, network);
     }
 }

@@ -63,6 +63,72 @@ impl Link {
     }
 }
 
+/// What joins the ranks: one link between every pair (a flat network), or nodes of
+/// [`Nodes::ranks`] ranks joined within by [`Nodes::within`] and to each other by
+/// `across`, every rank with a link of its own between nodes (a NIC per GPU, as the eight
+/// of a DGX H100).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Network {
+    /// Between nodes; between every pair of ranks on a flat network.
+    pub across: Link,
+    /// The nodes, on a network of nodes.
+    pub nodes: Option<Nodes>,
+}
+
+/// The nodes of a [`Network`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Nodes {
+    /// Ranks per node; N ranks fill `ceil(N / ranks)` nodes, taken as full ones.
+    pub ranks: usize,
+    /// Between the ranks of one node.
+    pub within: Link,
+}
+
+impl From<Link> for Network {
+    fn from(link: Link) -> Network {
+        Network {
+            across: link,
+            nodes: None,
+        }
+    }
+}
+
+impl Network {
+    /// The link a step between neighbours of `n` ranks waits for: within a node when they
+    /// all fit on one, else the slower of the two in latency and in bandwidth (a ring
+    /// through the nodes crosses between them at some step, and every step waits for its
+    /// slowest pair).
+    pub fn slowest(&self, n: usize) -> Link {
+        match self.nodes {
+            Some(nodes) if n <= nodes.ranks => nodes.within,
+            Some(nodes) => Link {
+                alpha: nodes.within.alpha.max(self.across.alpha),
+                beta: nodes.within.beta.max(self.across.beta),
+            },
+            None => self.across,
+        }
+    }
+
+    /// All-reduce of `bytes` over `n` ranks, as (bandwidth, latency) seconds: a ring
+    /// over [`Network::slowest`], or with `hierarchical` on a network of K-rank nodes
+    /// spanning M > 1 of them, the hierarchical all-reduce: a ring reduce-scatter and
+    /// all-gather within each node (the cost of a ring all-reduce of `bytes` over K
+    /// within) and a ring all-reduce of `bytes / K` over the M nodes, all K of a node at
+    /// once on their own links.
+    pub fn all_reduce(&self, n: usize, bytes: f64, hierarchical: bool) -> (f64, f64) {
+        match self.nodes {
+            Some(nodes) if hierarchical && nodes.ranks > 1 && n > nodes.ranks => {
+                let k = nodes.ranks;
+                let (bw_in, lat_in) = ring_all_reduce(nodes.within, k, bytes);
+                let (bw_out, lat_out) =
+                    ring_all_reduce(self.across, n.div_ceil(k), bytes / k as f64);
+                (bw_in + bw_out, lat_in + lat_out)
+            }
+            _ => ring_all_reduce(self.slowest(n), n, bytes),
+        }
+    }
+}
+
 /// Ring all-reduce of `bytes` over `n` ranks: `2(N-1)/N * bytes * beta + 2(N-1) * alpha`,
 /// returned as (bandwidth term, latency term).
 pub fn ring_all_reduce(link: Link, n: usize, bytes: f64) -> (f64, f64) {
@@ -124,6 +190,9 @@ pub struct Exchange {
     pub repacking: usize,
     /// f16 on the wire: half the bytes.
     pub f16: bool,
+    /// The hierarchical all-reduce (`--allreduce-algorithm hier`) instead of the ring:
+    /// see [`Network::all_reduce`].
+    pub hierarchical: bool,
 }
 
 /// A way to use the ranks.
@@ -169,6 +238,9 @@ impl Strategy {
                 }
                 if e.f16 {
                     s.push_str(" f16");
+                }
+                if e.hierarchical {
+                    s.push_str(" hier");
                 }
                 s
             }
@@ -369,12 +441,14 @@ pub fn fuse(ready: &[(f64, f64)], threshold: f64) -> Vec<(f64, f64)> {
 ///   finishes later. What runs past the end of backward is exposed, split between
 ///   bandwidth and latency in proportion to their shares.
 pub fn replicated_exchange(
-    link: Link,
+    network: impl Into<Network>,
     n: usize,
     e: &Exchange,
     backward: f64,
     ready: &[(f64, f64)],
 ) -> (f64, f64) {
+    let network = network.into();
+    let all_reduce = |bytes: f64| network.all_reduce(n, bytes, e.hierarchical);
     if n <= 1 {
         return (0.0, 0.0);
     }
@@ -382,13 +456,13 @@ pub fn replicated_exchange(
     let total: f64 = ready.iter().map(|r| r.0).sum();
     if e.repacking > 0 {
         let r = e.repacking as f64;
-        let (bw, lat) = ring_all_reduce(link, n, total * wire / r);
+        let (bw, lat) = all_reduce(total * wire / r);
         return (bw * r, lat * r);
     }
     if !e.overlap {
         return fuse(ready, e.fusion_threshold)
             .iter()
-            .map(|&(b, _)| ring_all_reduce(link, n, b * wire))
+            .map(|&(b, _)| all_reduce(b * wire))
             .fold((0.0, 0.0), |a, c| (a.0 + c.0, a.1 + c.1));
     }
     let cycle = e.cycle_time.max(1e-9);
@@ -408,7 +482,7 @@ pub fn replicated_exchange(
         .max(next + 1);
         let mut at = channel_free.max(wake);
         for (bytes, _) in fuse(&ready[next..upto], e.fusion_threshold) {
-            let (bw, lat) = ring_all_reduce(link, n, bytes * wire);
+            let (bw, lat) = all_reduce(bytes * wire);
             sum_bw += bw;
             sum_lat += lat;
             at += bw + lat;
@@ -471,15 +545,19 @@ pub fn one_rank_step(profile: &Profile) -> f64 {
     profile.compute()
 }
 
-/// Predicts `strategy` at `n` ranks with `profile` and `link` on a node whose cores the
-/// ranks share as `sharing` says ([`Sharing::NONE`]: not at all).
+/// Predicts `strategy` at `n` ranks with `profile` on `network` (a [`Link`] for a flat
+/// one), on a node whose cores the ranks share as `sharing` says ([`Sharing::NONE`]: not
+/// at all). Parameter servers and a pipeline's stages and replicas exchange over
+/// [`Network::slowest`].
 pub fn predict(
     profile: &Profile,
-    link: Link,
+    network: impl Into<Network>,
     strategy: &Strategy,
     n: usize,
     sharing: Sharing,
 ) -> Prediction {
+    let network = network.into();
+    let link = network.slowest(n);
     let p = profile;
     let mut t = Terms::default();
     let workers;
@@ -498,7 +576,7 @@ pub fn predict(
         }
         Strategy::Replicated(e) => {
             t.compute = p.compute();
-            let (bw, lat) = replicated_exchange(link, n, e, p.backward, &p.ready);
+            let (bw, lat) = replicated_exchange(network, n, e, p.backward, &p.ready);
             t.bandwidth = bw;
             t.latency = lat;
             workers = n;
@@ -610,6 +688,85 @@ mod tests {
         beta: 0.001,
     };
 
+    /// A network of nodes: the ring over its slowest links, or the hierarchical
+    /// all-reduce's two levels; one node or a flat network: the ring over the one link.
+    #[test]
+    fn a_network_of_nodes_reduces_by_ring_or_by_levels() {
+        let within = Link {
+            alpha: 1e-6,
+            beta: 1e-11,
+        };
+        let across = Link {
+            alpha: 5e-6,
+            beta: 1e-10,
+        };
+        let net = Network {
+            across,
+            nodes: Some(Nodes { ranks: 4, within }),
+        };
+        let b = 1e8;
+        for hierarchical in [false, true] {
+            // Within one node, the ring over the node's link.
+            assert_eq!(
+                net.all_reduce(4, b, hierarchical),
+                ring_all_reduce(within, 4, b)
+            );
+            // A flat network knows one link only.
+            assert_eq!(
+                Network::from(across).all_reduce(16, b, hierarchical),
+                ring_all_reduce(across, 16, b)
+            );
+        }
+        // 16 ranks on 4 nodes: the ring waits for the link between nodes at every step.
+        assert_eq!(net.all_reduce(16, b, false), ring_all_reduce(across, 16, b));
+        // The levels: a ring all-reduce's cost within a node, and one of b / 4 across
+        // the 4 nodes.
+        let (bw, lat) = net.all_reduce(16, b, true);
+        assert!(close(
+            bw,
+            2.0 * 3.0 / 4.0 * b * 1e-11 + 2.0 * 3.0 / 4.0 * (b / 4.0) * 1e-10
+        ));
+        assert!(close(lat, 2.0 * 3.0 * 1e-6 + 2.0 * 3.0 * 5e-6));
+        let (flat_bw, flat_lat) = net.all_reduce(16, b, false);
+        assert!(
+            bw < flat_bw / 3.0 && lat < flat_lat,
+            "{bw} {lat} against {flat_bw} {flat_lat}"
+        );
+        // 18 ranks fill 5 nodes; the slowest link of a mixed pair is slow in both terms.
+        let (_, lat) = net.all_reduce(18, b, true);
+        assert!(close(lat, 2.0 * 3.0 * 1e-6 + 2.0 * 4.0 * 5e-6));
+        assert_eq!(
+            Network {
+                across: Link {
+                    alpha: 1e-7,
+                    beta: 1e-10
+                },
+                nodes: Some(Nodes { ranks: 4, within }),
+            }
+            .slowest(8),
+            Link {
+                alpha: 1e-6,
+                beta: 1e-10
+            }
+        );
+        // The replicated step follows it.
+        let p = profile();
+        let e = Exchange {
+            hierarchical: true,
+            ..after_backward()
+        };
+        let levels = predict(&p, net, &Strategy::Replicated(e), 16, Sharing::NONE);
+        let ring = predict(
+            &p,
+            net,
+            &Strategy::Replicated(after_backward()),
+            16,
+            Sharing::NONE,
+        );
+        assert!(levels.step_seconds < ring.step_seconds);
+        assert!(levels.strategy.ends_with(" hier"), "{}", levels.strategy);
+    }
+
     fn after_backward() -> Exchange {
         Exchange {
             overlap: false,
@@ -617,6 +774,7 @@ mod tests {
             cycle_time: 0.001,
             repacking: 0,
             f16: false,
+            hierarchical: false,
         }
     }
 
@@ -1004,7 +1162,7 @@ mod tests {
                 cycle in 1e-4f64..0.02,
                 threshold in 0.0f64..4e6,
             ) {
-                let e = Exchange { overlap, fusion_threshold: threshold, cycle_time: cycle, repacking: 0, f16: false };
+                let e = Exchange { overlap, fusion_threshold: threshold, cycle_time: cycle, repacking: 0, f16: false, hierarchical: false };
                 let backward = r.last().map_or(0.0, |x| x.1);
                 let slow = replicated_exchange(Link { alpha, beta }, n, &e, backward, &r);
                 let fast = replicated_exchange(Link { alpha: alpha / faster, beta: beta / faster }, n, &e, backward, &r);

@@ -229,6 +229,7 @@ pub fn seed_rows() -> Vec<SeedRow> {
                 cycle_time: 0.0,
                 repacking: 4,
                 f16: false,
+                hierarchical: false,
             }),
         };
         for (i, &measured) in table.words_per_sec.iter().enumerate().skip(1) {
