@@ -141,4 +141,4 @@ pub use packing::{GradientPacker, GradientSpec, PackingConfig, ReductionUnit, Un
 pub use stall::{StallWatch, DEFAULT_STALL_TIMEOUT, STALL_EXIT_CODE};
 pub use subgroup::SubgroupTransport;
 pub use timeline::{timeline_path_for_rank, EventSink, TraceEvent};
-pub use transport::{LocalTransport, NodeRank, Transport};
+pub use transport::{LocalTransport, NodeRank, Transport, NODE_ENV};

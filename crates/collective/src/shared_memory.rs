@@ -144,13 +144,8 @@ impl Drop for Unlink {
 /// A token rank 0 writes into the segment's first word, so that a rank that opened a file
 /// of that name but another file (another node's) can tell.
 fn token(path: &Path) -> u64 {
-    // FNV-1a of the name: different for every segment, since the names are.
-    path.as_os_str()
-        .as_encoded_bytes()
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        })
+    // A hash of the name: different for every segment, since the names are.
+    crate::transport::fnv1a(path.as_os_str().as_encoded_bytes())
 }
 
 /// Gives `file` `bytes` bytes of memory now: a file of that length alone would get its

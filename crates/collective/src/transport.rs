@@ -133,12 +133,18 @@ pub trait Transport: Send {
 
     /// A number equal on the ranks that share this rank's node and different on other
     /// nodes' ranks: what [`crate::Communicator::nodes`] groups the ranks by. Not
-    /// collective. This default is a hash of the host's name (as `gethostname` gives it),
+    /// collective. This default is a hash of the environment variable [`NODE_ENV`] where
+    /// it is set (ranks that give it the same value are on one node: containers of one
+    /// host that do not share memory, each socket of a host taken as a node, a test of
+    /// several nodes on one host), else of the host's name (as `gethostname` gives it),
     /// which is how MPI launchers tell nodes apart too.
     ///
     /// # Errors
     /// [`Error::Transport`] when the host's name cannot be read.
     fn node_key(&self) -> Result<u64> {
+        if let Some(node) = std::env::var_os(NODE_ENV).filter(|v| !v.is_empty()) {
+            return Ok(fnv1a(node.as_encoded_bytes()));
+        }
         host_key().map_err(|e| Error::Transport {
             rank: self.rank(),
             detail: format!("could not read this host's name to find its node: {e}"),
@@ -338,6 +344,17 @@ pub(crate) fn segment_range(len: usize, segment: usize, k: usize) -> Range<usize
     start..end
 }
 
+/// The environment variable that names a rank's node for [`Transport::node_key`]'s
+/// default, instead of the host's name.
+pub const NODE_ENV: &str = "RINGTRAIN_NODE";
+
+/// FNV-1a of `bytes`: a 64-bit hash of a name.
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 /// FNV-1a of this host's name.
 fn host_key() -> std::io::Result<u64> {
     let mut name = [0u8; 256];
@@ -347,9 +364,7 @@ fn host_key() -> std::io::Result<u64> {
         return Err(std::io::Error::last_os_error());
     }
     let len = name.iter().position(|&b| b == 0).unwrap_or(name.len());
-    Ok(name[..len].iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    }))
+    Ok(fnv1a(&name[..len]))
 }
 
 /// A rank's index among the ranks on its node, and how many share the node.

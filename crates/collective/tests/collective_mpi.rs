@@ -12,6 +12,7 @@ use half::{bf16, f16};
 use ringtrain_collective::{
     Algorithm, AllReduceOptions, Communicator, DType, Element, Error, FusionConfig, FusionEngine,
     GradientPacker, GradientSpec, PackingConfig, ReduceOp, Tensor, TensorMut, TensorNames,
+    NODE_ENV,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(90);
@@ -114,6 +115,12 @@ const ALGORITHMS: [Algorithm; 9] = [
 ];
 
 fn check_algorithms<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
+    check_these::<T>(comm, &ALGORITHMS)
+}
+
+/// Every length and operation with each of `algorithms`: the exact result, the same
+/// bits on every rank.
+fn check_these<T: Element>(comm: &mut Communicator, algorithms: &[Algorithm]) -> Result<(), Error> {
     let (r, n) = (comm.rank(), comm.size());
     for &len in &[0usize, 1, 2, 3, 5, 7, 1009, 4999, 70_001] {
         for op in [
@@ -122,7 +129,7 @@ fn check_algorithms<T: Element>(comm: &mut Communicator) -> Result<(), Error> {
             ReduceOp::Min,
             ReduceOp::Max,
         ] {
-            for alg in ALGORITHMS {
+            for &alg in algorithms {
                 comm.set_segment_bytes(if len % 2 == 0 { 4096 } else { 256 * 1024 });
                 let mut v: Vec<T> = (0..len).map(|i| T::from_f64(input(r, i))).collect();
                 let opts = AllReduceOptions::with_op(op).algorithm(alg);
@@ -531,6 +538,50 @@ fn mpi_worker_mismatch() {
     }
     engine.shutdown().expect("shutdown");
     println!("MISMATCH-OK rank {r}: {msg}");
+}
+
+/// Ranks of one host told by [`NODE_ENV`] that they are on nodes of
+/// `RINGTRAIN_TEST_RANKS_PER_NODE` ranks (by rank): the nodes found, and the hierarchical
+/// all-reduce across them, exact and the same on every rank, in every dtype.
+#[test]
+#[ignore = "MPI worker: run by the mpirun tests below"]
+fn mpi_worker_nodes() {
+    let Some(per_node) = std::env::var("RINGTRAIN_TEST_RANKS_PER_NODE").ok() else {
+        return;
+    };
+    let per_node: usize = per_node.parse().expect("ranks per node");
+    let world_rank: usize = std::env::var("OMPI_COMM_WORLD_RANK")
+        .expect("started by Open MPI's mpirun")
+        .parse()
+        .expect("rank");
+    // Before MPI starts any thread.
+    std::env::set_var(NODE_ENV, format!("node{}", world_rank / per_node));
+    let mut comm = Communicator::mpi().expect("MPI init");
+    let (r, n) = (comm.rank(), comm.size());
+    let want: Vec<Vec<usize>> = (0..n.div_ceil(per_node))
+        .map(|j| (j * per_node..((j + 1) * per_node).min(n)).collect())
+        .collect();
+    assert_eq!(comm.nodes().expect("nodes"), want);
+    let algorithms = [Algorithm::Hierarchical, Algorithm::Auto];
+    check_these::<f32>(&mut comm, &algorithms).expect("f32");
+    check_these::<f64>(&mut comm, &algorithms).expect("f64");
+    check_these::<f16>(&mut comm, &algorithms).expect("f16");
+    check_these::<bf16>(&mut comm, &algorithms).expect("bf16");
+    println!("NODES-OK rank {r}");
+}
+
+/// Two nodes of two ranks, and an uneven layout (two and one), on this host.
+#[test]
+fn mpirun_hierarchical_all_reduce_over_nodes_of_one_host() {
+    for ranks in [4, 3] {
+        let (ok, output) = mpirun_env(
+            ranks,
+            "mpi_worker_nodes",
+            &[("RINGTRAIN_TEST_RANKS_PER_NODE", "2")],
+        );
+        assert!(ok, "mpirun -np {ranks} mpi_worker_nodes failed:\n{output}");
+        assert_eq!(output.matches("NODES-OK").count(), ranks, "{output}");
+    }
 }
 
 fn expect_ok(ranks: usize, worker: &str, marker: &str) {
