@@ -947,6 +947,52 @@ impl Communicator {
         segment.all_reduce(self.transport.as_ref(), pieces, op)
     }
 
+    /// Whether this communicator's ranks share a mapped segment for
+    /// [`Algorithm::SharedMemory`] (mapping it first where it is not yet, collectively),
+    /// and the settings it was mapped with: the segment size and directory.
+    pub(crate) fn shares_memory(&mut self) -> Result<(bool, (usize, Option<PathBuf>))> {
+        let mapped = self.shared_memory_dir.is_some() && self.map_segment()?;
+        Ok((mapped, (self.segment_bytes, self.shared_memory_dir.clone())))
+    }
+
+    /// The transport and the mapped segment ([`Communicator::shares_memory`] said so).
+    fn mapped_segment(&mut self) -> Result<(&dyn Transport, &mut NodeSegment)> {
+        match &mut self.node_segment {
+            SegmentState::Mapped(segment) => Ok((self.transport.as_ref(), segment)),
+            _ => Err(Error::Transport {
+                rank: self.rank,
+                detail: "internal: no shared-memory segment is mapped".into(),
+            }),
+        }
+    }
+
+    /// The reduce-scatter half of [`Algorithm::SharedMemory`] through the mapped segment:
+    /// returns the element ranges this rank holds reduced (its chunk of every piece of
+    /// the segment). Collective.
+    pub(crate) fn shared_memory_reduce_scatter<T: Element>(
+        &mut self,
+        pieces: &mut [&mut [T]],
+        op: ReduceOp,
+    ) -> Result<Vec<Range<usize>>> {
+        let bytes = pieces::total(pieces) * T::BYTES;
+        self.begin("shared-memory reduce-scatter", Some(T::DTYPE), bytes);
+        let (transport, segment) = self.mapped_segment()?;
+        segment.reduce_scatter(transport, pieces, op)?;
+        Ok(segment.own_ranges::<T>(pieces::total(pieces)))
+    }
+
+    /// The all-gather half of [`Algorithm::SharedMemory`]: every rank's ranges that
+    /// [`Communicator::shared_memory_reduce_scatter`] returned, to every rank. Collective.
+    pub(crate) fn shared_memory_all_gather<T: Element>(
+        &mut self,
+        pieces: &mut [&mut [T]],
+    ) -> Result<()> {
+        let bytes = pieces::total(pieces) * T::BYTES;
+        self.begin("shared-memory all-gather", Some(T::DTYPE), bytes);
+        let (transport, segment) = self.mapped_segment()?;
+        segment.all_gather(transport, pieces)
+    }
+
     /// [`Algorithm::SharedMemory`] of the message `pieces` make up when every rank votes
     /// for it: `Some` (the same non-empty message on every rank that votes for it) for,
     /// `None` against; true when every rank voted for it (the reduced, post-scaled values

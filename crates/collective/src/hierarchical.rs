@@ -3,12 +3,19 @@
 //! links between nodes, so the elements should cross between nodes as few times as they
 //! can, and every node's ranks should share that traffic. With `k` ranks on every node:
 //!
-//! 1. within each node, a ring reduce-scatter: local rank `l` ends with chunk `l` of the
-//!    message ([`crate::ring_chunk_range`] over `k`) reduced over its node;
-//! 2. across nodes, the ranks with the same local rank all-reduce their chunk among
+//! 1. within each node, a reduce-scatter: local rank `l` ends with its share of the
+//!    message reduced over its node, through the node's shared-memory segment (chunk `l`
+//!    of every piece of the segment the message goes through: the first two steps of
+//!    [`crate::shared_memory`]) where every node maps one, else by a ring (chunk `l` of
+//!    the message, [`crate::ring_chunk_range`] over `k`);
+//! 2. across nodes, the ranks with the same local rank all-reduce their share among
 //!    themselves ([`crate::Algorithm::Auto`]): each rank sends about `1/k` of the message
 //!    over the links between nodes, all `k` of a node at once;
-//! 3. within each node, a ring all-gather of the chunks.
+//! 3. within each node, an all-gather of the shares, the same way as step 1.
+//!
+//! Whether the nodes reduce through shared memory is agreed by every rank (the shares
+//! must line up across nodes) on the first call, and again after the segment's size or
+//! directory changes.
 //!
 //! Where the nodes hold different numbers of ranks the chunks would not line up across
 //! nodes. Then each node all-reduces the whole message (`auto`), the first rank of every
@@ -61,6 +68,9 @@ pub(crate) struct Hierarchy {
     node: Communicator,
     /// The ranks of every node whose local index is this rank's.
     across: Communicator,
+    /// Whether every node reduces through its shared-memory segment, as agreed for the
+    /// node communicator's segment settings (size, directory).
+    node_phase: Option<(bool, (usize, Option<std::path::PathBuf>))>,
 }
 
 impl Hierarchy {
@@ -106,7 +116,29 @@ impl Hierarchy {
             local,
             node,
             across,
+            node_phase: None,
         })
+    }
+
+    /// Whether every node reduces through its shared-memory segment: mapped on each node,
+    /// then agreed by every rank of `comm` (the parent), once per segment setting.
+    /// Collective over `comm`.
+    fn node_shares_memory(&mut self, comm: &mut Communicator) -> Result<bool> {
+        let (mapped, settings) = self.node.shares_memory()?;
+        if let Some((agreed, ref known)) = self.node_phase {
+            if *known == settings {
+                return Ok(agreed);
+            }
+        }
+        comm.begin(
+            "hierarchical all-reduce (agreeing on shared memory)",
+            None,
+            1,
+        );
+        let all = comm.transport().exchange_all(&[u8::from(mapped)])?;
+        let agreed = all.iter().all(|m| m.as_slice() == [1]);
+        self.node_phase = Some((agreed, settings));
+        Ok(agreed)
     }
 
     /// Whether every node holds as many ranks.
@@ -132,13 +164,19 @@ impl Communicator {
     /// The hierarchy, made on the first call (for `purpose`); its communicators take this
     /// one's current settings.
     fn hierarchy(&mut self, purpose: &'static str) -> Result<&mut Hierarchy> {
+        let hierarchy = self.take_hierarchy(purpose)?;
+        Ok(self.hierarchy.insert(hierarchy))
+    }
+
+    /// [`Communicator::hierarchy`], out of this communicator while it works with both.
+    fn take_hierarchy(&mut self, purpose: &'static str) -> Result<Box<Hierarchy>> {
         let mut hierarchy = match self.hierarchy.take() {
             Some(h) => h,
             None => Box::new(Hierarchy::new(self, purpose)?),
         };
         hierarchy.node.adopt_settings_of(self);
         hierarchy.across.adopt_settings_of(self);
-        Ok(self.hierarchy.insert(hierarchy))
+        Ok(hierarchy)
     }
 
     /// [`crate::Algorithm::Hierarchical`] of the message `pieces` make up, without
@@ -148,34 +186,62 @@ impl Communicator {
         pieces: &mut [&mut [T]],
         op: ReduceOp,
     ) -> Result<()> {
-        let h = self.hierarchy("hierarchical all-reduce (finding the nodes)")?;
+        let mut h = self.take_hierarchy("hierarchical all-reduce (finding the nodes)")?;
+        let result = h.all_reduce(self, pieces, op);
+        self.hierarchy = Some(h);
+        result
+    }
+}
+
+impl Hierarchy {
+    /// The hierarchical all-reduce of `pieces` on `comm`'s ranks (see the module docs).
+    fn all_reduce<T: Element>(
+        &mut self,
+        comm: &mut Communicator,
+        pieces: &mut [&mut [T]],
+        op: ReduceOp,
+    ) -> Result<()> {
         let inner = AllReduceOptions::with_op(match op {
             ReduceOp::Average => ReduceOp::Sum,
             other => other,
         });
-        if h.nodes.len() == 1 {
-            return h.node.all_reduce_pieces(pieces, &inner);
+        if self.nodes.len() == 1 {
+            return self.node.all_reduce_pieces(pieces, &inner);
         }
-        if h.node.size() == 1 && h.uniform() {
-            return h.across.all_reduce_pieces(pieces, &inner);
+        if self.node.size() == 1 && self.uniform() {
+            return self.across.all_reduce_pieces(pieces, &inner);
         }
-        if h.uniform() {
-            h.node.ring_reduce_scatter(pieces, inner.op)?;
-            let own = ring_chunk_range(pieces::total(pieces), h.node.size(), h.local);
-            {
-                let [mut chunk] = pieces::carve(pieces, [own]);
-                h.across.all_reduce_pieces(&mut chunk, &inner)?;
+        if !self.uniform() {
+            self.node.all_reduce_pieces(pieces, &inner)?;
+            if self.local == 0 {
+                self.across.all_reduce_pieces(pieces, &inner)?;
             }
-            return h.node.ring_all_gather_chunks(pieces);
+            for piece in pieces.iter_mut() {
+                self.node.broadcast(piece, 0)?;
+            }
+            return Ok(());
         }
-        h.node.all_reduce_pieces(pieces, &inner)?;
-        if h.local == 0 {
-            h.across.all_reduce_pieces(pieces, &inner)?;
+        let shared = self.node_shares_memory(comm)?;
+        let own = if shared {
+            self.node.shared_memory_reduce_scatter(pieces, inner.op)?
+        } else {
+            self.node.ring_reduce_scatter(pieces, inner.op)?;
+            vec![ring_chunk_range(
+                pieces::total(pieces),
+                self.node.size(),
+                self.local,
+            )]
+        };
+        {
+            let carved = pieces::carve_many(pieces, &own);
+            let mut share: Vec<&mut [T]> = carved.into_iter().flatten().collect();
+            self.across.all_reduce_pieces(&mut share, &inner)?;
         }
-        for piece in pieces.iter_mut() {
-            h.node.broadcast(piece, 0)?;
+        if shared {
+            self.node.shared_memory_all_gather(pieces)
+        } else {
+            self.node.ring_all_gather_chunks(pieces)
         }
-        Ok(())
     }
 }
 
@@ -192,9 +258,11 @@ mod tests {
     }
 
     /// Every layout (one node, one rank per node, even and uneven nodes), lengths from 0
-    /// past the chunk counts, whole and in pieces, each operation: every rank gets the
-    /// same bits, within f32 rounding of the f64 sum (exactly the extreme for min and
-    /// max), and the nodes as laid out.
+    /// past the chunk counts, whole and in pieces, each operation, the nodes reducing
+    /// through shared memory (in one piece of the segment or dozens) or, with one node's
+    /// shared memory off, all of them by the ring: every rank gets the same bits, within
+    /// f32 rounding of the f64 sum (exactly the extreme for min and max), and the nodes
+    /// as laid out.
     #[test]
     fn every_layout_reduces_to_the_same_bits_on_every_rank() {
         let layouts: [&[usize]; 6] = [&[3], &[1, 1, 1], &[2, 2], &[3, 3], &[2, 1], &[1, 3, 2]];
@@ -207,9 +275,23 @@ mod tests {
                     ReduceOp::Max,
                     ReduceOp::Min,
                 ] {
-                    for cut in [None, Some(len / 3)] {
+                    // Whole; through the segment in dozens of pieces; and so with the
+                    // last node's shared memory off, where every node must take the ring
+                    // (whose chunks are not the segment's).
+                    for (cut, small_segment, last_node_off) in [
+                        (None, false, false),
+                        (Some(len / 3), true, false),
+                        (Some(len / 3), true, true),
+                    ] {
                         let opts = AllReduceOptions::with_op(op).algorithm(Algorithm::Hierarchical);
+                        let last_node = n - layout[layout.len() - 1];
                         let outs = Communicator::run_local_on_nodes(layout, |mut comm| {
+                            if small_segment {
+                                comm.set_segment_bytes(64);
+                            }
+                            if last_node_off && comm.rank() >= last_node {
+                                comm.set_shared_memory_dir(None);
+                            }
                             let mut v = input(comm.rank(), len);
                             match cut {
                                 None => comm.all_reduce(&mut v, &opts)?,

@@ -474,6 +474,112 @@ impl NodeSegment {
         message: Option<&mut [&mut [T]]>,
         op: ReduceOp,
     ) -> Result<bool> {
+        self.reduce_pieces(transport, message, op, true)
+    }
+
+    /// The reduce-scatter half of [`NodeSegment::all_reduce`]: afterwards the elements
+    /// [`NodeSegment::own_ranges`] names hold the reduction in rank order (the bits the
+    /// all-reduce gives them), the others this rank's own values or partial ones.
+    /// Collective.
+    ///
+    /// # Errors
+    /// As [`NodeSegment::all_reduce`].
+    pub(crate) fn reduce_scatter<T: Element>(
+        &mut self,
+        transport: &dyn Transport,
+        pieces: &mut [&mut [T]],
+        op: ReduceOp,
+    ) -> Result<()> {
+        if self.reduce_pieces(transport, Some(pieces), op, false)? {
+            return Ok(());
+        }
+        Err(crate::Error::Transport {
+            rank: self.rank,
+            detail: "another rank voted against a shared-memory reduce-scatter: the ranks \
+                     disagree on the collective that comes next"
+                .into(),
+        })
+    }
+
+    /// The element ranges of a message of `len` elements of `T` that
+    /// [`NodeSegment::reduce_scatter`] leaves reduced at this rank, in order: its chunk of
+    /// each piece of the segment the message goes through.
+    pub(crate) fn own_ranges<T: Element>(&self, len: usize) -> Vec<Range<usize>> {
+        let per_piece = (self.slot_bytes / T::BYTES).max(1);
+        (0..len)
+            .step_by(per_piece)
+            .map(|start| {
+                let own = ring_chunk_range(per_piece.min(len - start), self.ranks, self.rank);
+                start + own.start..start + own.end
+            })
+            .filter(|range| !range.is_empty())
+            .collect()
+    }
+
+    /// The all-gather half of [`NodeSegment::all_reduce`]: every rank's
+    /// [`NodeSegment::own_ranges`] of the message, as they are on that rank, to every
+    /// other rank. Collective.
+    ///
+    /// # Errors
+    /// A flag that does not rise within the stall timeout.
+    pub(crate) fn all_gather<T: Element>(
+        &mut self,
+        transport: &dyn Transport,
+        pieces: &mut [&mut [T]],
+    ) -> Result<()> {
+        let (n, r) = (self.ranks, self.rank);
+        let per_piece = self.slot_bytes / T::BYTES;
+        let len = pieces::total(pieces);
+        let mut cursor = pieces::Cursor::default();
+        let mut start = 0;
+        let mut first = true;
+        while first || start < len {
+            first = false;
+            let m = per_piece.min(len - start);
+            let k = self.pieces;
+            let set = (k % 2) as usize;
+            // Set `set` is free: see `reduce_pieces`.
+            let mut starts: SmallVec<[pieces::Cursor; 9]> = SmallVec::with_capacity(n + 1);
+            let mut walk = cursor;
+            for p in 0..n {
+                let chunk = ring_chunk_range(m, n, p);
+                starts.push(walk);
+                if p == r {
+                    // SAFETY: as step 1 of `reduce_pieces`.
+                    let dst = unsafe { self.write::<T>(set, chunk) };
+                    walk.read(pieces, dst, copy_across);
+                } else {
+                    walk.skip(pieces, chunk.len());
+                }
+            }
+            self.raise(2 * k + 1);
+            self.wait_all(transport, 2 * k + 1)?;
+            for (p, at) in starts.iter_mut().enumerate().take(n) {
+                if p != r {
+                    // SAFETY: rank p wrote its chunk before its flag reached 2k + 1, and
+                    // writes this set again only after every flag passes 2k + 2.
+                    let src = unsafe { self.read::<T>(set, p, ring_chunk_range(m, n, p)) };
+                    at.write(pieces, src, copy_across);
+                }
+            }
+            // Nobody waits for this rise here: the next use of this set waits for the
+            // rises of the piece after it, which come later.
+            self.raise(2 * k + 2);
+            cursor = walk;
+            self.pieces += 1;
+            start += m;
+        }
+        Ok(())
+    }
+
+    /// [`NodeSegment::all_reduce_if`] (`gather`), or its reduce-scatter half.
+    fn reduce_pieces<T: Element>(
+        &mut self,
+        transport: &dyn Transport,
+        message: Option<&mut [&mut [T]]>,
+        op: ReduceOp,
+        gather: bool,
+    ) -> Result<bool> {
         let (n, r) = (self.ranks, self.rank);
         let mut against: [&mut [T]; 0] = [];
         let voted_for = message.is_some();
@@ -526,7 +632,14 @@ impl NodeSegment {
             // 2. This rank's chunk, reduced in rank order, into its buffer and slot.
             self.reduce_own::<T>(set, chunks[r].clone(), pieces, starts[r], op)?;
             self.raise(2 * k + 2);
+            // Every rank has read the votes once every flag is here, and may write its next.
             self.wait_all(transport, 2 * k + 2)?;
+            if !gather {
+                cursor = starts[n];
+                self.pieces += 1;
+                start += m;
+                continue;
+            }
             // 3. The other ranks' reduced chunks out of their slots.
             for (p, chunk) in chunks.iter().enumerate() {
                 if p != r {
