@@ -82,11 +82,12 @@ pub enum Algorithm {
     /// ([`crate::shared_memory`]). Every rank must be on one node. The bits of
     /// [`Algorithm::Direct`].
     SharedMemory,
-    /// For ranks on several nodes: within each node a ring reduce-scatter, then across
-    /// nodes an all-reduce of each chunk among the ranks holding it, then within each node
-    /// a ring all-gather; a layout with different rank counts per node reduces within each
-    /// node, across nodes among the first ranks, and broadcasts within each node
-    /// ([`crate::hierarchical`]). Chosen by name only: [`Algorithm::Auto`] never takes it.
+    /// For ranks on several nodes: within each node a reduce-scatter (through shared
+    /// memory, or a ring), then across nodes an all-reduce of each share among the ranks
+    /// holding it, then within each node an all-gather; a layout with different rank
+    /// counts per node reduces within each node, across nodes among the first ranks, and
+    /// broadcasts within each node ([`crate::hierarchical`]). Chosen by name only:
+    /// [`Algorithm::Auto`] never takes it.
     Hierarchical,
     /// The fastest of direct, scatter-gather, recursive doubling, halving-doubling, the ring
     /// and shared memory as measured for the rank count and message size

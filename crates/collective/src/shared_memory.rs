@@ -26,11 +26,17 @@
 //!
 //! A message in pieces (a fused group of tensors where they lie) is walked once per
 //! piece of the segment, a run of a piece at a time: the first step remembers where each
-//! rank's chunk starts, and the reduction and the copies out start there. The ranks may vote on an all-reduce
-//! (`NodeSegment::all_reduce_if`): each writes its vote beside its flag before the first
-//! piece's first rise, and every rank reads all of them once every flag is up; a vote
-//! against ends the call there on every rank, before anything but the slots is written.
-//! An armed group of the fusion engine votes this way, without a round of its own.
+//! rank's chunk starts, and the reduction and the copies out start there.
+//!
+//! The ranks may vote on an all-reduce (`NodeSegment::all_reduce_if`): each writes its
+//! vote beside its flag before the first piece's first rise, and every rank reads all of
+//! them once every flag is up; a vote against ends the call there on every rank, before
+//! anything but the slots is written. An armed group of the fusion engine votes this way,
+//! without a round of its own.
+//!
+//! Steps 1 and 2 alone are a reduce-scatter (`NodeSegment::reduce_scatter`), and step 3
+//! with flags of its own an all-gather (`NodeSegment::all_gather`): the phases within a
+//! node of [`crate::Algorithm::Hierarchical`].
 //!
 //! The segment is a file in `/dev/shm` (or the directory
 //! [`crate::Communicator::set_shared_memory_dir`] names), created by rank 0 on the first
