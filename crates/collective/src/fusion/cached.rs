@@ -26,7 +26,8 @@ use super::*;
 ///   the communicator would copy it into one buffer anyway (direct and scatter-gather,
 ///   small tensors: [`Communicator::reduces_in_place`]);
 /// - a larger group that the communicator reduces where its tensors lie
-///   ([`Communicator::all_reduce_pieces`]), or one with scaling or wire compression, is
+///   ([`Communicator::all_reduce_pieces`]), one with scaling or wire compression, or one
+///   the hierarchical all-reduce reduces (its shares are not the ring's chunks), is
 ///   reduced after a vote of its own, a reduction of one element: the copies into and
 ///   out of the fusion buffer would cost more than that round. The vote comes first so
 ///   that nothing is written when it fails.

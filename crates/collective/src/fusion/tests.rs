@@ -64,7 +64,7 @@ fn votes(engine: &FusionEngine) -> Option<Votes> {
 /// ring chunk or reduces the tensors where they lie in that order, so their results are
 /// the general path's bit for bit, at 2 to 4 ranks over a ring (whose order of additions
 /// depends on an element's place in the buffer) with every operation, and each other
-/// algorithm; for small groups (votes in slots) and large ones (votes first, reduced in
+/// algorithm (the hierarchical one over two nodes); for small groups (votes in slots) and large ones (votes first, reduced in
 /// place where the algorithm allows, or votes with the flags of the shared-memory
 /// reduction in place), with and without scaling.
 #[test]
@@ -85,10 +85,15 @@ fn a_cached_group_step_gives_the_general_paths_bits() {
         (Algorithm::SharedMemory, ReduceOp::Max, 1.0),
         (Algorithm::SharedMemory, ReduceOp::Average, 1.0),
         (Algorithm::SharedMemory, ReduceOp::Sum, 0.5),
+        (Algorithm::Hierarchical, ReduceOp::Sum, 1.0),
+        (Algorithm::Hierarchical, ReduceOp::Average, 0.5),
         (Algorithm::Auto, ReduceOp::Max, 1.0),
         (Algorithm::Auto, ReduceOp::Average, 1.0),
     ];
     for (size, scale) in [(2, 1), (3, 1), (4, 1), (2, 600), (3, 600)] {
+        // Two nodes (one, two, or two ranks each), which only the hierarchical
+        // all-reduce looks at.
+        let layout = [size - size / 2, size / 2];
         for (algorithm, op, prescale) in cases {
             let options = AllReduceOptions {
                 prescale,
@@ -100,62 +105,65 @@ fn a_cached_group_step_gives_the_general_paths_bits() {
             };
             let lens = [5usize, 1, 17, 0, 9, 33, 2].map(|n| n * scale);
             let bytes = lens.iter().sum::<usize>() * 4;
-            let outs = Communicator::run_local(size, |comm| -> Result<(usize, usize)> {
-                let r = comm.rank();
-                let resolved = comm.resolve_algorithm(algorithm, bytes);
-                let in_place = comm.reduces_in_place(DType::F32, &options, lens.len(), bytes);
-                let want_votes = match (prescale == 1.0, in_place, resolved) {
-                    (true, true, Algorithm::SharedMemory) => Votes::InFlags,
-                    (true, false, _) => Votes::InSlots,
-                    (true, true, _) if bytes <= MAX_SLOT_VOTE_BYTES => Votes::InSlots,
-                    _ => Votes::First,
-                };
-                let engine = FusionEngine::start(comm, config.clone())?;
-                let names: Vec<String> = (0..lens.len()).map(|k| format!("g{k}")).collect();
-                // Registered in this order: ids 0, 1, 2, ...
-                // Submitted as one group, so that one cycle fuses them all whatever the
-                // background thread's timing (tensors submitted one by one may be split
-                // over two cycles, whose sums differ in their last bits).
-                let all = TensorNames::new(&names);
-                let mut general = Vec::new();
-                for _ in 0..2 {
-                    let tensors: Vec<Vec<f32>> =
-                        (0..lens.len()).map(|k| odd_values(r, k, lens[k])).collect();
-                    general = engine.submit_group(&all, tensors)?.wait()?;
-                }
-                // The group lists them in another order.
-                let order = [4usize, 0, 6, 2, 5, 1, 3];
-                let group = TensorNames::new(order.iter().map(|&k| &names[k]));
-                for _ in 0..3 {
-                    let tensors: Vec<Vec<f32>> =
-                        order.iter().map(|&k| odd_values(r, k, lens[k])).collect();
-                    let out = engine.all_reduce_group(&group, tensors)?;
-                    for (place, &k) in order.iter().enumerate() {
-                        let got: Vec<u32> = out[place]
-                            .clone()
-                            .into_vec::<f32>()?
-                            .iter()
-                            .map(|v| v.to_bits())
-                            .collect();
-                        let want: Vec<u32> = general[k]
-                            .clone()
-                            .into_vec::<f32>()?
-                            .iter()
-                            .map(|v| v.to_bits())
-                            .collect();
-                        assert_eq!(got, want, "{algorithm} {op:?}, {size} ranks, tensor {k}");
+            let outs =
+                Communicator::run_local_on_nodes(&layout, |comm| -> Result<(usize, usize)> {
+                    let r = comm.rank();
+                    let resolved = comm.resolve_algorithm(algorithm, bytes);
+                    let in_place = comm.reduces_in_place(DType::F32, &options, lens.len(), bytes);
+                    let want_votes = match (prescale == 1.0, in_place, resolved) {
+                        // Its shares are not the ring's chunks that slots keep apart.
+                        (_, _, Algorithm::Hierarchical) => Votes::First,
+                        (true, true, Algorithm::SharedMemory) => Votes::InFlags,
+                        (true, false, _) => Votes::InSlots,
+                        (true, true, _) if bytes <= MAX_SLOT_VOTE_BYTES => Votes::InSlots,
+                        _ => Votes::First,
+                    };
+                    let engine = FusionEngine::start(comm, config.clone())?;
+                    let names: Vec<String> = (0..lens.len()).map(|k| format!("g{k}")).collect();
+                    // Registered in this order: ids 0, 1, 2, ...
+                    // Submitted as one group, so that one cycle fuses them all whatever the
+                    // background thread's timing (tensors submitted one by one may be split
+                    // over two cycles, whose sums differ in their last bits).
+                    let all = TensorNames::new(&names);
+                    let mut general = Vec::new();
+                    for _ in 0..2 {
+                        let tensors: Vec<Vec<f32>> =
+                            (0..lens.len()).map(|k| odd_values(r, k, lens[k])).collect();
+                        general = engine.submit_group(&all, tensors)?.wait()?;
                     }
-                }
-                let (_, cached, _, armed) = counters(&engine);
-                assert_eq!(
-                    votes(&engine),
-                    Some(want_votes),
-                    "{algorithm} {op:?} x{prescale}, {size} ranks, {bytes} bytes"
-                );
-                engine.shutdown()?;
-                Ok((cached, armed))
-            })
-            .expect("run");
+                    // The group lists them in another order.
+                    let order = [4usize, 0, 6, 2, 5, 1, 3];
+                    let group = TensorNames::new(order.iter().map(|&k| &names[k]));
+                    for _ in 0..3 {
+                        let tensors: Vec<Vec<f32>> =
+                            order.iter().map(|&k| odd_values(r, k, lens[k])).collect();
+                        let out = engine.all_reduce_group(&group, tensors)?;
+                        for (place, &k) in order.iter().enumerate() {
+                            let got: Vec<u32> = out[place]
+                                .clone()
+                                .into_vec::<f32>()?
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect();
+                            let want: Vec<u32> = general[k]
+                                .clone()
+                                .into_vec::<f32>()?
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect();
+                            assert_eq!(got, want, "{algorithm} {op:?}, {size} ranks, tensor {k}");
+                        }
+                    }
+                    let (_, cached, _, armed) = counters(&engine);
+                    assert_eq!(
+                        votes(&engine),
+                        Some(want_votes),
+                        "{algorithm} {op:?} x{prescale}, {size} ranks, {bytes} bytes"
+                    );
+                    engine.shutdown()?;
+                    Ok((cached, armed))
+                })
+                .expect("run");
             for out in outs {
                 // The group's first step notes its ids; the second is a cached step
                 // with a round, the third an armed one.
