@@ -454,9 +454,12 @@ mod measure {
         algorithms: &[Algorithm],
     ) -> BoxResult<Vec<AllreduceRow>> {
         let (rank, size) = (comm.rank(), comm.size());
+        let nodes: Vec<String> = comm.nodes()?.iter().map(|n| n.len().to_string()).collect();
         if rank == 0 {
             println!(
-                "# ringtrain all-reduce benchmark: {size} ranks, transport {}, dtype {}, ring segment {} bytes",
+                "# ringtrain all-reduce benchmark: {size} ranks on {} node(s) ({} ranks), transport {}, dtype {}, ring segment {} bytes",
+                nodes.len(),
+                nodes.join(" + "),
                 comm.transport_name(),
                 T::NAME,
                 comm.segment_bytes()
