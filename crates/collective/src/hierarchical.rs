@@ -15,7 +15,7 @@
 //!
 //! Whether the nodes reduce through shared memory is agreed by every rank (the shares
 //! must line up across nodes) on the first call, and again after the segment's size or
-//! directory changes.
+//! directory changes; ranks whose segment sizes differ are refused then, on every rank.
 //!
 //! Where the nodes hold different numbers of ranks the chunks would not line up across
 //! nodes. Then each node all-reduces the whole message (`auto`), the first rank of every
@@ -135,8 +135,30 @@ impl Hierarchy {
             None,
             1,
         );
-        let all = comm.transport().exchange_all(&[u8::from(mapped)])?;
-        let agreed = all.iter().all(|m| m.as_slice() == [1]);
+        // Every rank's segment size too: nodes whose segments differ would cut the message
+        // into different shares, and the all-reduces across nodes would add elements
+        // that do not belong together.
+        let mut mine = settings.0.to_le_bytes().to_vec();
+        mine.push(u8::from(mapped));
+        let all = comm.transport().exchange_all(&mine)?;
+        let sizes: Vec<String> = all
+            .iter()
+            .map(
+                |m| match m.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok()) {
+                    Some(b) => u64::from_le_bytes(b).to_string(),
+                    None => "?".to_string(),
+                },
+            )
+            .collect();
+        if sizes.iter().any(|s| *s != sizes[comm.rank()]) {
+            return Err(Error::invalid(
+                "segment bytes (one value per rank)",
+                sizes.join(", "),
+                "set the same segment size on every rank (Communicator::set_segment_bytes): \
+                 the hierarchical all-reduce cuts the message by it",
+            ));
+        }
+        let agreed = all.iter().all(|m| m.get(8) == Some(&1));
         self.node_phase = Some((agreed, settings));
         Ok(agreed)
     }
@@ -344,6 +366,29 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Ranks that set different segment sizes: every rank is told, naming each rank's
+    /// size, before anything is reduced across nodes.
+    #[test]
+    fn different_segment_sizes_are_refused_on_every_rank() {
+        let outs = Communicator::run_local_on_nodes(&[2, 2], |mut comm| {
+            if comm.rank() == 3 {
+                comm.set_segment_bytes(1024);
+            }
+            let mut v = vec![1.0f32; 4096];
+            let opts = AllReduceOptions::sum().algorithm(Algorithm::Hierarchical);
+            comm.all_reduce(&mut v, &opts).map(|_| v)
+        })
+        .expect("threads");
+        let sizes = format!("{d}, {d}, {d}, 1024", d = crate::DEFAULT_SEGMENT_BYTES);
+        for (r, out) in outs.iter().enumerate() {
+            let msg = out.as_ref().expect_err("refused").to_string();
+            assert!(
+                msg.contains(&sizes) && msg.contains("set_segment_bytes"),
+                "rank {r}: {msg}"
+            );
         }
     }
 
