@@ -23,14 +23,15 @@
 //! One node: the node's all-reduce alone; one rank per node: the all-reduce across nodes
 //! alone.
 //!
-//! Each element is reduced once (within its node in the ring's order, then across nodes
-//! in the order of the algorithm `auto` takes there) and copied to the other ranks, so
+//! Each element is reduced once (within its node in rank order through shared memory or
+//! in the ring's order, then across nodes in the order of the algorithm `auto` takes
+//! there) and copied to the other ranks, so
 //! every rank ends with the same bits; they need not be the bits of a one-level
 //! algorithm, whose order of additions differs.
 //!
 //! The nodes are found once per communicator, on its first hierarchical all-reduce or
-//! [`Communicator::nodes`]: every rank's [`crate::Transport::node_key`] (the host's name
-//! over MPI), exchanged, and the two communicators of the phases made from them
+//! [`Communicator::nodes`]: every rank's [`crate::Transport::node_key`] (the host's name,
+//! or [`crate::NODE_ENV`] where it is set), exchanged, and the two communicators of the phases made from them
 //! ([`Communicator::subgroup`]). [`crate::Algorithm::Auto`] never takes this algorithm:
 //! the switch points between it and the one-level algorithms depend on the links between
 //! nodes, which a one-node machine cannot measure.
