@@ -457,15 +457,22 @@ impl NodeSegment {
         pieces: &mut [&mut [T]],
         op: ReduceOp,
     ) -> Result<()> {
-        if self.all_reduce_if(transport, Some(pieces), op)? {
+        let agreed = self.all_reduce_if(transport, Some(pieces), op)?;
+        self.entered_without_a_vote(agreed, "all-reduce")
+    }
+
+    /// Ok where every rank voted for the `collective` this rank entered without a vote;
+    /// else the error that says the ranks disagree.
+    fn entered_without_a_vote(&self, agreed: bool, collective: &str) -> Result<()> {
+        if agreed {
             return Ok(());
         }
         Err(crate::Error::Transport {
             rank: self.rank,
-            detail: "another rank voted against a shared-memory all-reduce that this rank \
-                     entered without a vote: the ranks disagree on the collective that comes \
-                     next"
-                .into(),
+            detail: format!(
+                "another rank voted against a shared-memory {collective} that this rank \
+                 entered without a vote: the ranks disagree on the collective that comes next"
+            ),
         })
     }
 
@@ -496,15 +503,8 @@ impl NodeSegment {
         pieces: &mut [&mut [T]],
         op: ReduceOp,
     ) -> Result<()> {
-        if self.reduce_pieces(transport, Some(pieces), op, false)? {
-            return Ok(());
-        }
-        Err(crate::Error::Transport {
-            rank: self.rank,
-            detail: "another rank voted against a shared-memory reduce-scatter: the ranks \
-                     disagree on the collective that comes next"
-                .into(),
-        })
+        let agreed = self.reduce_pieces(transport, Some(pieces), op, false)?;
+        self.entered_without_a_vote(agreed, "reduce-scatter")
     }
 
     /// The element ranges of a message of `len` elements of `T` that
