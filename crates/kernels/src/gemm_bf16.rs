@@ -2034,6 +2034,22 @@ mod avx512 {
     }
 }
 
+/// An `m × k` A and a `k × n` B over `a` and `b` in each layout the backend multiplies:
+/// both row-major (NN), B given as its transpose (NT), A given as its transpose (TN).
+#[cfg(test)]
+pub(crate) fn each_layout<'a>(
+    a: &'a [bf16],
+    b: &'a [bf16],
+    (m, n, k): (usize, usize, usize),
+) -> [(MatRef<'a>, MatRef<'a>); 3] {
+    let row_major = |data, rows, cols| MatRef::row_major(data, rows, cols).expect("in range");
+    [
+        (row_major(a, m, k), row_major(b, k, n)),
+        (row_major(a, m, k), row_major(b, n, k).t()),
+        (row_major(a, k, m).t(), row_major(b, k, n)),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -2114,20 +2130,7 @@ mod tests {
         ] {
             let a_data = values(m * k, 3);
             let b_data = values(k * n, 4);
-            let layouts = [
-                (
-                    MatRef::row_major(&a_data, m, k).unwrap(),
-                    MatRef::row_major(&b_data, k, n).unwrap(),
-                ),
-                (
-                    MatRef::row_major(&a_data, m, k).unwrap(),
-                    MatRef::row_major(&b_data, n, k).unwrap().t(),
-                ),
-                (
-                    MatRef::row_major(&a_data, k, m).unwrap().t(),
-                    MatRef::row_major(&b_data, k, n).unwrap(),
-                ),
-            ];
+            let layouts = each_layout(&a_data, &b_data, (m, n, k));
             for (layout, &(a, b)) in layouts.iter().enumerate() {
                 for accumulate in [false, true] {
                     let c0: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32 * 0.25 - 0.5).collect();

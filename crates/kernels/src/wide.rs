@@ -82,7 +82,7 @@ mod tests {
 
     use half::bf16;
 
-    use crate::gemm_bf16::{gemm_bf16, Bf16Path, MatRef};
+    use crate::gemm_bf16::{gemm_bf16, Bf16Path};
 
     /// The twins, narrowest first.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -195,21 +195,7 @@ mod tests {
         let (m, n, k) = (41, 70, 45);
         let a: Vec<bf16> = values(m * k, 9).into_iter().map(bf16::from_f32).collect();
         let b: Vec<bf16> = values(k * n, 10).into_iter().map(bf16::from_f32).collect();
-        let views = [
-            (
-                MatRef::row_major(&a, m, k).unwrap(),
-                MatRef::row_major(&b, k, n).unwrap(),
-            ),
-            (
-                MatRef::row_major(&a, m, k).unwrap(),
-                MatRef::row_major(&b, n, k).unwrap().t(),
-            ),
-            (
-                MatRef::row_major(&a, k, m).unwrap().t(),
-                MatRef::row_major(&b, k, n).unwrap(),
-            ),
-        ];
-        for (av, bv) in views {
+        for (av, bv) in crate::gemm_bf16::each_layout(&a, &b, (m, n, k)) {
             let mut prod = vec![0.0f32; m * n];
             gemm_bf16(Bf16Path::detect(), av, bv, &mut prod, n, false).unwrap();
             out.push(bits(&prod));
