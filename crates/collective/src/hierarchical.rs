@@ -63,14 +63,13 @@ use crate::pieces;
 pub(crate) struct Hierarchy {
     /// The ranks of each node, ascending; the nodes in the order of their first ranks.
     nodes: Vec<Vec<usize>>,
-    /// This rank's index among its node's ranks.
-    local: usize,
     /// This rank's node.
     node: Communicator,
-    /// The ranks of every node whose local index is this rank's.
+    /// The ranks of every node whose local index (rank in `node`) is this rank's.
     across: Communicator,
     /// Whether every node reduces through its shared-memory segment, as agreed for the
-    /// node communicator's segment settings (size, directory).
+    /// node communicator's segment settings (size, directory): settings every rank
+    /// changes at the same call, so that every rank agrees again at the same one.
     node_phase: Option<(bool, (usize, Option<std::path::PathBuf>))>,
 }
 
@@ -114,7 +113,6 @@ impl Hierarchy {
         let across = comm.subgroup(&peers)?;
         Ok(Hierarchy {
             nodes,
-            local,
             node,
             across,
             node_phase: None,
@@ -236,7 +234,7 @@ impl Hierarchy {
         }
         if !self.uniform() {
             self.node.all_reduce_pieces(pieces, &inner)?;
-            if self.local == 0 {
+            if self.node.rank() == 0 {
                 self.across.all_reduce_pieces(pieces, &inner)?;
             }
             for piece in pieces.iter_mut() {
@@ -252,7 +250,7 @@ impl Hierarchy {
             vec![ring_chunk_range(
                 pieces::total(pieces),
                 self.node.size(),
-                self.local,
+                self.node.rank(),
             )]
         };
         {
