@@ -296,13 +296,8 @@ pub struct ExchangeOverrides {
     /// The gradients' all-reduce: `hier` predicts the hierarchical one on a network of
     /// nodes (--ranks-per-node), any other a ring (default: the report's
     /// --allreduce-algorithm).
-    #[arg(long, value_parser = algorithm)]
+    #[arg(long)]
     pub allreduce_algorithm: Option<ringtrain_collective::Algorithm>,
-}
-
-fn algorithm(s: &str) -> std::result::Result<ringtrain_collective::Algorithm, String> {
-    s.parse()
-        .map_err(|e: ringtrain_collective::Error| e.to_string())
 }
 
 /// `ringtrain predict ...`

@@ -65,12 +65,6 @@ fn parse<T: std::str::FromStr<Err = crate::Error>>(s: &str) -> Result<T, String>
     s.parse::<T>().map_err(|e| e.reason())
 }
 
-/// Reads `--allreduce-algorithm` with the collective's own parser.
-#[cfg(feature = "cli")]
-fn algorithm(s: &str) -> Result<Algorithm, String> {
-    s.parse::<Algorithm>().map_err(|e| e.to_string())
-}
-
 #[cfg(feature = "cli")]
 fn source_lengths(s: &str) -> Result<SourceLengths, String> {
     parse_source_lengths(s).map_err(|e| e.reason())
@@ -290,7 +284,7 @@ options! {
         /// each node, then across nodes; for jobs on several nodes, like Horovod's
         /// HOROVOD_HIERARCHICAL_ALLREDUCE), or one by name: `ring`, `rd`, `hd`, `direct`,
         /// `sg`, `shm` (every rank on one node), `mpi` (`MPI_Allreduce`).
-        #[arg(long, value_parser = algorithm)]
+        #[arg(long)]
         allreduce_algorithm: Algorithm = Algorithm::Auto,
         /// Seconds a collective may wait on other ranks without progress (a rank
         /// stopped, stuck or on a dead node): at half, a warning names the ranks waited
