@@ -19,7 +19,9 @@
 //! # Paths
 //!
 //! [`Bf16Path::detect`] picks the fastest path the CPU has, at run time (once per
-//! process), in this order:
+//! process), in this order, except that on a CPU with both AVX-512 paths it times their
+//! micro-kernels on one block and takes `avx512-fma` where that is clearly faster
+//! ([`KernelTimes`]):
 //! - [`Bf16Path::Amx`]: AMX-BF16 tile registers, `TDPBF16PS` (a 16 × 16 block of f32 from
 //!   16 rows of A times 16 columns of B, 32 bf16 deep, in one instruction). CPUs with
 //!   AMX-BF16 and AMX-TILE: Intel Sapphire Rapids (4th generation Xeon Scalable) and later
@@ -27,12 +29,18 @@
 //!   must ask the kernel for the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, Linux 5.16
 //!   and later); when the kernel refuses, the next path is taken.
 //! - [`Bf16Path::Avx512Bf16`]: `VDPBF16PS`, which multiplies pairs of bf16 and adds both
-//!   products to an f32 lane. CPUs with AVX-512 BF16: Intel Cooper Lake, Sapphire Rapids
-//!   and later Xeons (where AMX cannot be used), AMD Zen 4 and Zen 5.
-//! - [`Bf16Path::Avx512Fma`]: the operands widened to f32 in registers (a shift or a mask
-//!   per word of two bf16) and f32 fused multiply-adds on 512-bit vectors, in the AVX-512
-//!   BF16 kernel's blocks. CPUs with AVX-512 F but no bf16 instruction: Intel Skylake-SP,
-//!   Cascade Lake and Ice Lake Xeons, and Intel's client CPUs with AVX-512.
+//!   products to an f32 lane. CPUs with AVX-512 BF16 where it is the faster of the two
+//!   AVX-512 paths: AMD Zen 4 and Zen 5 (`VDPBF16PS` does twice the work of an f32
+//!   multiply-add there, at the same rate).
+//! - [`Bf16Path::Avx512Fma`]: f32 fused multiply-adds on 512-bit vectors, of A widened to
+//!   f32 in its pack and B's words widened in registers (a shift or a mask per word of
+//!   two bf16, once for all the rows of a block), in the AVX-512 BF16 kernel's blocks.
+//!   CPUs with AVX-512 F but no bf16 instruction (Intel Skylake-SP, Cascade Lake and Ice
+//!   Lake Xeons, Intel's client CPUs with AVX-512), and Intel Xeons with AVX-512 BF16
+//!   whose AMX cannot be used (Sapphire Rapids and later under a hypervisor that hides
+//!   AMX): on an Emerald Rapids core, loops of independent instructions on registers
+//!   measured 0.75 ns per 512-bit `VDPBF16PS` against 0.18 ns per f32 multiply-add, so
+//!   the bf16 instruction, with twice the work, has half the multiply-adds' rate.
 //! - [`Bf16Path::Avx2Fma`]: the same on 256-bit vectors. CPUs with AVX2 and FMA but
 //!   neither AVX-512 nor a bf16 instruction: Intel Haswell to Comet Lake, AMD Zen 1 to
 //!   Zen 3.
@@ -233,13 +241,64 @@ pub enum Bf16Path {
     Amx,
 }
 
+/// What [`Bf16Path::detect`] measured on a CPU with both AVX-512 paths (and no AMX) to
+/// choose between them: each path's micro-kernel on the same L1-resident block
+/// ([`MR`] × [`NR`] of C, [`KC`] deep), the best of several timings taken in turns.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KernelTimes {
+    /// Nanoseconds per block on the `avx512-bf16` path (`VDPBF16PS`).
+    pub avx512_bf16_ns: f64,
+    /// Nanoseconds per block on the `avx512-fma` path (f32 multiply-adds of the widened
+    /// operands).
+    pub avx512_fma_ns: f64,
+}
+
+impl KernelTimes {
+    /// How much faster the `avx512-fma` kernel must be to be chosen: a CPU where the two
+    /// are close keeps `VDPBF16PS`, so that timing noise cannot move the choice (and the
+    /// last bits of the products) from one run to the next.
+    pub const FMA_MARGIN: f64 = 0.9;
+
+    /// The path these times choose: `avx512-fma` where its kernel took at most
+    /// [`KernelTimes::FMA_MARGIN`] of the `avx512-bf16` kernel's time, else `avx512-bf16`.
+    pub fn choice(&self) -> Bf16Path {
+        if self.avx512_fma_ns <= Self::FMA_MARGIN * self.avx512_bf16_ns {
+            Bf16Path::Avx512Fma
+        } else {
+            Bf16Path::Avx512Bf16
+        }
+    }
+}
+
 impl Bf16Path {
-    /// The fastest path this CPU has (the portable one without `std`, which cannot ask).
+    /// The fastest path this CPU has (the portable one without `std`, which cannot ask),
+    /// chosen once per process (see the module docs for the order, and
+    /// [`Bf16Path::avx512_times`] for the one choice made by timing).
     pub fn detect() -> Self {
+        #[cfg(feature = "std")]
+        {
+            static DETECTED: std::sync::OnceLock<Bf16Path> = std::sync::OnceLock::new();
+            *DETECTED.get_or_init(Bf16Path::choose)
+        }
+        #[cfg(not(feature = "std"))]
+        Bf16Path::choose()
+    }
+
+    /// The kernel times that chose between `avx512-bf16` and `avx512-fma` on this CPU
+    /// (measured once per process, about a millisecond), or `None` where the CPU does not
+    /// have both paths or has AMX, which is taken first.
+    pub fn avx512_times() -> Option<KernelTimes> {
+        if Bf16Path::Amx.available() || !Bf16Path::Avx512Bf16.available() {
+            return None;
+        }
+        avx512::times()
+    }
+
+    fn choose() -> Self {
         if Bf16Path::Amx.available() {
             Bf16Path::Amx
         } else if Bf16Path::Avx512Bf16.available() {
-            Bf16Path::Avx512Bf16
+            Bf16Path::avx512_times().map_or(Bf16Path::Avx512Bf16, |t| t.choice())
         } else if Bf16Path::Avx512Fma.available() {
             Bf16Path::Avx512Fma
         } else if Bf16Path::Avx2Fma.available() {
@@ -301,8 +360,8 @@ impl Bf16Path {
 }
 
 /// A micro-kernel: `pairs` k-pairs (a multiple of its [`Kernel::step`]) of an A panel
-/// (`rows` rows of `pairs` words, row `i` at `a + i * lda`: a packed panel, or a row-major
-/// A read in place) and a packed B panel (`pairs * NR` words), accumulated into the
+/// (`rows` rows of `pairs` pairs, each one word or, for a kernel with `a_width` 2, two
+/// widened ones; row `i` at `a + i * lda`: a packed panel, or a row-major A read in place) and a packed B panel (`pairs * NR` words), accumulated into the
 /// `rows × NR` block of C at `c` with row stride `ldc` floats; with `zero` the block's
 /// old values are not read and the sums start at +0.0 (the same bits as a block of zeros).
 type MicroKernel = unsafe fn(
@@ -328,17 +387,16 @@ pub(crate) struct Kernel {
     /// k-pairs per step: the packs are zero-padded to a multiple of it (a tile row of the
     /// AMX kernel).
     step: usize,
+    /// Words per pair in an A panel: 1 (the pair's two bf16 in one word) or 2 (each widened
+    /// to f32 ahead, element `k` then `k + 1`, for a kernel that broadcasts f32 from
+    /// memory: [`Kernel::wide_a`]).
+    a_width: usize,
     /// Called on the driver's thread before its first micro-kernel call and after its
     /// last (the AMX tile configuration, loaded once per product rather than per call).
     session: Option<Session>,
 }
 
-const PORTABLE: Kernel = Kernel {
-    run: portable_kernel,
-    rows: MR,
-    step: 1,
-    session: None,
-};
+const PORTABLE: Kernel = Kernel::vector(portable_kernel);
 
 impl Kernel {
     const fn vector(run: MicroKernel) -> Self {
@@ -346,25 +404,32 @@ impl Kernel {
             run,
             rows: MR,
             step: 1,
+            a_width: 1,
             session: None,
+        }
+    }
+
+    /// An `MR`-row kernel that reads its A panel widened to f32 ahead (two words per pair).
+    const fn wide_a(run: MicroKernel) -> Self {
+        Kernel {
+            a_width: 2,
+            ..Kernel::vector(run)
         }
     }
 
     const fn avx2(run: MicroKernel) -> Self {
         Kernel {
-            run,
             rows: AVX2_MR,
-            step: 1,
-            session: None,
+            ..Kernel::vector(run)
         }
     }
 
     const fn amx(run: MicroKernel, session: Option<Session>) -> Self {
         Kernel {
-            run,
             rows: AMX_MR,
             step: AMX_PAIRS,
             session,
+            ..Kernel::vector(run)
         }
     }
 }
@@ -374,7 +439,7 @@ pub(crate) fn kernel_for(path: Bf16Path) -> Result<Kernel> {
     let kernel = match path {
         Bf16Path::Portable => Some(PORTABLE),
         Bf16Path::Avx2Fma => avx2::kernel().map(Kernel::avx2),
-        Bf16Path::Avx512Fma => avx512::fma_kernel().map(Kernel::vector),
+        Bf16Path::Avx512Fma => avx512::fma_kernel().map(Kernel::wide_a),
         Bf16Path::Avx512Bf16 => avx512::kernel().map(Kernel::vector),
         Bf16Path::Amx => amx::kernel(),
     };
@@ -427,7 +492,7 @@ pub fn gemm_bf16_modelled(
     let kernel = match path {
         Bf16Path::Portable => PORTABLE,
         Bf16Path::Avx2Fma => Kernel::avx2(modelled_avx2_kernel),
-        Bf16Path::Avx512Fma => Kernel::vector(modelled_fma_vector_kernel),
+        Bf16Path::Avx512Fma => Kernel::wide_a(modelled_fma_kernel),
         Bf16Path::Avx512Bf16 => Kernel::vector(modelled_vector_kernel),
         // The model's tiles are configured by each call (as LDTILECFG leaves them: every
         // tile the kernel reads is loaded first), so it needs no session.
@@ -716,7 +781,8 @@ pub(crate) unsafe fn drive_raw(
         BSource::Packed(..) => 0,
     };
     let mut b_pack: Vec<u32> = vec![0; b_words];
-    let mut a_pack: Vec<u32> = vec![0; MC.min(m).next_multiple_of(rows) * max_pairs];
+    let a_panel_words = |pairs: usize| pairs * rows * kernel.a_width;
+    let mut a_pack: Vec<u32> = vec![0; MC.min(m).div_ceil(rows) * a_panel_words(max_pairs)];
     let mut edge = [0.0f32; AMX_MR * NR];
     if let Some((begin, _)) = kernel.session {
         // SAFETY: a kernel with a session is one whose CPU features were checked when it
@@ -778,15 +844,18 @@ pub(crate) unsafe fn drive_raw(
                                 (unsafe { top.add((ic + ir) * lda) }, lda)
                             }
                             _ => {
-                                let q = (ir - in_place) / rows;
-                                (a_pack[q * pairs * rows..][..pairs * rows].as_ptr(), pairs)
+                                let (q, words) = ((ir - in_place) / rows, a_panel_words(pairs));
+                                (
+                                    a_pack[q * words..][..words].as_ptr(),
+                                    pairs * kernel.a_width,
+                                )
                             }
                         };
                         // SAFETY: (ic + ir, jc - first + jr) is inside C.
                         let block = unsafe { c.add((ic + ir) * ldc + jc - first + jr) };
                         if mr == rows && nr == NR {
-                            // SAFETY: the A panel holds `rows` rows of `pairs` words `lda`
-                            // apart, the B panel `pairs * NR` words (above), `pairs` is a
+                            // SAFETY: the A panel holds `rows` rows of `pairs` pairs `lda`
+                            // words apart, the B panel `pairs * NR` words (above), `pairs` is a
                             // multiple of the kernel's step, and the `rows × NR` block of C
                             // at `block` is inside C (a full block); `kernel` is the
                             // portable one, a software model, or one whose CPU features
@@ -929,9 +998,11 @@ wide_twin! {
     /// Packs A's rows `ic..ic + mc`, columns `pc..pc + kc` into panels of `kernel.rows`
     /// rows, zero-padded to a multiple of `kernel.step` pairs: panel `q`, row `i`, pair
     /// `p` at `(q * rows + i) * pairs + p`, so that each row is whole, as in a row-major A
-    /// (which the driver reads in place where it can, see [`direct_a`]). Full panels of
-    /// an A with unit column stride (NN, NT) or unit row stride (A stored transposed, TN)
-    /// are copied along memory.
+    /// (which the driver reads in place where it can, see [`direct_a`]). A kernel with
+    /// `a_width` 2 gets each pair as two words, the f32 bits of element `k` then of
+    /// `k + 1`, at `((q * rows + i) * pairs + p) * 2`. Full panels of an A with unit column
+    /// stride (NN, NT) or unit row stride (A stored transposed, TN) are copied along
+    /// memory.
     fn pack_a(
         a: &MatRef<'_>,
         ic: usize,
@@ -941,21 +1012,36 @@ wide_twin! {
         kernel: Kernel,
         out: &mut [u32],
     ) {
-        let rows = kernel.rows;
+        let (rows, width) = (kernel.rows, kernel.a_width);
         let (rs, cs) = (a.row_stride, a.col_stride);
         let pairs = kc.div_ceil(2).next_multiple_of(kernel.step);
         let full = kc / 2;
+        // Row `i`'s words in a panel, and how pair `p` of elements (x0, x1) is written there.
+        let row_words = pairs * width;
+        let put = |row: &mut [u32], p: usize, x0: bf16, x1: bf16| {
+            if width == 1 {
+                row[p] = pair(x0, x1);
+            } else {
+                row[2 * p] = widen_bits(x0);
+                row[2 * p + 1] = widen_bits(x1);
+            }
+        };
         for (q, i0) in (0..mc).step_by(rows).enumerate() {
-            let panel = &mut out[q * pairs * rows..(q + 1) * pairs * rows];
+            let panel = &mut out[q * rows * row_words..(q + 1) * rows * row_words];
             let (row0, live) = (ic + i0, rows.min(mc - i0));
             let mut done = 0;
             if live == rows && cs == 1 {
                 // Each row contiguous in A: a copy, row by row.
-                for i in 0..rows {
-                    let src = a.data[(row0 + i) * rs + pc..][..2 * full].reinterpret_cast();
-                    let dst = &mut panel[i * pairs..i * pairs + full];
-                    for (d, two) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                        *d = u32::from(two[0]) | (u32::from(two[1]) << 16);
+                for (i, dst) in panel.chunks_exact_mut(row_words).enumerate() {
+                    let src: &[u16] = a.data[(row0 + i) * rs + pc..][..2 * full].reinterpret_cast();
+                    if width == 1 {
+                        for (d, two) in dst[..full].iter_mut().zip(src.chunks_exact(2)) {
+                            *d = u32::from(two[0]) | (u32::from(two[1]) << 16);
+                        }
+                    } else {
+                        for (d, &x) in dst[..2 * full].iter_mut().zip(src) {
+                            *d = u32::from(x) << 16;
+                        }
                     }
                 }
                 done = full;
@@ -965,8 +1051,8 @@ wide_twin! {
                     let k0 = pc + 2 * p;
                     let r0 = &a.data[k0 * cs + row0..][..rows];
                     let r1 = &a.data[(k0 + 1) * cs + row0..][..rows];
-                    for (i, (&x0, &x1)) in r0.iter().zip(r1).enumerate() {
-                        panel[i * pairs + p] = pair(x0, x1);
+                    for (row, (&x0, &x1)) in panel.chunks_exact_mut(row_words).zip(r0.iter().zip(r1)) {
+                        put(row, p, x0, x1);
                     }
                 }
                 done = full;
@@ -980,8 +1066,8 @@ wide_twin! {
             };
             for p in done..pairs {
                 let k0 = pc + 2 * p;
-                for i in 0..rows {
-                    panel[i * pairs + p] = pair(at(i, k0), at(i, k0 + 1));
+                for (i, row) in panel.chunks_exact_mut(row_words).enumerate() {
+                    put(row, p, at(i, k0), at(i, k0 + 1));
                 }
             }
         }
@@ -990,20 +1076,27 @@ wide_twin! {
 
 /// A's block of columns `pc..pc + kc` as the micro-kernel's A rows in place, `(first
 /// word, words between rows)`, when A is row-major there with every row starting on a
-/// pair (4-byte aligned) and `kc` is whole steps of pairs (no padding); else `None`, and
-/// the block is packed.
+/// pair (4-byte aligned), `kc` is whole steps of pairs (no padding) and the kernel reads
+/// each pair as one word (`a_width` 1); else `None`, and the block is packed.
 fn direct_a(a: &MatRef<'_>, pc: usize, kc: usize, kernel: Kernel) -> Option<(*const u32, usize)> {
     let whole = kc.is_multiple_of(2) && (kc / 2).is_multiple_of(kernel.step);
+    let pairs_in_one_word = kernel.a_width == 1;
     let aligned = (a.data.as_ptr() as usize).is_multiple_of(4)
         && a.row_stride.is_multiple_of(2)
         && pc.is_multiple_of(2);
-    (a.col_stride == 1 && whole && aligned && a.rows > 0)
+    (a.col_stride == 1 && whole && aligned && pairs_in_one_word && a.rows > 0)
         .then(|| (a.data[pc..].as_ptr().cast::<u32>(), a.row_stride / 2))
 }
 
 #[inline]
 fn widen(bits: u32) -> f32 {
     f32::from_bits(bits << 16)
+}
+
+/// The f32 bits of `x` (exact: bf16 is f32's upper half).
+#[inline(always)]
+fn widen_bits(x: bf16) -> u32 {
+    u32::from(x.to_bits()) << 16
 }
 
 /// The portable micro-kernel: each element adds `a[k]·b[k]` then `a[k+1]·b[k+1]`, each
@@ -1177,23 +1270,86 @@ vector_kernel!(
     model_ops
 );
 
-/// A software model of the AVX-512 F operations the vector kernel uses on the
-/// `avx512-fma` path, lane by lane: `dot` widens each word of two bf16 (a shift or a mask)
-/// and takes the even products, then the odd ones, each by a `VFMADD231PS` (one rounding
-/// of the exact `a · b + c`, subnormals kept).
+/// The `avx512-fma` micro-kernel's body over `MR × 2` vectors of 16 lanes, written once for
+/// the hardware (`$ops` = the AVX-512 F intrinsics) and for the software model of the same
+/// instructions. Its A panel is widened to f32 ahead ([`Kernel::wide_a`]), so each row's
+/// operand is one broadcast from memory with no arithmetic; for each pair of `k` it widens
+/// the pair's B words into the even (`k`) and odd (`k + 1`) operands once for the `MR`
+/// rows (a shift and a mask), and each sum takes the even product, then the odd one, by a
+/// fused multiply-add: the order of the portable kernel.
+///
+/// Widening the rows of A in the loop instead (the vector kernel with two fused
+/// multiply-adds as its `dot`) costs two more vector operations per row and pair, which on
+/// CPUs that issue 512-bit operations on two ports compete with the multiply-adds.
+macro_rules! fma_kernel {
+    ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
+        $(#[$attr])*
+        unsafe fn $name(
+            pairs: usize,
+            a: *const u32,
+            lda: usize,
+            b: *const u32,
+            c: *mut f32,
+            ldc: usize,
+            zero: bool,
+        ) {
+            use $ops as ops;
+            use $crate::gemm_bf16::{MR, NR};
+            // SAFETY (whole body): the caller guarantees `MR` rows of `2 * pairs` words at
+            // `a + i * lda`, `pairs * NR` words at `b`, and that `MR` rows of `NR` floats
+            // at `c + i * ldc` are readable and writable; every offset below is inside.
+            unsafe {
+                let mut acc = [[ops::zero(); 2]; MR];
+                if !zero {
+                    for (i, row) in acc.iter_mut().enumerate() {
+                        row[0] = ops::load(c.add(i * ldc));
+                        row[1] = ops::load(c.add(i * ldc + 16));
+                    }
+                }
+                for p in 0..pairs {
+                    let w0 = ops::load_pairs(b.add(p * NR));
+                    let w1 = ops::load_pairs(b.add(p * NR + 16));
+                    let (even0, odd0) = (ops::even(w0), ops::odd(w0));
+                    let (even1, odd1) = (ops::even(w1), ops::odd(w1));
+                    for (i, row) in acc.iter_mut().enumerate() {
+                        let x0 = ops::broadcast_f32(a.add(i * lda + 2 * p));
+                        row[0] = ops::fma(x0, even0, row[0]);
+                        row[1] = ops::fma(x0, even1, row[1]);
+                    }
+                    for (i, row) in acc.iter_mut().enumerate() {
+                        let x1 = ops::broadcast_f32(a.add(i * lda + 2 * p + 1));
+                        row[0] = ops::fma(x1, odd0, row[0]);
+                        row[1] = ops::fma(x1, odd1, row[1]);
+                    }
+                }
+                for (i, row) in acc.iter().enumerate() {
+                    ops::store(c.add(i * ldc), row[0]);
+                    ops::store(c.add(i * ldc + 16), row[1]);
+                }
+            }
+        }
+    };
+}
+
+/// A software model of the AVX-512 F operations of the `avx512-fma` kernel, lane by lane:
+/// the broadcast of a widened A element, the widening of B's words (a shift or a mask), and
+/// `VFMADD231PS` (one rounding of the exact `a · b + c`, subnormals kept).
 #[allow(dead_code)]
 mod model_fma_ops {
-    use super::model_lanes::{even, fma, odd};
-    pub use super::model_ops::{broadcast, load, load_pairs, store, zero, F32x16, Pairs};
+    pub use super::model_lanes::{even, fma, load, load_words as load_pairs, odd, store};
 
-    pub fn dot(acc: F32x16, a: Pairs, b: Pairs) -> F32x16 {
-        fma(odd(a), odd(b), fma(even(a), even(b), acc))
+    pub fn zero() -> [f32; 16] {
+        [0.0; 16]
+    }
+    pub unsafe fn broadcast_f32(p: *const u32) -> [f32; 16] {
+        // SAFETY: the caller guarantees a readable word.
+        [f32::from_bits(unsafe { *p }); 16]
     }
 }
 
-vector_kernel!(
-    /// The vector kernel of the `avx512-fma` path on the software model.
-    fn modelled_fma_vector_kernel,
+fma_kernel!(
+    /// The `avx512-fma` kernel on the software model.
+    fn modelled_fma_kernel,
     model_fma_ops
 );
 
@@ -1784,7 +1940,7 @@ mod avx2 {
 
 #[cfg(all(feature = "std", target_arch = "x86_64"))]
 mod avx512 {
-    use super::MicroKernel;
+    use super::{KernelTimes, MicroKernel, KC, MR, NR};
 
     pub const MISSING: &str = "the CPU has no AVX-512 BF16 (avx512f and avx512bf16)";
 
@@ -1807,9 +1963,59 @@ mod avx512 {
         fma_available().then_some(avx512_fma_kernel as MicroKernel)
     }
 
-    /// The AVX-512 F operations the vector kernel uses on the `avx512-fma` path, with
-    /// `dot` two fused multiply-adds of the widened operands, the even products first (the
-    /// order of the portable kernel).
+    /// The two kernels timed on one block, measured on the first call.
+    pub fn times() -> Option<KernelTimes> {
+        static TIMES: std::sync::OnceLock<Option<KernelTimes>> = std::sync::OnceLock::new();
+        *TIMES.get_or_init(|| available().then(time_kernels))
+    }
+
+    /// The best of seven timings of each kernel on an `MR × NR` block, `KC` deep, its
+    /// panels in L1 (the two kernels take turns, so that a change of clock or load falls
+    /// on both).
+    fn time_kernels() -> KernelTimes {
+        use std::time::Instant;
+        const PAIRS: usize = KC / 2;
+        const CALLS: u32 = 64;
+        // Every bf16 1.0 (0x3f80): normal values, no subnormal slow path.
+        let b = std::vec![0x3f80_3f80u32; PAIRS * NR];
+        let a_pairs = std::vec![0x3f80_3f80u32; MR * PAIRS];
+        let a_wide = std::vec![1.0f32.to_bits(); MR * 2 * PAIRS];
+        let mut c = [0.0f32; MR * NR];
+        let runs: [(MicroKernel, &[u32], usize); 2] = [
+            (avx512_kernel, &a_pairs, PAIRS),
+            (avx512_fma_kernel, &a_wide, 2 * PAIRS),
+        ];
+        let mut best = [f64::INFINITY; 2];
+        for _ in 0..7 {
+            for ((kernel, a, lda), best) in runs.iter().zip(&mut best) {
+                let start = Instant::now();
+                for _ in 0..CALLS {
+                    // SAFETY: the CPU has AVX-512 F and BF16 (`available`, checked by the
+                    // caller); `a` holds `MR` rows of `lda` words, `b` `PAIRS * NR`
+                    // words, `c` the `MR × NR` block with row stride `NR`.
+                    unsafe {
+                        kernel(
+                            PAIRS,
+                            a.as_ptr(),
+                            *lda,
+                            b.as_ptr(),
+                            c.as_mut_ptr(),
+                            NR,
+                            true,
+                        )
+                    };
+                    core::hint::black_box(&mut c);
+                }
+                *best = best.min(start.elapsed().as_secs_f64() * 1e9 / f64::from(CALLS));
+            }
+        }
+        KernelTimes {
+            avx512_bf16_ns: best[0],
+            avx512_fma_ns: best[1],
+        }
+    }
+
+    /// The AVX-512 F operations of the `avx512-fma` kernel (`fma_kernel!`).
     mod hw_fma_ops {
         use core::arch::x86_64::*;
 
@@ -1836,27 +2042,35 @@ mod avx512 {
             // SAFETY: the caller guarantees 16 readable words.
             unsafe { _mm512_loadu_si512(p.cast()) }
         }
+        /// Each word's even (low) bf16, widened: a shift.
         #[inline]
         #[target_feature(enable = "avx512f")]
-        pub unsafe fn broadcast(w: u32) -> __m512i {
-            _mm512_set1_epi32(w as i32)
+        pub unsafe fn even(w: __m512i) -> __m512 {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
+        }
+        /// Each word's odd (high) bf16, widened: a mask.
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn odd(w: __m512i) -> __m512 {
+            _mm512_castsi512_ps(_mm512_and_si512(
+                w,
+                _mm512_set1_epi32(0xffff_0000_u32 as i32),
+            ))
         }
         #[inline]
         #[target_feature(enable = "avx512f")]
-        pub unsafe fn dot(acc: __m512, a: __m512i, b: __m512i) -> __m512 {
-            let mask = _mm512_set1_epi32(0xffff_0000_u32 as i32);
-            let (a_even, b_even) = (_mm512_slli_epi32::<16>(a), _mm512_slli_epi32::<16>(b));
-            let (a_odd, b_odd) = (_mm512_and_si512(a, mask), _mm512_and_si512(b, mask));
-            let sum = _mm512_fmadd_ps(
-                _mm512_castsi512_ps(a_even),
-                _mm512_castsi512_ps(b_even),
-                acc,
-            );
-            _mm512_fmadd_ps(_mm512_castsi512_ps(a_odd), _mm512_castsi512_ps(b_odd), sum)
+        pub unsafe fn broadcast_f32(p: *const u32) -> __m512 {
+            // SAFETY: the caller guarantees a readable word.
+            _mm512_set1_ps(f32::from_bits(unsafe { *p }))
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn fma(a: __m512, b: __m512, acc: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, acc)
         }
     }
 
-    vector_kernel!(
+    fma_kernel!(
         /// The AVX-512 F micro-kernel of the `avx512-fma` path.
         #[target_feature(enable = "avx512f")]
         fn avx512_fma_kernel,
@@ -1883,7 +2097,7 @@ mod avx512 {
         #[target_feature(enable = "avx512f,avx512bf16")]
         pub unsafe fn broadcast(w: u32) -> __m512bh {
             // SAFETY: the same size and layout, as above.
-            unsafe { core::mem::transmute::<__m512i, __m512bh>(super::hw_fma_ops::broadcast(w)) }
+            unsafe { core::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(w as i32)) }
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx512bf16")]
@@ -2028,6 +2242,10 @@ mod avx512 {
         None
     }
 
+    pub fn times() -> Option<super::KernelTimes> {
+        None
+    }
+
     #[cfg(all(test, feature = "std"))]
     pub fn intrinsics_kernel() -> Option<MicroKernel> {
         None
@@ -2169,15 +2387,14 @@ mod tests {
         let mut kernels = vec![
             ("portable", PORTABLE),
             ("vector model", Kernel::vector(modelled_vector_kernel)),
-            (
-                "AVX-512 FMA model",
-                Kernel::vector(modelled_fma_vector_kernel),
-            ),
             ("AVX2 model", Kernel::avx2(modelled_avx2_kernel)),
             ("AMX model", Kernel::amx(modelled_amx_kernel, None)),
         ];
         for path in Bf16Path::runnable() {
-            kernels.push((path.name(), kernel_for(path).unwrap()));
+            let kernel = kernel_for(path).unwrap();
+            if kernel.a_width == 1 {
+                kernels.push((path.name(), kernel));
+            }
         }
         let (in_place, at) = placed(&a_data, true);
         let (packed, packed_at) = placed(&a_data, false);
@@ -2201,6 +2418,9 @@ mod tests {
                 assert_eq!(bits(&got), bits(&want), "{name}, accumulate {accumulate}");
             }
         }
+        // A kernel that reads A widened to f32 never reads it in place.
+        let wide = Kernel::wide_a(modelled_fma_kernel);
+        assert!(direct_a(&a, 0, KC, wide).is_none());
         // Neither an odd row stride nor an odd k block is read in place.
         let odd_rows = MatRef::strided(&in_place[at..], m, k - 1, k - 1, 1).unwrap();
         assert!(direct_a(&odd_rows, 0, KC, PORTABLE).is_none());

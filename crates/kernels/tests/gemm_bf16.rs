@@ -11,8 +11,8 @@
 use proptest::prelude::*;
 use ringtrain_kernels::bf16;
 use ringtrain_kernels::gemm_bf16::{
-    gemm_bf16, gemm_bf16_modelled, gemm_bf16_packed, Bf16Path, MatRef, PackedB, AMX_MR, AMX_PAIRS,
-    AVX2_MR, KC, MC, MR, NC, NR,
+    gemm_bf16, gemm_bf16_modelled, gemm_bf16_packed, Bf16Path, KernelTimes, MatRef, PackedB,
+    AMX_MR, AMX_PAIRS, AVX2_MR, KC, MC, MR, NC, NR,
 };
 
 /// A way to compute the product: a path on this CPU (B packed by the product, or ahead),
@@ -188,8 +188,9 @@ fn every_path_this_cpu_lacks_is_reported_with_the_reason() {
         "the portable path runs everywhere"
     );
     assert!(Bf16Path::detect().available());
-    // The fastest path the CPU has is the one chosen.
-    let fastest = [
+    // The first path the CPU has in this order is the one chosen, except that the two
+    // AVX-512 paths are chosen between by their timed kernels (and only then).
+    let first = [
         Bf16Path::Amx,
         Bf16Path::Avx512Bf16,
         Bf16Path::Avx512Fma,
@@ -198,7 +199,21 @@ fn every_path_this_cpu_lacks_is_reported_with_the_reason() {
     ]
     .into_iter()
     .find(|p| p.available());
-    assert_eq!(Some(Bf16Path::detect()), fastest);
+    let times = Bf16Path::avx512_times();
+    assert_eq!(times.is_some(), first == Some(Bf16Path::Avx512Bf16));
+    let chosen = match times {
+        Some(t) => {
+            println!(
+                "AVX-512 kernels timed here: avx512-bf16 {:.0} ns, avx512-fma {:.0} ns per block",
+                t.avx512_bf16_ns, t.avx512_fma_ns
+            );
+            assert!(t.avx512_bf16_ns > 0.0 && t.avx512_fma_ns > 0.0, "{t:?}");
+            t.choice()
+        }
+        None => first.unwrap(),
+    };
+    assert_eq!(Bf16Path::detect(), chosen);
+    assert_eq!(Bf16Path::detect(), chosen, "the choice is made once");
     assert_eq!(
         Bf16Path::runnable(),
         Bf16Path::ALL
@@ -207,6 +222,23 @@ fn every_path_this_cpu_lacks_is_reported_with_the_reason() {
             .collect::<Vec<_>>()
     );
     println!("bf16 GEMM path chosen here: {}", Bf16Path::detect().name());
+}
+
+/// The timed choice between the AVX-512 paths takes `avx512-fma` only where its kernel
+/// is faster by the margin, so that a CPU where the two are close keeps one path.
+#[test]
+fn the_fma_kernel_is_chosen_only_where_it_is_clearly_faster() {
+    let times = |bf16, fma| KernelTimes {
+        avx512_bf16_ns: bf16,
+        avx512_fma_ns: fma,
+    };
+    // Emerald Rapids: VDPBF16PS at half the multiply-adds' rate.
+    assert_eq!(times(1500.0, 800.0).choice(), Bf16Path::Avx512Fma);
+    assert_eq!(times(1000.0, 900.0).choice(), Bf16Path::Avx512Fma);
+    assert_eq!(times(1000.0, 950.0).choice(), Bf16Path::Avx512Bf16);
+    assert_eq!(times(1000.0, 1000.0).choice(), Bf16Path::Avx512Bf16);
+    // Zen 4 and 5: VDPBF16PS does twice the work at the multiply-adds' rate.
+    assert_eq!(times(700.0, 1400.0).choice(), Bf16Path::Avx512Bf16);
 }
 
 #[test]

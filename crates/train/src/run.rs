@@ -2,7 +2,7 @@
 //! report.
 
 use ringtrain_collective::Communicator;
-use ringtrain_kernels::gemm_bf16::Bf16Path;
+use ringtrain_kernels::gemm_bf16::{Bf16Path, KernelTimes};
 use ringtrain_model::GemmPrecision;
 
 use crate::config::ValidatedConfig;
@@ -51,7 +51,7 @@ pub fn run_rank(
         if run.device == crate::DeviceKind::Cpu && run.gemm_precision == GemmPrecision::Bf16 {
             log(&format!(
                 "ringtrain: {}",
-                bf16_path_note(Bf16Path::detect())
+                bf16_path_note(Bf16Path::detect(), Bf16Path::avx512_times())
             ));
         }
     }
@@ -151,18 +151,31 @@ pub fn plan_rank(cfg: &ValidatedConfig, rank: usize, local: &LocalRank) -> Resul
 }
 
 /// What `--gemm-precision bf16` on the CPU does here: the bf16 matrix-product path this
-/// CPU takes, and what to expect of it where the CPU has no bf16 instruction.
-pub(crate) fn bf16_path_note(path: Bf16Path) -> String {
-    let expect = match path {
-        Bf16Path::Amx | Bf16Path::Avx512Bf16 => "bf16 instructions",
-        Bf16Path::Avx2Fma | Bf16Path::Avx512Fma => {
-            "this CPU has no bf16 instruction: the operands are widened to f32 in registers, \
-             so the products run at about f32's speed"
-        }
-        Bf16Path::Portable => {
-            "this CPU has neither bf16 instructions nor AVX2 and FMA: the products are \
-             several times slower than in f32; --gemm-precision f32 is faster here"
-        }
+/// CPU takes (with the kernel times that chose it, where it was chosen by timing), and
+/// what to expect of it where the CPU has no bf16 instruction or a slow one.
+pub(crate) fn bf16_path_note(path: Bf16Path, times: Option<KernelTimes>) -> String {
+    let widened = "this CPU has no bf16 instruction: the operands are widened to f32, so the \
+                   products run at about f32's speed";
+    let expect = match (path, times) {
+        (Bf16Path::Avx512Bf16, Some(t)) => format!(
+            "bf16 instructions: their kernel took {:.2} µs per block here, f32 multiply-adds \
+             of the widened operands {:.2} µs",
+            t.avx512_bf16_ns / 1e3,
+            t.avx512_fma_ns / 1e3
+        ),
+        (Bf16Path::Avx512Fma, Some(t)) => format!(
+            "this CPU's bf16 instruction (VDPBF16PS) is slower than f32 multiply-adds: its \
+             kernel took {:.2} µs per block here against {:.2} µs, so the operands are \
+             widened to f32 and the products run at about f32's speed",
+            t.avx512_bf16_ns / 1e3,
+            t.avx512_fma_ns / 1e3
+        ),
+        (Bf16Path::Amx | Bf16Path::Avx512Bf16, _) => "bf16 instructions".to_string(),
+        (Bf16Path::Avx2Fma | Bf16Path::Avx512Fma, _) => widened.to_string(),
+        (Bf16Path::Portable, _) => "this CPU has neither bf16 instructions nor AVX2 and FMA: \
+             the products are several times slower than in f32; --gemm-precision f32 is \
+             faster here"
+            .to_string(),
     };
     format!(
         "matrix products in bf16 on the `{}` path ({expect})",
@@ -177,7 +190,7 @@ mod tests {
     #[test]
     fn the_bf16_note_names_the_path_and_what_a_path_without_bf16_instructions_costs() {
         for path in Bf16Path::ALL {
-            let note = bf16_path_note(path);
+            let note = bf16_path_note(path, None);
             assert!(note.contains(&format!("`{}`", path.name())), "{note}");
             let slower = note.contains("no bf16 instruction") || note.contains("neither");
             assert_eq!(
@@ -189,6 +202,24 @@ mod tests {
                 "{note}"
             );
         }
-        assert!(bf16_path_note(Bf16Path::Portable).contains("--gemm-precision f32"));
+        assert!(bf16_path_note(Bf16Path::Portable, None).contains("--gemm-precision f32"));
+    }
+
+    #[test]
+    fn a_path_chosen_by_timing_is_noted_with_both_kernels_times() {
+        let times = KernelTimes {
+            avx512_bf16_ns: 1673.0,
+            avx512_fma_ns: 970.0,
+        };
+        let fma = bf16_path_note(times.choice(), Some(times));
+        assert!(fma.contains("`avx512-fma`"), "{fma}");
+        assert!(fma.contains("VDPBF16PS) is slower"), "{fma}");
+        assert!(fma.contains("1.67 µs") && fma.contains("0.97 µs"), "{fma}");
+        let bf16 = bf16_path_note(Bf16Path::Avx512Bf16, Some(times));
+        assert!(bf16.contains("`avx512-bf16`") && bf16.contains("bf16 instructions"));
+        assert!(
+            bf16.contains("1.67 µs") && !bf16.contains("slower"),
+            "{bf16}"
+        );
     }
 }
