@@ -361,9 +361,10 @@ impl Bf16Path {
 
 /// A micro-kernel: `pairs` k-pairs (a multiple of its [`Kernel::step`]) of an A panel
 /// (`rows` rows of `pairs` pairs, each one word or, for a kernel with `a_width` 2, two
-/// widened ones; row `i` at `a + i * lda`: a packed panel, or a row-major A read in place) and a packed B panel (`pairs * NR` words), accumulated into the
-/// `rows × NR` block of C at `c` with row stride `ldc` floats; with `zero` the block's
-/// old values are not read and the sums start at +0.0 (the same bits as a block of zeros).
+/// widened ones; row `i` at `a + i * lda`: a packed panel, or a row-major A read in place)
+/// and a packed B panel (`pairs * NR` words), accumulated into the `rows × NR` block of C
+/// at `c` with row stride `ldc` floats; with `zero` the block's old values are not read
+/// and the sums start at +0.0 (the same bits as a block of zeros).
 type MicroKernel = unsafe fn(
     pairs: usize,
     a: *const u32,
@@ -1276,11 +1277,14 @@ vector_kernel!(
 /// operand is one broadcast from memory with no arithmetic; for each pair of `k` it widens
 /// the pair's B words into the even (`k`) and odd (`k + 1`) operands once for the `MR`
 /// rows (a shift and a mask), and each sum takes the even product, then the odd one, by a
-/// fused multiply-add: the order of the portable kernel.
+/// fused multiply-add: the order of the portable kernel. The even products of all `MR`
+/// rows come before the odd ones, so the two multiply-adds of a pair into one accumulator
+/// are `2 * MR` instructions apart.
 ///
 /// Widening the rows of A in the loop instead (the vector kernel with two fused
 /// multiply-adds as its `dot`) costs two more vector operations per row and pair, which on
-/// CPUs that issue 512-bit operations on two ports compete with the multiply-adds.
+/// CPUs that issue 512-bit operations on two ports compete with the multiply-adds; README's
+/// bf16 section has the measurements.
 macro_rules! fma_kernel {
     ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
         $(#[$attr])*
