@@ -10,7 +10,7 @@
 //! the ratio bf16 / f32; last, the backend's path against `torch.mm` in bf16 at the same
 //! shapes and layouts (`benches/torch_mm_cpu.py`; run scripts/bench-setup first if torch
 //! is missing, else that table says why it was not measured), and the ratio ours / torch;
-//! and, for the `avx512-bf16` and `avx2-fma` paths, the same figures against the
+//! and, for the `avx512-bf16`, `avx512-fma` and `avx2-fma` paths, the same figures against the
 //! instruction's own peak (a loop of independent `VDPBF16PS` or `VFMADD231PS` on registers)
 //! with the ratio ours / peak.
 
@@ -201,7 +201,14 @@ impl Table {
 }
 
 /// Median seconds per call over repeated runs filling about `budget`.
-fn time_it(budget: Duration, mut f: impl FnMut()) -> f64 {
+fn time_it(budget: Duration, f: impl FnMut()) -> f64 {
+    let samples = sorted_times(budget, f);
+    samples[samples.len() / 2]
+}
+
+/// Seconds of each call of `f` (after one warm-up call), at least 5 calls and until
+/// `budget` has passed, from the fastest.
+fn sorted_times(budget: Duration, mut f: impl FnMut()) -> Vec<f64> {
     f();
     let mut samples = Vec::new();
     let start = Instant::now();
@@ -211,7 +218,7 @@ fn time_it(budget: Duration, mut f: impl FnMut()) -> f64 {
         samples.push(t.elapsed().as_secs_f64());
     }
     samples.sort_by(|x, y| x.total_cmp(y));
-    samples[samples.len() / 2]
+    samples
 }
 
 fn main() {
@@ -352,7 +359,8 @@ fn bf16_table(shapes: &[Shape], budget: Duration, pool2: &rayon::ThreadPool) {
 }
 
 /// The backend's path (its figures in `ours`) against the peak of the instruction it is
-/// built on, where that peak is measured: `VDPBF16PS` for `avx512-bf16`.
+/// built on, where that peak is measured: `VDPBF16PS` for `avx512-bf16`, `VFMADD231PS` on
+/// 512 or 256 bits for `avx512-fma` and `avx2-fma`.
 fn peak_table(
     path: ringtrain_kernels::gemm_bf16::Bf16Path,
     shapes: &[Shape],
@@ -365,7 +373,8 @@ fn peak_table(
     println!();
     let peak = match path {
         Bf16Path::Avx512Bf16 => dpbf16_peak(budget, pool2),
-        Bf16Path::Avx2Fma => fma_peak(budget, pool2),
+        Bf16Path::Avx2Fma => fma_peak(FmaWidth::Avx2, budget, pool2),
+        Bf16Path::Avx512Fma => fma_peak(FmaWidth::Avx512, budget, pool2),
         _ => None,
     };
     let Some(Peak {
@@ -375,7 +384,7 @@ fn peak_table(
     }) = peak
     else {
         println!(
-            "gemm_cpu bf16 against the instruction's peak: measured for paths `avx512-bf16` and `avx2-fma` only (this CPU takes `{}`)",
+            "gemm_cpu bf16 against the instruction's peak: measured for paths `avx512-bf16`, `avx512-fma` and `avx2-fma` only (this CPU takes `{}`)",
             path.name()
         );
         return;
@@ -404,7 +413,8 @@ struct Peak {
 }
 
 /// GFLOP/s of `run`, which does `flops` each call: on one thread, and on both of `pool2`'s
-/// threads at once.
+/// threads at once; from the fastest call, since a peak is what the instruction reaches
+/// when nothing else takes the core (a shared machine's other work only lowers it).
 #[cfg(target_arch = "x86_64")]
 fn one_and_two_threads(
     budget: Duration,
@@ -412,55 +422,92 @@ fn one_and_two_threads(
     flops: f64,
     run: impl Fn() + Sync,
 ) -> [f64; 2] {
-    let one = time_it(budget, &run);
-    let two = time_it(budget, || {
+    let one = sorted_times(budget, &run)[0];
+    let two = sorted_times(budget, || {
         pool2.broadcast(|_| run());
-    });
+    })[0];
     [flops / one / 1e9, 2.0 * flops / two / 1e9]
 }
 
-/// GFLOP/s of `VFMADD231PS` on 256-bit vectors at its peak on 1 and on 2 threads: a loop of
-/// 12 independent instructions on registers (no memory traffic; 12 of the 16 vector
-/// registers, more than the instruction's latency times its throughput), the ceiling of the
-/// `avx2-fma` path; `None` where the CPU lacks AVX2 or FMA.
-fn fma_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<Peak> {
+/// The vector width of an FMA path's peak.
+#[derive(Clone, Copy)]
+enum FmaWidth {
+    /// 256 bits (AVX2 and FMA), the `avx2-fma` path.
+    Avx2,
+    /// 512 bits (AVX-512 F), the `avx512-fma` path.
+    Avx512,
+}
+
+/// GFLOP/s of `VFMADD231PS` on 256- or 512-bit vectors at its peak on 1 and on 2 threads: a
+/// loop of 12 independent instructions on registers (no memory traffic; more than the
+/// instruction's latency times its throughput), the ceiling of the `avx2-fma` or
+/// `avx512-fma` path; `None` where the CPU lacks the instructions.
+fn fma_peak(width: FmaWidth, budget: Duration, pool2: &rayon::ThreadPool) -> Option<Peak> {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm256_add_ps, _mm256_fmadd_ps, _mm256_set1_ps};
-        use std::arch::x86_64::{_mm256_setzero_ps, _mm256_storeu_ps};
+        use std::arch::x86_64::*;
 
         const INDEPENDENT: usize = 12;
 
-        /// `rounds` rounds of `INDEPENDENT` `VFMADD231PS`; a sum of the accumulators.
-        ///
-        /// # Safety
-        /// The CPU has AVX2 and FMA.
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn fma_loop(rounds: usize) -> f32 {
-            let (a, b) = (_mm256_set1_ps(1.0), _mm256_set1_ps(0.5));
-            let mut acc = [_mm256_setzero_ps(); INDEPENDENT];
-            for _ in 0..rounds {
-                for x in acc.iter_mut() {
-                    *x = _mm256_fmadd_ps(a, b, *x);
+        /// `fn $name(rounds)`: `rounds` rounds of `INDEPENDENT` `VFMADD231PS` on `$lanes`
+        /// floats, compiled for `$features`; a sum of the accumulators.
+        macro_rules! fma_loop {
+            ($name:ident, $features:literal, $vector:ty, $lanes:literal, $set1:ident, $zero:ident, $fmadd:ident, $add:ident) => {
+                /// # Safety
+                /// The CPU has the features the loop is compiled for.
+                #[target_feature(enable = $features)]
+                unsafe fn $name(rounds: usize) -> f32 {
+                    let (a, b) = ($set1(1.0), $set1(0.5));
+                    let mut acc = [$zero(); INDEPENDENT];
+                    for _ in 0..rounds {
+                        for x in acc.iter_mut() {
+                            *x = $fmadd(a, b, *x);
+                        }
+                    }
+                    let sum = acc.iter().fold($zero(), |s, &x| $add(s, x));
+                    // SAFETY: a vector of `$lanes` floats has the size and layout of the array.
+                    unsafe { std::mem::transmute::<$vector, [f32; $lanes]>(sum) }
+                        .iter()
+                        .sum()
                 }
-            }
-            let sum = acc
-                .iter()
-                .fold(_mm256_setzero_ps(), |s, &x| _mm256_add_ps(s, x));
-            let mut lanes = [0.0f32; 8];
-            // SAFETY: `lanes` holds the 8 floats stored.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
-            lanes.iter().sum()
+            };
         }
+        fma_loop!(
+            fma256,
+            "avx2,fma",
+            __m256,
+            8,
+            _mm256_set1_ps,
+            _mm256_setzero_ps,
+            _mm256_fmadd_ps,
+            _mm256_add_ps
+        );
+        fma_loop!(
+            fma512,
+            "avx512f",
+            __m512,
+            16,
+            _mm512_set1_ps,
+            _mm512_setzero_ps,
+            _mm512_fmadd_ps,
+            _mm512_add_ps
+        );
 
-        if !(std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma"))
-        {
+        let (lanes, has, fma_loop): (usize, bool, unsafe fn(usize) -> f32) = match width {
+            FmaWidth::Avx2 => (
+                8,
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma"),
+                fma256,
+            ),
+            FmaWidth::Avx512 => (16, std::arch::is_x86_feature_detected!("avx512f"), fma512),
+        };
+        if !has {
             return None;
         }
         const ROUNDS: usize = 1 << 16;
-        // Instructions of 8 lanes, each a multiply and an add.
-        let flops = (ROUNDS * INDEPENDENT * 8 * 2) as f64;
+        // Instructions of `lanes` lanes, each a multiply and an add.
+        let flops = (ROUNDS * INDEPENDENT * lanes * 2) as f64;
         // SAFETY: the CPU has the features `fma_loop` is compiled for (checked above).
         let run = || {
             black_box(unsafe { fma_loop(black_box(ROUNDS)) });
@@ -473,7 +520,7 @@ fn fma_peak(budget: Duration, pool2: &rayon::ThreadPool) -> Option<Peak> {
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (budget, pool2);
+        let _ = (width, budget, pool2);
         None
     }
 }
