@@ -83,7 +83,8 @@
 //!
 //! - `alloc`: [`lstm_cell_reference`], and [`gemm_bf16`]: matrix products of bf16
 //!   operands with f32 accumulation (AMX-BF16 tiles on Intel Sapphire Rapids and later
-//!   Xeons under Linux, else AVX-512 BF16 where the CPU has it, detected at run time with
+//!   Xeons under Linux, else AVX-512 BF16 or f32 multiply-adds of the widened operands on
+//!   AVX-512 or AVX2, whichever the CPU has and runs faster, detected at run time with
 //!   `std`; a portable path everywhere).
 //! - `std` (default): `alloc`, plus `std::error::Error` through `thiserror`, and the CPU
 //!   feature detection of the bf16 product (on Linux, `libc` asks for the AMX tile state).
