@@ -1157,46 +1157,60 @@ unsafe fn portable_kernel(
 /// hardware (`$ops` = the intrinsics; the `avx512-bf16` kernel writes the same loop out
 /// in assembly, see `avx512::avx512_kernel`) and for the software model of the same
 /// instructions that tests the packing and indexing on CPUs without them.
-macro_rules! vector_kernel {
-    ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
+/// An `MR × NR` micro-kernel that keeps its block of C in `MR × 2` vectors of 16 lanes: it
+/// starts them from C (or from zero), runs `$pair` for each pair of `k` on them (`$acc`)
+/// and stores them back; the frame of `vector_kernel!` and `fma_kernel!`, for the hardware
+/// (`$ops` = intrinsics) and the software models alike.
+macro_rules! block_kernel {
+    (
+        $(#[$attr:meta])* fn $name:ident, $ops:path,
+        |$acc:ident, $a:ident, $lda:ident, $b:ident, $p:ident| $pair:block
+    ) => {
         $(#[$attr])*
         unsafe fn $name(
             pairs: usize,
-            a: *const u32,
-            lda: usize,
-            b: *const u32,
+            $a: *const u32,
+            $lda: usize,
+            $b: *const u32,
             c: *mut f32,
             ldc: usize,
             zero: bool,
         ) {
             use $ops as ops;
             use $crate::gemm_bf16::{MR, NR};
-            // SAFETY (whole body): the caller guarantees `MR` rows of `pairs` words at
-            // `a + i * lda`, `pairs * NR` words at `b`, and that `MR` rows of `NR` floats
-            // at `c + i * ldc` are readable and writable; every offset below is inside.
+            // SAFETY (whole body): the caller guarantees `MR` rows of `pairs` pairs at
+            // `a + i * lda` and `pairs * NR` words at `b`, as the kernel's packs lay them
+            // out (`MicroKernel`), and that `MR` rows of `NR` floats at `c + i * ldc` are
+            // readable and writable; every offset below is inside.
             unsafe {
-                let mut acc = [[ops::zero(); 2]; MR];
+                let mut $acc = [[ops::zero(); 2]; MR];
                 if !zero {
-                    for (i, row) in acc.iter_mut().enumerate() {
+                    for (i, row) in $acc.iter_mut().enumerate() {
                         row[0] = ops::load(c.add(i * ldc));
                         row[1] = ops::load(c.add(i * ldc + 16));
                     }
                 }
-                for p in 0..pairs {
-                    let b0 = ops::load_pairs(b.add(p * NR));
-                    let b1 = ops::load_pairs(b.add(p * NR + 16));
-                    for (i, row) in acc.iter_mut().enumerate() {
-                        let w = ops::broadcast(*a.add(i * lda + p));
-                        row[0] = ops::dot(row[0], w, b0);
-                        row[1] = ops::dot(row[1], w, b1);
-                    }
-                }
-                for (i, row) in acc.iter().enumerate() {
+                for $p in 0..pairs $pair
+                for (i, row) in $acc.iter().enumerate() {
                     ops::store(c.add(i * ldc), row[0]);
                     ops::store(c.add(i * ldc + 16), row[1]);
                 }
             }
         }
+    };
+}
+
+macro_rules! vector_kernel {
+    ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
+        block_kernel!($(#[$attr])* fn $name, $ops, |acc, a, lda, b, p| {
+            let b0 = ops::load_pairs(b.add(p * NR));
+            let b1 = ops::load_pairs(b.add(p * NR + 16));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let w = ops::broadcast(*a.add(i * lda + p));
+                row[0] = ops::dot(row[0], w, b0);
+                row[1] = ops::dot(row[1], w, b1);
+            }
+        });
     };
 }
 
@@ -1287,51 +1301,22 @@ vector_kernel!(
 /// bf16 section has the measurements.
 macro_rules! fma_kernel {
     ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
-        $(#[$attr])*
-        unsafe fn $name(
-            pairs: usize,
-            a: *const u32,
-            lda: usize,
-            b: *const u32,
-            c: *mut f32,
-            ldc: usize,
-            zero: bool,
-        ) {
-            use $ops as ops;
-            use $crate::gemm_bf16::{MR, NR};
-            // SAFETY (whole body): the caller guarantees `MR` rows of `2 * pairs` words at
-            // `a + i * lda`, `pairs * NR` words at `b`, and that `MR` rows of `NR` floats
-            // at `c + i * ldc` are readable and writable; every offset below is inside.
-            unsafe {
-                let mut acc = [[ops::zero(); 2]; MR];
-                if !zero {
-                    for (i, row) in acc.iter_mut().enumerate() {
-                        row[0] = ops::load(c.add(i * ldc));
-                        row[1] = ops::load(c.add(i * ldc + 16));
-                    }
-                }
-                for p in 0..pairs {
-                    let w0 = ops::load_pairs(b.add(p * NR));
-                    let w1 = ops::load_pairs(b.add(p * NR + 16));
-                    let (even0, odd0) = (ops::even(w0), ops::odd(w0));
-                    let (even1, odd1) = (ops::even(w1), ops::odd(w1));
-                    for (i, row) in acc.iter_mut().enumerate() {
-                        let x0 = ops::broadcast_f32(a.add(i * lda + 2 * p));
-                        row[0] = ops::fma(x0, even0, row[0]);
-                        row[1] = ops::fma(x0, even1, row[1]);
-                    }
-                    for (i, row) in acc.iter_mut().enumerate() {
-                        let x1 = ops::broadcast_f32(a.add(i * lda + 2 * p + 1));
-                        row[0] = ops::fma(x1, odd0, row[0]);
-                        row[1] = ops::fma(x1, odd1, row[1]);
-                    }
-                }
-                for (i, row) in acc.iter().enumerate() {
-                    ops::store(c.add(i * ldc), row[0]);
-                    ops::store(c.add(i * ldc + 16), row[1]);
-                }
+        block_kernel!($(#[$attr])* fn $name, $ops, |acc, a, lda, b, p| {
+            let w0 = ops::load_pairs(b.add(p * NR));
+            let w1 = ops::load_pairs(b.add(p * NR + 16));
+            let (even0, odd0) = (ops::even(w0), ops::odd(w0));
+            let (even1, odd1) = (ops::even(w1), ops::odd(w1));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let x0 = ops::broadcast_f32(a.add(i * lda + 2 * p));
+                row[0] = ops::fma(x0, even0, row[0]);
+                row[1] = ops::fma(x0, even1, row[1]);
             }
-        }
+            for (i, row) in acc.iter_mut().enumerate() {
+                let x1 = ops::broadcast_f32(a.add(i * lda + 2 * p + 1));
+                row[0] = ops::fma(x1, odd0, row[0]);
+                row[1] = ops::fma(x1, odd1, row[1]);
+            }
+        });
     };
 }
 
