@@ -1153,10 +1153,6 @@ unsafe fn portable_kernel(
     }
 }
 
-/// The micro-kernel's body over `MR × 2` vectors of 16 lanes, written once for the
-/// hardware (`$ops` = the intrinsics; the `avx512-bf16` kernel writes the same loop out
-/// in assembly, see `avx512::avx512_kernel`) and for the software model of the same
-/// instructions that tests the packing and indexing on CPUs without them.
 /// An `MR × NR` micro-kernel that keeps its block of C in `MR × 2` vectors of 16 lanes: it
 /// starts them from C (or from zero), runs `$pair` for each pair of `k` on them (`$acc`)
 /// and stores them back; the frame of `vector_kernel!` and `fma_kernel!`, for the hardware
@@ -1200,6 +1196,10 @@ macro_rules! block_kernel {
     };
 }
 
+/// The vector micro-kernel (one `dot` of a pair per accumulator and pair of `k`), written
+/// once for the hardware (`$ops` = the intrinsics; the `avx512-bf16` kernel writes the same
+/// loop out in assembly, see `avx512::avx512_kernel`) and for the software model of the
+/// same instructions that tests the packing and indexing on CPUs without them.
 macro_rules! vector_kernel {
     ($(#[$attr:meta])* fn $name:ident, $ops:path) => {
         block_kernel!($(#[$attr])* fn $name, $ops, |acc, a, lda, b, p| {
