@@ -213,7 +213,6 @@ fn every_path_this_cpu_lacks_is_reported_with_the_reason() {
         None => first.unwrap(),
     };
     assert_eq!(Bf16Path::detect(), chosen);
-    assert_eq!(Bf16Path::detect(), chosen, "the choice is made once");
     assert_eq!(
         Bf16Path::runnable(),
         Bf16Path::ALL
