@@ -383,9 +383,34 @@ impl Communicator {
     /// can) with `bytes` for all of them; `None` restores the measured defaults. For
     /// tuning on another machine: `benches/collective.rs` measures both ways. Set the same
     /// value on every rank, as with [`Communicator::set_auto_threshold_bytes`]: the fusion
-    /// engine's armed groups choose how to vote by it.
+    /// engine's armed groups choose how to vote by it (its start checks that the ranks
+    /// agree, [`Communicator::shared_settings`]).
     pub fn set_min_in_place_piece_bytes(&mut self, bytes: Option<usize>) {
         self.min_in_place_piece_bytes = bytes;
+    }
+
+    /// The settings of this communicator that decide how a reduction is carved into
+    /// messages, which every rank must share: the ring's segment size, the fixed rule
+    /// that replaces [`crate::Algorithm::Auto`]'s choice, and the smallest piece reduced
+    /// where it lies, as `(name, value)` pairs for [`Communicator::check_same_values`]
+    /// (which [`crate::FusionEngine::start`] calls with them).
+    pub fn shared_settings(&self) -> Vec<(String, String)> {
+        let optional =
+            |v: Option<usize>| v.map_or_else(|| "measured".to_string(), |b| b.to_string());
+        vec![
+            (
+                "segment_bytes".to_string(),
+                self.segment_bytes().to_string(),
+            ),
+            (
+                "auto_threshold_bytes".to_string(),
+                optional(self.auto_threshold_bytes),
+            ),
+            (
+                "min_in_place_piece_bytes".to_string(),
+                optional(self.min_in_place_piece_bytes),
+            ),
+        ]
     }
 
     /// The algorithm [`Algorithm::Auto`] resolves to for a message of `bytes` bytes:

@@ -41,6 +41,15 @@ pub enum Error {
         /// Each rank's dtype and length.
         detail: String,
     },
+    /// Ranks hold different values of settings they must share
+    /// ([`crate::Communicator::check_same_values`]).
+    #[error("ranks were started with different {what}: {differences}; start every rank with the same {what}")]
+    SettingsDiffer {
+        /// What the values are (`flags`, `fusion engine settings`).
+        what: String,
+        /// Each name whose value differs, with which ranks hold which value.
+        differences: String,
+    },
     /// A tensor was submitted on some ranks but not on the others within the stall timeout.
     #[error("tensor `{name}` was submitted on ranks {submitted:?} but not on ranks {missing:?} within {waited:?}: every rank must submit every tensor")]
     Stalled {

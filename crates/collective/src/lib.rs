@@ -106,6 +106,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod agreement;
 pub mod algorithm_choice;
 mod communicator;
 mod dtype;

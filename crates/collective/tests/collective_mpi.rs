@@ -491,6 +491,26 @@ fn mpi_worker_mismatch() {
     }
     let comm = Communicator::mpi().expect("MPI init");
     let (r, n) = (comm.rank(), comm.size());
+    // An engine whose fusion threshold differs on the last rank does not start, on any
+    // rank, and says which setting differs where.
+    let threshold = if r == n - 1 { 4096 } else { 8192 };
+    let config = FusionConfig {
+        threshold_bytes: threshold,
+        ..FusionConfig::default()
+    };
+    let dup = comm.duplicate().expect("duplicate");
+    let Err(err) = FusionEngine::start(dup, config) else {
+        panic!("different thresholds must not start");
+    };
+    let want = format!(
+        "threshold_bytes: {} = 8192, rank {} = 4096",
+        ranks_before(n - 1),
+        n - 1
+    );
+    assert!(
+        matches!(err, Error::SettingsDiffer { .. }) && err.to_string().contains(&want),
+        "{err}"
+    );
     let engine = FusionEngine::start(comm, FusionConfig::default()).expect("engine");
     let len = if r == n - 1 { 11 } else { 10 };
     let bad = engine
@@ -538,6 +558,14 @@ fn mpi_worker_mismatch() {
     }
     engine.shutdown().expect("shutdown");
     println!("MISMATCH-OK rank {r}: {msg}");
+}
+
+/// `rank 0` or `ranks 0-K` for the ranks before `last`, as the errors name them.
+fn ranks_before(last: usize) -> String {
+    match last {
+        1 => "rank 0".to_string(),
+        _ => format!("ranks 0-{}", last - 1),
+    }
 }
 
 /// Ranks of one host told by [`NODE_ENV`] that they are on nodes of

@@ -102,9 +102,6 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// Ranks hold different values of something they must share (flags, sizes).
-    #[error("ranks disagree: {0}")]
-    RankMismatch(String),
     /// Other ranks failed a step this rank passed; their own errors say why.
     #[error("{ranks} rank(s) failed {what}; see their error messages")]
     OtherRanksFailed {

@@ -117,6 +117,29 @@ pub struct FusionConfig {
     pub events: Option<EventSink>,
 }
 
+impl FusionConfig {
+    /// The settings that every rank's engine must share, as `(name, value)` pairs for
+    /// [`Communicator::check_same_values`]: each rank fuses and reduces on its own, so a
+    /// different threshold or algorithm on one rank sends messages the others do not
+    /// expect, and a different operation, scale or wire type gives it different sums.
+    /// (The stall timeouts are rank 0's alone, and the cycle time and timeline each
+    /// rank's own.)
+    pub fn shared_settings(&self) -> Vec<(String, String)> {
+        let o = &self.options;
+        [
+            ("threshold_bytes", self.threshold_bytes.to_string()),
+            ("op", o.op.to_string()),
+            ("algorithm", o.algorithm.to_string()),
+            ("prescale", o.prescale.to_string()),
+            ("postscale", o.postscale.to_string()),
+            ("compression", format!("{:?}", o.compression).to_lowercase()),
+        ]
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), value))
+        .collect()
+    }
+}
+
 impl Default for FusionConfig {
     fn default() -> Self {
         FusionConfig {
@@ -550,8 +573,18 @@ impl std::fmt::Debug for FusionEngine {
 
 impl FusionEngine {
     /// Moves `comm` into a new background thread. The communicator comes back from
-    /// [`FusionEngine::shutdown`].
-    pub fn start(comm: Communicator, config: FusionConfig) -> Result<FusionEngine> {
+    /// [`FusionEngine::shutdown`]. Collective: every rank calls it, and first compares
+    /// [`FusionConfig::shared_settings`] and [`Communicator::shared_settings`] with every
+    /// other rank's.
+    ///
+    /// # Errors
+    /// [`Error::SettingsDiffer`] on every rank when the ranks' settings differ;
+    /// [`Error::InvalidValue`] for a threshold of 0 or a scale that is not finite;
+    /// [`Error::Timeline`] when the timeline file cannot be made; a transport error.
+    pub fn start(mut comm: Communicator, config: FusionConfig) -> Result<FusionEngine> {
+        let mut shared = config.shared_settings();
+        shared.extend(comm.shared_settings());
+        comm.check_same_values("fusion engine settings", &shared)?;
         config.options.validate()?;
         if let Some(path) = &config.timeline {
             let file = crate::timeline::timeline_path_for_rank(path, comm.rank());

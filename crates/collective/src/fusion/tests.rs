@@ -784,3 +784,55 @@ fn without_shared_memory_an_armed_group_votes_without_it() {
         assert_eq!(out.expect("rank"), Some(Votes::First), "rank {r}");
     }
 }
+
+/// Engines started with different settings fail on every rank at once, naming each
+/// setting that differs and each rank's value, before any tensor is reduced; without the
+/// check the ranks fuse different buffers (a length error at best) or quietly compute
+/// different sums.
+#[test]
+fn engines_started_with_different_settings_fail_on_every_rank() {
+    use crate::{Algorithm, ReduceOp};
+    let outs = Communicator::run_local(3, |mut comm| {
+        let r = comm.rank();
+        let mut config = FusionConfig::default();
+        if r == 1 {
+            config.threshold_bytes = 1024;
+            config.options.op = ReduceOp::Average;
+        }
+        if r == 2 {
+            config.options.algorithm = Algorithm::Ring;
+            comm.set_segment_bytes(4096);
+        }
+        // Settings that are each rank's own do not count.
+        config.cycle_time = Duration::from_millis(1 + r as u64);
+        config.stall_warning = Duration::from_secs(10 + r as u64);
+        FusionEngine::start(comm, config).map(|engine| engine.shutdown())
+    })
+    .expect("run");
+    for out in outs {
+        let message = out.err().map(|e| e.to_string()).unwrap_or_default();
+        for want in [
+            "ranks were started with different fusion engine settings: ",
+            "threshold_bytes: ranks 0, 2 = 67108864, rank 1 = 1024",
+            "op: ranks 0, 2 = sum, rank 1 = average",
+            "algorithm: ranks 0-1 = auto, rank 2 = ring",
+            "segment_bytes: ranks 0-1 = ",
+        ] {
+            assert!(message.contains(want), "{want} not in: {message}");
+        }
+        assert!(
+            !message.contains("cycle") && !message.contains("stall"),
+            "{message}"
+        );
+    }
+    // The same settings start.
+    let outs = Communicator::run_local(2, |comm| {
+        let config = FusionConfig {
+            cycle_time: Duration::from_millis(1 + comm.rank() as u64),
+            ..FusionConfig::default()
+        };
+        FusionEngine::start(comm, config)?.shutdown()
+    })
+    .expect("run");
+    assert!(outs.iter().all(Result::is_ok), "{outs:?}");
+}

@@ -60,8 +60,8 @@ impl<'a> Session<'a> {
     /// Sets up rank `comm.rank()` to train `model` (collective: every rank calls it).
     ///
     /// # Errors
-    /// [`Error::RankMismatch`] when ranks were started with different flags or built
-    /// different models; checkpoint errors (on every rank); transport errors.
+    /// The collective's `SettingsDiffer` when ranks were started with different flags
+    /// or built different models; checkpoint errors (on every rank); transport errors.
     pub(super) fn start(
         cfg: &'a ValidatedConfig,
         mut comm: Communicator,
@@ -92,7 +92,8 @@ impl<'a> Session<'a> {
 
         let mut control = Control::beside(&comm)?;
         control.check_same_values("flags", &cfg.config().shared_flags()?)?;
-        control.check_same("parameter count", n_params as f64)?;
+        let parameters = [("parameter count".to_string(), n_params.to_string())];
+        control.check_same_values("models", &parameters)?;
         // Rank 0 writes every output file: it checks them before any step is spent.
         let outputs = if rank == 0 {
             crate::outputs::check_run_outputs(cfg.config())
