@@ -297,7 +297,9 @@ impl Communicator {
     }
 
     /// This rank's index among the ranks on its node and their number (one rank per GPU:
-    /// the node rank picks the device). Collective: every rank calls it.
+    /// the node rank picks the device). Collective: every rank calls it. On a
+    /// [`Communicator::subgroup`], the members count among themselves, by their node keys
+    /// (the grouping of [`Communicator::nodes`]).
     pub fn node_rank(&self) -> Result<NodeRank> {
         self.transport.node_rank()
     }

@@ -98,8 +98,27 @@ impl Transport for SubgroupTransport {
             rank: self.rank,
         }))
     }
+    /// This rank's place among the members on its node, by the members' node keys
+    /// ([`Transport::node_key`]) gathered among the members alone: the parent's own
+    /// `node_rank` is collective over all of its ranks, which the others do not call.
     fn node_rank(&self) -> Result<NodeRank> {
-        self.inner.node_rank()
+        let mine = self.node_key()?;
+        let mut keys = Vec::with_capacity(self.size());
+        for (peer, bytes) in self.exchange_all(&mine.to_le_bytes())?.iter().enumerate() {
+            let key: [u8; 8] = bytes.as_slice().try_into().map_err(|_| Error::Transport {
+                rank: self.rank,
+                detail: format!(
+                    "node key from subgroup rank {peer} has {} bytes, expected 8: the ranks called different collectives",
+                    bytes.len()
+                ),
+            })?;
+            keys.push(u64::from_le_bytes(key));
+        }
+        let on_node = |k: &&u64| **k == mine;
+        Ok(NodeRank {
+            rank: keys[..self.rank].iter().filter(on_node).count(),
+            size: keys.iter().filter(on_node).count(),
+        })
     }
     fn node_key(&self) -> Result<u64> {
         self.inner.node_key()

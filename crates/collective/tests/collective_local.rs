@@ -742,6 +742,26 @@ proptest! {
     }
 }
 
+/// A subgroup's node rank counts its own members on the node, and only they take part:
+/// ranks 1-3 of two nodes of two ranks are rank 0 of one node and ranks 0 and 1 of the
+/// other.
+#[test]
+fn a_subgroup_s_node_rank_counts_its_members_on_the_node() {
+    let outs = Communicator::run_local_on_nodes(&[2, 2], |comm| {
+        let r = comm.rank();
+        let members: Vec<usize> = if r == 0 { vec![0] } else { vec![1, 2, 3] };
+        let sub = comm.subgroup(&members)?;
+        if r == 0 {
+            return Ok::<_, Error>(None);
+        }
+        let node = sub.node_rank()?;
+        Ok(Some((node.rank, node.size)))
+    })
+    .expect("run");
+    let got: Vec<Option<(usize, usize)>> = outs.into_iter().map(|o| o.expect("rank")).collect();
+    assert_eq!(got, [None, Some((0, 1)), Some((0, 2)), Some((1, 2))]);
+}
+
 #[test]
 fn fusion_mismatch_is_an_error_on_every_rank() {
     let outs = Communicator::run_local(3, |comm| {

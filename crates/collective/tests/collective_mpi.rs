@@ -590,6 +590,20 @@ fn mpi_worker_nodes() {
         .map(|j| (j * per_node..((j + 1) * per_node).min(n)).collect())
         .collect();
     assert_eq!(comm.nodes().expect("nodes"), want);
+    // Every rank but 0 in a subgroup: its members find their places on their nodes
+    // among themselves, while rank 0 takes no part.
+    let members: Vec<usize> = if r == 0 { vec![0] } else { (1..n).collect() };
+    let sub = comm.subgroup(&members).expect("subgroup");
+    if r > 0 {
+        let node = sub.node_rank().expect("the subgroup's node rank");
+        let first_member = (r / per_node * per_node).max(1);
+        let last = ((r / per_node + 1) * per_node).min(n);
+        assert_eq!(
+            (node.rank, node.size),
+            (r - first_member, last - first_member)
+        );
+    }
+    drop(sub);
     let algorithms = [Algorithm::Hierarchical, Algorithm::Auto];
     check_these::<f32>(&mut comm, &algorithms).expect("f32");
     check_these::<f64>(&mut comm, &algorithms).expect("f64");
