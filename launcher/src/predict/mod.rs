@@ -32,7 +32,9 @@
 //! - ring all-reduce of B bytes: `ring(N, B) = 2(N-1)/N * B * beta + 2(N-1) * alpha`;
 //!   on a machine of nodes of K ranks (`--ranks-per-node`, `--node-link`) over the slower
 //!   of the two links once N > K, or with `--allreduce-algorithm hier` the hierarchical
-//!   all-reduce, `ring_within(K, B) + ring_across(N/K, B/K)` ([`model::Network`]);
+//!   all-reduce, `ring_within(K, B) + ring_across(N/K, B/K)` ([`model::Network`]), whose
+//!   step across takes `beta * K / nics` when the K ranks of a node share fewer NICs
+//!   (`--nics-per-node`);
 //! - **replicated**, repacking R: `C + R * ring(N, G/R)`; after backward: `C + sum of
 //!   ring(N, b)` over the fusion buffers b (consecutive ranges joined up to the fusion
 //!   threshold); overlapped: the fusion engine wakes every cycle time, fuses the ranges
@@ -134,10 +136,14 @@ pub struct LinkArgs {
     #[arg(long)]
     pub beta_ns_per_byte: Option<f64>,
     /// Ranks per node, for a machine of nodes (with --node-link): the link above is then
-    /// the one between nodes, a link per rank (a NIC per GPU); rank counts fill whole
-    /// nodes.
+    /// the one between nodes, a link per rank (a NIC per GPU) unless --nics-per-node says
+    /// fewer; rank counts fill whole nodes.
     #[arg(long, requires = "node_link", value_parser = crate::positive_count)]
     pub ranks_per_node: Option<usize>,
+    /// Links between nodes per node (with --ranks-per-node; default: one per rank): the
+    /// ranks that send across at once share them, as the hierarchical all-reduce's do.
+    #[arg(long, requires = "ranks_per_node", value_parser = crate::positive_count)]
+    pub nics_per_node: Option<usize>,
     /// The link between the ranks of a node (with --ranks-per-node), a preset as --link
     /// takes, e.g. nvlink-h100.
     #[arg(long, value_parser = links::preset, requires = "ranks_per_node")]
@@ -162,19 +168,27 @@ impl LinkArgs {
     pub fn resolve(&self) -> Result<(Network, String)> {
         let (across, how) = self.resolve_link()?;
         match (self.ranks_per_node, &self.node_link) {
-            (Some(ranks), Some(within)) => Ok((
-                Network {
-                    across,
-                    nodes: Some(Nodes {
-                        ranks,
-                        within: within.link(),
-                    }),
-                },
-                format!(
-                    "nodes of {ranks} ranks, within: {}; between nodes, a link per rank: {how}",
-                    within.description
-                ),
-            )),
+            (Some(ranks), Some(within)) => {
+                let nics = self.nics_per_node.unwrap_or(ranks);
+                let between = if nics >= ranks {
+                    "a link per rank".to_string()
+                } else {
+                    format!("{nics} per node, shared by its ranks")
+                };
+                Ok((
+                    Network {
+                        across,
+                        nodes: Some(Nodes {
+                            nics,
+                            ..Nodes::nic_per_rank(ranks, within.link())
+                        }),
+                    },
+                    format!(
+                        "nodes of {ranks} ranks, within: {}; between nodes, {between}: {how}",
+                        within.description
+                    ),
+                ))
+            }
             _ => Ok((across.into(), how)),
         }
     }
@@ -866,14 +880,23 @@ mod tests {
         assert_eq!(network.across, links::IB_NDR.link());
         assert_eq!(
             network.nodes,
-            Some(Nodes {
-                ranks: 8,
-                within: links::NVLINK_H100.link()
-            })
+            Some(Nodes::nic_per_rank(8, links::NVLINK_H100.link()))
         );
         assert!(
-            how.contains("nodes of 8 ranks") && how.contains("InfiniBand NDR"),
+            how.contains("nodes of 8 ranks")
+                && how.contains("a link per rank")
+                && how.contains("InfiniBand NDR"),
             "{how}"
+        );
+        let shared = LinkArgs {
+            nics_per_node: Some(2),
+            ..args.clone()
+        };
+        let (shared_network, shared_how) = shared.resolve().expect("network");
+        assert_eq!(shared_network.nodes.map(|n| n.nics), Some(2));
+        assert!(
+            shared_how.contains("2 per node, shared by its ranks"),
+            "{shared_how}"
         );
 
         use clap::Parser;
@@ -885,6 +908,10 @@ mod tests {
         let alone = Cli::try_parse_from(["predict", "--link", "ib-ndr", "--ranks-per-node", "8"]);
         let e = alone.err().expect("refused").to_string();
         assert!(e.contains("--node-link"), "{e}");
+        let nics_alone =
+            Cli::try_parse_from(["predict", "--link", "ib-ndr", "--nics-per-node", "1"]);
+        let e = nics_alone.err().expect("refused").to_string();
+        assert!(e.contains("--ranks-per-node"), "{e}");
         let parsed = Cli::try_parse_from([
             "predict",
             "--link",
@@ -896,5 +923,18 @@ mod tests {
         ])
         .expect("parsed");
         assert_eq!(parsed.link.resolve().expect("network").0, network);
+        let parsed = Cli::try_parse_from([
+            "predict",
+            "--link",
+            "ib-ndr",
+            "--ranks-per-node",
+            "8",
+            "--node-link",
+            "nvlink-h100",
+            "--nics-per-node",
+            "2",
+        ])
+        .expect("parsed");
+        assert_eq!(parsed.link.resolve().expect("network").0, shared_network);
     }
 }

@@ -65,8 +65,8 @@ impl Link {
 
 /// What joins the ranks: one link between every pair (a flat network), or nodes of
 /// [`Nodes::ranks`] ranks joined within by [`Nodes::within`] and to each other by
-/// `across`, every rank with a link of its own between nodes (a NIC per GPU, as the eight
-/// of a DGX H100).
+/// [`Nodes::nics`] links `across` per node (a NIC per GPU, as the eight of a DGX H100, or
+/// fewer that the node's ranks share).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Network {
     /// Between nodes; between every pair of ranks on a flat network.
@@ -82,6 +82,26 @@ pub struct Nodes {
     pub ranks: usize,
     /// Between the ranks of one node.
     pub within: Link,
+    /// Links between nodes per node (its NICs): ranks that send across at once share
+    /// them evenly; at most one per rank is used.
+    pub nics: usize,
+}
+
+impl Nodes {
+    /// Nodes of `ranks` ranks joined within by `within`, a NIC per rank.
+    pub fn nic_per_rank(ranks: usize, within: Link) -> Nodes {
+        Nodes {
+            ranks,
+            within,
+            nics: ranks,
+        }
+    }
+
+    /// How many of the node's ranks share each NIC when all of them send across at once
+    /// (at least 1).
+    fn ranks_per_nic(&self) -> f64 {
+        (self.ranks as f64 / self.nics.max(1) as f64).max(1.0)
+    }
 }
 
 impl From<Link> for Network {
@@ -114,14 +134,19 @@ impl Network {
     /// spanning M > 1 of them, the hierarchical all-reduce: a ring reduce-scatter and
     /// all-gather within each node (the cost of a ring all-reduce of `bytes` over K
     /// within) and a ring all-reduce of `bytes / K` over the M nodes, all K of a node at
-    /// once on their own links.
+    /// once, sharing the node's NICs (each one's bandwidth split among the ranks on it).
+    /// A ring through the nodes crosses between two nodes with one rank at a time, so it
+    /// does not share them.
     pub fn all_reduce(&self, n: usize, bytes: f64, hierarchical: bool) -> (f64, f64) {
         match self.nodes {
             Some(nodes) if hierarchical && nodes.ranks > 1 && n > nodes.ranks => {
                 let k = nodes.ranks;
                 let (bw_in, lat_in) = ring_all_reduce(nodes.within, k, bytes);
-                let (bw_out, lat_out) =
-                    ring_all_reduce(self.across, n.div_ceil(k), bytes / k as f64);
+                let shared = Link {
+                    alpha: self.across.alpha,
+                    beta: self.across.beta * nodes.ranks_per_nic(),
+                };
+                let (bw_out, lat_out) = ring_all_reduce(shared, n.div_ceil(k), bytes / k as f64);
                 (bw_in + bw_out, lat_in + lat_out)
             }
             _ => ring_all_reduce(self.slowest(n), n, bytes),
@@ -702,7 +727,7 @@ mod tests {
         };
         let net = Network {
             across,
-            nodes: Some(Nodes { ranks: 4, within }),
+            nodes: Some(Nodes::nic_per_rank(4, within)),
         };
         let b = 1e8;
         for hierarchical in [false, true] {
@@ -732,6 +757,31 @@ mod tests {
             bw < flat_bw / 3.0 && lat < flat_lat,
             "{bw} {lat} against {flat_bw} {flat_lat}"
         );
+        // Two NICs per node of 4 ranks: the levels' step across the nodes gets half the
+        // bandwidth per rank, its latency and the ring's cost stay.
+        let shared = Network {
+            across,
+            nodes: Some(Nodes {
+                nics: 2,
+                ..Nodes::nic_per_rank(4, within)
+            }),
+        };
+        let (shared_bw, shared_lat) = shared.all_reduce(16, b, true);
+        assert!(close(
+            shared_bw,
+            2.0 * 3.0 / 4.0 * b * 1e-11 + 2.0 * 3.0 / 4.0 * (b / 4.0) * 2e-10
+        ));
+        assert!(close(shared_lat, lat));
+        assert_eq!(shared.all_reduce(16, b, false), (flat_bw, flat_lat));
+        // More NICs than ranks: one per rank is used.
+        let more = Network {
+            across,
+            nodes: Some(Nodes {
+                nics: 8,
+                ..Nodes::nic_per_rank(4, within)
+            }),
+        };
+        assert_eq!(more.all_reduce(16, b, true), (bw, lat));
         // 18 ranks fill 5 nodes; the slowest link of a mixed pair is slow in both terms.
         let (_, lat) = net.all_reduce(18, b, true);
         assert!(close(lat, 2.0 * 3.0 * 1e-6 + 2.0 * 4.0 * 5e-6));
@@ -741,7 +791,7 @@ mod tests {
                     alpha: 1e-7,
                     beta: 1e-10
                 },
-                nodes: Some(Nodes { ranks: 4, within }),
+                nodes: Some(Nodes::nic_per_rank(4, within)),
             }
             .slowest(8),
             Link {
