@@ -912,29 +912,21 @@ mod tests {
             Cli::try_parse_from(["predict", "--link", "ib-ndr", "--nics-per-node", "1"]);
         let e = nics_alone.err().expect("refused").to_string();
         assert!(e.contains("--ranks-per-node"), "{e}");
-        let parsed = Cli::try_parse_from([
-            "predict",
+        let nodes = [
             "--link",
             "ib-ndr",
             "--ranks-per-node",
             "8",
             "--node-link",
             "nvlink-h100",
-        ])
-        .expect("parsed");
-        assert_eq!(parsed.link.resolve().expect("network").0, network);
-        let parsed = Cli::try_parse_from([
-            "predict",
-            "--link",
-            "ib-ndr",
-            "--ranks-per-node",
-            "8",
-            "--node-link",
-            "nvlink-h100",
-            "--nics-per-node",
-            "2",
-        ])
-        .expect("parsed");
-        assert_eq!(parsed.link.resolve().expect("network").0, shared_network);
+        ];
+        for (extra, want) in [
+            (&[][..], network),
+            (&["--nics-per-node", "2"][..], shared_network),
+        ] {
+            let args = ["predict"].iter().chain(&nodes).chain(extra);
+            let parsed = Cli::try_parse_from(args).expect("parsed");
+            assert_eq!(parsed.link.resolve().expect("network").0, want);
+        }
     }
 }
