@@ -241,6 +241,26 @@ impl AllReduceOptions {
         self
     }
 
+    /// The options as `(name, value)` pairs for
+    /// [`crate::Communicator::check_same_values`]: every rank must reduce with the same
+    /// ones (a different algorithm or wire type sends messages the others do not expect,
+    /// a different operation or scale gives different sums).
+    pub fn shared_settings(&self) -> Vec<(String, String)> {
+        [
+            ("op", self.op.to_string()),
+            ("algorithm", self.algorithm.to_string()),
+            ("prescale", self.prescale.to_string()),
+            ("postscale", self.postscale.to_string()),
+            (
+                "compression",
+                format!("{:?}", self.compression).to_lowercase(),
+            ),
+        ]
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), value))
+        .collect()
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         if !self.prescale.is_finite() {
             return Err(Error::invalid(

@@ -90,6 +90,9 @@ pub struct GradientPacker {
     specs: Vec<GradientSpec>,
     config: PackingConfig,
     units: Vec<ReductionUnit>,
+    /// Whether the ranks were found to share the plan's settings (on the first
+    /// [`GradientPacker::all_reduce`] that got that far).
+    agreed: bool,
 }
 
 impl GradientPacker {
@@ -135,6 +138,7 @@ impl GradientPacker {
             specs,
             config,
             units,
+            agreed: false,
         })
     }
 
@@ -153,8 +157,35 @@ impl GradientPacker {
         self.config
     }
 
+    /// What every rank's plan must share, as `(name, value)` pairs for
+    /// [`Communicator::check_same_values`]: the settings, and the gradients' number and
+    /// elements per dtype (a plan of other gradients or settings carves other units).
+    pub fn shared_settings(&self) -> Vec<(String, String)> {
+        let c = self.config;
+        let mut settings: Vec<(String, String)> = [
+            ("gradient_repacking", c.gradient_repacking),
+            ("agg_small_grads_max_bytes", c.agg_small_grads_max_bytes),
+            ("agg_small_grads_max_group", c.agg_small_grads_max_group),
+            ("gradients", self.specs.len()),
+        ]
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), value.to_string()))
+        .collect();
+        for dtype in DType::ALL {
+            let of_dtype = self.specs.iter().filter(|s| s.dtype == dtype);
+            let elements: usize = of_dtype.map(|s| s.len).sum();
+            if elements > 0 {
+                settings.push((format!("{} elements", dtype.name()), elements.to_string()));
+            }
+        }
+        settings
+    }
+
     /// All-reduces every gradient by the plan. `grads` must match the specs in order,
-    /// dtype and length.
+    /// dtype and length. The first call that gets past those checks compares
+    /// [`GradientPacker::shared_settings`], `opts` and the communicator's settings with
+    /// every other rank's ([`Communicator::check_same_values`]) and fails on every rank
+    /// where they differ.
     ///
     /// Each unit is reduced where its pieces lie in the gradients, with the bits of one
     /// all-reduce of the pieces concatenated (as tf_cnn_benchmarks' concat, all-reduce and
@@ -188,6 +219,13 @@ impl GradientPacker {
                     "pass each gradient with the dtype and length given to GradientPacker::new",
                 ));
             }
+        }
+        if !self.agreed {
+            let mut settings = self.shared_settings();
+            settings.extend(opts.shared_settings());
+            settings.extend(comm.shared_settings());
+            comm.check_same_values("gradient packing settings", &settings)?;
+            self.agreed = true;
         }
         for unit in &self.units {
             match unit.dtype {
@@ -345,6 +383,57 @@ mod tests {
             .enumerate()
             .map(|(i, &l)| GradientSpec::new(format!("g{i}"), DType::F32, l))
             .collect()
+    }
+
+    /// Ranks whose plans differ (other settings, another gradient list) or that reduce
+    /// with other options fail on every rank at the first all-reduce, naming what
+    /// differs; without the check they would reduce different units against each other.
+    /// Plans that agree are checked once and reduce.
+    #[test]
+    fn plans_that_differ_between_ranks_fail_on_every_rank() {
+        use crate::ReduceOp;
+        let outs = Communicator::run_local(3, |mut comm| {
+            let r = comm.rank();
+            let lens: &[usize] = if r == 2 { &[5, 4] } else { &[5, 3] };
+            let config = PackingConfig {
+                gradient_repacking: if r == 1 { 2 } else { 0 },
+                ..Default::default()
+            };
+            let opts = if r == 1 {
+                AllReduceOptions::with_op(ReduceOp::Max)
+            } else {
+                AllReduceOptions::sum()
+            };
+            let mut packer = GradientPacker::new(specs(lens), config)?;
+            let mut grads: Vec<Vec<f32>> = lens.iter().map(|&l| vec![1.0; l]).collect();
+            let mut views: Vec<TensorMut<'_>> =
+                grads.iter_mut().map(|g| g.as_mut_slice().into()).collect();
+            let differ = packer.all_reduce(&mut comm, &mut views, &opts);
+            // The same plan everywhere: checked on its first call, then reduced.
+            let mut same = GradientPacker::new(specs(&[5, 3]), PackingConfig::default())?;
+            let mut grads = [vec![1.0f32; 5], vec![2.0f32; 3]];
+            for _ in 0..2 {
+                let mut views: Vec<TensorMut<'_>> =
+                    grads.iter_mut().map(|g| g.as_mut_slice().into()).collect();
+                same.all_reduce(&mut comm, &mut views, &AllReduceOptions::sum())?;
+            }
+            Ok::<_, Error>((differ, grads))
+        })
+        .expect("run");
+        for out in outs {
+            let (differ, grads) = out.expect("rank");
+            let message = differ.err().map(|e| e.to_string()).unwrap_or_default();
+            for want in [
+                "ranks were started with different gradient packing settings: ",
+                "gradient_repacking: ranks 0, 2 = 0, rank 1 = 2",
+                "f32 elements: ranks 0-1 = 8, rank 2 = 9",
+                "op: ranks 0, 2 = sum, rank 1 = max",
+            ] {
+                assert!(message.contains(want), "{want} not in: {message}");
+            }
+            assert!(!message.contains("gradients:"), "{message}");
+            assert_eq!(grads, [vec![9.0f32; 5], vec![18.0f32; 3]]);
+        }
     }
 
     #[test]

@@ -125,18 +125,13 @@ impl FusionConfig {
     /// (The stall timeouts are rank 0's alone, and the cycle time and timeline each
     /// rank's own.)
     pub fn shared_settings(&self) -> Vec<(String, String)> {
-        let o = &self.options;
-        [
-            ("threshold_bytes", self.threshold_bytes.to_string()),
-            ("op", o.op.to_string()),
-            ("algorithm", o.algorithm.to_string()),
-            ("prescale", o.prescale.to_string()),
-            ("postscale", o.postscale.to_string()),
-            ("compression", format!("{:?}", o.compression).to_lowercase()),
-        ]
-        .into_iter()
-        .map(|(name, value)| (name.to_string(), value))
-        .collect()
+        let threshold = (
+            "threshold_bytes".to_string(),
+            self.threshold_bytes.to_string(),
+        );
+        let mut settings = vec![threshold];
+        settings.extend(self.options.shared_settings());
+        settings
     }
 }
 
