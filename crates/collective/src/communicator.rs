@@ -559,7 +559,7 @@ impl Communicator {
 
     /// Runs `f` on the message `pieces` make up: on the piece itself when there is one,
     /// else on a copy in one buffer, copied back afterwards.
-    fn through_one_buffer<T: Element>(
+    pub(crate) fn through_one_buffer<T: Element>(
         &mut self,
         pieces: &mut [&mut [T]],
         f: impl FnOnce(&mut Self, &mut [T]) -> Result<()>,

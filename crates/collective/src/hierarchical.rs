@@ -19,7 +19,8 @@
 //!
 //! Where the nodes hold different numbers of ranks the chunks would not line up across
 //! nodes. Then each node all-reduces the whole message (`auto`), the first rank of every
-//! node all-reduces it across nodes, and each first rank broadcasts it within its node.
+//! node all-reduces it across nodes, and each first rank broadcasts it within its node (a
+//! message in pieces as one buffer).
 //! One node: the node's all-reduce alone; one rank per node: the all-reduce across nodes
 //! alone.
 //!
@@ -237,10 +238,10 @@ impl Hierarchy {
             if self.node.rank() == 0 {
                 self.across.all_reduce_pieces(pieces, &inner)?;
             }
-            for piece in pieces.iter_mut() {
-                self.node.broadcast(piece, 0)?;
-            }
-            return Ok(());
+            // One message for all the pieces (a fused group has hundreds).
+            return self
+                .node
+                .through_one_buffer(pieces, |node, buf| node.broadcast(buf, 0));
         }
         let shared = self.node_shares_memory(comm)?;
         let own = if shared {
