@@ -58,7 +58,7 @@ pub const SWITCH_POINTS: &[(usize, &[(usize, Algorithm)])] = &[
 /// ([`Algorithm::SharedMemory`]) where every rank maps one segment: `(ranks,
 /// from_bytes)`, rank counts increasing. Keep in step with `algorithm_choice.md` (a test
 /// compares them).
-pub const SHARED_MEMORY_FROM: &[(usize, usize)] = &[(2, 4), (3, 2 << 10), (4, 512)];
+pub const SHARED_MEMORY_FROM: &[(usize, usize)] = &[(2, 4), (3, 512), (4, 512)];
 
 /// The size from which `auto` takes [`Algorithm::SharedMemory`] on `ranks` ranks that
 /// share a segment: the row of the largest measured count at most `ranks` (the first
