@@ -28,7 +28,12 @@
 //! Every wait on other ranks is bounded by a stall timeout
 //! ([`Communicator::set_stall_timeout`], default 60 s): a rank that stops responding is
 //! named by the ranks waiting for it, and the job is aborted instead of hanging (see
-//! [`stall`]).
+//! [`stall`]). Ranks whose settings differ (the fusion engine's threshold, operation,
+//! algorithm, scales or wire type; a gradient plan's; the communicator's segment size and
+//! algorithm overrides) are told so on every rank by [`FusionEngine::start`] and by a
+//! plan's first [`GradientPacker::all_reduce`], naming each setting and each rank's
+//! value, before they send messages the others do not expect
+//! ([`Communicator::check_same_values`] makes the same check of a caller's own list).
 //!
 //! [`Communicator::duplicate`] gives a second communicator over the same ranks
 //! (`MPI_Comm_dup`) for control messages beside the data path, and
