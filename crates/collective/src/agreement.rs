@@ -7,7 +7,8 @@
 //! [`Communicator::check_same_values`] gathers a list of named values from every rank and
 //! fails on every rank at once, naming each value that differs and which ranks hold
 //! which, before any of that happens. [`crate::FusionEngine::start`] checks its own
-//! settings and the communicator's this way.
+//! settings and the communicator's this way, and so does a gradient plan's first
+//! [`crate::GradientPacker::all_reduce`].
 
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};

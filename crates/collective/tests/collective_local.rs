@@ -896,11 +896,15 @@ fn large_tensors_are_fused_in_place_with_the_fusion_buffers_bits() {
     let (_dir, path, config) = timeline_config();
     // Above the pieces' minimum, and together past the sizes `auto` reduces directly.
     let large = 8 * ringtrain_collective::MIN_IN_PLACE_PIECE_BYTES;
+    // Below the smallest piece any algorithm reduces in place (half of it, in f32).
+    let small = ringtrain_collective::MIN_IN_PLACE_PIECE_BYTES
+        .min(ringtrain_collective::MIN_SHARED_MEMORY_PIECE_BYTES)
+        / 8;
     let outs = Communicator::run_local(3, |comm| -> Result<(), Error> {
         let r = comm.rank();
         let mut other = comm.duplicate()?;
         let engine = FusionEngine::start(comm, config.clone())?;
-        for (group, n, len) in [("small", 4, 64), ("large", 3, large)] {
+        for (group, n, len) in [("small", 4, small), ("large", 3, large)] {
             let names = TensorNames::new((0..n).map(|k| format!("{group}{k}")));
             let tensors: Vec<Vec<f32>> = (0..n)
                 .map(|k| {
