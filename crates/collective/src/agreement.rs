@@ -51,6 +51,16 @@ impl Communicator {
     }
 }
 
+/// `(name, value)` pairs as [`Communicator::check_same_values`] takes them.
+pub(crate) fn named<'a>(
+    pairs: impl IntoIterator<Item = (&'a str, String)>,
+) -> Vec<(String, String)> {
+    pairs
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), value))
+        .collect()
+}
+
 /// For each name whose value is not the same on every rank: `name: rank 0 = A, ranks
 /// 1-2 = B` (ranks grouped by value, in order of first appearance). A name missing on a
 /// rank shows as `(missing)`.

@@ -399,20 +399,14 @@ impl Communicator {
     pub fn shared_settings(&self) -> Vec<(String, String)> {
         let optional =
             |v: Option<usize>| v.map_or_else(|| "measured".to_string(), |b| b.to_string());
-        vec![
+        crate::agreement::named([
+            ("segment_bytes", self.segment_bytes.to_string()),
+            ("auto_threshold_bytes", optional(self.auto_threshold_bytes)),
             (
-                "segment_bytes".to_string(),
-                self.segment_bytes().to_string(),
-            ),
-            (
-                "auto_threshold_bytes".to_string(),
-                optional(self.auto_threshold_bytes),
-            ),
-            (
-                "min_in_place_piece_bytes".to_string(),
+                "min_in_place_piece_bytes",
                 optional(self.min_in_place_piece_bytes),
             ),
-        ]
+        ])
     }
 
     /// The algorithm [`Algorithm::Auto`] resolves to for a message of `bytes` bytes:

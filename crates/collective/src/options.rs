@@ -173,6 +173,23 @@ pub enum WireCompression {
     Bf16,
 }
 
+impl WireCompression {
+    /// Lower-case name as accepted by [`FromStr`].
+    pub fn name(self) -> &'static str {
+        match self {
+            WireCompression::None => "none",
+            WireCompression::F16 => "f16",
+            WireCompression::Bf16 => "bf16",
+        }
+    }
+}
+
+impl fmt::Display for WireCompression {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl FromStr for WireCompression {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -246,19 +263,13 @@ impl AllReduceOptions {
     /// ones (a different algorithm or wire type sends messages the others do not expect,
     /// a different operation or scale gives different sums).
     pub fn shared_settings(&self) -> Vec<(String, String)> {
-        [
+        crate::agreement::named([
             ("op", self.op.to_string()),
             ("algorithm", self.algorithm.to_string()),
             ("prescale", self.prescale.to_string()),
             ("postscale", self.postscale.to_string()),
-            (
-                "compression",
-                format!("{:?}", self.compression).to_lowercase(),
-            ),
-        ]
-        .into_iter()
-        .map(|(name, value)| (name.to_string(), value))
-        .collect()
+            ("compression", self.compression.to_string()),
+        ])
     }
 
     pub(crate) fn validate(&self) -> Result<()> {

@@ -162,15 +162,18 @@ impl GradientPacker {
     /// elements per dtype (a plan of other gradients or settings carves other units).
     pub fn shared_settings(&self) -> Vec<(String, String)> {
         let c = self.config;
-        let mut settings: Vec<(String, String)> = [
-            ("gradient_repacking", c.gradient_repacking),
-            ("agg_small_grads_max_bytes", c.agg_small_grads_max_bytes),
-            ("agg_small_grads_max_group", c.agg_small_grads_max_group),
-            ("gradients", self.specs.len()),
-        ]
-        .into_iter()
-        .map(|(name, value)| (name.to_string(), value.to_string()))
-        .collect();
+        let mut settings = crate::agreement::named([
+            ("gradient_repacking", c.gradient_repacking.to_string()),
+            (
+                "agg_small_grads_max_bytes",
+                c.agg_small_grads_max_bytes.to_string(),
+            ),
+            (
+                "agg_small_grads_max_group",
+                c.agg_small_grads_max_group.to_string(),
+            ),
+            ("gradients", self.specs.len().to_string()),
+        ]);
         for dtype in DType::ALL {
             let of_dtype = self.specs.iter().filter(|s| s.dtype == dtype);
             let elements: usize = of_dtype.map(|s| s.len).sum();

@@ -125,11 +125,8 @@ impl FusionConfig {
     /// (The stall timeouts are rank 0's alone, and the cycle time and timeline each
     /// rank's own.)
     pub fn shared_settings(&self) -> Vec<(String, String)> {
-        let threshold = (
-            "threshold_bytes".to_string(),
-            self.threshold_bytes.to_string(),
-        );
-        let mut settings = vec![threshold];
+        let mut settings =
+            crate::agreement::named([("threshold_bytes", self.threshold_bytes.to_string())]);
         settings.extend(self.options.shared_settings());
         settings
     }
