@@ -88,6 +88,8 @@ pub trait Element: ReduceElement + bytemuck::Pod {
     fn from_tensor(t: Tensor) -> std::result::Result<Vec<Self>, Tensor>;
     /// Borrows a mutable slice as a [`TensorMut`].
     fn tensor_mut(s: &mut [Self]) -> TensorMut<'_>;
+    /// Borrows the elements of a [`Tensor`] of this type; `None` for another type.
+    fn elements_mut(t: &mut Tensor) -> Option<&mut [Self]>;
 }
 
 macro_rules! element {
@@ -105,6 +107,12 @@ macro_rules! element {
             }
             fn tensor_mut(s: &mut [Self]) -> TensorMut<'_> {
                 TensorMut::$variant(s)
+            }
+            fn elements_mut(t: &mut Tensor) -> Option<&mut [Self]> {
+                match t {
+                    Tensor::$variant(v) => Some(v),
+                    _ => None,
+                }
             }
         }
         impl From<Vec<$t>> for Tensor {

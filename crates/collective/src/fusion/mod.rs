@@ -70,7 +70,7 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -268,7 +268,13 @@ impl Board {
     }
 
     fn ticket(&self) -> u64 {
-        self.next_ticket.fetch_add(1, Ordering::Relaxed)
+        self.tickets(1).start
+    }
+
+    /// `n` consecutive tickets.
+    fn tickets(&self, n: u64) -> std::ops::Range<u64> {
+        let first = self.next_ticket.fetch_add(n, Ordering::Relaxed);
+        first..first + n
     }
 
     fn post(&self, results: impl IntoIterator<Item = (Ticket, Result<Tensor>)>) {
@@ -407,18 +413,34 @@ impl Board {
 /// A submitted tensor's future result.
 #[derive(Debug)]
 pub struct Handle {
-    name: Arc<str>,
     ticket: u64,
-    core: Arc<Core>,
+    owner: Owner,
     waited: bool,
     /// The tensor is the caller's memory ([`FusionEngine::submit_external`]).
     external: bool,
 }
 
+/// Where a [`Handle`]'s name and engine are.
+#[derive(Debug)]
+enum Owner {
+    /// A tensor submitted to the queue under its name.
+    Queued { name: Arc<str>, core: Arc<Core> },
+    /// A tensor held by a step that repeats the learned one: tensor `index` of the learned
+    /// names, which also lead to the engine. One reference count per handle (the learned
+    /// names'), where a queued handle takes two.
+    Held {
+        learned: Arc<repeated::Learned>,
+        index: usize,
+    },
+}
+
 impl Handle {
     /// The name it was submitted under.
     pub fn name(&self) -> &str {
-        &self.name
+        match &self.owner {
+            Owner::Queued { name, .. } => name,
+            Owner::Held { learned, index } => learned.name(*index),
+        }
     }
 
     /// Blocks until the tensor is reduced (or failed) and returns it.
@@ -427,27 +449,49 @@ impl Handle {
     /// the engine's cycles itself until its tensor is done): nothing this rank submits
     /// later can join a fusion this caller is already waiting for.
     pub fn wait(mut self) -> Result<Tensor> {
-        let (board, ticket) = (&self.core.board, self.ticket);
-        self.core.help(|| board.is_done(ticket));
+        let ticket = self.ticket;
+        self.with_core(|core| core.help(|| core.board.is_done(ticket)));
         self.take()
     }
 
     fn take(&mut self) -> Result<Tensor> {
         self.waited = true;
-        self.core.board.take(self.ticket, &self.name)
+        let ticket = self.ticket;
+        self.with_core(|core| core.board.take(ticket, self.name()))
+            .unwrap_or_else(|| {
+                Err(Error::EngineStopped {
+                    reason: format!(
+                        "internal: tensor `{}` was held without an engine",
+                        self.name()
+                    ),
+                })
+            })
+    }
+
+    /// `f` of the engine's core (which a handle keeps, through its learned names where it
+    /// was held); `None` only for names learned without an engine, in unit tests.
+    fn with_core<R>(&self, f: impl FnOnce(&Core) -> R) -> Option<R> {
+        match &self.owner {
+            Owner::Queued { core, .. } => Some(f(core)),
+            Owner::Held { learned, .. } => learned.core().map(f),
+        }
     }
 }
 
 impl Drop for Handle {
     fn drop(&mut self) {
         if !self.waited {
-            if self.external {
-                // The caller may reuse or free its memory once this returns: under the
-                // engine's lock (no reduction runs now) a tensor still queued gets a copy
-                // of its own values, so the engine never touches that memory again.
-                self.core.detach(self.ticket);
-            }
-            self.core.board.abandon(self.ticket);
+            let (ticket, external) = (self.ticket, self.external);
+            self.with_core(|core| {
+                if external {
+                    // The caller may reuse or free its memory once this returns: under the
+                    // engine's lock (no reduction runs now) a tensor still queued gets a
+                    // copy of its own values, so the engine never touches that memory
+                    // again.
+                    core.detach(ticket);
+                }
+                core.board.abandon(ticket);
+            });
         }
     }
 }
@@ -631,9 +675,9 @@ impl FusionEngine {
             ),
             config,
         };
-        let core = Arc::new(Core {
+        let core = Arc::new_cyclic(|weak| Core {
             state: Mutex::new(CoreState::Running(Box::new(Running { engine, comm, rx }))),
-            repeated: Mutex::new(Repeated::new(cycle_time)),
+            repeated: Mutex::new(Repeated::new(cycle_time, Weak::clone(weak))),
             board,
         });
         let worker_core = Arc::clone(&core);
@@ -693,15 +737,20 @@ impl FusionEngine {
     fn submit_payload(&self, name: &str, tensor: Payload) -> Result<Handle> {
         let tx = self.tx.as_ref().ok_or_else(stopped)?;
         let mut repeated = self.core.repeated();
-        let ticket = self.core.board.ticket();
+        let ticket = repeated.ticket(&self.core.board);
         let tensor = match tensor {
             Payload::Owned(t) if !self.timed => match repeated.follow(name, t, ticket) {
-                Ok((name, wake)) => {
+                Ok((learned, index, wake)) => {
                     drop(repeated);
                     if wake {
                         self.wake.queued();
                     }
-                    return Ok(self.handle(name, ticket));
+                    return Ok(Handle {
+                        ticket,
+                        owner: Owner::Held { learned, index },
+                        waited: false,
+                        external: false,
+                    });
                 }
                 Err(t) => Payload::Owned(t),
             },
@@ -730,9 +779,11 @@ impl FusionEngine {
 
     fn handle(&self, name: Arc<str>, ticket: u64) -> Handle {
         Handle {
-            name,
             ticket,
-            core: Arc::clone(&self.core),
+            owner: Owner::Queued {
+                name,
+                core: Arc::clone(&self.core),
+            },
             waited: false,
             external: false,
         }
@@ -850,11 +901,17 @@ impl FusionEngine {
                 for h in &mut handles {
                     h.waited = true;
                 }
-                let mut reduced: Vec<Option<Tensor>> = self
-                    .reduce_group(&names, tensors)?
-                    .into_iter()
-                    .map(Some)
-                    .collect();
+                let reduced = self.reduce_group(&names, tensors)?;
+                // Handles in the order they were submitted (the usual case) take the
+                // results as they come.
+                if tickets
+                    .iter()
+                    .copied()
+                    .eq(first..first + reduced.len() as u64)
+                {
+                    return Ok(reduced);
+                }
+                let mut reduced: Vec<Option<Tensor>> = reduced.into_iter().map(Some).collect();
                 let lost = || Error::EngineStopped {
                     reason: "internal: a repeated step returned fewer tensors than it held".into(),
                 };
@@ -917,6 +974,9 @@ impl FusionEngine {
             let _ = tx.send(Command::Shutdown);
             self.wake.flush();
         }
+        // The learned names lead back to the engine: from here on only the handles that
+        // hold them keep it.
+        self.core.repeated().forget_learned();
         let thread = self.thread.take().ok_or_else(|| Error::EngineStopped {
             reason: "shutdown was already called".into(),
         })?;
@@ -1909,7 +1969,7 @@ fn fusion_buffer<T: Element>(buffer: &mut Vec<u64>, len: usize) -> &mut [T] {
 /// Typed view of an owned tensor whose dtype was checked to be `T`.
 fn typed<T: Element>(t: &mut Tensor) -> Result<&mut [T]> {
     let dtype = t.dtype();
-    typed_bytes(dtype, t.as_bytes_mut())
+    T::elements_mut(t).ok_or_else(|| other_dtype(dtype))
 }
 
 /// Typed view of a tensor whose dtype was agreed to be `T`.
@@ -1920,11 +1980,7 @@ fn typed_mut<T: Element>(t: &mut Payload) -> Result<&mut [T]> {
 
 fn typed_bytes<T: Element>(dtype: DType, bytes: &mut [u8]) -> Result<&mut [T]> {
     if dtype != T::DTYPE {
-        return Err(Error::invalid(
-            "tensor dtype",
-            dtype,
-            "internal: the agreed dtype differs from the queued tensor",
-        ));
+        return Err(other_dtype(dtype));
     }
     bytemuck::try_cast_slice_mut(bytes).map_err(|_| {
         Error::invalid(
@@ -1933,6 +1989,17 @@ fn typed_bytes<T: Element>(dtype: DType, bytes: &mut [u8]) -> Result<&mut [T]> {
             "internal: tensor bytes are not aligned for its dtype",
         )
     })
+}
+
+/// The error of a tensor whose dtype is not the one agreed for it (kept out of line, so
+/// that the typed views of a fused step's many tensors stay small).
+#[cold]
+fn other_dtype(dtype: DType) -> Error {
+    Error::invalid(
+        "tensor dtype",
+        dtype,
+        "internal: the agreed dtype differs from the queued tensor",
+    )
 }
 
 #[cfg(test)]

@@ -6,9 +6,12 @@
 //! their handles. Such a step teaches the engine its names, in the order they came
 //! ([`Repeated::learned`]). When the next step submits the same names in the same order,
 //! its tensors are held here instead of queued (no channel message, no name allocated or
-//! looked up, no board entry), and its `synchronize` hands them to the cached-group step
-//! of [`FusionEngine::all_reduce_group`] under the learned names: after two such steps
-//! (one registering the group's ids, one its negotiation round) the step is an armed
+//! looked up, no board entry; the step reserves its tickets at once, and each handle
+//! shares the learned names, which lead to the engine: one reference count per handle),
+//! and its `synchronize` hands them to the cached-group step of
+//! [`FusionEngine::all_reduce_group`] under the learned names, returning the results as
+//! they come when the handles are in submission order: after two such steps (one
+//! registering the group's ids, one its negotiation round) the step is an armed
 //! reduction, with no round at all.
 //!
 //! Nothing of the general path's behaviour changes: a submission that departs from the
@@ -28,7 +31,9 @@ const MAX_STEP_TENSORS: usize = 1 << 16;
 #[derive(Debug)]
 pub(super) struct Repeated {
     /// The names of the last step that taught one, in submission order.
-    learned: Option<TensorNames>,
+    learned: Option<Arc<Learned>>,
+    /// The engine this belongs to, for the learned names to lead to.
+    core: Weak<Core>,
     step: Step,
     /// When the step's first tensor came.
     since: Instant,
@@ -39,6 +44,8 @@ pub(super) struct Repeated {
     /// reductions overlap the rest of the step. A shorter step's `synchronize` comes
     /// before any cycle would: waking the thread for it would only cost a wake-up.
     long: bool,
+    /// The tickets the step reserved at its first submission and has not used yet.
+    reserved: std::ops::Range<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -71,26 +78,63 @@ pub(super) enum StepEnd {
 /// A held tensor on its way to the queue: its name, values and ticket.
 pub(super) type Held = (Arc<str>, Tensor, u64);
 
+/// Names a step taught, in submission order, and the engine they belong to. The handles
+/// of a step that repeats them each hold these (one reference count per handle) for their
+/// name and their engine. The engine holds them too until it stops
+/// ([`Repeated::forget_learned`]), which ends that cycle of references.
+#[derive(Debug)]
+pub(super) struct Learned {
+    pub(super) names: TensorNames,
+    /// `None` only where no engine was running (this module's tests).
+    core: Option<Arc<Core>>,
+}
+
+impl Learned {
+    /// The name of tensor `index`.
+    pub(super) fn name(&self, index: usize) -> &str {
+        self.names.get(index).unwrap_or("?")
+    }
+
+    /// The engine, while there is one.
+    pub(super) fn core(&self) -> Option<&Core> {
+        self.core.as_deref()
+    }
+}
+
 impl Repeated {
-    pub(super) fn new(cycle_time: Duration) -> Repeated {
+    pub(super) fn new(cycle_time: Duration, core: Weak<Core>) -> Repeated {
         Repeated {
             learned: None,
+            core,
             step: Step::Fresh,
             since: Instant::now(),
             cycle_time,
             long: true,
+            reserved: 0..0,
         }
     }
 
+    /// The ticket of the next submission. A step that starts while names are learned
+    /// reserves a ticket for each of them at its first submission (one atomic operation
+    /// on the board instead of one per tensor) and uses them in order; past them, or
+    /// without learned names, each ticket comes from the board.
+    pub(super) fn ticket(&mut self, board: &Board) -> u64 {
+        if let (Step::Fresh, Some(learned)) = (&self.step, &self.learned) {
+            self.reserved = board.tickets(learned.names.len() as u64);
+        }
+        self.reserved.next().unwrap_or_else(|| board.ticket())
+    }
+
     /// Holds `tensor` when it is the next one of the learned step (and its ticket follows
-    /// the step's last); returns its name for the handle and whether to wake the
-    /// background thread (see [`Repeated::long`]), or the tensor back.
+    /// the step's last); returns the learned names and its place in them for the handle,
+    /// and whether to wake the background thread (see [`Repeated::long`]), or the tensor
+    /// back.
     pub(super) fn follow(
         &mut self,
         name: &str,
         tensor: Tensor,
         ticket: u64,
-    ) -> std::result::Result<(Arc<str>, bool), Tensor> {
+    ) -> std::result::Result<(Arc<Learned>, usize, bool), Tensor> {
         let Some(learned) = &self.learned else {
             return Err(tensor);
         };
@@ -100,18 +144,18 @@ impl Repeated {
             Step::Recording { .. } | Step::Off => return Err(tensor),
         };
         match learned.names.get(at) {
-            Some(next) if **next == *name && first + at as u64 == ticket => {
-                let next = Arc::clone(next);
+            Some(next) if next == name && first + at as u64 == ticket => {
+                let learned = Arc::clone(learned);
                 match &mut self.step {
                     Step::Following { tensors, .. } => tensors.push(tensor),
                     step => {
-                        let mut tensors = Vec::with_capacity(learned.len());
+                        let mut tensors = Vec::with_capacity(learned.names.len());
                         tensors.push(tensor);
                         *step = Step::Following { tensors, first };
                         self.since = Instant::now();
                     }
                 }
-                Ok((next, at == 0 && self.long))
+                Ok((learned, at, at == 0 && self.long))
             }
             _ => Err(tensor),
         }
@@ -161,13 +205,21 @@ impl Repeated {
     }
 
     fn held(&self, tensors: Vec<Tensor>, first: u64) -> Vec<Held> {
-        let names = self.learned.as_ref().map_or(&[][..], |l| &l.names[..]);
+        let names = self
+            .learned
+            .as_ref()
+            .map_or(&[][..], |l| &l.names.names[..]);
         names
             .iter()
             .zip(tensors)
             .zip(first..)
             .map(|((name, tensor), ticket)| (Arc::clone(name), tensor, ticket))
             .collect()
+    }
+
+    /// Drops the learned names (the engine stops): their handles keep what they need.
+    pub(super) fn forget_learned(&mut self) {
+        self.learned = None;
     }
 
     /// True while tensors are held.
@@ -185,13 +237,14 @@ impl Repeated {
             tickets.len() == n && tickets.iter().all(|t| t.wrapping_sub(first) < n as u64)
         };
         let step = std::mem::take(&mut self.step);
+        self.reserved = 0..0;
         if !matches!(step, Step::Fresh) {
             self.long = self.since.elapsed() > self.cycle_time;
         }
         match step {
             Step::Following { tensors, first } => {
-                let learned = self.learned.as_ref().filter(|l| l.len() == tensors.len());
-                match learned {
+                let learned = self.learned.as_ref().map(|l| &l.names);
+                match learned.filter(|names| names.len() == tensors.len()) {
                     Some(names) if covers(first, tensors.len()) => StepEnd::Repeat {
                         names: names.clone(),
                         tensors,
@@ -203,13 +256,16 @@ impl Repeated {
             Step::Recording { names, first } => {
                 if names.len() >= 2 && covers(first, names.len()) {
                     let same = self.learned.as_ref().is_some_and(|l| {
-                        l.names.len() == names.len()
-                            && l.names.iter().zip(&names).all(|(a, b)| a == b)
+                        l.names.names.len() == names.len()
+                            && l.names.names.iter().zip(&names).all(|(a, b)| a == b)
                     });
                     if !same {
-                        self.learned = Some(TensorNames {
-                            names: names.into(),
-                        });
+                        self.learned = Some(Arc::new(Learned {
+                            names: TensorNames {
+                                names: names.into(),
+                            },
+                            core: self.core.upgrade(),
+                        }));
                     }
                 }
                 StepEnd::General(Vec::new())
@@ -227,6 +283,10 @@ mod tests {
         Tensor::from(vec![1.0f32; 2])
     }
 
+    fn learned(rep: &Repeated) -> Option<TensorNames> {
+        rep.learned.as_ref().map(|l| l.names.clone())
+    }
+
     /// Records `names` from ticket `first` and ends the step with all their handles.
     fn teach(rep: &mut Repeated, names: &[&str], first: u64) {
         let tickets: Vec<u64> = (first..).take(names.len()).collect();
@@ -239,15 +299,16 @@ mod tests {
 
     #[test]
     fn a_step_synchronized_whole_teaches_its_names_and_the_next_one_follows_them() {
-        let mut rep = Repeated::new(Duration::from_secs(30));
+        let mut rep = Repeated::new(Duration::from_secs(30), Weak::new());
         assert!(rep.follow("a", t(), 0).is_err(), "nothing learned yet");
         teach(&mut rep, &["a", "b", "c"], 0);
-        let learned = rep.learned.clone().expect("learned");
+        let learned = learned(&rep).expect("learned");
         assert_eq!((learned.get(0), learned.len()), (Some("a"), 3));
         // A step shorter than the cycle time wakes nobody.
-        let (name, wake) = rep.follow("a", t(), 10).expect("follows");
-        assert_eq!((&*name, wake), ("a", false));
-        assert!(!rep.follow("b", t(), 11).expect("follows").1);
+        let (held, index, wake) = rep.follow("a", t(), 10).expect("follows");
+        assert_eq!((held.name(index), wake), ("a", false));
+        let (_, index, wake) = rep.follow("b", t(), 11).expect("follows");
+        assert_eq!((held.name(index), wake), ("b", false));
         assert!(rep.holds());
         rep.follow("c", t(), 12).expect("follows");
         match rep.end_step(&[12, 10, 11]) {
@@ -265,13 +326,55 @@ mod tests {
         assert!(!rep.holds());
         // Taught again by the same names: the group is kept, not made anew.
         teach(&mut rep, &["a", "b", "c"], 20);
-        let again = rep.learned.as_ref().expect("learned");
+        let again = self::learned(&rep).expect("learned");
         assert!(Arc::ptr_eq(&again.names, &learned.names));
+    }
+
+    /// A step that starts while names are learned takes one block of consecutive tickets
+    /// at its first submission, so that its tickets follow each other however many are
+    /// drawn from the board meanwhile (a group's batch, another thread's); past the
+    /// block, and once the step ends, tickets come from the board again.
+    #[test]
+    fn a_step_of_learned_names_reserves_its_tickets_at_its_first_submission() {
+        let board = Board::default();
+        let mut rep = Repeated::new(Duration::from_secs(30), Weak::new());
+        assert_eq!(
+            (rep.ticket(&board), rep.ticket(&board)),
+            (0, 1),
+            "nothing learned"
+        );
+        teach(&mut rep, &["a", "b", "c"], 0);
+        let first = rep.ticket(&board);
+        assert_eq!(first, 2);
+        rep.follow("a", t(), first).expect("follows");
+        assert_eq!(
+            board.ticket(),
+            5,
+            "a batch drawn meanwhile comes after the block"
+        );
+        let second = rep.ticket(&board);
+        rep.follow("b", t(), second).expect("follows");
+        let third = rep.ticket(&board);
+        rep.follow("c", t(), third).expect("follows");
+        assert_eq!((second, third), (3, 4));
+        assert_eq!(rep.ticket(&board), 6, "past the block, from the board");
+        rep.end_step(&[first, second, third, 6]);
+        // A step that departs at once still uses its block first.
+        let next = rep.ticket(&board);
+        assert_eq!(next, 7);
+        assert!(rep.follow("x", t(), next).is_err());
+        rep.record(&Arc::from("x"), next);
+        assert_eq!(rep.ticket(&board), 8);
+        rep.end_step(&[7, 8]);
+        assert!(
+            rep.reserved.is_empty(),
+            "the step's end returns nothing, keeps nothing"
+        );
     }
 
     #[test]
     fn a_departure_or_a_partial_synchronize_hands_the_held_tensors_back_in_order() {
-        let mut rep = Repeated::new(Duration::from_secs(30));
+        let mut rep = Repeated::new(Duration::from_secs(30), Weak::new());
         teach(&mut rep, &["a", "b", "c"], 0);
         rep.follow("a", t(), 5).expect("follows");
         rep.follow("b", t(), 6).expect("follows");
@@ -290,7 +393,7 @@ mod tests {
             "the step holds nothing more"
         );
         assert!(matches!(rep.end_step(&[7, 5, 6]), StepEnd::General(h) if h.is_empty()));
-        let learned = rep.learned.as_ref().expect("learned");
+        let learned = learned(&rep).expect("learned");
         let names: Vec<&str> = (0..learned.len()).filter_map(|i| learned.get(i)).collect();
         assert_eq!(names, ["a", "b", "x"]);
 
@@ -311,7 +414,7 @@ mod tests {
 
     #[test]
     fn only_a_whole_contiguous_step_of_two_or_more_teaches() {
-        let mut rep = Repeated::new(Duration::from_secs(30));
+        let mut rep = Repeated::new(Duration::from_secs(30), Weak::new());
         teach(&mut rep, &["solo"], 0);
         assert!(rep.learned.is_none(), "a group of one is no group");
         // A gap in the tickets (another submission came between).
@@ -339,15 +442,15 @@ mod tests {
 
     #[test]
     fn a_step_longer_than_the_cycle_time_wakes_the_background_thread_in_the_next() {
-        let mut rep = Repeated::new(Duration::from_millis(1));
+        let mut rep = Repeated::new(Duration::from_millis(1), Weak::new());
         rep.record(&Arc::from("a"), 0);
         rep.record(&Arc::from("b"), 1);
         std::thread::sleep(Duration::from_millis(5));
         rep.end_step(&[0, 1]);
-        assert!(rep.follow("a", t(), 2).expect("follows").1);
-        assert!(!rep.follow("b", t(), 3).expect("follows").1);
+        assert!(rep.follow("a", t(), 2).expect("follows").2);
+        assert!(!rep.follow("b", t(), 3).expect("follows").2);
         // This one ends at once: the next step wakes nobody.
         assert!(matches!(rep.end_step(&[2, 3]), StepEnd::Repeat { .. }));
-        assert!(!rep.follow("a", t(), 4).expect("follows").1);
+        assert!(!rep.follow("a", t(), 4).expect("follows").2);
     }
 }

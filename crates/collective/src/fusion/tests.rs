@@ -726,6 +726,41 @@ fn a_repeated_step_waited_in_parts_or_dropped_in_part_still_reduces() {
     });
 }
 
+/// The handles of a held step carry their names and keep their engine: one shut down
+/// before they are waited still gives their sums (every rank submitted them, so the
+/// last cycles reduce them), and once those handles are gone nothing keeps the engine
+/// (the learned names, which the handles share, no longer lead back to it from the
+/// engine's side).
+#[test]
+fn held_handles_outlive_their_engine_and_then_let_it_go() {
+    let outs = Communicator::run_local(2, |comm| -> Result<()> {
+        let engine = FusionEngine::start(comm, patient())?;
+        let r = engine.rank();
+        let names = ["a", "b", "c"];
+        let submit = |k: usize| engine.submit(names[k], vec![(r + k) as f32; 4]);
+        for _ in 0..3 {
+            let hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
+            engine.synchronize(hs)?;
+        }
+        let hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
+        assert!(engine.core.repeated().holds(), "the fourth step is held");
+        let got: Vec<&str> = hs.iter().map(Handle::name).collect();
+        assert_eq!(got, names);
+        let core = Arc::downgrade(&engine.core);
+        engine.shutdown()?;
+        assert!(core.upgrade().is_some(), "the handles keep the engine");
+        for (k, h) in hs.into_iter().enumerate() {
+            assert_eq!(h.wait()?.into_vec::<f32>()?, vec![(1 + 2 * k) as f32; 4]);
+        }
+        assert!(core.upgrade().is_none(), "nothing else keeps it");
+        Ok(())
+    })
+    .expect("run");
+    for (r, out) in outs.into_iter().enumerate() {
+        out.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
+
 /// A rank whose steps take another order from some step on, departing from the learned
 /// one after its first tensor, learns the new order from that step and holds its steps
 /// again from the next: the cached-group steps resume on every rank.
