@@ -411,7 +411,6 @@ impl Board {
 }
 
 /// A submitted tensor's future result.
-#[derive(Debug)]
 pub struct Handle {
     ticket: u64,
     owner: Owner,
@@ -420,8 +419,18 @@ pub struct Handle {
     external: bool,
 }
 
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handle")
+            .field("name", &self.name())
+            .field("ticket", &self.ticket)
+            .field("waited", &self.waited)
+            .field("external", &self.external)
+            .finish()
+    }
+}
+
 /// Where a [`Handle`]'s name and engine are.
-#[derive(Debug)]
 enum Owner {
     /// A tensor submitted to the queue under its name.
     Queued { name: Arc<str>, core: Arc<Core> },

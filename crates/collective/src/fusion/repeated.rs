@@ -219,6 +219,11 @@ impl Repeated {
 
     /// Drops the learned names (the engine stops): their handles keep what they need.
     pub(super) fn forget_learned(&mut self) {
+        // Held tensors take their names from the learned ones: release them first.
+        debug_assert!(
+            !self.holds(),
+            "learned names forgotten while tensors are held"
+        );
         self.learned = None;
     }
 

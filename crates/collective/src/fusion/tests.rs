@@ -728,9 +728,9 @@ fn a_repeated_step_waited_in_parts_or_dropped_in_part_still_reduces() {
 
 /// The handles of a held step carry their names and keep their engine: one shut down
 /// before they are waited still gives their sums (every rank submitted them, so the
-/// last cycles reduce them), and once those handles are gone nothing keeps the engine
-/// (the learned names, which the handles share, no longer lead back to it from the
-/// engine's side).
+/// last cycles reduce them), one dropped unwaited after it lets its result go, and once
+/// those handles are gone nothing keeps the engine (the learned names, which the
+/// handles share, no longer lead back to it from the engine's side).
 #[test]
 fn held_handles_outlive_their_engine_and_then_let_it_go() {
     let outs = Communicator::run_local(2, |comm| -> Result<()> {
@@ -742,13 +742,18 @@ fn held_handles_outlive_their_engine_and_then_let_it_go() {
             let hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
             engine.synchronize(hs)?;
         }
-        let hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
-        assert!(engine.core.repeated().holds(), "the fourth step is held");
+        let mut hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
+        assert!(
+            hs.iter().all(|h| matches!(h.owner, Owner::Held { .. })),
+            "the fourth step is held"
+        );
         let got: Vec<&str> = hs.iter().map(Handle::name).collect();
         assert_eq!(got, names);
+        assert!(format!("{:?}", hs[1]).contains("\"b\""), "{:?}", hs[1]);
         let core = Arc::downgrade(&engine.core);
         engine.shutdown()?;
         assert!(core.upgrade().is_some(), "the handles keep the engine");
+        drop(hs.pop());
         for (k, h) in hs.into_iter().enumerate() {
             assert_eq!(h.wait()?.into_vec::<f32>()?, vec![(1 + 2 * k) as f32; 4]);
         }
