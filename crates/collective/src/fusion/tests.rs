@@ -766,6 +766,45 @@ fn held_handles_outlive_their_engine_and_then_let_it_go() {
     }
 }
 
+/// A group submitted in the middle of a held step (its batch's ticket drawn between the
+/// step's reserved ones): the step and the group still reduce to their sums on every
+/// rank, whether a cycle queued the held tensors first or `synchronize` found the group
+/// queued.
+#[test]
+fn a_group_submitted_in_the_middle_of_a_held_step_still_reduces() {
+    on_patient_engines(2, |engine| -> Result<()> {
+        let r = engine.rank();
+        let names = ["a", "b", "c"];
+        let submit = |k: usize| engine.submit(names[k], vec![(r + k) as f32; 4]);
+        let group = TensorNames::new(["g0", "g1"]);
+        for step in 0..6 {
+            let mut hs = vec![submit(0)?];
+            let gh = (step >= 2)
+                .then(|| {
+                    let tensors = vec![vec![(r + 10) as f32; 3], vec![(r + 20) as f32; 2]];
+                    engine.submit_group(&group, tensors)
+                })
+                .transpose()?;
+            hs.push(submit(1)?);
+            hs.push(submit(2)?);
+            // The first is held; the others too unless the cycle the group's submission
+            // wakes has queued the step by then.
+            if step >= 1 {
+                assert!(matches!(hs[0].owner, Owner::Held { .. }), "step {step}");
+            }
+            for (k, t) in engine.synchronize(hs)?.into_iter().enumerate() {
+                assert_eq!(t.into_vec::<f32>()?, vec![(1 + 2 * k) as f32; 4]);
+            }
+            if let Some(gh) = gh {
+                let got = gh.wait()?;
+                assert_eq!(got[0].clone().into_vec::<f32>()?, vec![21.0; 3]);
+                assert_eq!(got[1].clone().into_vec::<f32>()?, vec![41.0; 2]);
+            }
+        }
+        Ok(())
+    });
+}
+
 /// A rank whose steps take another order from some step on, departing from the learned
 /// one after its first tensor, learns the new order from that step and holds its steps
 /// again from the next: the cached-group steps resume on every rank.
