@@ -1882,3 +1882,15 @@ fn pieces_are_reduced_in_place_from_each_algorithms_size_and_the_setting_moves_i
         out.expect("rank");
     }
 }
+
+/// The engine is shared between threads, and its handles move between them (a backward
+/// pass may submit on one thread and wait on another): a change that made any of them
+/// `!Send` or `!Sync` stops this test from compiling.
+#[test]
+fn the_engine_and_its_handles_can_cross_threads() {
+    fn send_and_sync<T: Send + Sync>() {}
+    send_and_sync::<FusionEngine>();
+    send_and_sync::<ringtrain_collective::Handle>();
+    send_and_sync::<ringtrain_collective::GroupHandle>();
+    send_and_sync::<TensorNames>();
+}
