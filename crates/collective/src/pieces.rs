@@ -149,6 +149,7 @@ impl Cursor {
 
     /// The next run of at most `want` (> 0) elements within one piece of lengths `len(i)`:
     /// its piece and range there, past which the cursor moves.
+    #[inline(always)]
     fn run(&mut self, len: impl Fn(usize) -> usize, want: usize) -> (usize, Range<usize>) {
         while self.offset == len(self.piece) {
             self.piece += 1;
@@ -161,6 +162,7 @@ impl Cursor {
     }
 
     /// Moves past the next `n` elements.
+    #[inline(always)]
     pub(crate) fn skip<T, P: AsRef<[T]>>(&mut self, pieces: &[P], n: usize) {
         let mut left = n;
         while left > 0 {
@@ -171,6 +173,7 @@ impl Cursor {
 
     /// Copies the next `dst.len()` elements into `dst`, a run at a time with
     /// `copy(to, from)`, and moves past them.
+    #[inline(always)]
     pub(crate) fn read<T>(
         &mut self,
         pieces: &[&mut [T]],
@@ -189,6 +192,7 @@ impl Cursor {
     /// Calls `f(run of the pieces, part of src)` for the next `src.len()` elements, in
     /// order, with the elements of `src` that land there, and moves past them; stops at
     /// the first error.
+    #[inline(always)]
     pub(crate) fn zip<T, S, E>(
         &mut self,
         pieces: &mut [&mut [T]],
@@ -208,6 +212,7 @@ impl Cursor {
 
     /// Copies `src` into the next `src.len()` elements, a run at a time with
     /// `copy(to, from)`, and moves past them.
+    #[inline(always)]
     pub(crate) fn write<T>(
         &mut self,
         pieces: &mut [&mut [T]],
