@@ -682,15 +682,14 @@ const LINE_LOOP_BYTES: usize = 2048;
 ///
 /// With `LINES` (the AVX-512 build of the walks over a message in pieces, see
 /// [`read_across`]) a run of up to [`LINE_LOOP_BYTES`] also goes a line at a time, one
-/// vector load and store each, inside the walk: the runs of small tensors then cost no
-/// call of `memcpy` each (1000 runs of 256 bytes: 8 us against 11-12 us through
-/// `memcpy`, and 7 us for one copy of the same 256 KB, on the development machine; with
-/// AVX2's half-line vectors the loop took 15-17 us, so only the AVX-512 build has it).
-/// That was an Intel Xeon; on a CPU that splits 512-bit loads and stores in two, as AMD's
-/// Zen 4 does, the gain is unmeasured. A timing of the walks alone, once per process, was
-/// tried as the chooser and dropped: 256 runs walked in the same time in both builds
-/// there (the walk's own steps cost as much as the copies), while the engine's fused
-/// steps gained.
+/// vector load and store each, inside the walk, with no call of `memcpy` per run. In a
+/// plain loop over 1000 pieces of 256 bytes that took 8 us against 11-12 us through
+/// `memcpy` (7 us for one copy of the same 256 KB; 15-17 us with AVX2's half-line
+/// vectors, so only the AVX-512 build has it), on an Intel Xeon. Inside this walk, whose
+/// own steps per run cost about as much, the same 1000 runs took 10.3 us against 10.7 us
+/// alone, and the engine's fused steps of 1000 x 256 B gained about 4 us at 2 ranks
+/// (README's Collectives section). On a CPU that splits 512-bit loads and stores in two,
+/// as AMD's Zen 4 does, it is unmeasured.
 #[inline(always)]
 fn copy_across<const LINES: bool, T: bytemuck::Pod>(dst: &mut [T], src: &[T]) {
     let (dst, src): (&mut [u8], &[u8]) = (bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src));
