@@ -682,26 +682,22 @@ const LINE_LOOP_BYTES: usize = 2048;
 ///
 /// With `LINES` (the AVX-512 build of the walks over a message in pieces, see
 /// [`read_across`]) a run of up to [`LINE_LOOP_BYTES`] also goes a line at a time, one
-/// vector load and store each, inside the walk, with no call of `memcpy` per run. In a
-/// plain loop over 1000 pieces of 256 bytes that took 8 us against 11-12 us through
-/// `memcpy` (7 us for one copy of the same 256 KB; 15-17 us with AVX2's half-line
-/// vectors, so only the AVX-512 build has it), on an Intel Xeon. Inside this walk, whose
-/// own steps per run cost about as much, the same 1000 runs took 10.3 us against 10.7 us
-/// alone, and the engine's fused steps of 1000 x 256 B gained about 4 us at 2 ranks
-/// (README's Collectives section). On a CPU that splits 512-bit loads and stores in two,
-/// as AMD's Zen 4 does, it is unmeasured.
+/// vector load and store each, inside the walk, with no call of `memcpy` per run. On an
+/// Intel Xeon, one process, the best of 300 walks each: 1000 runs of 256 bytes took
+/// 7.5-7.9 us this way against 10.7-10.8 us with `memcpy` per run, 250 runs of 1 KiB
+/// 6.4-6.7 us against 7.3-8.0 us, 1000 runs of 64 bytes about the same. With AVX2's
+/// half-line vectors the loop was slower than `memcpy` (15-17 us against 11-12 us in a
+/// plain loop over the 1000 runs of 256 bytes), so only the AVX-512 build has it. On a
+/// CPU that splits 512-bit loads and stores in two, as AMD's Zen 4 does, it is
+/// unmeasured.
 #[inline(always)]
 fn copy_across<const LINES: bool, T: bytemuck::Pod>(dst: &mut [T], src: &[T]) {
     let (dst, src): (&mut [u8], &[u8]) = (bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src));
     let ahead = (dst.as_ptr() as usize).wrapping_sub(src.as_ptr() as usize) % PAGE;
     let backwards = ahead != 0 && ahead < ALIAS_WINDOW;
-    let by_lines = backwards || (LINES && dst.len() <= LINE_LOOP_BYTES);
-    if !by_lines {
-        dst.copy_from_slice(src);
-        return;
-    }
     let len = dst.len();
-    if len < LINE {
+    let by_lines = backwards || (LINES && len <= LINE_LOOP_BYTES);
+    if !by_lines || len < LINE {
         dst.copy_from_slice(src);
         return;
     }
@@ -709,11 +705,14 @@ fn copy_across<const LINES: bool, T: bytemuck::Pod>(dst: &mut [T], src: &[T]) {
         let line: [u8; LINE] = src[at..at + LINE].try_into().expect("a whole line");
         dst[at..at + LINE].copy_from_slice(&line);
     };
-    // The lines between the first and the last are whole lines of `dst` (a store across
-    // two lines costs two); the first and the last line of the run, wherever they lie,
-    // overlap them.
+    // The lines from `first_whole` are whole lines of `dst` (a store across two lines
+    // costs two); the first and the last line of the run, wherever they lie, overlap
+    // them.
     let first_whole = (LINE - dst.as_ptr() as usize % LINE) % LINE;
     let whole = (first_whole..len - LINE + 1).step_by(LINE);
+    // Both ends always: a branch on whether they are needed, which changes from piece to
+    // piece, cost more than the line it saves (1000 runs of 256 bytes: 7.5-8.5 us walked
+    // with both ends, 10.2-10.6 us with the branches).
     if backwards {
         line(dst, len - LINE);
         for at in whole.rev() {

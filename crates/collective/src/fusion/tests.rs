@@ -682,19 +682,30 @@ fn a_rank_that_departs_from_the_repeated_step_still_gets_its_sums() {
     }
 }
 
+/// The names of the three-tensor step that the repeated-step tests take.
+const STEP: [&str; 3] = ["a", "b", "c"];
+
+/// Submits tensor `k` of [`STEP`] on `engine`: four elements of `rank + k`, which sum to
+/// [`step_sum`]`(k)` over 2 ranks.
+fn submit_step(engine: &FusionEngine, k: usize) -> Result<Handle> {
+    engine.submit(STEP[k], vec![(engine.rank() + k) as f32; 4])
+}
+
+/// Tensor `k` of [`STEP`] reduced over 2 ranks.
+fn step_sum(k: usize) -> Vec<f32> {
+    vec![(1 + 2 * k) as f32; 4]
+}
+
 /// The handles of a repeated step waited one by one, a part at a time, or some dropped
 /// unwaited: the held tensors go the general path, and every result still arrives.
 #[test]
 fn a_repeated_step_waited_in_parts_or_dropped_in_part_still_reduces() {
     on_patient_engines(2, |engine| -> Result<()> {
-        let r = engine.rank();
-        let names = ["a", "b", "c"];
-        let submit = |k: usize| engine.submit(names[k], vec![(r + k) as f32; 4]);
-        let want = |k: usize| vec![(1 + 2 * k) as f32; 4];
+        let submit = |k: usize| submit_step(engine, k);
         let whole = || -> Result<()> {
             let hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
             for (k, t) in engine.synchronize(hs)?.into_iter().enumerate() {
-                assert_eq!(t.into_vec::<f32>()?, want(k));
+                assert_eq!(t.into_vec::<f32>()?, step_sum(k));
             }
             Ok(())
         };
@@ -704,7 +715,7 @@ fn a_repeated_step_waited_in_parts_or_dropped_in_part_still_reduces() {
         // One by one.
         let hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
         for (k, h) in hs.into_iter().enumerate() {
-            assert_eq!(h.wait()?.into_vec::<f32>()?, want(k));
+            assert_eq!(h.wait()?.into_vec::<f32>()?, step_sum(k));
         }
         // A part, then the rest.
         whole()?;
@@ -712,16 +723,16 @@ fn a_repeated_step_waited_in_parts_or_dropped_in_part_still_reduces() {
         let last = hs.split_off(1);
         assert_eq!(
             engine.synchronize(hs)?[0].clone().into_vec::<f32>()?,
-            want(0)
+            step_sum(0)
         );
         let rest = engine.synchronize(last)?;
-        assert_eq!(rest[1].clone().into_vec::<f32>()?, want(2));
+        assert_eq!(rest[1].clone().into_vec::<f32>()?, step_sum(2));
         // One dropped unwaited.
         whole()?;
         let mut hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
         drop(hs.remove(1));
         let out = engine.synchronize(hs)?;
-        assert_eq!(out[1].clone().into_vec::<f32>()?, want(2));
+        assert_eq!(out[1].clone().into_vec::<f32>()?, step_sum(2));
         whole()
     });
 }
@@ -735,9 +746,7 @@ fn a_repeated_step_waited_in_parts_or_dropped_in_part_still_reduces() {
 fn held_handles_outlive_their_engine_and_then_let_it_go() {
     let outs = Communicator::run_local(2, |comm| -> Result<()> {
         let engine = FusionEngine::start(comm, patient())?;
-        let r = engine.rank();
-        let names = ["a", "b", "c"];
-        let submit = |k: usize| engine.submit(names[k], vec![(r + k) as f32; 4]);
+        let submit = |k: usize| submit_step(&engine, k);
         for _ in 0..3 {
             let hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
             engine.synchronize(hs)?;
@@ -748,14 +757,14 @@ fn held_handles_outlive_their_engine_and_then_let_it_go() {
             "the fourth step is held"
         );
         let got: Vec<&str> = hs.iter().map(Handle::name).collect();
-        assert_eq!(got, names);
+        assert_eq!(got, STEP);
         assert!(format!("{:?}", hs[1]).contains("\"b\""), "{:?}", hs[1]);
         let core = Arc::downgrade(&engine.core);
         engine.shutdown()?;
         assert!(core.upgrade().is_some(), "the handles keep the engine");
         drop(hs.pop());
         for (k, h) in hs.into_iter().enumerate() {
-            assert_eq!(h.wait()?.into_vec::<f32>()?, vec![(1 + 2 * k) as f32; 4]);
+            assert_eq!(h.wait()?.into_vec::<f32>()?, step_sum(k));
         }
         assert!(core.upgrade().is_none(), "nothing else keeps it");
         Ok(())
@@ -774,8 +783,7 @@ fn held_handles_outlive_their_engine_and_then_let_it_go() {
 fn a_group_submitted_in_the_middle_of_a_held_step_still_reduces() {
     on_patient_engines(2, |engine| -> Result<()> {
         let r = engine.rank();
-        let names = ["a", "b", "c"];
-        let submit = |k: usize| engine.submit(names[k], vec![(r + k) as f32; 4]);
+        let submit = |k: usize| submit_step(engine, k);
         let group = TensorNames::new(["g0", "g1"]);
         for step in 0..6 {
             let mut hs = vec![submit(0)?];
@@ -793,7 +801,7 @@ fn a_group_submitted_in_the_middle_of_a_held_step_still_reduces() {
                 assert!(matches!(hs[0].owner, Owner::Held { .. }), "step {step}");
             }
             for (k, t) in engine.synchronize(hs)?.into_iter().enumerate() {
-                assert_eq!(t.into_vec::<f32>()?, vec![(1 + 2 * k) as f32; 4]);
+                assert_eq!(t.into_vec::<f32>()?, step_sum(k));
             }
             if let Some(gh) = gh {
                 let got = gh.wait()?;
