@@ -435,12 +435,16 @@ enum Owner {
     /// A tensor submitted to the queue under its name.
     Queued { name: Arc<str>, core: Arc<Core> },
     /// A tensor held by a step that repeats the learned one: tensor `index` of the learned
-    /// names, which also lead to the engine. One reference count per handle (the learned
-    /// names'), where a queued handle takes two.
+    /// names, which also lead to the engine. The reference comes from the step's spares
+    /// and goes back to them when `synchronize` takes the result ([`Owner::Returned`]), so
+    /// that a held step takes no reference count per handle once it has repeated.
     Held {
         learned: Arc<repeated::Learned>,
         index: usize,
     },
+    /// A held handle whose result `synchronize` took, its reference given back to the
+    /// engine: nothing is left to do with it but to drop it.
+    Returned,
 }
 
 impl Handle {
@@ -449,6 +453,7 @@ impl Handle {
         match &self.owner {
             Owner::Queued { name, .. } => name,
             Owner::Held { learned, index } => learned.name(*index),
+            Owner::Returned => "",
         }
     }
 
@@ -483,6 +488,7 @@ impl Handle {
         match &self.owner {
             Owner::Queued { core, .. } => Some(f(core)),
             Owner::Held { learned, .. } => learned.core().map(f),
+            Owner::Returned => None,
         }
     }
 }
@@ -686,7 +692,7 @@ impl FusionEngine {
         };
         let core = Arc::new_cyclic(|weak| Core {
             state: Mutex::new(CoreState::Running(Box::new(Running { engine, comm, rx }))),
-            repeated: Mutex::new(Repeated::new(cycle_time, Weak::clone(weak))),
+            repeated: RepeatedLock::new(Repeated::new(cycle_time, Weak::clone(weak))),
             board,
         });
         let worker_core = Arc::clone(&core);
@@ -900,16 +906,28 @@ impl FusionEngine {
     /// [`FusionEngine::all_reduce_group`] would (see `repeated.rs`).
     pub fn synchronize(&self, mut handles: Vec<Handle>) -> Result<Vec<Tensor>> {
         let tickets: Vec<u64> = handles.iter().map(|h| h.ticket).collect();
-        let end = self.core.repeated().end_step(&tickets);
+        let end = {
+            let mut repeated = self.core.repeated();
+            let end = repeated.end_step(&tickets);
+            if let StepEnd::Repeat { .. } = end {
+                // Their results come back here: their references go back to the spares.
+                for h in &mut handles {
+                    h.waited = true;
+                    if let Owner::Held { learned, .. } =
+                        std::mem::replace(&mut h.owner, Owner::Returned)
+                    {
+                        repeated.give_back(learned);
+                    }
+                }
+            }
+            end
+        };
         match end {
             StepEnd::Repeat {
                 names,
                 tensors,
                 first,
             } => {
-                for h in &mut handles {
-                    h.waited = true;
-                }
                 let reduced = self.reduce_group(&names, tensors)?;
                 // Handles in the order they were submitted (the usual case) take the
                 // results as they come.
@@ -1194,11 +1212,16 @@ struct Engine {
 struct Core {
     state: Mutex<CoreState>,
     /// The single submissions of a step that repeats the last one, held until its end.
-    /// Locked on its own or after `state`, never the other way round.
-    repeated: Mutex<Repeated>,
+    /// Locked on its own or after `state`, never the other way round. Every submission
+    /// takes it, for a few nanoseconds: a spin lock, whose release is a plain store where
+    /// a `Mutex`'s is an atomic swap, yielding the thread while another holds it.
+    repeated: RepeatedLock,
     /// Where results wait for their handles (the engine posts to it too).
     board: Arc<Board>,
 }
+
+/// [`Core::repeated`]'s lock.
+type RepeatedLock = spin::mutex::SpinMutex<Repeated, spin::relax::Yield>;
 
 enum CoreState {
     Running(Box<Running>),
@@ -1223,8 +1246,8 @@ impl Core {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn repeated(&self) -> std::sync::MutexGuard<'_, Repeated> {
-        self.repeated.lock().unwrap_or_else(|p| p.into_inner())
+    fn repeated(&self) -> spin::mutex::SpinMutexGuard<'_, Repeated> {
+        self.repeated.lock()
     }
 
     /// Takes every submission: the queue's, then the tensors a repeated step holds.

@@ -7,7 +7,8 @@
 //! ([`Repeated::learned`]). When the next step submits the same names in the same order,
 //! its tensors are held here instead of queued (no channel message, no name allocated or
 //! looked up, no board entry; the step reserves its tickets at once, and each handle
-//! shares the learned names, which lead to the engine: one reference count per handle),
+//! shares the learned names, which lead to the engine, through a reference that the last
+//! step's handles gave back: no atomic operation per handle but its submission's lock),
 //! and its `synchronize` hands them to the cached-group step of
 //! [`FusionEngine::all_reduce_group`] under the learned names, returning the results as
 //! they come when the handles are in submission order: after two such steps (one
@@ -32,6 +33,10 @@ const MAX_STEP_TENSORS: usize = 1 << 16;
 pub(super) struct Repeated {
     /// The names of the last step that taught one, in submission order.
     learned: Option<Arc<Learned>>,
+    /// References to `learned` that the handles of a step synchronized whole gave back,
+    /// for the next step's handles: an atomic reference count per handle costs as much as
+    /// the rest of its submission.
+    spare: Vec<Arc<Learned>>,
     /// The engine this belongs to, for the learned names to lead to.
     core: Weak<Core>,
     step: Step,
@@ -79,9 +84,9 @@ pub(super) enum StepEnd {
 pub(super) type Held = (Arc<str>, Tensor, u64);
 
 /// Names a step taught, in submission order, and the engine they belong to. The handles
-/// of a step that repeats them each hold these (one reference count per handle) for their
-/// name and their engine. The engine holds them too until it stops
-/// ([`Repeated::forget_learned`]), which ends that cycle of references.
+/// of a step that repeats them each hold these for their name and their engine (a
+/// reference from [`Repeated::spare`] where there is one). The engine holds them too until
+/// it stops ([`Repeated::forget_learned`]), which ends that cycle of references.
 #[derive(Debug)]
 pub(super) struct Learned {
     pub(super) names: TensorNames,
@@ -105,6 +110,7 @@ impl Repeated {
     pub(super) fn new(cycle_time: Duration, core: Weak<Core>) -> Repeated {
         Repeated {
             learned: None,
+            spare: Vec::new(),
             core,
             step: Step::Fresh,
             since: Instant::now(),
@@ -145,7 +151,7 @@ impl Repeated {
         };
         match learned.names.get(at) {
             Some(next) if next == name && first + at as u64 == ticket => {
-                let learned = Arc::clone(learned);
+                let learned = self.spare.pop().unwrap_or_else(|| Arc::clone(learned));
                 match &mut self.step {
                     Step::Following { tensors, .. } => tensors.push(tensor),
                     step => {
@@ -159,6 +165,22 @@ impl Repeated {
             }
             _ => Err(tensor),
         }
+    }
+
+    /// Keeps a handle's reference to the learned names for the next step's handles, while
+    /// they are the names learned (and no more than a step has handles).
+    pub(super) fn give_back(&mut self, learned: Arc<Learned>) {
+        if let Some(current) = &self.learned {
+            if Arc::ptr_eq(current, &learned) && self.spare.len() < current.names.len() {
+                self.spare.push(learned);
+            }
+        }
+    }
+
+    /// How many references wait in the spares.
+    #[cfg(test)]
+    pub(super) fn spares(&self) -> usize {
+        self.spare.len()
     }
 
     /// Notes a submission that goes through the queue (after [`Repeated::release`], so
@@ -225,6 +247,7 @@ impl Repeated {
             "learned names forgotten while tensors are held"
         );
         self.learned = None;
+        self.spare.clear();
     }
 
     /// True while tensors are held.
@@ -265,6 +288,7 @@ impl Repeated {
                             && l.names.names.iter().zip(&names).all(|(a, b)| a == b)
                     });
                     if !same {
+                        self.spare.clear();
                         self.learned = Some(Arc::new(Learned {
                             names: TensorNames {
                                 names: names.into(),
@@ -374,6 +398,48 @@ mod tests {
         assert!(
             rep.reserved.is_empty(),
             "the step's end returns nothing, keeps nothing"
+        );
+    }
+
+    /// The references a whole step's handles give back serve the next step's handles (no
+    /// new reference per handle), as many as the names at most; one to names no longer
+    /// learned is not kept, and names learned anew or forgotten drop the spares.
+    #[test]
+    fn references_given_back_serve_the_next_steps_handles() {
+        let mut rep = Repeated::new(Duration::from_secs(30), Weak::new());
+        teach(&mut rep, &["a", "b"], 0);
+        let follow =
+            |rep: &mut Repeated, n: &str, k: u64| rep.follow(n, t(), k).expect("follows").0;
+        let a = follow(&mut rep, "a", 2);
+        let b = follow(&mut rep, "b", 3);
+        assert_eq!(Arc::strong_count(&a), 3, "the engine's and two new ones");
+        assert!(matches!(rep.end_step(&[2, 3]), StepEnd::Repeat { .. }));
+        let extra = Arc::clone(&a);
+        for l in [a, b, extra] {
+            rep.give_back(l);
+        }
+        assert_eq!(rep.spare.len(), 2, "no more than a step has handles");
+        let a = follow(&mut rep, "a", 4);
+        let b = follow(&mut rep, "b", 5);
+        assert!(rep.spare.is_empty(), "both taken from the spares");
+        assert_eq!(Arc::strong_count(&a), 3, "and none made");
+        assert!(matches!(rep.end_step(&[4, 5]), StepEnd::Repeat { .. }));
+        rep.give_back(a);
+        // New names: the spares of the old ones go, and the old ones are not taken back.
+        teach(&mut rep, &["x", "y"], 6);
+        assert!(rep.spare.is_empty());
+        rep.give_back(Arc::clone(&b));
+        assert!(rep.spare.is_empty(), "not the names learned");
+        assert_eq!(Arc::strong_count(&b), 1, "nothing else holds the old names");
+        let x = follow(&mut rep, "x", 8);
+        follow(&mut rep, "y", 9);
+        assert!(matches!(rep.end_step(&[8, 9]), StepEnd::Repeat { .. }));
+        rep.give_back(Arc::clone(&x));
+        rep.forget_learned();
+        assert_eq!(
+            Arc::strong_count(&x),
+            1,
+            "forgetting the names drops the spares"
         );
     }
 

@@ -751,7 +751,13 @@ fn held_handles_outlive_their_engine_and_then_let_it_go() {
             let hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
             engine.synchronize(hs)?;
         }
+        assert_eq!(
+            engine.core.repeated().spares(),
+            3,
+            "a held step's handles give their references back to the next"
+        );
         let mut hs = (0..3).map(submit).collect::<Result<Vec<_>>>()?;
+        assert_eq!(engine.core.repeated().spares(), 0, "and it takes them");
         assert!(
             hs.iter().all(|h| matches!(h.owner, Owner::Held { .. })),
             "the fourth step is held"
